@@ -1,0 +1,75 @@
+"""The one error hierarchy. The API maps these to ``{"error": ..., "detail": ...}``.
+
+Each class carries an HTTP status for the API and a short machine name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SparkdError(Exception):
+    """Base of every error sparkd raises on purpose."""
+
+    status_code = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, detail: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": self.code, "detail": self.detail if self.detail is not None else self.message}
+
+
+class ConfigError(SparkdError):
+    """A configuration value is invalid; the message names key, value and what is allowed."""
+
+    status_code = 422
+    code = "invalid_config"
+
+
+class InvalidInput(SparkdError):
+    """Bad input from a user (CLI or API): names the field and the allowed values."""
+
+    status_code = 422
+    code = "invalid_input"
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        msg = f"{field}: {value!r} is not allowed; allowed: {allowed}"
+        super().__init__(msg, detail={"field": field, "value": value, "allowed": allowed, "message": msg})
+        self.field = field
+
+
+class Conflict(SparkdError):
+    """An action is already running for this container ("already stopping")."""
+
+    status_code = 409
+    code = "conflict"
+
+
+class NotFound(SparkdError):
+    status_code = 404
+    code = "not_found"
+
+
+class Refused(SparkdError):
+    """A plan, preflight or resize was refused; nothing was changed."""
+
+    status_code = 422
+    code = "refused"
+
+
+class DockerUnavailable(SparkdError):
+    """The Docker engine cannot be reached; sparkd is monitor-only until it is back."""
+
+    status_code = 503
+    code = "docker_unavailable"
+
+
+class StoreError(SparkdError):
+    """The database cannot be opened or written."""
+
+    status_code = 500
+    code = "store_error"
