@@ -1,0 +1,400 @@
+"""Typed settings: one ``Settings`` object, validated once in ``main()`` and passed down.
+
+Sources, highest precedence first: ``SPARKD_*`` environment variables (nested
+with ``__``, e.g. ``SPARKD_API__PORT=9000``), the TOML file given with
+``--config`` (default ``/etc/sparkd/sparkd.toml`` when it exists), then the
+embedded defaults below. Nothing is built at import time.
+
+Stop-rule defaults: CONTEXT.md "The watchdog" (seed rules) and the operators'
+change log ("What the operators learned later") — see ``DEFAULT_RULES``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import ConfigError
+from .sample import FIELD_ALIASES
+from .units import parse_duration_s, parse_size
+
+DEFAULT_CONFIG_PATH = Path("/etc/sparkd/sparkd.toml")
+
+_COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_()\-]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
+
+
+def parse_condition(text: str) -> tuple[str, str, str]:
+    """Split ``"MemAvailable < 6GiB"`` into ``(field, op, value)``.
+
+    Raises:
+        ValueError: not ``<field> <op> <value>``, unknown field, or a bad value.
+            Allowed fields: ``FIELD_ALIASES``; ops ``< <= > >=``; values a size
+            (``6GiB``), a percentage of MemTotal (``5%``) or a plain number.
+    """
+    m = _COND_RE.match(text)
+    if not m:
+        raise ValueError(f"condition {text!r} is not '<field> <op> <value>' (e.g. 'MemAvailable < 6GiB')")
+    fld, op, value = m.groups()
+    if fld not in FIELD_ALIASES:
+        raise ValueError(f"unknown field {fld!r} in {text!r}; allowed: {', '.join(sorted(FIELD_ALIASES))}")
+    if value.endswith("%"):
+        pct = float(value[:-1])
+        if not 0 <= pct <= 100:
+            raise ValueError(f"percentage {value!r} in {text!r} must be within 0%..100%")
+    else:
+        parse_size(value)
+    return fld, op, value
+
+
+class RuleConfig(BaseModel):
+    """One stop rule. ``when``: all must hold; ``evidence``: any must hold (empty = none needed).
+
+    ``kind = "predictive"`` adds the MemAvailable slope projection (``floor``,
+    ``within_s``, ``window_s``) on top of ``when``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$")
+    when: list[str] = Field(min_length=1)
+    evidence: list[str] = Field(default_factory=list)
+    samples: int = Field(default=5, ge=1, le=3600)
+    for_s: float | None = Field(default=None, gt=0, le=3600)
+    action: Literal["stop", "warn"] = "stop"
+    kind: Literal["threshold", "predictive"] = "threshold"
+    floor: str | None = None
+    within_s: float = Field(default=3.0, gt=0, le=600)
+    window_s: float = Field(default=3.0, gt=0, le=600)
+
+    @field_validator("when", "evidence")
+    @classmethod
+    def _conds(cls, v: list[str]) -> list[str]:
+        for c in v:
+            parse_condition(c)
+        return v
+
+    @field_validator("floor")
+    @classmethod
+    def _floor(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+    @field_validator("for_s", mode="before")
+    @classmethod
+    def _for(cls, v: Any) -> Any:
+        return None if v is None else parse_duration_s(v)
+
+    @model_validator(mode="after")
+    def _predictive(self) -> RuleConfig:
+        if self.kind == "predictive" and self.floor is None:
+            raise ValueError("a predictive rule needs 'floor' (e.g. floor = \"4GiB\")")
+        return self
+
+
+# Seed rules, CONTEXT.md "The watchdog": each with its own 5-sample counter.
+SEED_RULES: list[dict[str, Any]] = [
+    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {
+        "name": "low_available_and_free",
+        "when": ["MemAvailable < 10GiB", "MemFree < 2GiB"],
+        "samples": 5,
+    },
+]
+
+# Defaults: the seed's rule 1; rule 2 gated on evidence (a MemFree sample counts only with
+# MemAvailable < 10 GiB and NV_ERR_NO_MEMORY in the window or MemAvailable < 3 GiB) because
+# ungated it stopped healthy servers during weight loading (MemFree 0.9 GiB at 32 GiB available)
+# and a vision request (MemFree 1.2–1.5 GiB for 5 s at ~7 GiB available, no driver errors);
+# the predictive rule closes the start-up gap (MemAvailable 29 → 6 GiB in ~6 s).
+DEFAULT_RULES: list[dict[str, Any]] = [
+    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {
+        "name": "low_free_with_evidence",
+        "when": ["MemFree < 2GiB", "MemAvailable < 10GiB"],
+        "evidence": ["nvrm_recent > 0", "MemAvailable < 3GiB"],
+        "samples": 5,
+    },
+    {
+        "name": "collapse_projected",
+        "kind": "predictive",
+        "when": ["MemAvailable < 16GiB"],
+        "floor": "4GiB",
+        "within_s": 3.0,
+        "window_s": 2.0,
+        "samples": 2,
+    },
+]
+
+
+class ApiSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(default=8741, ge=0, le=65535)
+    allow_remote: bool = False
+    allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
+
+    @model_validator(mode="after")
+    def _loopback(self) -> ApiSettings:
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.allow_remote:
+            raise ValueError(f"api.host = {self.host!r} is not loopback; set api.allow_remote = true to bind it")
+        return self
+
+
+class ContainerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    image: str | None = None
+    name: str = "sparkd-vllm"
+    guard: str | None = None  # a user-launched container to guard (not launched by sparkd)
+    model_dir: str | None = None
+    model_mount: str = "/models/model"
+    served_model: str | None = None
+    port: int = Field(default=8000, ge=1, le=65535)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    docker_url: str | None = None
+    gpu: Literal["auto", "on", "off"] = "auto"
+    memory: str | None = None  # used when no budget is configured
+    stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
+    shutdown_timeout_s: float = Field(default=25.0, ge=0, le=600)
+    hard_floor: str = "3GiB"
+    startup_timeout_s: float = Field(default=1800.0, ge=5, le=7200)
+    health_interval_s: float = Field(default=2.0, ge=0.2, le=60)
+    auto_restart: bool = False
+    restart_cap: int = Field(default=2, ge=0, le=100)
+    restart_window_s: float = Field(default=7200.0, ge=60)
+    restart_cooldown_s: float = Field(default=30.0, ge=0)
+    stop_on_exit: bool = False  # stop the model when sparkd itself stops (default: keep serving)
+    archive_window_s: float = Field(default=600.0, ge=10, le=86400)
+    drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
+
+    @field_validator("memory", "hard_floor")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+
+class BudgetSettings(BaseModel):
+    """Inputs of the memory budget (CONTEXT.md "The memory budget"); GiB at this edge."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    weights_gib: float | None = Field(default=None, ge=0)
+    ple_gib: float = Field(default=0.0, ge=0)
+    overhead_gib: float = Field(default=5.60, ge=0)
+    mtp: bool = False
+    mtp_gib: float = Field(default=1.49, ge=0)
+    mtp_off_credit_gib: float = Field(default=0.0, ge=0)
+    kv_target_gib: float = Field(default=20.0, ge=0)
+    host_reserve_gib: float = Field(default=28.0, ge=0)
+    max_model_len: int = Field(default=262144, ge=1)
+    kv_bytes_per_token: int = Field(default=29482, ge=1)
+    kv_cache_dtype: str = "fp8"
+    max_num_seqs: int = Field(default=4, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    gmu_override: float | None = Field(default=None, gt=0, le=1)
+    docker_headroom_gib: float = Field(default=5.0, ge=0)
+    preflight_margin_gib: float = Field(default=2.0, ge=0)
+
+
+class NotifySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kinds: list[str] = Field(
+        default_factory=lambda: [
+            "trip",
+            "stopped",
+            "killed",
+            "nvrm_burst",
+            "oom_kill",
+            "leak_trend",
+            "watermark",
+        ]
+    )
+    command: list[str] = Field(default_factory=list)
+    webhook_url: str | None = None
+    timeout_s: float = Field(default=5.0, gt=0, le=120)
+    retries: int = Field(default=2, ge=0, le=10)
+    min_interval_s: float = Field(default=30.0, ge=0)
+
+
+class RetentionSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    raw_samples_s: float = Field(default=48 * 3600, ge=600)
+    minute_aggregates_s: float = Field(default=30 * 86400, ge=3600)
+    events_s: float = Field(default=365 * 86400, ge=86400)
+    archives_max_count: int = Field(default=50, ge=1)
+    archives_max_bytes: str = "5GiB"
+    interval_s: float = Field(default=300.0, ge=1)
+
+    @field_validator("raw_samples_s", "minute_aggregates_s", "events_s", "interval_s", mode="before")
+    @classmethod
+    def _dur(cls, v: Any) -> Any:
+        return parse_duration_s(v)
+
+
+def _default_state_dir() -> str:
+    if os.geteuid() == 0:
+        return "/var/lib/sparkd"
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(base) / "sparkd")
+
+
+class Settings(BaseSettings):
+    """The effective configuration. Sizes are strings like ``"6GiB"`` at this edge."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SPARKD_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    state_dir: str = Field(default_factory=_default_state_dir)
+    db_path: str | None = None  # default <state_dir>/sparkd.db
+    log_dir: str | None = None  # default /var/log/sparkd as root, else <state_dir>/logs
+    archive_dir: str | None = None  # default <state_dir>/archives
+    proc_root: str = "/proc"
+    shm_dir: str = "/dev/shm"
+
+    interval_s: float = Field(default=1.0, ge=0.1, le=60)
+    fast_interval_s: float = Field(default=0.25, ge=0.1, le=60)
+    fast_margin: str = "4GiB"  # fast sampling when MemAvailable is within this of a floor
+    fast_fall_rate: str = "512MiB"  # ... or falling faster than this per second
+    fast_hold_s: float = Field(default=10.0, ge=0, le=3600)
+    rules: list[RuleConfig] = Field(default_factory=lambda: [RuleConfig(**r) for r in DEFAULT_RULES])
+    cooldown_s: float = Field(default=60.0, ge=0, le=86400)
+    dry_run: bool = False
+    recheck: bool = True
+
+    kernlog_source: Literal["auto", "kmsg", "journal", "dmesg", "off"] = "auto"
+    nvrm_window_s: float = Field(default=10.0, ge=1, le=600)
+    nvrm_action: Literal["diagnostic", "stop"] = "diagnostic"
+    nvrm_burst: int = Field(default=20, ge=1)
+
+    leak_threshold: str = "4GiB"
+    leak_warmup_start_s: float = Field(default=900.0, ge=0)
+    leak_warmup_end_s: float = Field(default=1500.0, ge=0)
+    leak_repeat_s: float = Field(default=86400.0, ge=60)
+
+    queue_max: int = Field(default=10000, ge=10)
+    gpu_interval_s: float = Field(default=5.0, ge=0.5)
+
+    api: ApiSettings = Field(default_factory=ApiSettings)
+    container: ContainerSettings = Field(default_factory=ContainerSettings)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    notify: NotifySettings = Field(default_factory=NotifySettings)
+    retention: RetentionSettings = Field(default_factory=RetentionSettings)
+
+    @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        names = [r.name for r in self.rules]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
+        if self.fast_interval_s > self.interval_s:
+            raise ValueError("fast_interval_s must be <= interval_s")
+        return self
+
+    # --- derived paths -------------------------------------------------
+    @property
+    def db_file(self) -> Path:
+        return Path(self.db_path) if self.db_path else Path(self.state_dir) / "sparkd.db"
+
+    @property
+    def logs_path(self) -> Path:
+        if self.log_dir:
+            return Path(self.log_dir)
+        return Path("/var/log/sparkd") if os.geteuid() == 0 else Path(self.state_dir) / "logs"
+
+    @property
+    def archives_path(self) -> Path:
+        return Path(self.archive_dir) if self.archive_dir else Path(self.state_dir) / "archives"
+
+    @property
+    def token_file(self) -> Path:
+        return Path(self.state_dir) / "token"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # env beats the file: init kwargs carry the TOML data (see load_settings).
+        return (env_settings, init_settings)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        value = e.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {key} = {shown}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] | None = None) -> Settings:
+    """Build and validate the settings.
+
+    Args:
+        path: TOML file; ``None`` uses ``/etc/sparkd/sparkd.toml`` when it exists,
+            else the embedded defaults. An explicitly given path must exist.
+        overrides: values applied over the file (tests, CLI flags); env still wins.
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, or a value out of range — the message
+            names the key, the value and what is allowed.
+    """
+    data: dict[str, Any] = {}
+    source = "embedded defaults"
+    if path is None and DEFAULT_CONFIG_PATH.exists():
+        path = DEFAULT_CONFIG_PATH
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {p} cannot be read: {e}") from None
+    if overrides:
+        data = {**data, **overrides}
+    try:
+        return Settings(**data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def effective_config(settings: Settings) -> dict[str, Any]:
+    """The effective configuration as JSON-ready data, derived paths filled in."""
+    d = settings.model_dump(mode="json")
+    d["db_path"] = str(settings.db_file)
+    d["log_dir"] = str(settings.logs_path)
+    d["archive_dir"] = str(settings.archives_path)
+    return d

@@ -1,0 +1,151 @@
+"""SQLAlchemy 2 models. Times are UTC epoch seconds (float); sizes are bytes (int).
+
+The schema is owned by Alembic (``migrations/``); these models mirror it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Sample columns (name -> SQL type), shared by the model and the CSV export.
+SAMPLE_INT_COLUMNS = (
+    "mem_total",
+    "mem_free",
+    "mem_available",
+    "buffers",
+    "cached",
+    "swap_total",
+    "swap_free",
+    "shmem",
+    "anon_pages",
+    "slab",
+    "sreclaimable",
+    "sunreclaim",
+    "page_tables",
+    "kernel_stack",
+    "cma_total",
+    "cma_free",
+    "psi_some_total_us",
+    "psi_full_total_us",
+    "shm_bytes",
+    "shm_entries",
+    "driver_bytes",
+    "nvrm_recent",
+    "low_watermark_bytes",
+    "mem_available_minus_cma",
+)
+SAMPLE_FLOAT_COLUMNS = ("psi_some_avg10", "psi_some_avg60", "psi_full_avg10", "psi_full_avg60")
+SAMPLE_COLUMNS = ("ts", *SAMPLE_INT_COLUMNS, *SAMPLE_FLOAT_COLUMNS)
+
+# Fields kept as per-minute min/avg/max after raw samples expire (retention).
+AGGREGATE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SampleRow(Base):
+    __tablename__ = "samples"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    # the class namespace is a dict: declare the many sample columns from the one list
+    for _c in SAMPLE_INT_COLUMNS:
+        locals()[_c] = mapped_column(_c, BigInteger, nullable=True)
+    for _c in SAMPLE_FLOAT_COLUMNS:
+        locals()[_c] = mapped_column(_c, Float, nullable=True)
+    del _c
+
+
+class SampleMinute(Base):
+    __tablename__ = "sample_minutes"
+    minute_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    n: Mapped[int] = mapped_column(Integer)
+    for _f in AGGREGATE_FIELDS:
+        for _agg in ("min", "avg", "max"):
+            locals()[f"{_f}_{_agg}"] = mapped_column(f"{_f}_{_agg}", Float, nullable=True)
+    del _f, _agg
+
+
+class Event(Base):
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String(64), index=True)
+    severity: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    launch_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+
+
+class DaemonRun(Base):
+    __tablename__ = "daemon_runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    pid: Mapped[int] = mapped_column(Integer)
+    version: Mapped[str] = mapped_column(String(32))
+    hostname: Mapped[str] = mapped_column(String(255))
+    exit_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    config: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class KernelCount(Base):
+    """Per-minute counts of classified kernel-log records, so bursts are visible."""
+
+    __tablename__ = "kernel_counts"
+    minute_ts: Mapped[float] = mapped_column(Float, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer)
+
+
+class NvrmWindow(Base):
+    """Driver-error lines per non-overlapping window (each line counted once)."""
+
+    __tablename__ = "nvrm_windows"
+    window_start: Mapped[float] = mapped_column(Float, primary_key=True)
+    window_s: Mapped[float] = mapped_column(Float)
+    count: Mapped[int] = mapped_column(Integer)
+
+
+class StatusSnapshot(Base):
+    """The daemon's latest in-memory state (rule counters, container), one row."""
+
+    __tablename__ = "status"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class Launch(Base):
+    __tablename__ = "launches"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    revision: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    started_at: Mapped[float] = mapped_column(Float, index=True)
+    ready_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    container_id: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    image: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    status: Mapped[str] = mapped_column(String(32))
+    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    actual: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    trough_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    driver_baseline_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    forced: Mapped[bool] = mapped_column(default=False)
+
+
+class ConfigRevision(Base):
+    __tablename__ = "config_revisions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float)
+    who: Mapped[str] = mapped_column(String(128))
+    reason: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    diff: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+Index("ix_events_kind_ts", Event.kind, Event.ts)
