@@ -1,0 +1,470 @@
+"""``sparkd run``: one asyncio process — startup() → main_loop() → shutdown().
+
+The guard loop samples, evaluates and hands work off; it never waits on the
+database (bounded queue → ``store.Writer``) or on HTTP (the API only reads
+``DaemonState``). Signal handlers only set ``should_exit`` (as uvicorn does).
+
+systemd notify protocol (through ``sdnotify``): ``READY=1`` once the first
+sample is stored and the API socket is up; ``STATUS=`` one-line summary;
+``WATCHDOG=1`` from the guard loop itself every ``WATCHDOG_USEC / 2``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import sdnotify
+
+from . import __version__
+from .config import Settings, effective_config
+from .guard import Guard, TickResult
+from .kernlog import KernRecord, open_source
+from .rules import Decision, still_holds
+from .store import Store, Writer
+from .units import fmt_gib
+
+log = logging.getLogger("sparkd.daemon")
+
+STATUS_EVERY_S = 1.0
+
+
+class Actions(Protocol):
+    """What the daemon asks of the container side (filled in by ``supervisor``)."""
+
+    async def start(self, daemon: Daemon) -> None: ...
+
+    async def on_stop(self, decision: Decision) -> None: ...
+
+    def on_kernel_record(self, rec: KernRecord) -> None: ...
+
+    def fast_reason(self) -> str | None: ...
+
+    def status_json(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class MonitorOnly:
+    """No container to act on: a stop decision is recorded, nothing else happens."""
+
+    def __init__(self, why: str = "no container configured") -> None:
+        self.why = why
+        self.daemon: Daemon | None = None
+
+    async def start(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def on_stop(self, decision: Decision) -> None:
+        if self.daemon:
+            self.daemon.event(
+                "stop_not_executed",
+                f"monitor-only ({self.why}): would stop: {decision.reason}",
+                severity="warning",
+                details={"rule": decision.rule},
+            )
+
+    def on_kernel_record(self, rec: KernRecord) -> None:
+        return None
+
+    def fast_reason(self) -> str | None:
+        return None
+
+    def status_json(self) -> dict[str, Any]:
+        return {"mode": "monitor-only", "reason": self.why, "state": None}
+
+    async def close(self) -> None:
+        return None
+
+
+class Daemon:
+    """The running daemon. Construct with validated ``Settings``.
+
+    Raises (from ``startup``):
+        StoreError: the database path cannot be used (message names the path).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        actions: Actions | None = None,
+        guard: Guard | None = None,
+        notifier: Any = None,
+        serve_api: bool | None = None,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.mono = mono
+        self.should_exit = asyncio.Event()
+        self.guard = guard
+        self.actions: Actions = actions or MonitorOnly()
+        self.store: Store | None = None
+        self.writer: Writer | None = None
+        self.notifier = notifier or sdnotify.SystemdNotifier()
+        self.serve_api = settings.api.enabled if serve_api is None else serve_api
+        self.recent_events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        self.run_id: int | None = None
+        self.started_at = time.time()
+        self.samples_taken = 0
+        self.tick_durations: collections.deque[float] = collections.deque(maxlen=600)
+        self.mode = "normal"
+        self.mode_reason: str | None = None
+        self._fast_until = 0.0
+        self._last_status = 0.0
+        self._last_watchdog = 0.0
+        self._watchdog_s = self._watchdog_interval()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._read_error_logged = False
+        self.api_server: Any = None
+        self.kern_source_name = "off"
+        self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
+        self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
+        self.ready = False
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _watchdog_interval() -> float | None:
+        usec = os.environ.get("WATCHDOG_USEC")
+        pid = os.environ.get("WATCHDOG_PID")
+        if not usec or (pid and pid != str(os.getpid())):
+            return None
+        try:
+            return int(usec) / 1e6 / 2
+        except ValueError:
+            return None
+
+    def event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        details: dict[str, Any] | None = None,
+        launch_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Record an event: in memory now, in the database through the writer queue."""
+        ev = {
+            "ts": time.time(),
+            "kind": kind,
+            "severity": severity,
+            "message": message,
+            "details": details,
+            "launch_id": launch_id,
+        }
+        self.recent_events.appendleft(ev)
+        lvl = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING}.get(
+            severity, logging.INFO
+        )
+        log.log(lvl, "%s: %s", kind, message)
+        if self.writer:
+            self.writer.submit("event", dict(ev))
+        for hook in self.notify_hooks:
+            hook(ev)
+        return ev
+
+    def status_json(self) -> dict[str, Any]:
+        """The in-memory state as JSON (``sparkd status``, ``/api/status``). Sizes in bytes."""
+        g = self.guard
+        last = g.last if g else None
+        ticks = sorted(self.tick_durations)
+        return {
+            "ts": time.time(),
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_at": self.started_at,
+            "samples_taken": self.samples_taken,
+            "interval_s": self.current_interval(),
+            "mode": self.mode,
+            "mode_reason": self.mode_reason,
+            "dry_run": self.settings.dry_run,
+            "sample": last.to_row() if last else None,
+            "rules": g.rules_json() if g else [],
+            "kernel_log": {"source": self.kern_source_name, "nvrm_lines": g.nvrm_lines_total if g else 0},
+            "container": self.actions.status_json(),
+            "writer": {
+                "queued": self.writer.queue.qsize() if self.writer else 0,
+                "written": self.writer.written if self.writer else 0,
+                "dropped": self.writer.dropped if self.writer else 0,
+            },
+            "tick_s_p50": ticks[len(ticks) // 2] if ticks else None,
+            "events": list(self.recent_events)[:20],
+        }
+
+    def current_interval(self) -> float:
+        return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s
+
+    def summary_line(self) -> str:
+        last = self.guard.last if self.guard else None
+        if last is None:
+            return "starting"
+        counting = [
+            f"{r['name']} {r['counter']}/{r['samples']}"
+            for r in (self.guard.rules_json() if self.guard else [])
+            if r["counter"]
+        ]
+        c = self.actions.status_json()
+        return (
+            f"MemAvailable {fmt_gib(last.mem_available)}, MemFree {fmt_gib(last.mem_free)}; "
+            f"{'rules: ' + ', '.join(counting) if counting else 'rules quiet'}; "
+            f"container: {c.get('state') or c.get('mode')}; sampling {self.mode}"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    async def startup(self) -> None:
+        s = self.settings
+        self.store = Store.open(s.db_file)
+        self.writer = Writer(self.store, maxsize=s.queue_max)
+        self.run_id = await asyncio.to_thread(
+            self.store.start_run,
+            pid=os.getpid(),
+            version=__version__,
+            hostname=socket.gethostname(),
+            config=effective_config(s),
+        )
+        kern = None
+        if s.kernlog_source != "off":
+            kern = open_source(s.kernlog_source)
+            self.kern_source_name = getattr(kern, "name", "unknown")
+            reason = getattr(kern, "reason", None)
+            if reason:
+                log.warning("kernel log: %s", reason)
+        if self.guard is None:
+            self.guard = Guard(s, kern)
+        elif kern is not None and self.guard.kern_source is None:
+            self.guard.kern_source = kern
+        self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
+        # first sample, stored before READY=1
+        result = self._tick_once()
+        if result is not None:
+            await self._handle(result)
+        await asyncio.to_thread(self.writer.flush)
+        await self.actions.start(self)
+        if self.serve_api:
+            await self._start_api()
+        self.event(
+            "daemon_started",
+            f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
+            details={"dry_run": s.dry_run},
+        )
+        self.ready = True
+        self.notifier.notify("READY=1")
+        self.notifier.notify(f"STATUS={self.summary_line()}")
+
+    async def _start_api(self) -> None:
+        import uvicorn
+
+        from .api import create_app
+
+        app = create_app(self)
+        cfg = uvicorn.Config(
+            app,
+            host=self.settings.api.host,
+            port=self.settings.api.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+        )
+        server = uvicorn.Server(cfg)
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.api_server = server
+        self._tasks.append(asyncio.create_task(server.serve(), name="sparkd-api"))
+        for _ in range(200):
+            if server.started:
+                break
+            if server.should_exit:
+                raise OSError(f"API could not bind {self.settings.api.host}:{self.settings.api.port}")
+            await asyncio.sleep(0.025)
+        if self.settings.api.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "API bound to %s:%d — reachable beyond this machine (api.allow_remote = true)",
+                self.settings.api.host,
+                self.settings.api.port,
+            )
+
+    def _tick_once(self) -> TickResult | None:
+        assert self.guard is not None
+        t0 = time.perf_counter()
+        try:
+            result = self.guard.tick()
+        except OSError as e:
+            if not self._read_error_logged:
+                log.error("cannot read memory state: %s (retrying every interval)", e)
+                self._read_error_logged = True
+            return None
+        self._read_error_logged = False
+        self.tick_durations.append(time.perf_counter() - t0)
+        self.samples_taken += 1
+        return result
+
+    async def _handle(self, result: TickResult) -> None:
+        assert self.writer is not None
+        sample = result.sample
+        self.writer.submit("sample", sample.to_row())
+        for rec in result.kernel:
+            self._record_kernel(rec, sample)
+        for d in result.decisions:
+            await self._decide(d)
+        now = self.mono()
+        for start, count in self.guard.nvrm.closed_windows() if self.guard else []:
+            self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
+        if now - self._last_status >= STATUS_EVERY_S:
+            self._last_status = now
+            self.writer.submit("status", self.status_json())
+            self.notifier.notify(f"STATUS={self.summary_line()}")
+
+    def _record_kernel(self, rec: KernRecord, sample: Any) -> None:
+        assert self.writer is not None
+        minute = sample.ts - sample.ts % 60
+        self.writer.submit("kcount", (minute, rec.kind, 1))
+        severity = {"nvrm_no_memory": "warning", "oom_kill": "critical", "oom_killed": "critical"}.get(rec.kind, "info")
+        details = {"line": rec.raw, "context": sample.context(), **rec.details}
+        for key in ("pid", "comm", "container_id"):
+            if getattr(rec, key, None) is not None:
+                details[key] = getattr(rec, key)
+        self.event(rec.kind, rec.message, severity=severity, details=details)
+        self.actions.on_kernel_record(rec)
+
+    async def _decide(self, d: Decision) -> None:
+        if d.kind == "near_miss":
+            # one event per streak start keeps the log readable; every near miss is counted in the rule state
+            if self.guard and self.guard.states[d.rule].near_misses % 10 == 1:
+                self.event("near_miss", d.reason, severity="info", details={"rule": d.rule, **_jsonable(d.values)})
+            return
+        if d.kind == "cooldown":
+            self.event("trip_cooldown", d.reason, severity="warning", details={"rule": d.rule})
+            return
+        self.event(
+            "trip",
+            d.reason,
+            severity="critical" if d.action == "stop" else "warning",
+            details={"rule": d.rule, "action": d.action, "count": d.counter, **_jsonable(d.values)},
+        )
+        if d.action != "stop":
+            return
+        if self.settings.dry_run:
+            self.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
+            return
+        if self.settings.recheck and self.guard:
+            fresh = self.guard.read_sample()
+            rule = self.guard.rule(d.rule)
+            self.guard.slope.add(fresh.mono, fresh.mem_available)
+            if rule is not None and not still_holds(rule, fresh, self.guard.slope, fresh.mono):
+                self.event(
+                    "recovered_before_stop",
+                    f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "
+                    f"MemFree {fmt_gib(fresh.mem_free)} on re-check)",
+                    severity="warning",
+                    details={"rule": d.rule},
+                )
+                return
+        await self.actions.on_stop(d)
+
+    def _update_mode(self, result: TickResult | None) -> None:
+        assert self.guard is not None
+        now = self.mono()
+        reason = self.actions.fast_reason()
+        if reason is None and result is not None:
+            reason = self.guard.fast_reason(result.sample)
+        if reason is not None:
+            self._fast_until = now + self.settings.fast_hold_s
+            if self.mode != "fast":
+                self.event(
+                    "sampling_fast",
+                    f"sampling every {self.settings.fast_interval_s:g} s: {reason}",
+                    details={"reason": reason},
+                )
+            self.mode, self.mode_reason = "fast", reason
+        elif self.mode == "fast" and now >= self._fast_until:
+            self.mode, self.mode_reason = "normal", None
+            self.event("sampling_normal", f"sampling every {self.settings.interval_s:g} s again")
+
+    def _ping_watchdog(self) -> None:
+        if self._watchdog_s is None:
+            return
+        now = self.mono()
+        if now - self._last_watchdog >= self._watchdog_s:
+            self._last_watchdog = now
+            self.notifier.notify("WATCHDOG=1")
+
+    def _test_stall(self) -> None:
+        # test-only hook (issue: "stall the guard loop"): blocks the loop while the file exists
+        while self.stall_file and os.path.exists(self.stall_file):
+            time.sleep(0.05)
+
+    async def main_loop(self) -> None:
+        next_at = self.mono()
+        while not self.should_exit.is_set():
+            self._test_stall()
+            result = self._tick_once()
+            if result is not None:
+                await self._handle(result)
+            self._update_mode(result)
+            self._ping_watchdog()
+            interval = self.current_interval()
+            next_at += interval
+            now = self.mono()
+            if next_at < now - interval:  # fell behind (suspend, stall): do not burst
+                next_at = now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.should_exit.wait(), timeout=max(0.0, next_at - now))
+
+    async def shutdown(self, reason: str = "signal") -> None:
+        self.notifier.notify("STOPPING=1")
+        await self.actions.close()
+        if self.api_server is not None:
+            self.api_server.should_exit = True
+        self.event("daemon_stopped", f"sparkd stopping ({reason})")
+        for t in self._tasks:
+            if t.get_name() != "sparkd-api":
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.writer:
+            self.writer.flush()
+            if self.store and self.run_id is not None:
+                self.store.write_batch(
+                    [
+                        (
+                            "run_end",
+                            {
+                                "id": self.run_id,
+                                "stopped_at": time.time(),
+                                "exit_reason": reason,
+                                "samples": self.samples_taken,
+                            },
+                        )
+                    ]
+                )
+        if self.guard and self.guard.kern_source is not None:
+            self.guard.kern_source.close()
+        if self.store:
+            self.store.close()
+
+    async def serve(self) -> None:
+        """startup → main_loop → shutdown, with SIGTERM/SIGINT setting ``should_exit``."""
+        loop = asyncio.get_running_loop()
+        reason = {"why": "signal"}
+
+        def _sig(signum: int) -> None:
+            reason["why"] = signal.Signals(signum).name
+            self.should_exit.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _sig, sig)
+        await self.startup()
+        try:
+            await self.main_loop()
+        finally:
+            await self.shutdown(reason["why"])
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, int | float | str | None) else str(v)) for k, v in values.items()}
