@@ -274,7 +274,8 @@ class Daemon:
             lifespan="off",
         )
         server = uvicorn.Server(cfg)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
         self._tasks.append(asyncio.create_task(server.serve(), name="sparkd-api"))
         for _ in range(200):
@@ -314,7 +315,7 @@ class Daemon:
         for d in result.decisions:
             await self._decide(d)
         now = self.mono()
-        for start, count in self.guard.nvrm.closed_windows() if self.guard else []:
+        for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
         if now - self._last_status >= STATUS_EVERY_S:
             self._last_status = now
@@ -428,6 +429,9 @@ class Daemon:
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.writer:
+            if self.guard:
+                for start, count in self.guard.nvrm.flush():
+                    self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
             self.writer.flush()
             if self.store and self.run_id is not None:
                 self.store.write_batch(

@@ -92,7 +92,7 @@ class Guard:
             mi,
             psi,
             shm,
-            nvrm_recent=self.nvrm.recent(now_m),
+            nvrm_recent=self.nvrm.recent(now_w),
             low_watermark_bytes=self.low_watermark,
         )
 
@@ -101,7 +101,7 @@ class Guard:
         if self.kern_source is None:
             return []
         out = []
-        now = self.mono()
+        now = self.wall()  # NVRM windows are stored, so they use epoch time
         for line in self.kern_source.poll():
             rec = classify(line)
             if rec is None:

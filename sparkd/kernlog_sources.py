@@ -52,9 +52,7 @@ class _Closing:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
 
@@ -354,9 +352,7 @@ def open_source(
         ConfigError: ``preference`` is not one of :data:`PREFERENCES`.
     """
     if preference not in PREFERENCES:
-        raise ConfigError(
-            f"kernlog source: {preference!r} is not allowed; allowed: {', '.join(PREFERENCES)}"
-        )
+        raise ConfigError(f"kernlog source: {preference!r} is not allowed; allowed: {', '.join(PREFERENCES)}")
     wanted = ("kmsg", "journal", "dmesg") if preference == "auto" else (preference,)
     why: list[str] = []
     for name in wanted:
