@@ -293,8 +293,8 @@ class NvrmWindows:
       default W = 10 s, the notes' "driver error in the last ~10 s").
     * :meth:`closed_windows` drains ``(window_start, count)`` for every window
       that has closed and had at least one line; :meth:`flush` also drains the
-      open window (shutdown). Sum of drained counts + :attr:`open_count` ==
-      :attr:`total`.
+      open window (shutdown). Right after a drain, the sum of all drained
+      counts + :attr:`open_count` == :attr:`total`.
 
     Raises:
         ValueError: ``window_s`` is not a positive finite number.
