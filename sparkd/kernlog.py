@@ -116,7 +116,7 @@ def _strip_prefixes(line: str) -> tuple[str, float | None, int | None, dict[str,
         extra = dict(c.strip().split("=", 1) for c in cont if "=" in c)
         if extra:
             details["kmsg_dict"] = extra
-        details["level"] = int(m["prio"]) & 7
+        details["level"], details["facility"] = int(m["prio"]) & 7, int(m["prio"]) >> 3
         return m["msg"].strip(), int(m["usec"]) / 1e6, int(m["seq"]), details
     text = _LEVEL.sub("", first, count=1)
     ts: float | None = None

@@ -118,7 +118,7 @@ VARIANTS: list[tuple[str, str, str | None, dict[str, Any]]] = [
     ("no status, no location", "NVRM: GPU0 alloc failed: NV_ERR_NO_MEMORY", "nvrm_no_memory",
      {"status": None, "source_line": None}),
     ("kmsg record", "3,1234,52595758098,-;" + NVRM_MSG.format(line=1353), "nvrm_no_memory",
-     {"seq": 1234, "timestamp_s": 52595.758098, "level": 3, "source_line": 1353}),
+     {"seq": 1234, "timestamp_s": 52595.758098, "level": 3, "facility": 0, "source_line": 1353}),
     ("kmsg with continuation", "4,77,1000000,-;NVRM: Xid (PCI:000f:01:00): 31, pid=1\n"
      " SUBSYSTEM=pci\n DEVICE=+pci:000f:01:00.0", "nvrm_other",
      {"seq": 77, "kmsg_dict": {"SUBSYSTEM": "pci", "DEVICE": "+pci:000f:01:00.0"}}),
