@@ -116,7 +116,7 @@ def _strip_prefixes(line: str) -> tuple[str, float | None, int | None, dict[str,
         extra = dict(c.strip().split("=", 1) for c in cont if "=" in c)
         if extra:
             details["kmsg_dict"] = extra
-        details["level"] = int(m["prio"]) & 7
+        details["level"], details["facility"] = int(m["prio"]) & 7, int(m["prio"]) >> 3
         return m["msg"].strip(), int(m["usec"]) / 1e6, int(m["seq"]), details
     text = _LEVEL.sub("", first, count=1)
     ts: float | None = None
@@ -293,8 +293,8 @@ class NvrmWindows:
       default W = 10 s, the notes' "driver error in the last ~10 s").
     * :meth:`closed_windows` drains ``(window_start, count)`` for every window
       that has closed and had at least one line; :meth:`flush` also drains the
-      open window (shutdown). Sum of drained counts + :attr:`open_count` ==
-      :attr:`total`.
+      open window (shutdown). Right after a drain, the sum of all drained
+      counts + :attr:`open_count` == :attr:`total`.
 
     Raises:
         ValueError: ``window_s`` is not a positive finite number.

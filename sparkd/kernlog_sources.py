@@ -118,13 +118,17 @@ class KmsgSource(_Closing):
     def poll(self) -> list[str]:
         """Return the records that arrived since the last poll (never blocks)."""
         out: list[str] = []
+        overruns = 0
         while self._fd is not None and len(out) < self.max_records:
             try:
                 data = os.read(self._fd, 8192)
             except BlockingIOError:
                 break
             except BrokenPipeError:
-                continue  # the next read returns the oldest record still there
+                overruns += 1  # the next read returns the oldest record still there
+                if overruns > 8:  # a ring buffer overwritten faster than we read: next tick
+                    break
+                continue
             except OSError as exc:
                 self.error = f"reading {self.path} failed: {exc}"
                 break
