@@ -15,8 +15,8 @@ as in the notes; sizes read from the machine come in as bytes::
     budget  = gmu * MEM_TOTAL_GIB
     kv_exp  = budget - fixed                            # an estimate; vLLM's profiling decides
 
-Everything here is pure except ``checkpoint_weight_bytes`` (it walks a
-directory), kept at the end of the module and used only at the edge.
+Everything here is pure; the checkpoint's size on disk (``weight_bytes``)
+comes from ``sparkd.checkpoint.checkpoint_weight_bytes`` at the edge.
 
 Decisions beyond the notes (documented here, tested in tests/test_budget.py):
 
@@ -33,11 +33,9 @@ Decisions beyond the notes (documented here, tested in tests/test_budget.py):
 from __future__ import annotations
 
 import math
-import os
 import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeGuard
 
@@ -71,7 +69,7 @@ class BudgetInputs:
     """What the formula needs. Bytes for sizes read from the machine, GiB for knobs.
 
     Weights come either as ``weight_bytes`` (the checkpoint's weight files, see
-    ``checkpoint_weight_bytes``) with ``ple_bytes`` (the mmap'ed embedding
+    ``sparkd.checkpoint.checkpoint_weight_bytes``) with ``ple_bytes`` (the mmap'ed embedding
     tables inside it), or directly as ``weights_gib`` (= w after PLE); give
     exactly one of the two. ``mtp_gib`` counts only when ``mtp_enabled``;
     ``mtp_off_credit_gib`` is subtracted from w only when it is not.
@@ -436,54 +434,3 @@ def _is_num(v: object) -> TypeGuard[int | float]:
 def _need(ok: bool, inputs: BudgetInputs, name: str, allowed: str) -> None:
     if not ok:
         raise InvalidInput(name, getattr(inputs, name), allowed)
-
-
-# --- I/O at the edge --------------------------------------------------------
-
-#: Weight-file groups in the order vLLM's default loader prefers them.
-WEIGHT_SUFFIX_GROUPS: tuple[tuple[str, ...], ...] = ((".safetensors",), (".bin", ".pt"), (".gguf",))
-
-
-def checkpoint_weight_bytes(path: str | os.PathLike[str]) -> int:
-    """Total bytes of the weight files under ``path`` (a directory or one weight file).
-
-    Counts ``*.safetensors`` if there are any, else ``*.bin``/``*.pt``, else
-    ``*.gguf`` — a repository that ships both safetensors and .bin would
-    otherwise be counted twice, while vLLM loads only the safetensors.
-    Walks sub-directories without following directory symlinks (no loops, no
-    escaping the tree); a symlinked *file* is counted at its target's size
-    (the Hugging Face cache links snapshot files to blobs). Each inode counts
-    once; broken links are skipped.
-
-    Raises:
-        InvalidInput: ``path`` is neither a directory nor a weight file.
-    """
-    p = Path(path)
-    if p.is_file():
-        if not any(p.name.endswith(s) for grp in WEIGHT_SUFFIX_GROUPS for s in grp):
-            raise InvalidInput("checkpoint", str(p), "a directory or a weight file "
-                               "(.safetensors, .bin, .pt, .gguf)")
-        return p.stat().st_size
-    if not p.is_dir():
-        raise InvalidInput("checkpoint", str(p), "an existing directory of weight files")
-    files: list[Path] = []
-    for root, _dirs, names in os.walk(p, followlinks=False):
-        files.extend(Path(root, n) for n in names)
-    for group in WEIGHT_SUFFIX_GROUPS:
-        seen: set[tuple[int, int]] = set()
-        total = 0
-        for f in files:
-            if not f.name.endswith(group):
-                continue
-            try:
-                st = f.stat()  # follows a file symlink
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino)
-            if key in seen or not f.is_file():
-                continue
-            seen.add(key)
-            total += st.st_size
-        if seen:
-            return total
-    return 0

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from sparkd.budget import (
     BudgetInputs,
     Plan,
-    checkpoint_weight_bytes,
     floor_gmu,
     make_plan,
     render_plan_table,
 )
+from sparkd.checkpoint import checkpoint_weight_bytes
 from sparkd.errors import InvalidInput, Refused
 from sparkd.units import GiB, MiB
 
