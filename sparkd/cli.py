@@ -105,7 +105,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
     snap = store.status_snapshot() or {}
     latest = store.latest_sample()
     events = store.events(limit=10)
-    running = bool(snap) and time.time() - snap.get("ts", 0) < STALE_S + 2 * settings.interval_s
+    running = (
+        bool(snap) and snap.get("running", True) and time.time() - snap.get("ts", 0) < STALE_S + 2 * settings.interval_s
+    )
     data = {
         "daemon_running": running,
         "snapshot_age_s": (time.time() - snap["ts"]) if snap else None,

@@ -178,6 +178,7 @@ class Daemon:
         ticks = sorted(self.tick_durations)
         return {
             "ts": time.time(),
+            "running": not self.should_exit.is_set(),
             "version": __version__,
             "pid": os.getpid(),
             "started_at": self.started_at,
@@ -424,6 +425,8 @@ class Daemon:
         if self.api_server is not None:
             self.api_server.should_exit = True
         self.event("daemon_stopped", f"sparkd stopping ({reason})")
+        if self.writer:
+            self.writer.submit("status", self.status_json())
         for t in self._tasks:
             if t.get_name() != "sparkd-api":
                 t.cancel()

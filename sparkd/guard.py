@@ -150,8 +150,8 @@ class Guard:
                     "action": r.action,
                     "samples": r.samples,
                     "for_s": r.for_s,
-                    "when": [f"{c.name} {c.op} {c.threshold:g}" for c in r.when],
-                    "evidence": [f"{c.name} {c.op} {c.threshold:g}" for c in r.evidence],
+                    "when": [c.text for c in r.when],
+                    "evidence": [c.text for c in r.evidence],
                     "thresholds": [
                         {"field": c.attr, "name": c.name, "op": c.op, "value": c.threshold, "is_size": c.is_size}
                         for c in r.when

@@ -50,6 +50,7 @@ class Condition:
     op: str
     threshold: float
     is_size: bool
+    text: str = ""  # the condition as configured ("MemAvailable < 6GiB")
 
     def holds(self, sample: Sample) -> bool | None:
         """True/False, or ``None`` when the sample lacks the field."""
@@ -92,7 +93,7 @@ def compile_condition(text: str, mem_total_bytes: int | None) -> Condition:
         threshold = float(parse_size(value))
     else:
         threshold = float(value)
-    return Condition(name, attr, op, threshold, is_size)
+    return Condition(name, attr, op, threshold, is_size, text.strip())
 
 
 @dataclass(frozen=True, slots=True)
