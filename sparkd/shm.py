@@ -259,10 +259,12 @@ def _collect_evidence(
         except OSError as e:
             if e.errno in _GONE:
                 continue
-            if e.errno in _HIDDEN:
-                ev.unreadable.add(pid)
-                continue
-            raise
+            # EACCES/EPERM, or anything unexpected: we cannot see what this
+            # process uses, so it blocks removal rather than crashing the scan.
+            if e.errno not in _HIDDEN:
+                log.warning("cannot read /proc evidence of pid %d: %s", pid, e)
+            ev.unreadable.add(pid)
+            continue
         if not (mapped or opened):
             continue
         comm = _read_comm(pid_dir)
@@ -367,9 +369,9 @@ def scan(
     them; only regular files are ever candidates for removal.
 
     Raises:
-        OSError: ``shm_dir`` or ``proc_root`` cannot be listed, or /proc fails
-            in a way other than a process vanishing (ENOENT/ESRCH, skipped) or
-            being unreadable (EACCES/EPERM, recorded in ``unreadable_pids``).
+        OSError: ``shm_dir`` or ``proc_root`` cannot be listed. Per process,
+            ENOENT/ESRCH (it exited mid-scan) skip it; any other error
+            (EACCES/EPERM above all) records it in ``unreadable_pids``.
     """
     shm_dir = os.path.realpath(os.fspath(shm_dir))
     dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
