@@ -226,9 +226,7 @@ def write_archive(
     """
     for name in parts:
         if not _MEMBER_RE.match(name) or name == SUMMARY_MEMBER or ".." in name:
-            raise InvalidInput(
-                "parts", name, "plain file names like 'container.log', not summary.txt"
-            )
+            raise InvalidInput("parts", name, "plain file names like 'container.log', not summary.txt")
     for name, value in parts.items():
         if not isinstance(value, bytes | str | PurePath):
             raise InvalidInput(f"parts[{name!r}]", type(value).__name__, "bytes, str or a Path")

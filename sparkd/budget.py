@@ -103,47 +103,76 @@ class BudgetInputs:
 
     def validate(self) -> None:
         """Check every field; raise ``InvalidInput`` naming the first bad one and its range."""
-        for name in ("mem_total_bytes", "max_model_len", "kv_bytes_per_token", "max_num_seqs",
-                     "max_num_batched_tokens"):
+        for name in (
+            "mem_total_bytes",
+            "max_model_len",
+            "kv_bytes_per_token",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        ):
             v = getattr(self, name)
             _need(_is_int(v) and v >= 1, self, name, "an integer ≥ 1")
         if (self.weight_bytes is None) == (self.weights_gib is None):
             which = "neither" if self.weight_bytes is None else "both"
             raise InvalidInput(
-                "weights_gib", self.weights_gib,
+                "weights_gib",
+                self.weights_gib,
                 f"exactly one of weight_bytes or weights_gib (got {which})",
             )
         if self.weight_bytes is not None:
-            _need(_is_int(self.weight_bytes) and self.weight_bytes >= 0, self, "weight_bytes",
-                  "an integer number of bytes ≥ 0")
-            _need(_is_int(self.ple_bytes) and 0 <= self.ple_bytes <= self.weight_bytes, self,
-                  "ple_bytes", f"an integer 0 ≤ ple_bytes ≤ weight_bytes ({self.weight_bytes})")
+            _need(
+                _is_int(self.weight_bytes) and self.weight_bytes >= 0,
+                self,
+                "weight_bytes",
+                "an integer number of bytes ≥ 0",
+            )
+            _need(
+                _is_int(self.ple_bytes) and 0 <= self.ple_bytes <= self.weight_bytes,
+                self,
+                "ple_bytes",
+                f"an integer 0 ≤ ple_bytes ≤ weight_bytes ({self.weight_bytes})",
+            )
         else:
-            _need(_is_num(self.weights_gib) and self.weights_gib >= 0, self, "weights_gib",
-                  "a finite number of GiB ≥ 0")
-            _need(self.ple_bytes == 0, self, "ple_bytes",
-                  "0 when weights_gib is given (weights_gib is already after PLE)")
-        for name in ("overhead_gib", "mtp_gib", "mtp_off_credit_gib", "kv_target_gib",
-                     "docker_headroom_gib"):
-            _need(_is_num(getattr(self, name)) and getattr(self, name) >= 0, self, name,
-                  "a finite number of GiB ≥ 0")
+            _need(
+                _is_num(self.weights_gib) and self.weights_gib >= 0, self, "weights_gib", "a finite number of GiB ≥ 0"
+            )
+            _need(
+                self.ple_bytes == 0, self, "ple_bytes", "0 when weights_gib is given (weights_gib is already after PLE)"
+            )
+        for name in ("overhead_gib", "mtp_gib", "mtp_off_credit_gib", "kv_target_gib", "docker_headroom_gib"):
+            _need(_is_num(getattr(self, name)) and getattr(self, name) >= 0, self, name, "a finite number of GiB ≥ 0")
         total_gib = self.mem_total_bytes / GiB
-        _need(_is_num(self.host_reserve_gib) and 0 <= self.host_reserve_gib < total_gib, self,
-              "host_reserve_gib", f"0 ≤ host_reserve_gib < MemTotal ({total_gib:.2f} GiB)")
+        _need(
+            _is_num(self.host_reserve_gib) and 0 <= self.host_reserve_gib < total_gib,
+            self,
+            "host_reserve_gib",
+            f"0 ≤ host_reserve_gib < MemTotal ({total_gib:.2f} GiB)",
+        )
         _need(isinstance(self.mtp_enabled, bool), self, "mtp_enabled", "true or false")
         for dtype, mult in self.kv_mult_table.items():
             if not (_is_num(mult) and 0 < mult <= 4):
                 raise InvalidInput(f"kv_mult_table[{dtype}]", mult, "a multiplier 0 < m ≤ 4")
-        _need(isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype in self.kv_mult_table,
-              self, "kv_cache_dtype", ", ".join(sorted(self.kv_mult_table)))
+        _need(
+            isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype in self.kv_mult_table,
+            self,
+            "kv_cache_dtype",
+            ", ".join(sorted(self.kv_mult_table)),
+        )
         if self.gmu_override is not None:
             g = self.gmu_override
-            _need(_is_num(g) and 0 < g <= 1 and abs(g * 1000 - round(g * 1000)) < 1e-6, self,
-                  "gmu_override", "0 < gmu ≤ 1 with at most 3 decimals (one step is 0.001)")
-        _need(self.model is None or (isinstance(self.model, str) and self.model.strip() != ""),
-              self, "model", "a non-empty path or name, or unset")
-        _need(all(isinstance(a, str) for a in self.extra_vllm_args), self, "extra_vllm_args",
-              "a list of strings")
+            _need(
+                _is_num(g) and 0 < g <= 1 and abs(g * 1000 - round(g * 1000)) < 1e-6,
+                self,
+                "gmu_override",
+                "0 < gmu ≤ 1 with at most 3 decimals (one step is 0.001)",
+            )
+        _need(
+            self.model is None or (isinstance(self.model, str) and self.model.strip() != ""),
+            self,
+            "model",
+            "a non-empty path or name, or unset",
+        )
+        _need(all(isinstance(a, str) for a in self.extra_vllm_args), self, "extra_vllm_args", "a list of strings")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -201,25 +230,32 @@ class Plan:
         i = self.inputs
         args = ["--model", i.model] if i.model else []
         args += [
-            "--gpu-memory-utilization", f"{self.gmu:.3f}",
-            "--max-model-len", str(i.max_model_len),
-            "--kv-cache-dtype", _VLLM_KV_DTYPE.get(i.kv_cache_dtype, i.kv_cache_dtype),
-            "--max-num-seqs", str(i.max_num_seqs),
-            "--max-num-batched-tokens", str(i.max_num_batched_tokens),
+            "--gpu-memory-utilization",
+            f"{self.gmu:.3f}",
+            "--max-model-len",
+            str(i.max_model_len),
+            "--kv-cache-dtype",
+            _VLLM_KV_DTYPE.get(i.kv_cache_dtype, i.kv_cache_dtype),
+            "--max-num-seqs",
+            str(i.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(i.max_num_batched_tokens),
         ]
         return args + list(i.extra_vllm_args)
 
     def docker_args(self) -> list[str]:
         """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix)."""
         mem = f"{self.docker_memory_bytes // MiB}m"
-        return ["--gpus", "all", "--ipc", "host", "--network", "host",
-                "--memory", mem, "--memory-swap", mem]
+        return ["--gpus", "all", "--ipc", "host", "--network", "host", "--memory", mem, "--memory-swap", mem]
 
     def docker_run_command(self, image: str = "vllm/vllm-openai:latest") -> str:
         """The ``docker run`` line a person would type, one flag pair per line."""
-        lines = [["docker", "run", "-d"], *_flag_groups(["--label", "sparkd.managed=true",
-                                                          *self.docker_args()]),
-                 [image], *_flag_groups(self.vllm_args())]
+        lines = [
+            ["docker", "run", "-d"],
+            *_flag_groups(["--label", "sparkd.managed=true", *self.docker_args()]),
+            [image],
+            *_flag_groups(self.vllm_args()),
+        ]
         return " \\\n    ".join(shlex.join(part) for part in lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -339,18 +375,30 @@ def make_plan(inputs: BudgetInputs) -> Plan:
             "the expected KV room: long requests beyond that wait or are preempted"
         )
     if source == "override":
-        warnings.append(
-            f"gmu_override {gmu:.3f} used instead of the formula's "
-            f"{floor_gmu(min(wish, cap), total):.3f}"
-        )
+        warnings.append(f"gmu_override {gmu:.3f} used instead of the formula's {floor_gmu(min(wish, cap), total):.3f}")
 
     return Plan(
-        inputs=i, mem_total_gib=total, checkpoint_gib=checkpoint, ple_gib=ple,
-        mtp_off_credit_applied_gib=credit, weights_gib=w, overhead_gib=i.overhead_gib,
-        mtp_gib=mtp, fixed_gib=fixed, kv_mult=kv_mult, kv_need_gib=kv_need,
-        kv_target_gib=i.kv_target_gib, wish_gib=wish, cap_gib=cap, squeezed=squeezed,
-        gmu=gmu, gmu_source=source, budget_gib=budget, kv_exp_gib=kv_exp,
-        max_len_concurrency=concurrency, docker_memory_bytes=docker_bytes,
+        inputs=i,
+        mem_total_gib=total,
+        checkpoint_gib=checkpoint,
+        ple_gib=ple,
+        mtp_off_credit_applied_gib=credit,
+        weights_gib=w,
+        overhead_gib=i.overhead_gib,
+        mtp_gib=mtp,
+        fixed_gib=fixed,
+        kv_mult=kv_mult,
+        kv_need_gib=kv_need,
+        kv_target_gib=i.kv_target_gib,
+        wish_gib=wish,
+        cap_gib=cap,
+        squeezed=squeezed,
+        gmu=gmu,
+        gmu_source=source,
+        budget_gib=budget,
+        kv_exp_gib=kv_exp,
+        max_len_concurrency=concurrency,
+        docker_memory_bytes=docker_bytes,
         warnings=tuple(warnings),
     )
 
@@ -388,11 +436,13 @@ def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest") -> 
         ("budget = gmu × MemTotal", g(plan.budget_gib)),
         ("kv_exp = budget − fixed (vLLM profiling decides)", g(plan.kv_exp_gib)),
         ("max-length concurrency = kv_exp / kv_need", f"{plan.max_len_concurrency:.2f}"),
-        ("docker --memory = --memory-swap (no swap)",
-         f"{g(plan.docker_memory_gib)} ({plan.docker_memory_bytes // MiB}m)"),
+        (
+            "docker --memory = --memory-swap (no swap)",
+            f"{g(plan.docker_memory_gib)} ({plan.docker_memory_bytes // MiB}m)",
+        ),
     ]
     width = max(len(r[0]) for r in rows if isinstance(r, tuple)) + 2
-    out = ["sparkd plan — vLLM memory budget (CONTEXT.md, \"The memory budget\")"]
+    out = ['sparkd plan — vLLM memory budget (CONTEXT.md, "The memory budget")']
     for r in rows:
         out.append(f"\n{r}" if isinstance(r, str) else f"  {r[0]:<{width}}{r[1]}")
     out.append("")

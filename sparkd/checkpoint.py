@@ -31,8 +31,7 @@ def checkpoint_weight_bytes(path: str | os.PathLike[str]) -> int:
     p = Path(path)
     if p.is_file():
         if not any(p.name.endswith(s) for grp in WEIGHT_SUFFIX_GROUPS for s in grp):
-            raise InvalidInput("checkpoint", str(p), "a directory or a weight file "
-                               "(.safetensors, .bin, .pt, .gguf)")
+            raise InvalidInput("checkpoint", str(p), "a directory or a weight file (.safetensors, .bin, .pt, .gguf)")
         return p.stat().st_size
     if not p.is_dir():
         raise InvalidInput("checkpoint", str(p), "an existing directory of weight files")

@@ -57,6 +57,7 @@ class Guard:
         self.slope = SlopeWindow(max_window_s=30.0)
         self.nvrm = NvrmWindows(settings.nvrm_window_s)
         self.mem_total: int | None = None
+        self.proc = procfs.ProcReader(settings.proc_root)
         self.low_watermark: int | None = procfs.read_zoneinfo_low_watermark_bytes(settings.proc_root)
         self._bad_lines_logged: set[str] = set()
         self._psi_missing_logged = False
@@ -73,13 +74,13 @@ class Guard:
             OSError: /proc/meminfo cannot be read (the caller reports and retries).
         """
         now_m, now_w = self.mono(), self.wall()
-        mi = procfs.read_meminfo(self.settings.proc_root)
+        mi = self.proc.meminfo()
         if mi.bad_lines:
             for line in mi.bad_lines:
                 if line not in self._bad_lines_logged and len(self._bad_lines_logged) < 20:
                     self._bad_lines_logged.add(line)
                     log.warning("ignoring unparsable /proc/meminfo line: %r", line)
-        psi = procfs.read_psi(self.settings.proc_root)
+        psi = self.proc.psi()
         if psi is None and not self._psi_missing_logged:
             self._psi_missing_logged = True
             log.warning(

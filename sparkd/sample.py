@@ -7,7 +7,7 @@ MemAvailable); rules may name fields either way (see ``FIELD_ALIASES``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .procfs import MeminfoResult, Psi
@@ -109,11 +109,8 @@ class Sample:
         return getattr(self, FIELD_ALIASES[name])
 
     def to_row(self) -> dict[str, Any]:
-        """Columns for the ``samples`` table (everything but the full meminfo)."""
-        d = asdict(self)
-        d.pop("meminfo", None)
-        d.pop("mono", None)
-        return d
+        """Columns for the ``samples`` table (everything but ``mono`` and the full meminfo)."""
+        return {name: getattr(self, name) for name in ROW_FIELDS}
 
     def context(self) -> dict[str, Any]:
         """The meminfo context the seed watchdog records beside a driver error (bytes)."""
@@ -180,3 +177,6 @@ def build_sample(
     if s.mem_available is not None:
         s.mem_available_minus_cma = s.mem_available - (s.cma_free or 0)
     return s
+
+
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("mono", "meminfo"))

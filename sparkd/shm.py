@@ -269,9 +269,7 @@ def _collect_evidence(
             continue
         comm = _read_comm(pid_dir)
         for key in mapped | opened:
-            ev.users.setdefault(key, {})[pid] = ShmUser(
-                pid, comm, mapped=key in mapped, open_fd=key in opened
-            )
+            ev.users.setdefault(key, {})[pid] = ShmUser(pid, comm, mapped=key in mapped, open_fd=key in opened)
     return ev
 
 
@@ -359,9 +357,7 @@ def _lstat_entry(dir_fd: int, name: str, shm_dir: str) -> ShmEntry | None:
     )
 
 
-def scan(
-    shm_dir: str | Path = DEFAULT_SHM_DIR, proc_root: str | Path = DEFAULT_PROC_ROOT
-) -> list[ShmEntry]:
+def scan(shm_dir: str | Path = DEFAULT_SHM_DIR, proc_root: str | Path = DEFAULT_PROC_ROOT) -> list[ShmEntry]:
     """List ``shm_dir`` with the evidence of use for each entry.
 
     Returns one :class:`ShmEntry` per directory entry, sorted by name.
@@ -382,9 +378,7 @@ def scan(
     targets = {(e.dev, e.ino): e.path for e in entries if e.file_type == "file"}
     ev = _collect_evidence(os.fspath(proc_root), shm_dir, targets)
     unreadable = tuple(sorted(ev.unreadable))
-    return [
-        _with_evidence(e, ev.users.get((e.dev, e.ino), {}).values(), unreadable) for e in entries
-    ]
+    return [_with_evidence(e, ev.users.get((e.dev, e.ino), {}).values(), unreadable) for e in entries]
 
 
 def _with_evidence(e: ShmEntry, users: Iterable[ShmUser], unreadable: tuple[int, ...]) -> ShmEntry:

@@ -30,9 +30,7 @@ from datetime import datetime
 from typing import Any
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_DOCKER_TS_RE = re.compile(
-    r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:?\d{2})\s"
-)
+_DOCKER_TS_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:?\d{2})\s")
 _PROC_PREFIX_RE = re.compile(r"^\s*\((?:[A-Za-z_][\w.-]*\s+)?pid=\d+\)\s*")
 _NUM = r"\d[\d,]*(?:\.\d+)?"
 MAX_LINE_CHARS = 65536  # longer lines are cut before matching (non-default args can be long)
@@ -127,39 +125,60 @@ def _set_failed(rec: LaunchRecord, m: re.Match[str]) -> list[str]:
 
 def _set_free_memory(rec: LaunchRecord, m: re.Match[str]) -> list[str]:
     rec.failure_message = m.group(0).strip()
-    return [*_set(failure_device=str, failure_free_gib=_num, failure_total_gib=_num,
-                  failure_requested_gmu=_num, failure_requested_gib=_num)(rec, m),
-            *_set_failed(rec, m)]
+    return [
+        *_set(
+            failure_device=str,
+            failure_free_gib=_num,
+            failure_total_gib=_num,
+            failure_requested_gmu=_num,
+            failure_requested_gib=_num,
+        )(rec, m),
+        *_set_failed(rec, m),
+    ]
 
 
 _PATTERNS: list[tuple[re.Pattern[str], _Setter]] = [
-    (re.compile(r"vLLM (?:API )?server version:?\s*v?(?P<vllm_version>\d[\w.+-]*)"),
-     _set(vllm_version=str)),
+    (re.compile(r"vLLM (?:API )?server version:?\s*v?(?P<vllm_version>\d[\w.+-]*)"), _set(vllm_version=str)),
     (re.compile(r"non-default args:\s*(\{.*\})\s*$"), _set_args),
-    (re.compile(rf"Model loading took\s+(?P<model_load_gib>{_NUM})\s*GiB(?:\s+memory)?"
-                rf"(?:\s+and\s+(?P<model_load_s>{_NUM})\s*s)?"),
-     _set(model_load_gib=_num, model_load_s=_num)),
-    (re.compile(rf"Available KV cache memory:\s*(?P<kv_cache_available_gib>{_NUM})\s*GiB"),
-     _set(kv_cache_available_gib=_num)),
-    (re.compile(rf"GPU KV cache size:\s*(?P<kv_cache_tokens>{_NUM})\s*tokens"),
-     _set(kv_cache_tokens=_int)),
+    (
+        re.compile(
+            rf"Model loading took\s+(?P<model_load_gib>{_NUM})\s*GiB(?:\s+memory)?"
+            rf"(?:\s+and\s+(?P<model_load_s>{_NUM})\s*s)?"
+        ),
+        _set(model_load_gib=_num, model_load_s=_num),
+    ),
+    (
+        re.compile(rf"Available KV cache memory:\s*(?P<kv_cache_available_gib>{_NUM})\s*GiB"),
+        _set(kv_cache_available_gib=_num),
+    ),
+    (re.compile(rf"GPU KV cache size:\s*(?P<kv_cache_tokens>{_NUM})\s*tokens"), _set(kv_cache_tokens=_int)),
     (re.compile(r"# GPU blocks:\s*(?P<kv_cache_blocks>\d[\d,]*)"), _set(kv_cache_blocks=_int)),
-    (re.compile(rf"Maximum concurrency for\s+(?P<max_concurrency_tokens_per_request>{_NUM})"
-                rf"\s+tokens per request:\s*(?P<max_concurrency>{_NUM})\s*x"),
-     _set(max_concurrency_tokens_per_request=_int, max_concurrency=_num)),
-    (re.compile(rf"Graph capturing finished in\s+(?P<graph_capture_s>{_NUM})\s*s\w*"
-                rf"(?:,\s*took\s+(?P<graph_capture_gib>{_NUM})\s*GiB)?"),
-     _set(graph_capture_s=_num, graph_capture_gib=_num)),
-    (re.compile(rf"init engine \(.*?\) took\s+(?P<engine_init_s>{_NUM})\s*s"),
-     _set(engine_init_s=_num)),
-    (re.compile(rf"Free memory on device\s+(?P<failure_device>\S+)\s+\("
-                rf"(?P<failure_free_gib>{_NUM})\s*/\s*(?P<failure_total_gib>{_NUM})\s*GiB\)"
-                rf" on startup is less than desired GPU memory utilization\s+\("
-                rf"(?P<failure_requested_gmu>{_NUM}),\s*(?P<failure_requested_gib>{_NUM})\s*GiB\)"
-                r".*"),
-     _set_free_memory),
-    (re.compile(r"EngineCore failed to start.*|Engine core initialization failed.*"),
-     _set_failed),
+    (
+        re.compile(
+            rf"Maximum concurrency for\s+(?P<max_concurrency_tokens_per_request>{_NUM})"
+            rf"\s+tokens per request:\s*(?P<max_concurrency>{_NUM})\s*x"
+        ),
+        _set(max_concurrency_tokens_per_request=_int, max_concurrency=_num),
+    ),
+    (
+        re.compile(
+            rf"Graph capturing finished in\s+(?P<graph_capture_s>{_NUM})\s*s\w*"
+            rf"(?:,\s*took\s+(?P<graph_capture_gib>{_NUM})\s*GiB)?"
+        ),
+        _set(graph_capture_s=_num, graph_capture_gib=_num),
+    ),
+    (re.compile(rf"init engine \(.*?\) took\s+(?P<engine_init_s>{_NUM})\s*s"), _set(engine_init_s=_num)),
+    (
+        re.compile(
+            rf"Free memory on device\s+(?P<failure_device>\S+)\s+\("
+            rf"(?P<failure_free_gib>{_NUM})\s*/\s*(?P<failure_total_gib>{_NUM})\s*GiB\)"
+            rf" on startup is less than desired GPU memory utilization\s+\("
+            rf"(?P<failure_requested_gmu>{_NUM}),\s*(?P<failure_requested_gib>{_NUM})\s*GiB\)"
+            r".*"
+        ),
+        _set_free_memory,
+    ),
+    (re.compile(r"EngineCore failed to start.*|Engine core initialization failed.*"), _set_failed),
 ]
 _COMPLETE_RE = re.compile(r"Application startup complete")
 
@@ -180,7 +199,7 @@ def strip_prefixes(line: str) -> tuple[str, float | None]:
             ts = datetime.fromisoformat(base + zone).timestamp() + float(frac or 0)
         except ValueError:
             ts = None
-        line = line[m.end():]
+        line = line[m.end() :]
     return _PROC_PREFIX_RE.sub("", line, count=1), ts
 
 
