@@ -201,7 +201,7 @@ class ProcReader:
         self._mem_fd: int | None = None
         self._psi_fd: int | None = None
         self._psi_absent = False
-        self._layout: tuple[int, list[bytes], list[tuple[str, int, int]]] | None = None
+        self._layout: tuple[int, list[bytes], list[tuple[int, str, int]]] | None = None
 
     def _open(self, rel: str) -> int:
         return os.open(os.path.join(self.proc_root, rel), os.O_RDONLY | os.O_CLOEXEC)
@@ -225,7 +225,7 @@ class ProcReader:
         return res
 
     @staticmethod
-    def _learn(toks: list[bytes], res: MeminfoResult) -> tuple[int, list[bytes], list[tuple[str, int, int]]] | None:
+    def _learn(toks: list[bytes], res: MeminfoResult) -> tuple[int, list[bytes], list[tuple[int, str, int]]] | None:
         entries: list[tuple[str, int, int]] = []
         i = 0
         while i < len(toks):
