@@ -256,3 +256,7 @@ def db_upgrade(ctx: click.Context) -> None:
 
 def _path(p: str) -> Path:
     return Path(p)
+
+
+if __name__ == "__main__":
+    main()

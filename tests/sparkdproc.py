@@ -1,0 +1,76 @@
+"""Start a real ``sparkd run`` subprocess for tests (own state dir, own port)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def db_query(db: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def wait_for(pred: Any, timeout_s: float, step_s: float = 0.05) -> Any:
+    end = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = pred()
+        except (sqlite3.OperationalError, OSError):
+            last = None
+        if last:
+            return last
+        time.sleep(step_s)
+    return last
+
+
+@contextmanager
+def sparkd_run(
+    tmp_path: Path,
+    *,
+    config: str = "",
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = ("--no-api",),
+) -> Iterator[subprocess.Popen[str]]:
+    """Run ``python -m sparkd.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k not in ("NOTIFY_SOCKET",
+                                                                                          "WATCHDOG_USEC")}
+    e.update(env or {})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sparkd.cli", "--config", str(cfg), "run", *args],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        yield p
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

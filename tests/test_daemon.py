@@ -1,0 +1,133 @@
+"""The daemon against this host's real /proc, /dev/kmsg and SQLite."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from conftest import need
+from sparkdproc import db_query, sparkd_run, wait_for
+
+from sparkd import procfs
+
+INTERVAL = 0.2
+
+
+def _mem_total() -> int:
+    return procfs.read_meminfo().fields["MemTotal"]
+
+
+def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) -> None:
+    db = tmp_path / "sparkd.db"
+    t0 = time.monotonic()
+    with sparkd_run(tmp_path, config=f"interval_s = {INTERVAL}\nfast_interval_s = {INTERVAL}\n"):
+        rows = wait_for(lambda: db_query(db, "SELECT mem_total, mem_available FROM samples"), 5.0)
+        elapsed = time.monotonic() - t0
+        assert rows, "no samples within 5 s"
+        assert elapsed < 5.0
+        assert rows[0][0] == _mem_total()
+        out = subprocess.run(
+            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
+            capture_output=True, text=True, check=True,
+        )
+        st = json.loads(out.stdout)
+        assert st["daemon_running"] is True
+        assert st["sample"]["mem_total"] == _mem_total()
+        assert {r["name"] for r in st["rules"]} >= {"low_available"}
+        assert all(r["counter"] == 0 for r in st["rules"])
+        human = subprocess.run(
+            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        assert "MemAvailable" in human and "low_available              0/5" in human
+
+
+def test_an_nvrm_line_in_kmsg_is_recorded_with_meminfo_context(tmp_path: Path) -> None:
+    need(os.access("/dev/kmsg", os.W_OK), "/dev/kmsg is not writable (needs root)")
+    db = tmp_path / "sparkd.db"
+    marker = f"sparkd-test-{uuid.uuid4().hex[:8]}"
+    with sparkd_run(tmp_path, config=f'interval_s = {INTERVAL}\nfast_interval_s = {INTERVAL}\nkernlog_source = "kmsg"\n'):
+        assert wait_for(lambda: db_query(db, "SELECT 1 FROM status"), 5.0)
+        line = (f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
+                f"returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1353 {marker}\n")
+        with open("/dev/kmsg", "w") as f:
+            f.write(line)
+        written, written_wall = time.monotonic(), time.time()
+        rows = wait_for(
+            lambda: db_query(db, "SELECT ts, details FROM events WHERE kind='nvrm_no_memory' AND message LIKE ?",
+                             (f"%{marker}%",)),
+            5.0, step_s=0.01,
+        )
+        seen = time.monotonic() - written
+        assert rows, "NVRM line not recorded"
+        details = json.loads(rows[0][1])
+        ctx = details["context"]
+        assert set(ctx) >= {"MemAvailable", "MemFree", "Cached", "AnonPages", "Slab", "PageTables"}
+        assert ctx["MemAvailable"] > 0 and ctx["Slab"] > 0
+        assert details["status"] == "0x00000051"
+        # recorded (event time) within two sample intervals of the write; stored right after
+        assert rows[0][0] - written_wall < 2 * INTERVAL
+        assert seen < 2 * INTERVAL + 1.0
+        per_minute = wait_for(
+            lambda: db_query(db, "SELECT sum(count) FROM kernel_counts WHERE kind='nvrm_no_memory'")[0][0], 3.0
+        )
+        assert per_minute is not None and per_minute >= 1
+
+
+def test_sigterm_flushes_every_sample_taken(tmp_path: Path) -> None:
+    db = tmp_path / "sparkd.db"
+    with sparkd_run(tmp_path, config="interval_s = 0.1\nfast_interval_s = 0.1\n") as p:
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 10, 10.0)
+        p.terminate()
+        assert p.wait(15) == 0
+    taken, stored = db_query(db, "SELECT samples, (SELECT count(*) FROM samples) FROM daemon_runs")[0]
+    assert taken == stored and stored >= 10
+    exit_reason = db_query(db, "SELECT exit_reason FROM daemon_runs")[0][0]
+    assert exit_reason == "SIGTERM"
+
+
+def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(sock_path)
+    srv.settimeout(0.2)
+    stall = tmp_path / "stall"
+    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000", "SPARKD_TEST_HOOK_STALL_FILE": str(stall)}
+    got: list[tuple[float, str]] = []
+
+    def drain(until: float) -> None:
+        while time.monotonic() < until:
+            try:
+                got.append((time.monotonic(), srv.recv(4096).decode()))
+            except TimeoutError:
+                pass
+
+    try:
+        with sparkd_run(tmp_path, config="interval_s = 0.1\nfast_interval_s = 0.1\n", env=env):
+            drain(time.monotonic() + 4.0)
+            msgs = [m for _, m in got]
+            assert "READY=1" in msgs
+            ready_at = next(t for t, m in got if m == "READY=1")
+            assert any(m.startswith("STATUS=MemAvailable") for m in msgs)
+            pings = [t for t, m in got if m == "WATCHDOG=1" and t > ready_at]
+            # every WATCHDOG_USEC/2 = 0.2 s for ~3.5 s after READY: 12-18 pings
+            assert 10 <= len(pings) <= 25, len(pings)
+            gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+            assert max(gaps) < 0.5
+            # stall the guard loop through the test hook: the pings stop
+            stall.touch()
+            got.clear()
+            drain(time.monotonic() + 1.5)
+            assert [m for _, m in got if m == "WATCHDOG=1"][1:] == []  # at most one ping in flight
+            stall.unlink()
+            got.clear()
+            drain(time.monotonic() + 1.0)
+            assert sum(m == "WATCHDOG=1" for _, m in got) >= 3
+    finally:
+        srv.close()

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import shared_fixture
+
+from sparkd import procfs
+from sparkd.sample import build_sample, driver_bytes
+from sparkd.units import GiB
+
+
+def test_it_parses_the_gb10_idle_fixture_in_bytes() -> None:
+    text = shared_fixture("meminfo", "gb10-idle.meminfo").read_text()
+    res = procfs.parse_meminfo(text)
+    assert res.bad_lines == []
+    assert res.fields["MemTotal"] == 127600748 * 1024
+    assert round(res.fields["MemTotal"] / GiB, 2) == 121.69
+    assert res.fields["MemAvailable"] == 118566368 * 1024
+    assert res.fields["HugePages_Total"] == 0  # a count, not kB
+    assert res.fields["Hugepagesize"] == 2048 * 1024
+    # every line of the fixture is a field
+    assert len(res.fields) == len([line for line in text.splitlines() if line.strip()])
+
+
+def test_it_skips_a_garbage_line_and_reports_it() -> None:
+    text = "MemTotal: 100 kB\nthis is not meminfo\nMemFree: abc kB\nMemAvailable: 50 kB\nOdd: 5 MB\n"
+    res = procfs.parse_meminfo(text)
+    assert res.fields == {"MemTotal": 102400, "MemAvailable": 51200}
+    assert res.bad_lines == ["this is not meminfo", "MemFree: abc kB", "Odd: 5 MB"]
+
+
+def test_a_missing_field_is_none_not_a_crash() -> None:
+    res = procfs.parse_meminfo("MemTotal: 100 kB\nMemFree: 10 kB\n")
+    s = build_sample(0.0, 0.0, res, None)
+    assert s.mem_total == 102400 and s.mem_free == 10240
+    assert s.mem_available is None and s.cma_free is None and s.driver_bytes is None
+    assert s.psi_some_avg10 is None
+
+
+def test_it_parses_psi_and_returns_none_when_absent(tmp_path: Path) -> None:
+    (tmp_path / "pressure").mkdir()
+    (tmp_path / "pressure" / "memory").write_text(
+        "some avg10=1.50 avg60=0.25 avg300=0.00 total=123456\nfull avg10=0.50 avg60=0.10 avg300=0.00 total=789\n"
+    )
+    psi = procfs.read_psi(tmp_path)
+    assert psi is not None
+    assert (psi.some_avg10, psi.some_avg60, psi.some_total_us) == (1.5, 0.25, 123456)
+    assert (psi.full_avg10, psi.full_total_us) == (0.5, 789)
+    assert procfs.read_psi(tmp_path / "nope") is None
+    assert procfs.parse_psi("garbage") is None
+
+
+def test_it_counts_shm_entries(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "b").write_bytes(b"")
+    used, count = procfs.read_shm(tmp_path)
+    assert count == 2 and used is not None and used >= 0
+    assert procfs.read_shm(tmp_path / "missing") == (None, None)
+
+
+def test_the_fast_reader_agrees_with_the_plain_reader_on_this_host() -> None:
+    r = procfs.ProcReader("/proc")
+    try:
+        first, second = r.meminfo(), r.meminfo()
+        plain = procfs.read_meminfo("/proc")
+        assert r._layout is not None  # the second read went through the cached layout
+    finally:
+        r.close()
+    assert first.fields.keys() == second.fields.keys() == plain.fields.keys()
+    assert second.fields["MemTotal"] == plain.fields["MemTotal"]
+
+
+def test_the_fast_reader_falls_back_when_the_layout_changes(tmp_path: Path) -> None:
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\n")
+    r = procfs.ProcReader(tmp_path)
+    assert r.meminfo().fields == {"MemTotal": 102400, "MemFree": 10240}
+    assert r.meminfo().fields["MemFree"] == 10240  # via the cached layout
+    # a file replaced in place: the open fd still reads the old inode, so reopen
+    r.close()
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable: 20 kB\nJunk line\n")
+    res = r.meminfo()
+    assert res.fields["MemAvailable"] == 20480 and res.bad_lines == ["Junk line"]
+    assert r.psi() is None  # no pressure/ in this tree
+
+
+@pytest.mark.parametrize(
+    ("field", "kb"),
+    [("MemFree", 112874312), ("Buffers", 412388), ("Cached", 6384120), ("AnonPages", 1709184),
+     ("Slab", 929792), ("PageTables", 38912), ("KernelStack", 24576)],
+)
+def test_driver_estimate_terms_come_from_the_fixture(field: str, kb: int) -> None:
+    res = procfs.parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text())
+    assert res.fields[field] == kb * 1024
+
+
+def test_driver_estimate_checked_by_hand_on_gb10_fixture() -> None:
+    res = procfs.parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text())
+    # 127600748 - 112874312 - 412388 - 6384120 - 1709184 - 929792 - 38912 - 24576 = 5227464 kB
+    assert driver_bytes(res.fields) == 5227464 * 1024
+    assert round(5227464 / 2**20, 2) == 4.99  # GiB
