@@ -28,6 +28,7 @@ def main() -> None:
         for i in range(0, len(b), 4096):
             b[i] = 1
         chunks.append(b)
+        del b  # only ``chunks`` may hold the memory, so that "free" really frees it
         done += n
         if delay:
             time.sleep(delay)
