@@ -158,14 +158,8 @@ def check_gpu(ctx: DoctorContext) -> list[Check]:
     """nvidia-smi present? name, driver, CUDA; and how GPU memory is reported."""
     rc, out = ctx.run(["nvidia-smi"])
     if rc == 127:
-        return [
-            Check(
-                "WARN",
-                "GPU",
-                "nvidia-smi not found",
-                "install the NVIDIA driver utilities; sparkd still guards /proc/meminfo without it",
-            )
-        ]
+        action = "install the NVIDIA driver utilities; sparkd still guards /proc/meminfo without it"
+        return [Check("WARN", "GPU", "nvidia-smi not found", action)]
     table = parse_nvidia_smi_table(out)
     if rc != 0 or not table.gpus:
         first = out.strip().splitlines()[0] if out.strip() else f"exit {rc}"
@@ -201,14 +195,8 @@ def check_docker(ctx: DoctorContext) -> list[Check]:
     ok, detail = ctx.docker_ping()
     if ok:
         return [Check("OK", "Docker", f"reachable, {detail}")]
-    return [
-        Check(
-            "FAIL",
-            "Docker",
-            f"not reachable: {detail}",
-            "systemctl start docker; sparkd can only watch memory, not stop the container",
-        )
-    ]
+    action = "systemctl start docker; sparkd can only watch memory, not stop the container"
+    return [Check("FAIL", "Docker", f"not reachable: {detail}", action)]
 
 
 def check_nvidia_runtime(ctx: DoctorContext) -> list[Check]:
@@ -219,14 +207,9 @@ def check_nvidia_runtime(ctx: DoctorContext) -> list[Check]:
     runtimes = sorted(info.get("Runtimes") or {})
     if "nvidia" in runtimes:
         return [Check("OK", "NVIDIA runtime", "nvidia runtime registered with Docker")]
-    return [
-        Check(
-            "WARN",
-            "NVIDIA runtime",
-            f"Docker is up but has no nvidia runtime (runtimes: {', '.join(runtimes) or 'none'})",
-            "install nvidia-container-toolkit; `nvidia-ctk runtime configure --runtime=docker`",
-        )
-    ]
+    action = "install nvidia-container-toolkit; `nvidia-ctk runtime configure --runtime=docker`"
+    msg = f"Docker is up but has no nvidia runtime (runtimes: {', '.join(runtimes) or 'none'})"
+    return [Check("WARN", "NVIDIA runtime", msg, action)]
 
 
 def check_cgroup(ctx: DoctorContext) -> list[Check]:
@@ -235,13 +218,9 @@ def check_cgroup(ctx: DoctorContext) -> list[Check]:
     if (root / "cgroup.controllers").exists():
         return [Check("OK", "cgroup", "v2 (unified)")]
     mode = "hybrid (v1 + v2)" if (root / "unified" / "cgroup.controllers").exists() else "v1"
+    action = "boot with systemd.unified_cgroup_hierarchy=1 (DGX OS default is v2)"
     return [
-        Check(
-            "WARN",
-            "cgroup",
-            f"{mode}: sparkd reads container memory from cgroup v2",
-            "boot with systemd.unified_cgroup_hierarchy=1 (DGX OS default is v2)",
-        )
+        Check("WARN", "cgroup", f"{mode}: sparkd reads container memory from cgroup v2", action)
     ]
 
 
@@ -260,14 +239,9 @@ def check_swap(ctx: DoctorContext) -> list[Check]:
     if not total:
         return [Check("OK", "Swap", "off (MemAvailable floors are the protection, not swap)")]
     used = total - mi.get("SwapFree", 0)
-    return [
-        Check(
-            "WARN",
-            "Swap",
-            f"on: {fmt_gib(total)}, {fmt_gib(used)} used; a UMA host thrashing in swap freezes too",
-            "swapoff -a (and drop it from /etc/fstab), or keep it knowing it only delays a freeze",
-        )
-    ]
+    action = "swapoff -a (and drop it from /etc/fstab), or keep it knowing it only delays a freeze"
+    msg = f"on: {fmt_gib(total)}, {fmt_gib(used)} used; a UMA host thrashing in swap freezes too"
+    return [Check("WARN", "Swap", msg, action)]
 
 
 def _read_int(path: Path) -> int | None:
@@ -301,14 +275,9 @@ def check_watermarks(ctx: DoctorContext) -> list[Check]:
         return [Check("WARN", "Kernel watermarks", "unreadable", f"check {vm} is readable")]
     if not raised:
         return [Check("OK", "Kernel watermarks", detail + " (kernel defaults)")]
-    return [
-        Check(
-            "WARN",
-            "Kernel watermarks",
-            detail + ": raised; MemAvailable reads lower on a healthy host",
-            "set sparkd's floors relative to the low watermark, not a fixed 6 GiB",
-        )
-    ]
+    action = "set sparkd's floors relative to the low watermark, not a fixed 6 GiB"
+    msg = detail + ": raised; MemAvailable reads lower on a healthy host"
+    return [Check("WARN", "Kernel watermarks", msg, action)]
 
 
 def check_memtotal(ctx: DoctorContext) -> list[Check]:
@@ -397,8 +366,7 @@ def check_dev_char_symlinks(ctx: DoctorContext) -> list[Check]:
             "daemon-reload GPU risk",
             f"{len(missing)}/{len(nodes)} NVIDIA nodes lack /dev/char links "
             f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}); "
-            f"{driver}: a daemon-reload can cut a running "
-            "container off its GPU (Failed to initialize NVML: Unknown Error)",
+            f"{driver}: daemon-reload can cut running containers off the GPU",
             f"{DEV_CHAR_FIX} (and at boot, e.g. a udev rule); a container that lost its GPU "
             "must be recreated",
         )
@@ -409,23 +377,13 @@ def check_unit(ctx: DoctorContext) -> list[Check]:
     """sparkd.service active and enabled; systemd not PID 1 → WARN."""
     us = ctx.unit_status() if ctx.unit_status else probe_unit_status(ctx.run, ctx.run_root)
     if not us.systemd_pid1:
-        return [
-            Check(
-                "WARN",
-                "sparkd unit",
-                "systemd is not running as PID 1 here",
-                "run `sparkd run` under another supervisor, or on a host booted with systemd",
-            )
-        ]
+        action = "run `sparkd run` under another supervisor, or on a host booted with systemd"
+        return [Check("WARN", "sparkd unit", "systemd is not running as PID 1 here", action)]
     if us.active == "active" and us.enabled == "enabled":
         return [Check("OK", "sparkd unit", "active, enabled")]
+    action = "sparkd install, or systemctl enable --now sparkd; journalctl -u sparkd for errors"
     return [
-        Check(
-            "WARN",
-            "sparkd unit",
-            f"{us.active or 'unknown'}, {us.enabled or 'unknown'}",
-            "sparkd install, or systemctl enable --now sparkd; journalctl -u sparkd for errors",
-        )
+        Check("WARN", "sparkd unit", f"{us.active or 'unknown'}, {us.enabled or 'unknown'}", action)
     ]
 
 
@@ -438,14 +396,8 @@ def check_last_trip(ctx: DoctorContext) -> list[Check]:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(trip.at_s))
     if age_s > LAST_TRIP_RECENT_S:
         return [Check("OK", "Last trip", f"{when} ({age_s / 86400:.0f} d ago): {trip.reason}")]
-    return [
-        Check(
-            "WARN",
-            "Last trip",
-            f"{when} ({age_s / 3600:.1f} h ago): {trip.reason}",
-            "read the postmortem bundle in /var/lib/sparkd before relaunching",
-        )
-    ]
+    action = "read the postmortem bundle in /var/lib/sparkd before relaunching"
+    return [Check("WARN", "Last trip", f"{when} ({age_s / 3600:.1f} h ago): {trip.reason}", action)]
 
 
 def format_report(checks: Sequence[Check]) -> str:
