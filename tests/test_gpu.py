@@ -1,0 +1,244 @@
+"""sparkd.gpu: NVML readings through an injected fake pynvml, and nvidia-smi text parsers."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from sparkd.gpu import (
+    GpuReading,
+    GpuSampler,
+    parse_nvidia_smi_query_csv,
+    parse_nvidia_smi_table,
+    read_gpu,
+)
+from sparkd.units import GiB, MiB
+from tests.conftest import REPO, shared_fixture
+
+GB10_MEMTOTAL = 127600748 * 1024  # gb10-idle.meminfo
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__({3: "Not Supported", 9: "Driver Not Loaded"}.get(value, f"code {value}"))
+        self.value = value
+
+
+class FakeNvml:
+    """The slice of pynvml's API that read_gpu uses."""
+
+    NVMLError = FakeNVMLError
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_DRIVER_NOT_LOADED = 9
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, *, init_error: int | None = None, memory: Any = None) -> None:
+        self.init_error = init_error
+        self.memory = memory  # an int error code, or (total, used)
+        self.calls: list[str] = []
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+        if self.init_error is not None:
+            raise FakeNVMLError(self.init_error)
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "580.126.09"
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        return f"h{i}"
+
+    def nvmlDeviceGetName(self, h: str) -> bytes:
+        return b"NVIDIA GB10"  # older pynvml returns bytes
+
+    def nvmlDeviceGetUtilizationRates(self, h: str) -> SimpleNamespace:
+        return SimpleNamespace(gpu=7, memory=0)
+
+    def nvmlDeviceGetTemperature(self, h: str, kind: int) -> int:
+        assert kind == self.NVML_TEMPERATURE_GPU
+        return 36
+
+    def nvmlDeviceGetPowerUsage(self, h: str) -> int:
+        return 11170  # mW
+
+    def nvmlDeviceGetMemoryInfo(self, h: str) -> SimpleNamespace:
+        if isinstance(self.memory, int):
+            raise FakeNVMLError(self.memory)
+        total, used = self.memory
+        return SimpleNamespace(total=total, used=used, free=total - used)
+
+
+def test_it_reads_every_field_when_nvml_reports_memory() -> None:
+    nvml = FakeNvml(memory=(GB10_MEMTOTAL, 3 * GiB))
+    [r] = read_gpu(nvml)
+    assert r == GpuReading(
+        index=0,
+        name="NVIDIA GB10",
+        driver_version="580.126.09",
+        utilization_pct=7.0,
+        temperature_c=36.0,
+        power_w=11.17,
+        memory_total_bytes=GB10_MEMTOTAL,  # some drivers: total == MemTotal; kept as is
+        memory_used_bytes=3 * GiB,
+        memory_supported=True,
+    )
+    assert nvml.calls == ["init", "shutdown"]
+
+
+def test_it_keeps_the_rest_when_memory_is_not_supported() -> None:
+    [r] = read_gpu(FakeNvml(memory=3))
+    assert r.available and r.memory_supported is False
+    assert r.memory_total_bytes is None and r.memory_used_bytes is None
+    assert (r.name, r.temperature_c, r.power_w) == ("NVIDIA GB10", 36.0, 11.17)
+    assert r.notes == ()
+
+
+def test_it_notes_other_memory_errors_without_calling_them_unsupported() -> None:
+    [r] = read_gpu(FakeNvml(memory=999))
+    assert r.memory_supported is None
+    assert r.notes == ("memory: code 999",)
+
+
+def test_it_reports_unavailable_without_a_driver() -> None:
+    nvml = FakeNvml(init_error=9)
+    assert read_gpu(nvml) == [GpuReading.unavailable("NVML init failed: Driver Not Loaded")]
+    assert "shutdown" not in nvml.calls
+
+
+def test_it_reports_unavailable_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The one global patch: make `import pynvml` fail even where it is installed.
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    [r] = read_gpu()
+    assert not r.available and "nvidia-ml-py" in (r.reason or "")
+
+
+def test_the_sampler_calls_nvml_at_most_every_interval_and_logs_not_supported_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    calls = []
+
+    def reader() -> list[GpuReading]:
+        calls.append(now[0])
+        return read_gpu(FakeNvml(memory=3))
+
+    s = GpuSampler(10.0, reader=reader, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="sparkd.gpu"):
+        for t in range(0, 35):
+            now[0] = float(t)
+            [r] = s.sample()
+            assert r.memory_supported is False
+    assert calls == [0.0, 10.0, 20.0, 30.0]
+    assert [m for m in caplog.messages if "Not Supported" in m] == [
+        "GPU 0 (NVIDIA GB10): NVML memory is Not Supported (unified memory); "
+        "/proc/meminfo is the ground truth"
+    ]
+
+
+def test_the_sampler_logs_unavailable_again_after_it_cleared(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answers = [
+        [GpuReading.unavailable("x")],
+        [GpuReading.unavailable("x")],
+        read_gpu(FakeNvml(memory=(1, 1))),
+        [GpuReading.unavailable("x")],
+    ]
+    s = GpuSampler(0.0, reader=lambda: answers.pop(0), clock=lambda: 0.0)
+    with caplog.at_level(logging.INFO, logger="sparkd.gpu"):
+        for _ in range(4):
+            s.sample()
+    assert caplog.messages == ["GPU readings unavailable: x"] * 2
+
+
+def test_it_parses_the_gb10_query_csv() -> None:
+    text = shared_fixture("nvidia-smi", "gb10-query.csv").read_text()
+    assert parse_nvidia_smi_query_csv(text) == [
+        {
+            "memory.total": None,
+            "memory.used": None,
+            "memory.free": None,
+            "utilization.gpu": 0.0,
+            "power.draw": 11.17,
+            "temperature.gpu": 35.0,
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "name, memory.total [MiB], memory.used [MiB]\nNVIDIA H200, 143771 MiB, 0 MiB\n",
+            {"name": "NVIDIA H200", "memory.total": 143771 * MiB, "memory.used": 0},
+        ),
+        (  # --format=csv,nounits
+            "memory.total [MiB], power.draw [W]\n143771, 74.50\n",
+            {"memory.total": 143771 * MiB, "power.draw": 74.5},
+        ),
+        ("power.draw [W]\n[Not Supported]\n", {"power.draw": None}),
+    ],
+)
+def test_it_parses_query_csv_variants(text: str, expected: dict[str, Any]) -> None:
+    assert parse_nvidia_smi_query_csv(text) == [expected]
+
+
+def test_it_parses_the_gb10_table() -> None:
+    t = parse_nvidia_smi_table(shared_fixture("nvidia-smi", "gb10.txt").read_text())
+    assert (t.driver_version, t.cuda_version) == ("580.126.09", "13.0")
+    assert [g.name for g in t.gpus] == ["NVIDIA GB10"]
+    assert t.memory_not_supported is True
+    assert t.gpus[0].memory_total_bytes is None
+
+
+def test_it_parses_a_discrete_gpu_table() -> None:
+    text = (REPO / "tests" / "fixtures" / "nvidia-smi" / "h200.txt").read_text()
+    t = parse_nvidia_smi_table(text)
+    assert t.memory_not_supported is False
+    assert t.gpus and t.gpus[0].name.startswith("NVIDIA H200")
+    assert t.gpus[0].memory_total_bytes and t.gpus[0].memory_total_bytes > 100 * GiB
+    assert t.driver_version and t.cuda_version
+
+
+def test_it_parses_nothing_from_an_empty_text() -> None:
+    t = parse_nvidia_smi_table("")
+    assert (t.driver_version, t.cuda_version, t.gpus) == (None, None, ())
+    assert parse_nvidia_smi_query_csv("") == []
+
+
+def test_python_m_sparkd_gpu_prints_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparkd.gpu"],
+        capture_output=True,
+        text=True,
+        cwd=Path(REPO),
+        timeout=60,
+    )
+    import json
+
+    data = json.loads(proc.stdout)
+    assert isinstance(data, list) and data
+    assert proc.returncode == (0 if all(d["available"] for d in data) else 1)
+
+
+def test_it_parses_a_discrete_gpu_query_csv() -> None:
+    text = (REPO / "tests" / "fixtures" / "nvidia-smi" / "h200-query.csv").read_text()
+    [row] = parse_nvidia_smi_query_csv(text)
+    assert row["name"] == "NVIDIA H200"
+    assert row["driver_version"] == "580.159.04"
+    assert row["memory.total"] == 143771 * MiB
+    assert row["memory.used"] == 0
+    assert row["utilization.gpu"] == 0.0
+    assert row["power.draw"] == 112.74
