@@ -254,8 +254,73 @@ def db_upgrade(ctx: click.Context) -> None:
     click.echo(f"{settings.db_file}: schema at revision {store.current_revision()}")
 
 
-def _path(p: str) -> Path:
-    return Path(p)
+def _last_trip(settings: Settings) -> Any:
+    from .doctor import LastTrip
+
+    try:
+        rows = _store(settings).events(kinds=["trip"], limit=1) if settings.db_file.exists() else []
+    except SparkdError:
+        return None
+    return LastTrip(rows[0]["ts"], rows[0]["message"]) if rows else None
+
+
+@main.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Is this host ready? One line per check: OK, WARN or FAIL with what to do. Exit 1 on FAIL."""
+    settings = _settings(ctx)
+    from . import doctor as doc
+
+    checks = doc.run_checks(
+        doc.DoctorContext(
+            proc_root=Path(settings.proc_root),
+            shm_dir=Path(settings.shm_dir),
+            last_trip=lambda: _last_trip(settings),
+        )
+    )
+    click.echo(doc.format_report(checks))
+    ctx.exit(doc.exit_code(checks))
+
+
+def _sparkd_exe() -> str:
+    import shutil
+
+    exe = Path(sys.argv[0]).resolve() if Path(sys.argv[0]).name == "sparkd" else None
+    found = shutil.which("sparkd")
+    return str(exe or (Path(found).resolve() if found else Path(sys.executable).parent / "sparkd"))
+
+
+@main.command()
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default="/",
+    show_default=True,
+    help="Install into this directory tree instead of the live system.",
+)
+@click.option("--no-enable", is_flag=True, help="Lay the files down but do not enable/start the unit.")
+@click.option(
+    "--accept-gpu-risk", is_flag=True, help="Reload systemd even though a running GPU container could lose its GPU."
+)
+def install(root: str, no_enable: bool, accept_gpu_risk: bool) -> None:
+    """Lay down the systemd unit, an example /etc/sparkd/sparkd.toml and the API token; enable the service."""
+    from .install import install as do_install
+
+    report = do_install(Path(root), sparkd_exe=_sparkd_exe(), enable=not no_enable, accept_gpu_risk=accept_gpu_risk)
+    click.echo(report.format())
+    sys.exit(report.exit_code)
+
+
+@main.command()
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True)
+@click.option("--purge", is_flag=True, help="Also delete /etc/sparkd and /var/lib/sparkd (data, token, archives).")
+def uninstall(root: str, purge: bool) -> None:
+    """Disable and remove the unit; configuration and data are kept unless --purge."""
+    from .install import uninstall as do_uninstall
+
+    report = do_uninstall(Path(root), purge=purge)
+    click.echo(report.format())
+    sys.exit(report.exit_code)
 
 
 if __name__ == "__main__":

@@ -398,3 +398,127 @@ def effective_config(settings: Settings) -> dict[str, Any]:
     d["log_dir"] = str(settings.logs_path)
     d["archive_dir"] = str(settings.archives_path)
     return d
+
+
+# One line of documentation per setting (tests check that none is missing).
+FIELD_DOCS: dict[str, str] = {
+    "state_dir": "SQLite store, API token and postmortem archives (/var/lib/sparkd as root).",
+    "db_path": "SQLite file; default <state_dir>/sparkd.db.",
+    "log_dir": "sparkd's own rotated log; default /var/log/sparkd as root, else <state_dir>/logs.",
+    "archive_dir": "Postmortem bundles (tar.gz); default <state_dir>/archives.",
+    "proc_root": "Where /proc is read from (tests point it at fixture trees).",
+    "shm_dir": "The host's POSIX shared memory directory (--ipc host puts the container's here).",
+    "interval_s": "Seconds between samples in normal mode (CONTEXT.md: about once a second). 0.1..60.",
+    "fast_interval_s": "Seconds between samples in fast mode: start-up, a rule counting, near a floor. >= 0.1.",
+    "fast_margin": "Sample fast while MemAvailable is within this of a rule's floor.",
+    "fast_fall_rate": "Sample fast while MemAvailable falls faster than this per second.",
+    "fast_hold_s": "Stay in fast mode this long after the last reason for it.",
+    "rules": "Stop rules: name, when (all), evidence (any), samples or for_s, action stop|warn, kind.",
+    "cooldown_s": "After a rule trips, further trips of that rule within this time are recorded, not acted on.",
+    "dry_run": "Record what would have happened; never stop or kill anything.",
+    "recheck": "Re-read memory just before acting; skip the stop if the condition no longer holds.",
+    "kernlog_source": "Kernel log reader: auto (kmsg, then journal, then dmesg), kmsg, journal, dmesg, off.",
+    "nvrm_window_s": "Window for counting NV_ERR_NO_MEMORY lines (nvrm_recent = this window + the previous).",
+    "nvrm_action": "diagnostic (default: driver errors are evidence and events) or stop.",
+    "nvrm_burst": "Driver-error lines within one window that raise an nvrm_burst event.",
+    "leak_threshold": "Driver-memory growth over the post-warm-up baseline that raises leak_trend.",
+    "leak_warmup_start_s": "Start of the baseline window after a launch (operators: 15 min).",
+    "leak_warmup_end_s": "End of the baseline window after a launch (operators: 25 min).",
+    "leak_repeat_s": "At most one leak_trend event per this many seconds (a day).",
+    "queue_max": "Database writer queue length; beyond it records are dropped after the rules saw them.",
+    "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power).",
+    "api.enabled": "Serve the REST API and dashboard.",
+    "api.host": "Listen address; anything but loopback needs api.allow_remote = true.",
+    "api.port": "Listen port of the API and dashboard.",
+    "api.allow_remote": "Allow binding beyond loopback (the API can stop containers: protect it).",
+    "api.allowed_hosts": "Host header values accepted (DNS-rebinding protection).",
+    "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
+    "container.name": "Name of the container sparkd launches.",
+    "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",
+    "container.model_dir": "Host directory with the checkpoint, mounted read-only.",
+    "container.model_mount": "Where the checkpoint appears inside the container.",
+    "container.served_model": "Model argument passed to vLLM; default the model mount.",
+    "container.port": "vLLM's port (host network): /health and /metrics are polled there.",
+    "container.args": "Extra vLLM arguments (exec form, no shell).",
+    "container.env": "Environment variables for the container.",
+    "container.docker_url": "Docker engine URL; default from DOCKER_HOST or the local socket.",
+    "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
+    "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
+    "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
+    "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
+    "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
+    "container.startup_timeout_s": "A launch that is not /health-ready within this is failed (and rolled back).",
+    "container.health_interval_s": "Seconds between /health polls.",
+    "container.auto_restart": "Relaunch after a stop (default: stay stopped until an operator acts).",
+    "container.restart_cap": "At most this many automatic restarts per restart_window_s.",
+    "container.restart_window_s": "Window for restart_cap.",
+    "container.restart_cooldown_s": "Wait this long before an automatic restart.",
+    "container.stop_on_exit": "Stop the model when sparkd itself stops (default: keep serving, adopt later).",
+    "container.archive_window_s": "Seconds of samples before a trip that go into the postmortem archive.",
+    "container.drain_timeout_s": "Resize: wait this long for running/waiting requests to reach 0.",
+    "budget.enabled": "Derive GMU and Docker --memory from the budget formula (CONTEXT.md).",
+    "budget.weights_gib": "GPU-resident weights after PLE; default: checkpoint size minus ple_gib.",
+    "budget.ple_gib": "mmap'ed embedding tables (PLE) that stay in page cache, not GPU memory.",
+    "budget.overhead_gib": "CUDA graphs, activations, workspaces (notes: 5.60).",
+    "budget.mtp": "Multi-token prediction (speculative decoding) enabled.",
+    "budget.mtp_gib": "Memory for MTP (notes: 1.49 GiB for 3 speculative tokens).",
+    "budget.mtp_off_credit_gib": "Weights not loaded when MTP is off.",
+    "budget.kv_target_gib": "KV cache wanted (notes: 20).",
+    "budget.host_reserve_gib": "Left to the host (notes: 26 had to become 28).",
+    "budget.max_model_len": "vLLM --max-model-len.",
+    "budget.kv_bytes_per_token": "KV bytes per token at BF16 (notes: 29482).",
+    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype (fp8: KV_MULT 0.58; bf16/auto: 1.0).",
+    "budget.max_num_seqs": "vLLM --max-num-seqs.",
+    "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
+    "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
+    "budget.docker_headroom_gib": "Docker --memory = budget + this (notes: 5).",
+    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this.",
+    "notify.kinds": "Event kinds that are sent out.",
+    "notify.command": "argv run for each event (no shell); fields in SPARKD_EVENT_* variables.",
+    "notify.webhook_url": "URL that receives a JSON POST for each event.",
+    "notify.timeout_s": "Timeout of one command run or webhook POST.",
+    "notify.retries": "Webhook retries after a failure.",
+    "notify.min_interval_s": "Rate limit: at most one notification per kind per this many seconds.",
+    "retention.raw_samples_s": "Keep raw samples this long (48 h).",
+    "retention.minute_aggregates_s": "Keep per-minute min/avg/max this long (30 days).",
+    "retention.events_s": "Keep events and launch records this long (a year).",
+    "retention.archives_max_count": "Keep at most this many archives (oldest removed first, never the newest).",
+    "retention.archives_max_bytes": "Keep archives within this total size.",
+    "retention.interval_s": "Run retention this often.",
+}
+
+
+def setting_keys(model: type[BaseModel] = Settings, prefix: str = "") -> list[str]:
+    """Every leaf setting as a dotted key (``api.port``); ``rules`` counts as one."""
+    keys = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += setting_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def example_config_text() -> str:
+    """The example ``sparkd.toml``: every setting commented out at its default, with its doc line."""
+    from .install import render_example_config
+
+    defaults = Settings.model_construct().model_dump(mode="json")
+    fields = []
+    for key in setting_keys():
+        if key == "rules":
+            continue
+        node: Any = defaults
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        fields.append((key, node, FIELD_DOCS.get(key, "")))
+    text = render_example_config(fields)
+    rules = "\n".join("# " + line for line in _rules_toml(DEFAULT_RULES).splitlines())
+    return text + "\n\n# Stop rules (defaults shown). " + FIELD_DOCS["rules"] + "\n" + rules + "\n"
+
+
+def _rules_toml(rules: list[dict[str, Any]]) -> str:
+    from .tomlout import dumps
+
+    return dumps({"rules": rules})

@@ -72,9 +72,7 @@ class LastTrip:
 def run_command(argv: Sequence[str], timeout_s: float = 15.0) -> tuple[int, str]:
     """Run ``argv``; return (exit status, stdout+stderr). 127 when not found, 124 on timeout."""
     try:
-        p = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError:
         return 127, f"{argv[0]}: command not found"
     except subprocess.TimeoutExpired:
@@ -102,9 +100,7 @@ def systemd_is_pid1(run_root: Path = Path("/run")) -> bool:
     return (run_root / "systemd" / "system").is_dir()
 
 
-def probe_unit_status(
-    run: Runner, run_root: Path = Path("/run"), unit: str = "sparkd"
-) -> UnitStatus:
+def probe_unit_status(run: Runner, run_root: Path = Path("/run"), unit: str = "sparkd") -> UnitStatus:
     """Ask systemctl for ``is-active``/``is-enabled`` (only when systemd is PID 1)."""
     if not systemd_is_pid1(run_root):
         return UnitStatus(False)
@@ -174,9 +170,7 @@ def check_gpu(ctx: DoctorContext) -> list[Check]:
         )
     else:
         total = sum(g.memory_total_bytes or 0 for g in table.gpus)
-        mem = Check(
-            "OK", "GPU memory", f"reported ({fmt_gib(total)}); sparkd still guards /proc/meminfo"
-        )
+        mem = Check("OK", "GPU memory", f"reported ({fmt_gib(total)}); sparkd still guards /proc/meminfo")
     return [gpu, mem]
 
 
@@ -219,9 +213,7 @@ def check_cgroup(ctx: DoctorContext) -> list[Check]:
         return [Check("OK", "cgroup", "v2 (unified)")]
     mode = "hybrid (v1 + v2)" if (root / "unified" / "cgroup.controllers").exists() else "v1"
     action = "boot with systemd.unified_cgroup_hierarchy=1 (DGX OS default is v2)"
-    return [
-        Check("WARN", "cgroup", f"{mode}: sparkd reads container memory from cgroup v2", action)
-    ]
+    return [Check("WARN", "cgroup", f"{mode}: sparkd reads container memory from cgroup v2", action)]
 
 
 def check_swap(ctx: DoctorContext) -> list[Check]:
@@ -355,11 +347,7 @@ def check_dev_char_symlinks(ctx: DoctorContext) -> list[Check]:
     info = _docker_info(ctx) or {}
     systemd_driver = info.get("CgroupDriver") == "systemd"
     status: Status = "FAIL" if systemd_driver else "WARN"
-    driver = (
-        "systemd cgroup driver"
-        if systemd_driver
-        else "cgroup driver " + str(info.get("CgroupDriver", "unknown"))
-    )
+    driver = "systemd cgroup driver" if systemd_driver else "cgroup driver " + str(info.get("CgroupDriver", "unknown"))
     return [
         Check(
             status,
@@ -367,8 +355,7 @@ def check_dev_char_symlinks(ctx: DoctorContext) -> list[Check]:
             f"{len(missing)}/{len(nodes)} NVIDIA nodes lack /dev/char links "
             f"({', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}); "
             f"{driver}: daemon-reload can cut running containers off the GPU",
-            f"{DEV_CHAR_FIX} (and at boot, e.g. a udev rule); a container that lost its GPU "
-            "must be recreated",
+            f"{DEV_CHAR_FIX} (and at boot, e.g. a udev rule); a container that lost its GPU must be recreated",
         )
     ]
 
@@ -382,9 +369,7 @@ def check_unit(ctx: DoctorContext) -> list[Check]:
     if us.active == "active" and us.enabled == "enabled":
         return [Check("OK", "sparkd unit", "active, enabled")]
     action = "sparkd install, or systemctl enable --now sparkd; journalctl -u sparkd for errors"
-    return [
-        Check("WARN", "sparkd unit", f"{us.active or 'unknown'}, {us.enabled or 'unknown'}", action)
-    ]
+    return [Check("WARN", "sparkd unit", f"{us.active or 'unknown'}, {us.enabled or 'unknown'}", action)]
 
 
 def check_last_trip(ctx: DoctorContext) -> list[Check]:

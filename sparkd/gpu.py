@@ -136,9 +136,7 @@ def _read_devices(nvml: Any, nvml_error: type[BaseException]) -> list[GpuReading
     return [_read_device(nvml, nvml_error, i, driver) for i in range(count)]
 
 
-def _read_device(
-    nvml: Any, nvml_error: type[BaseException], index: int, driver: str | None
-) -> GpuReading:
+def _read_device(nvml: Any, nvml_error: type[BaseException], index: int, driver: str | None) -> GpuReading:
     notes: list[str] = []
 
     def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -332,9 +330,7 @@ def parse_nvidia_smi_table(text: str) -> SmiTable:
             gpus.append(SmiGpu(int(m.group(1)), m.group(2), True, used, total))
         else:
             gpus.append(SmiGpu(int(m.group(1)), m.group(2), "Not Supported" not in mem_col))
-    return SmiTable(
-        driver.group(1) if driver else None, cuda.group(1) if cuda else None, tuple(gpus)
-    )
+    return SmiTable(driver.group(1) if driver else None, cuda.group(1) if cuda else None, tuple(gpus))
 
 
 def main() -> int:

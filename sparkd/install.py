@@ -180,9 +180,7 @@ class InstallReport:
 
 def _write(report: InstallReport, path: Path, text: str, mode: int, *, keep: bool) -> None:
     """Write atomically; ``keep``: an existing file is left as is."""
-    key = (
-        "/" + str(path.relative_to(report.root)) if path.is_relative_to(report.root) else str(path)
-    )
+    key = "/" + str(path.relative_to(report.root)) if path.is_relative_to(report.root) else str(path)
     if path.exists():
         if keep:
             report.files[key] = "kept"
@@ -284,9 +282,7 @@ def install(
         )
         return report
     container = running_container()
-    if not _reload_is_safe(
-        report, (gpu_risk or _gpu_risk_default(root, runner))(), container, accept_gpu_risk
-    ):
+    if not _reload_is_safe(report, (gpu_risk or _gpu_risk_default(root, runner))(), container, accept_gpu_risk):
         return report
     if not _systemctl(report, runner, "daemon-reload"):
         return report
@@ -299,9 +295,7 @@ def install(
     return report
 
 
-def _reload_is_safe(
-    report: InstallReport, risk: Check, container: str | None, accept: bool
-) -> bool:
+def _reload_is_safe(report: InstallReport, risk: Check, container: str | None, accept: bool) -> bool:
     if risk.status == "OK":
         return True
     report.say(f"{risk.status}: {risk.detail}")

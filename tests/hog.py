@@ -45,7 +45,9 @@ class Hog:
     def __init__(self, mib: int, step_mib: int | None = None, delay_s: float = 0.0) -> None:
         self.p = subprocess.Popen(
             [sys.executable, __file__, str(mib), str(step_mib or mib), str(delay_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:

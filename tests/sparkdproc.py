@@ -54,8 +54,11 @@ def sparkd_run(
     """Run ``python -m sparkd.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
     cfg = tmp_path / "sparkd.toml"
     cfg.write_text(f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
-    e = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k not in ("NOTIFY_SOCKET",
-                                                                                          "WATCHDOG_USEC")}
+    e = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SPARKD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
+    }
     e.update(env or {})
     p = subprocess.Popen(
         [sys.executable, "-m", "sparkd.cli", "--config", str(cfg), "run", *args],

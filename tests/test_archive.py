@@ -100,9 +100,7 @@ def test_it_slugs_odd_hints(hint: str, tmp_path: Path) -> None:
     assert name.startswith("sparkd-20261118T110640Z-") and archive._NAME_RE.match(name)
 
 
-def test_it_leaves_nothing_when_writing_fails_midway(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_it_leaves_nothing_when_writing_fails_midway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
     real = archive._tarinfo
 
@@ -118,9 +116,7 @@ def test_it_leaves_nothing_when_writing_fails_midway(
     assert os.listdir(tmp_path) == []
 
 
-def test_it_leaves_nothing_when_fsync_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_it_leaves_nothing_when_fsync_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
@@ -130,9 +126,7 @@ def test_it_leaves_nothing_when_fsync_fails(
     assert os.listdir(tmp_path) == []
 
 
-def test_it_never_shows_a_partial_file_under_the_final_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_it_never_shows_a_partial_file_under_the_final_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
     real = archive._write_members
 

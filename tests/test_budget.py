@@ -72,12 +72,18 @@ def test_it_reproduces_the_worked_example() -> None:
 
 def test_it_gives_vllm_args_of_the_example() -> None:
     assert make_plan(example()).vllm_args() == [
-        "--model", "/models/flash-next",
-        "--gpu-memory-utilization", "0.786",
-        "--max-model-len", "262144",
-        "--kv-cache-dtype", "fp8",
-        "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "2048",
+        "--model",
+        "/models/flash-next",
+        "--gpu-memory-utilization",
+        "0.786",
+        "--max-model-len",
+        "262144",
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "2048",
     ]
 
 
@@ -90,10 +96,17 @@ def test_it_omits_the_model_when_not_given_and_appends_extra_args() -> None:
     assert args[-2:] == ["--speculative-config", spec]
 
 
-@pytest.mark.parametrize(("dtype", "mult", "vllm_name"), [
-    ("auto", 1.0, "auto"), ("bf16", 1.0, "auto"), ("fp16", 1.0, "auto"),
-    ("fp8", 0.58, "fp8"), ("fp8_e4m3", 0.58, "fp8_e4m3"), ("fp8_e5m2", 0.58, "fp8_e5m2"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "mult", "vllm_name"),
+    [
+        ("auto", 1.0, "auto"),
+        ("bf16", 1.0, "auto"),
+        ("fp16", 1.0, "auto"),
+        ("fp8", 0.58, "fp8"),
+        ("fp8_e4m3", 0.58, "fp8_e4m3"),
+        ("fp8_e5m2", 0.58, "fp8_e5m2"),
+    ],
+)
 def test_it_maps_kv_cache_dtypes(dtype: str, mult: float, vllm_name: str) -> None:
     p = make_plan(example(kv_cache_dtype=dtype, max_model_len=32768))
     assert p.kv_mult == mult
@@ -109,10 +122,25 @@ def test_it_accepts_a_custom_kv_mult_table() -> None:
 
 def test_it_json_has_the_promised_keys() -> None:
     d = make_plan(example()).to_json()
-    for key in ("mem_total_gib", "weights_gib", "fixed_gib", "kv_need_gib", "wish_gib",
-                "cap_gib", "gmu", "budget_gib", "kv_exp_gib", "max_len_concurrency",
-                "docker_memory_gib", "docker_memory_swap_gib", "kv_mult", "squeezed",
-                "inputs", "vllm_args", "warnings"):
+    for key in (
+        "mem_total_gib",
+        "weights_gib",
+        "fixed_gib",
+        "kv_need_gib",
+        "wish_gib",
+        "cap_gib",
+        "gmu",
+        "budget_gib",
+        "kv_exp_gib",
+        "max_len_concurrency",
+        "docker_memory_gib",
+        "docker_memory_swap_gib",
+        "kv_mult",
+        "squeezed",
+        "inputs",
+        "vllm_args",
+        "warnings",
+    ):
         assert key in d, key
     assert d["gmu"] == 0.786
     assert d["inputs"]["max_model_len"] == 262144
@@ -316,38 +344,40 @@ def test_it_refuses_when_the_fixed_part_does_not_fit() -> None:
 
 def test_it_refuses_a_gmu_of_zero() -> None:
     with pytest.raises(Refused) as e:
-        make_plan(example(weights_gib=0, overhead_gib=0, mtp_gib=0, kv_target_gib=0,
-                          max_model_len=1, kv_bytes_per_token=1))
+        make_plan(
+            example(weights_gib=0, overhead_gib=0, mtp_gib=0, kv_target_gib=0, max_model_len=1, kv_bytes_per_token=1)
+        )
     assert "0.000" in e.value.message
     assert "0 < gmu ≤ 1" in e.value.message
 
 
-@pytest.mark.parametrize(("changes", "field", "allowed"), [
-    ({"mem_total_bytes": 0}, "mem_total_bytes", "≥ 1"),
-    ({"mem_total_bytes": 121.69}, "mem_total_bytes", "integer"),
-    ({"max_model_len": 0}, "max_model_len", "≥ 1"),
-    ({"kv_bytes_per_token": -1}, "kv_bytes_per_token", "≥ 1"),
-    ({"max_num_seqs": 0}, "max_num_seqs", "≥ 1"),
-    ({"max_num_batched_tokens": True}, "max_num_batched_tokens", "≥ 1"),
-    ({"weights_gib": -1.0}, "weights_gib", "≥ 0"),
-    ({"weights_gib": None}, "weights_gib", "exactly one"),
-    ({"weight_bytes": 10 * GiB}, "weights_gib", "exactly one"),
-    ({"weights_gib": None, "weight_bytes": -1}, "weight_bytes", "≥ 0"),
-    ({"weights_gib": None, "weight_bytes": GiB, "ple_bytes": 2 * GiB},
-     "ple_bytes", "≤ weight_bytes"),
-    ({"ple_bytes": GiB}, "ple_bytes", "after PLE"),
-    ({"overhead_gib": -0.1}, "overhead_gib", "≥ 0"),
-    ({"mtp_gib": float("inf")}, "mtp_gib", "finite"),
-    ({"kv_target_gib": -1}, "kv_target_gib", "≥ 0"),
-    ({"docker_headroom_gib": -5}, "docker_headroom_gib", "≥ 0"),
-    ({"host_reserve_gib": 121.7}, "host_reserve_gib", "< MemTotal (121.69 GiB)"),
-    ({"host_reserve_gib": -1}, "host_reserve_gib", "0 ≤"),
-    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype", "fp8"),
-    ({"kv_mult_table": {"fp8": 0}}, "kv_mult_table[fp8]", "0 < m"),
-    ({"model": " "}, "model", "non-empty"),
-])
-def test_it_names_the_bad_field_and_its_range(changes: dict[str, object], field: str,
-                                               allowed: str) -> None:
+@pytest.mark.parametrize(
+    ("changes", "field", "allowed"),
+    [
+        ({"mem_total_bytes": 0}, "mem_total_bytes", "≥ 1"),
+        ({"mem_total_bytes": 121.69}, "mem_total_bytes", "integer"),
+        ({"max_model_len": 0}, "max_model_len", "≥ 1"),
+        ({"kv_bytes_per_token": -1}, "kv_bytes_per_token", "≥ 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs", "≥ 1"),
+        ({"max_num_batched_tokens": True}, "max_num_batched_tokens", "≥ 1"),
+        ({"weights_gib": -1.0}, "weights_gib", "≥ 0"),
+        ({"weights_gib": None}, "weights_gib", "exactly one"),
+        ({"weight_bytes": 10 * GiB}, "weights_gib", "exactly one"),
+        ({"weights_gib": None, "weight_bytes": -1}, "weight_bytes", "≥ 0"),
+        ({"weights_gib": None, "weight_bytes": GiB, "ple_bytes": 2 * GiB}, "ple_bytes", "≤ weight_bytes"),
+        ({"ple_bytes": GiB}, "ple_bytes", "after PLE"),
+        ({"overhead_gib": -0.1}, "overhead_gib", "≥ 0"),
+        ({"mtp_gib": float("inf")}, "mtp_gib", "finite"),
+        ({"kv_target_gib": -1}, "kv_target_gib", "≥ 0"),
+        ({"docker_headroom_gib": -5}, "docker_headroom_gib", "≥ 0"),
+        ({"host_reserve_gib": 121.7}, "host_reserve_gib", "< MemTotal (121.69 GiB)"),
+        ({"host_reserve_gib": -1}, "host_reserve_gib", "0 ≤"),
+        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype", "fp8"),
+        ({"kv_mult_table": {"fp8": 0}}, "kv_mult_table[fp8]", "0 < m"),
+        ({"model": " "}, "model", "non-empty"),
+    ],
+)
+def test_it_names_the_bad_field_and_its_range(changes: dict[str, object], field: str, allowed: str) -> None:
     with pytest.raises(InvalidInput) as e:
         make_plan(example(**changes))
     assert e.value.field == field
@@ -360,14 +390,35 @@ def test_it_names_the_bad_field_and_its_range(changes: dict[str, object], field:
 
 def test_it_renders_a_table_with_the_figures_and_the_command() -> None:
     text = render_plan_table(make_plan(example()), image="vllm/vllm-openai:v0.11.0")
-    for figure in ("121.69 GiB", "71.75 GiB", "78.84 GiB", "4.17 GiB", "98.84 GiB", "95.69 GiB",
-                   "0.786", "95.65 GiB", "16.81 GiB", "4.03", "100.65 GiB", "262144", "29482",
-                   "fp8 (KV_MULT 0.58)", "4 / 2048"):
+    for figure in (
+        "121.69 GiB",
+        "71.75 GiB",
+        "78.84 GiB",
+        "4.17 GiB",
+        "98.84 GiB",
+        "95.69 GiB",
+        "0.786",
+        "95.65 GiB",
+        "16.81 GiB",
+        "4.03",
+        "100.65 GiB",
+        "262144",
+        "29482",
+        "fp8 (KV_MULT 0.58)",
+        "4 / 2048",
+    ):
         assert figure in text, figure
     assert "SQUEEZED" in text
-    for flag in ("docker run", "--memory 103063m", "--memory-swap 103063m", "--ipc host",
-                 "--network host", "--gpu-memory-utilization 0.786",
-                 "vllm/vllm-openai:v0.11.0", "--label sparkd.managed=true"):
+    for flag in (
+        "docker run",
+        "--memory 103063m",
+        "--memory-swap 103063m",
+        "--ipc host",
+        "--network host",
+        "--gpu-memory-utilization 0.786",
+        "vllm/vllm-openai:v0.11.0",
+        "--label sparkd.managed=true",
+    ):
         assert flag in text, flag
     assert "28" in text  # the reserve warning
 
@@ -395,13 +446,15 @@ def test_it_sums_safetensors_and_ignores_other_files(tmp_path: Path) -> None:
     assert checkpoint_weight_bytes(tmp_path) == 1500
 
 
-@pytest.mark.parametrize(("names", "expected"), [
-    ({"a.bin": 10, "b.pt": 5}, 15),
-    ({"m.gguf": 42}, 42),
-    ({"README.md": 9}, 0),
-])
-def test_it_falls_back_to_other_weight_formats(tmp_path: Path, names: dict[str, int],
-                                               expected: int) -> None:
+@pytest.mark.parametrize(
+    ("names", "expected"),
+    [
+        ({"a.bin": 10, "b.pt": 5}, 15),
+        ({"m.gguf": 42}, 42),
+        ({"README.md": 9}, 0),
+    ],
+)
+def test_it_falls_back_to_other_weight_formats(tmp_path: Path, names: dict[str, int], expected: int) -> None:
     for name, size in names.items():
         _write(tmp_path / name, size)
     assert checkpoint_weight_bytes(tmp_path) == expected

@@ -26,8 +26,10 @@ def test_it_builds_the_embedded_defaults(tmp_path: Path) -> None:
         ({"api": {"port": 70000}}, "api.port = 70000: Input should be less than or equal to 65535"),
         ({"rules": [{"name": "x", "when": ["MemAvail < 3GiB"]}]}, "unknown field 'MemAvail'"),
         ({"rules": [{"name": "x", "when": ["MemAvailable < 3XB"]}]}, "unknown size unit 'XB'"),
-        ({"rules": [{"name": "x", "when": ["MemAvailable < 3GiB"], "action": "explode"}]},
-         "rules.0.action = \"explode\": Input should be 'stop' or 'warn'"),
+        (
+            {"rules": [{"name": "x", "when": ["MemAvailable < 3GiB"], "action": "explode"}]},
+            "rules.0.action = \"explode\": Input should be 'stop' or 'warn'",
+        ),
         ({"api": {"host": "0.0.0.0"}}, "set api.allow_remote = true"),
         ({"kernlog_source": "syslog"}, "Input should be 'auto', 'kmsg', 'journal', 'dmesg' or 'off'"),
         ({"nonsense": 1}, "nonsense = 1: Extra inputs are not permitted"),
@@ -79,3 +81,28 @@ def test_the_cli_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show"])
     assert r.exit_code == 2
     assert "interval_s = 0.01" in r.output and "greater than or equal to 0.1" in r.output
+
+
+def test_every_setting_is_documented_and_the_example_config_loads(tmp_path: Path) -> None:
+    from sparkd.config import FIELD_DOCS, example_config_text, setting_keys
+
+    assert set(setting_keys()) == set(FIELD_DOCS)
+    text = example_config_text()
+    for key in setting_keys():
+        assert (f"# {key.rpartition('.')[2]} = " if key != "rules" else "# [[rules]]") in text, key
+    # uncomment every line that sets a value: the result is valid TOML and valid settings
+    import re
+
+    lines = []
+    for line in text.splitlines():
+        body = line[2:] if line.startswith("# ") else line
+        if line.startswith("[") or body == "[[rules]]" or (re.match(r"^[a-z_]+ = ", body) and "<unset>" not in body):
+            lines.append(body)
+    data = tomllib.loads("\n".join(lines))
+    data["state_dir"] = str(tmp_path)
+    cfg = tmp_path / "all.toml"
+    from sparkd.tomlout import dumps
+
+    cfg.write_text(dumps(data))
+    s = load_settings(cfg)
+    assert s.interval_s == 1.0 and [r.name for r in s.rules] == [r["name"] for r in DEFAULT_RULES]

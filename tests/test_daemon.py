@@ -34,7 +34,9 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         assert rows[0][0] == _mem_total()
         out = subprocess.run(
             [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         st = json.loads(out.stdout)
         assert st["daemon_running"] is True
@@ -43,7 +45,9 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         assert all(r["counter"] == 0 for r in st["rules"])
         human = subprocess.run(
             [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         assert "MemAvailable" in human and "low_available              0/5" in human
 
@@ -52,17 +56,23 @@ def test_an_nvrm_line_in_kmsg_is_recorded_with_meminfo_context(tmp_path: Path) -
     need(os.access("/dev/kmsg", os.W_OK), "/dev/kmsg is not writable (needs root)")
     db = tmp_path / "sparkd.db"
     marker = f"sparkd-test-{uuid.uuid4().hex[:8]}"
-    with sparkd_run(tmp_path, config=f'interval_s = {INTERVAL}\nfast_interval_s = {INTERVAL}\nkernlog_source = "kmsg"\n'):
+    with sparkd_run(
+        tmp_path, config=f'interval_s = {INTERVAL}\nfast_interval_s = {INTERVAL}\nkernlog_source = "kmsg"\n'
+    ):
         assert wait_for(lambda: db_query(db, "SELECT 1 FROM status"), 5.0)
-        line = (f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
-                f"returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1353 {marker}\n")
+        line = (
+            f"NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
+            f"returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1353 {marker}\n"
+        )
         with open("/dev/kmsg", "w") as f:
             f.write(line)
         written, written_wall = time.monotonic(), time.time()
         rows = wait_for(
-            lambda: db_query(db, "SELECT ts, details FROM events WHERE kind='nvrm_no_memory' AND message LIKE ?",
-                             (f"%{marker}%",)),
-            5.0, step_s=0.01,
+            lambda: db_query(
+                db, "SELECT ts, details FROM events WHERE kind='nvrm_no_memory' AND message LIKE ?", (f"%{marker}%",)
+            ),
+            5.0,
+            step_s=0.01,
         )
         seen = time.monotonic() - written
         assert rows, "NVRM line not recorded"

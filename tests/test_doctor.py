@@ -146,9 +146,7 @@ def test_it_passes_a_healthy_gb10(tmp_path: Path) -> None:
     assert all(c.status == "OK" for c in checks), format_report(checks)
     by = {c.title: c.detail for c in checks}
     assert by["GPU"] == "NVIDIA GB10, driver 580.126.09, CUDA 13.0"
-    assert by["GPU memory"] == (
-        "Not Supported (unified memory, GB10): /proc/meminfo is the ground truth"
-    )
+    assert by["GPU memory"] == ("Not Supported (unified memory, GB10): /proc/meminfo is the ground truth")
     assert by["MemTotal"] == "121.69 GiB"
     assert by["Swap"].startswith("off")
     assert by["daemon-reload GPU risk"] == "2 NVIDIA nodes linked in /dev/char"

@@ -142,8 +142,7 @@ def test_the_sampler_calls_nvml_at_most_every_interval_and_logs_not_supported_on
             assert r.memory_supported is False
     assert calls == [0.0, 10.0, 20.0, 30.0]
     assert [m for m in caplog.messages if "Not Supported" in m] == [
-        "GPU 0 (NVIDIA GB10): NVML memory is Not Supported (unified memory); "
-        "/proc/meminfo is the ground truth"
+        "GPU 0 (NVIDIA GB10): NVML memory is Not Supported (unified memory); /proc/meminfo is the ground truth"
     ]
 
 

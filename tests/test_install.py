@@ -248,9 +248,7 @@ def test_uninstall_keeps_config_and_data_unless_purge(tmp_path: Path) -> None:
     install(tmp_path, sparkd_exe=EXE)
     r = uninstall(tmp_path)
     assert not (tmp_path / "etc/systemd/system/sparkd.service").exists()
-    assert not os.path.lexists(
-        tmp_path / "etc/systemd/system/multi-user.target.wants/sparkd.service"
-    )
+    assert not os.path.lexists(tmp_path / "etc/systemd/system/multi-user.target.wants/sparkd.service")
     assert (tmp_path / "etc/sparkd/sparkd.toml").exists()
     assert (tmp_path / "var/lib/sparkd/token").exists()
     assert r.files["/var/lib/sparkd"] == "kept"
@@ -263,9 +261,7 @@ def test_uninstall_keeps_config_and_data_unless_purge(tmp_path: Path) -> None:
 def test_uninstall_with_systemd_stops_then_reloads(tmp_path: Path) -> None:
     install(tmp_path, sparkd_exe=EXE, enable=False)
     runner = Recorder()
-    r = uninstall(
-        tmp_path, live=True, systemd_pid1=lambda: True, runner=runner, gpu_risk=lambda: OK_RISK
-    )
+    r = uninstall(tmp_path, live=True, systemd_pid1=lambda: True, runner=runner, gpu_risk=lambda: OK_RISK)
     assert runner.calls == [
         ("systemctl", "disable", "--no-reload", "--now", "sparkd.service"),
         RELOAD,

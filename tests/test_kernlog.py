@@ -91,9 +91,7 @@ def check(rec: Any, kind: str | None, want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("name", "idx", "kind", "want"), FIXTURE_TABLE)
-def test_it_classifies_every_fixture_line(
-    name: str, idx: int, kind: str | None, want: dict[str, Any]
-) -> None:
+def test_it_classifies_every_fixture_line(name: str, idx: int, kind: str | None, want: dict[str, Any]) -> None:
     lines = shared_fixture("kernlog", name).read_text().splitlines()
     rec = classify(lines[idx])
     check(rec, kind, want)
@@ -183,12 +181,8 @@ VARIANTS: list[tuple[str, str, str | None, dict[str, Any]]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("line", "kind", "want"), [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS]
-)
-def test_it_classifies_reader_and_driver_variants(
-    line: str, kind: str | None, want: dict[str, Any]
-) -> None:
+@pytest.mark.parametrize(("line", "kind", "want"), [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
+def test_it_classifies_reader_and_driver_variants(line: str, kind: str | None, want: dict[str, Any]) -> None:
     check(classify(line), kind, want)
 
 
@@ -250,9 +244,7 @@ def test_it_rejects_bad_windows() -> None:
     ),
     st.sampled_from([0.5, 1.0, 10.0, 7.3]),
 )
-def test_it_puts_every_line_in_exactly_one_window(
-    events: list[tuple[float, int, bool]], window_s: float
-) -> None:
+def test_it_puts_every_line_in_exactly_one_window(events: list[tuple[float, int, bool]], window_s: float) -> None:
     w = NvrmWindows(window_s)
     drained: list[tuple[float, int]] = []
     expected: dict[float, int] = {}
@@ -461,9 +453,7 @@ def test_it_falls_back_to_dmesg_then_to_a_null_source(tmp_path: Path) -> None:
     missing = str(tmp_path / "no-kmsg")
     src = open_source(kmsg_path=missing, journal_probe=["/nonexistent/journalctl"])
     assert src.name == "dmesg"
-    src = open_source(
-        kmsg_path=missing, journal_probe=["/nonexistent/journalctl"], dmesg_cmd=["false"]
-    )
+    src = open_source(kmsg_path=missing, journal_probe=["/nonexistent/journalctl"], dmesg_cmd=["false"])
     assert isinstance(src, NullSource) and src.name == "none" and src.poll() == []
     assert "kmsg:" in src.reason and "journal: /nonexistent/journalctl not found" in src.reason
     assert "dmesg: false exited 1" in src.reason and src.error == src.reason

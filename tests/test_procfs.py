@@ -86,8 +86,15 @@ def test_the_fast_reader_falls_back_when_the_layout_changes(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     ("field", "kb"),
-    [("MemFree", 112874312), ("Buffers", 412388), ("Cached", 6384120), ("AnonPages", 1709184),
-     ("Slab", 929792), ("PageTables", 38912), ("KernelStack", 24576)],
+    [
+        ("MemFree", 112874312),
+        ("Buffers", 412388),
+        ("Cached", 6384120),
+        ("AnonPages", 1709184),
+        ("Slab", 929792),
+        ("PageTables", 38912),
+        ("KernelStack", 24576),
+    ],
 )
 def test_driver_estimate_terms_come_from_the_fixture(field: str, kb: int) -> None:
     res = procfs.parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text())

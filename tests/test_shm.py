@@ -105,10 +105,7 @@ def made_tmp(tmp_path: Path) -> Iterator[Made]:
     m.cleanup()
 
 
-_OPEN = (
-    "import os,sys,time; fd=os.open(sys.argv[1], os.O_RDONLY); "
-    "print('ready', flush=True); time.sleep(120)"
-)
+_OPEN = "import os,sys,time; fd=os.open(sys.argv[1], os.O_RDONLY); print('ready', flush=True); time.sleep(120)"
 # CPython's mmap.mmap keeps a dup() of the fd, so map through libc to get a
 # mapping with no open descriptor (as a process that mmaps then closes has).
 _MMAP = (
@@ -405,9 +402,7 @@ def test_it_removes_nothing_while_a_process_is_unreadable(
     forced = replace(plan, remove=(e,), kept=())
     assert _kept(shm.execute(forced, proc_root=proc))["psm_aaaa"].startswith("cannot prove")
     # explicitly ignored: removed
-    plan = shm.plan_cleanup(
-        [e], container_started_at=0.0, now=time.time(), ignore_unreadable_pids={200}
-    )
+    plan = shm.plan_cleanup([e], container_started_at=0.0, now=time.time(), ignore_unreadable_pids={200})
     assert shm.execute(plan, proc_root=proc).removed == [("psm_aaaa", 4096)]
 
 
@@ -433,21 +428,15 @@ def test_it_applies_the_clock_slack(changed_at: float, removed: bool) -> None:
 def test_it_uses_the_earlier_of_mtime_and_ctime() -> None:
     e = _entry("psm_ab", 1500.0, mtime=100.0)  # touched back to an old mtime
     plan = shm.plan_cleanup([e], container_started_at=1000.0, now=2000.0)
-    assert (
-        _kept(plan)["psm_ab"]
-        == "older than the container (created 1970-01-01T00:01:40Z, 1900 s ago)"
-    )
+    assert _kept(plan)["psm_ab"] == "older than the container (created 1970-01-01T00:01:40Z, 1900 s ago)"
 
 
 def test_it_names_several_users_in_the_reason() -> None:
-    users = tuple(
-        shm.ShmUser(p, "python3", mapped=True, open_fd=p == 11) for p in (10, 11, 12, 13, 14)
-    )
+    users = tuple(shm.ShmUser(p, "python3", mapped=True, open_fd=p == 11) for p in (10, 11, 12, 13, 14))
     e = _entry("psm_ab", 1500.0, users=users)
     plan = shm.plan_cleanup([e], container_started_at=1000.0, now=2000.0)
     assert _kept(plan)["psm_ab"] == (
-        "in use by pid 10 (python3) [mapped], pid 11 (python3) [mapped, open], "
-        "pid 12 (python3) [mapped] and 2 more"
+        "in use by pid 10 (python3) [mapped], pid 11 (python3) [mapped, open], pid 12 (python3) [mapped] and 2 more"
     )
 
 

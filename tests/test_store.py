@@ -83,8 +83,14 @@ def test_retention_aggregates_then_prunes(tmp_path: Path) -> None:
     now = time.time()
     t0 = now - 3 * 3600
     s.write_batch([("sample", _row(t0 + i, 5000 + (i % 60))) for i in range(0, 3 * 3600, 1)])
-    s.write_batch([("event", {"ts": t0, "kind": "trip", "severity": "critical", "message": "m", "details": None,
-                              "launch_id": None})])
+    s.write_batch(
+        [
+            (
+                "event",
+                {"ts": t0, "kind": "trip", "severity": "critical", "message": "m", "details": None, "launch_id": None},
+            )
+        ]
+    )
     removed = s.prune(now=now, raw_keep_s=3600, minutes_keep_s=30 * 86400, events_keep_s=365 * 86400)
     assert removed["samples"] == 2 * 3600
     assert s.count_samples() == 3600

@@ -75,9 +75,7 @@ def _unit_with_exec(tmp_path: Path, exe: str) -> Path:
 def test_it_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     need(shutil.which("systemd-analyze") is not None, "systemd-analyze is not installed")
     unit = _unit_with_exec(tmp_path, sys.executable)
-    proc = subprocess.run(
-        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
-    )
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     # verify exits 0 on unknown keys but prints them: any complaint about our file fails.
     complaints = [ln for ln in proc.stderr.splitlines() if "sparkd.service" in ln]
     assert proc.returncode == 0, proc.stderr

@@ -37,13 +37,20 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
     ("startup.log", 10, {}),
     ("startup.log", 11, {}),
     ("startup.log", 12, {"startup_complete": True}),
-    ("startup-fail-free-memory.log", 1,
-     {"failed": True, "failure_message": "EngineCore failed to start."}),
-    ("startup-fail-free-memory.log", 2, {
-        "failed": True, "failure_device": "cuda:0", "failure_free_gib": 55.87,
-        "failure_total_gib": 119.56, "failure_requested_gmu": 0.8,
-        "failure_requested_gib": 95.65, "failure_message": FREE_MEMORY_MSG,
-    }),
+    ("startup-fail-free-memory.log", 1, {"failed": True, "failure_message": "EngineCore failed to start."}),
+    (
+        "startup-fail-free-memory.log",
+        2,
+        {
+            "failed": True,
+            "failure_device": "cuda:0",
+            "failure_free_gib": 55.87,
+            "failure_total_gib": 119.56,
+            "failure_requested_gmu": 0.8,
+            "failure_requested_gib": 95.65,
+            "failure_message": FREE_MEMORY_MSG,
+        },
+    ),
 ]
 
 
@@ -51,8 +58,7 @@ def _lines(name: str) -> list[str]:
     return shared_fixture("vllm", name).read_text(encoding="utf-8").splitlines()
 
 
-@pytest.mark.parametrize(("name", "lineno", "expected"), CASES,
-                         ids=[f"{n}:{i}" for n, i, _ in CASES])
+@pytest.mark.parametrize(("name", "lineno", "expected"), CASES, ids=[f"{n}:{i}" for n, i, _ in CASES])
 def test_it_reads_each_fixture_line(name: str, lineno: int, expected: dict[str, Any]) -> None:
     parser = LaunchLogParser()
     set_now = parser.feed(_lines(name)[lineno - 1])
@@ -94,8 +100,11 @@ def test_it_records_the_free_memory_refusal() -> None:
 
 
 def test_it_keeps_a_record_when_lines_are_missing() -> None:
-    lines = [ln for ln in _lines("startup.log")
-             if "KV cache" not in ln and "Graph capturing" not in ln and "version" not in ln]
+    lines = [
+        ln
+        for ln in _lines("startup.log")
+        if "KV cache" not in ln and "Graph capturing" not in ln and "version" not in ln
+    ]
     rec = parse_lines(lines)
     assert rec.kv_cache_tokens is None and rec.kv_cache_available_gib is None
     assert rec.graph_capture_s is None and rec.graph_capture_gib is None
@@ -106,24 +115,27 @@ def test_it_keeps_a_record_when_lines_are_missing() -> None:
 
 
 def test_it_reads_size_and_concurrency_printed_on_one_line() -> None:
-    line = ("INFO 10-03 16:22:17 [kv_cache_utils.py:864] GPU KV cache size: 42,656 tokens, "
-            "Maximum concurrency for 32,768 tokens per request: 1.30x")
+    line = (
+        "INFO 10-03 16:22:17 [kv_cache_utils.py:864] GPU KV cache size: 42,656 tokens, "
+        "Maximum concurrency for 32,768 tokens per request: 1.30x"
+    )
     parser = LaunchLogParser()
-    assert sorted(parser.feed(line)) == ["kv_cache_tokens", "max_concurrency",
-                                         "max_concurrency_tokens_per_request"]
+    assert sorted(parser.feed(line)) == ["kv_cache_tokens", "max_concurrency", "max_concurrency_tokens_per_request"]
     assert parser.record.kv_cache_tokens == 42656
     assert parser.record.max_concurrency == 1.30
 
 
-@pytest.mark.parametrize(("line", "field", "value"), [
-    ("Model loading took 63.7 GiB memory and 92.1 seconds", "model_load_s", 92.1),
-    ("Model loading took 63.71 GiB", "model_load_gib", 63.71),
-    ("Graph capturing finished in 34 secs", "graph_capture_s", 34.0),
-    ("INFO ... # GPU blocks: 2,666, # CPU blocks: 0", "kv_cache_blocks", 2666),
-    ("INFO vLLM API server version v0.10.2rc1", "vllm_version", "0.10.2rc1"),
-    ("Maximum concurrency for 1,048,576 tokens per request: 12.5x",
-     "max_concurrency_tokens_per_request", 1048576),
-])
+@pytest.mark.parametrize(
+    ("line", "field", "value"),
+    [
+        ("Model loading took 63.7 GiB memory and 92.1 seconds", "model_load_s", 92.1),
+        ("Model loading took 63.71 GiB", "model_load_gib", 63.71),
+        ("Graph capturing finished in 34 secs", "graph_capture_s", 34.0),
+        ("INFO ... # GPU blocks: 2,666, # CPU blocks: 0", "kv_cache_blocks", 2666),
+        ("INFO vLLM API server version v0.10.2rc1", "vllm_version", "0.10.2rc1"),
+        ("Maximum concurrency for 1,048,576 tokens per request: 12.5x", "max_concurrency_tokens_per_request", 1048576),
+    ],
+)
 def test_it_tolerates_format_variants(line: str, field: str, value: Any) -> None:
     parser = LaunchLogParser()
     assert field in parser.feed(line)
@@ -147,9 +159,11 @@ def test_it_uses_received_at_without_a_docker_timestamp() -> None:
 
 
 def test_it_strips_ansi_colours_and_process_prefixes() -> None:
-    line = ("2025-10-03T16:21:40.5+02:00 \x1b[1;36m(EngineCore_DP0 pid=1133552)\x1b[0;0m "
-            "INFO 10-03 16:21:40 [gpu_model_runner.py:2653] Model loading took "
-            "\x1b[1m63.71\x1b[0m GiB and 92.113 seconds\r\n")
+    line = (
+        "2025-10-03T16:21:40.5+02:00 \x1b[1;36m(EngineCore_DP0 pid=1133552)\x1b[0;0m "
+        "INFO 10-03 16:21:40 [gpu_model_runner.py:2653] Model loading took "
+        "\x1b[1m63.71\x1b[0m GiB and 92.113 seconds\r\n"
+    )
     msg, ts = strip_prefixes(line)
     assert msg.startswith("INFO 10-03 16:21:40")
     assert "\x1b" not in msg and not msg.endswith("\n")
@@ -163,23 +177,26 @@ def test_it_accepts_bytes() -> None:
     assert rec.kv_cache_available_gib == 6.51
 
 
-@pytest.mark.parametrize("line", [
-    "",
-    "\n",
-    "\x00\x01\x02",
-    "Model loading took",
-    "Model loading took 63.71.5 GiB",
-    "GPU KV cache size: tokens",
-    "GPU KV cache size: 9" + "9" * 400 + "e999 tokens",
-    "Maximum concurrency for many tokens per request: lots",
-    "non-default args: {'model': __import__('os').system('true')}",
-    "non-default args: {'broken': ",
-    "non-default args: ['a', 'list']",
-    "Free memory on device cuda:0 (n/a) on startup is less than desired",
-    "2025-13-45T99:99:99Z garbage timestamp",
-    "(EngineCore_DP0 pid=) half a prefix",
-    "x" * 200_000,
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "\n",
+        "\x00\x01\x02",
+        "Model loading took",
+        "Model loading took 63.71.5 GiB",
+        "GPU KV cache size: tokens",
+        "GPU KV cache size: 9" + "9" * 400 + "e999 tokens",
+        "Maximum concurrency for many tokens per request: lots",
+        "non-default args: {'model': __import__('os').system('true')}",
+        "non-default args: {'broken': ",
+        "non-default args: ['a', 'list']",
+        "Free memory on device cuda:0 (n/a) on startup is less than desired",
+        "2025-13-45T99:99:99Z garbage timestamp",
+        "(EngineCore_DP0 pid=) half a prefix",
+        "x" * 200_000,
+    ],
+)
 def test_it_survives_garbage(line: str) -> None:
     parser = LaunchLogParser()
     parser.feed(line)
