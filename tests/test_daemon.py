@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import socket
@@ -113,10 +115,8 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
 
     def drain(until: float) -> None:
         while time.monotonic() < until:
-            try:
+            with contextlib.suppress(TimeoutError):
                 got.append((time.monotonic(), srv.recv(4096).decode()))
-            except TimeoutError:
-                pass
 
     try:
         with sparkd_run(tmp_path, config="interval_s = 0.1\nfast_interval_s = 0.1\n", env=env):
@@ -128,7 +128,7 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
             pings = [t for t, m in got if m == "WATCHDOG=1" and t > ready_at]
             # every WATCHDOG_USEC/2 = 0.2 s for ~3.5 s after READY: 12-18 pings
             assert 10 <= len(pings) <= 25, len(pings)
-            gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+            gaps = [b - a for a, b in itertools.pairwise(pings)]
             assert max(gaps) < 0.5
             # stall the guard loop through the test hook: the pings stop
             stall.touch()
