@@ -288,6 +288,7 @@ class Settings(BaseSettings):
     leak_warmup_end_s: float = Field(default=1500.0, ge=0)
     leak_repeat_s: float = Field(default=86400.0, ge=60)
 
+    shm_ignore_unreadable_pids: list[int] = Field(default_factory=list)
     queue_max: int = Field(default=10000, ge=10)
     gpu_interval_s: float = Field(default=5.0, ge=0.5)
 
@@ -425,6 +426,8 @@ FIELD_DOCS: dict[str, str] = {
     "leak_warmup_start_s": "Start of the baseline window after a launch (operators: 15 min).",
     "leak_warmup_end_s": "End of the baseline window after a launch (operators: 25 min).",
     "leak_repeat_s": "At most one leak_trend event per this many seconds (a day).",
+    "shm_ignore_unreadable_pids": "PIDs whose /proc sparkd cannot read but that are known not to use "
+    "/dev/shm (e.g. a sandbox's init). Any other unreadable PID blocks /dev/shm cleanup: no proof, no removal.",
     "queue_max": "Database writer queue length; beyond it records are dropped after the rules saw them.",
     "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power).",
     "api.enabled": "Serve the REST API and dashboard.",

@@ -26,9 +26,11 @@ import sdnotify
 
 from . import __version__
 from .config import Settings, effective_config
+from .errors import Refused
 from .guard import Guard, TickResult
 from .kernlog import KernRecord, open_source
 from .rules import Decision, still_holds
+from .sample import Sample
 from .store import Store, Writer
 from .units import fmt_gib
 
@@ -48,7 +50,15 @@ class Actions(Protocol):
 
     def fast_reason(self) -> str | None: ...
 
+    def observe(self, sample: Sample) -> None: ...
+
     def status_json(self) -> dict[str, Any]: ...
+
+    async def request(
+        self, action: str, *, source: str, reason: str | None = None, force: bool = False
+    ) -> dict[str, Any]: ...
+
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
 
@@ -78,8 +88,19 @@ class MonitorOnly:
     def fast_reason(self) -> str | None:
         return None
 
+    def observe(self, sample: Sample) -> None:
+        return None
+
     def status_json(self) -> dict[str, Any]:
         return {"mode": "monitor-only", "reason": self.why, "state": None}
+
+    async def request(
+        self, action: str, *, source: str, reason: str | None = None, force: bool = False
+    ) -> dict[str, Any]:
+        raise Refused(f"monitor-only: {self.why}; cannot {action} a container")
+
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+        raise Refused(f"monitor-only: {self.why}; nothing to resize")
 
     async def close(self) -> None:
         return None
@@ -311,6 +332,7 @@ class Daemon:
         assert self.writer is not None
         sample = result.sample
         self.writer.submit("sample", sample.to_row())
+        self.actions.observe(sample)
         for rec in result.kernel:
             self._record_kernel(rec, sample)
         for d in result.decisions:

@@ -622,6 +622,7 @@ def cleanup(
     dry_run: bool = False,
     allow_unknown_age: bool = False,
     now: float | None = None,
+    ignore_unreadable_pids: Collection[int] = (),
 ) -> CleanupResult:
     """Convenience: ``scan`` → ``plan_cleanup`` → ``execute`` with one clock reading."""
     entries = scan(shm_dir, proc_root)
@@ -630,5 +631,6 @@ def cleanup(
         container_started_at=container_started_at,
         now=time.time() if now is None else now,
         allow_unknown_age=allow_unknown_age,
+        ignore_unreadable_pids=ignore_unreadable_pids,
     )
     return execute(plan, dry_run=dry_run, proc_root=proc_root)
