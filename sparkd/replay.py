@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import io
 import json
 import math
 import statistics
@@ -231,15 +232,21 @@ def load_csv(path: str | Path, *, row_interval_s: float = 1.0) -> Trace:
     """
     p = Path(path)
     try:
-        with p.open(newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {p}: {e}") from None
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise TraceError(f"{p} is not a readable CSV: {e}") from None
+    return loads_csv(text, source=p.name, row_interval_s=row_interval_s)
+
+
+def loads_csv(text: str, *, source: str = "<csv>", row_interval_s: float = 1.0) -> Trace:
+    """``load_csv`` on CSV text (tests, stdin)."""
+    try:
+        rows = list(csv.DictReader(io.StringIO(text)))
+    except csv.Error as e:
+        raise TraceError(f"{source} is not a readable CSV: {e}") from None
     if not rows:
-        raise TraceError(f"{p}: no rows (a header and at least one sample are needed)")
-    return samples_from_rows(rows, source=p.name, row_interval_s=row_interval_s)
+        raise TraceError(f"{source}: no rows (a header and at least one sample are needed)")
+    return samples_from_rows(rows, source=source, row_interval_s=row_interval_s)
 
 
 def load_db(store: Any, *, since: float, until: float | None = None) -> Trace:
