@@ -675,7 +675,7 @@ def _when(text: str, option: str, now: float) -> float:
 @click.option("--compare", "compare_spec", default=None, help="Also replay this rule set and compare first stops.")
 @click.option("--interval", type=float, default=None, help="Interpolation interval (s), or row spacing for phases.")
 @click.option("--interpolate", is_flag=True, help="Interpolate linearly to --interval (synthetic points, labelled).")
-@click.option("--mem-total-gib", type=float, default=None, help="MemTotal for %% thresholds when the trace lacks it.")
+@click.option("--mem-total-gib", type=float, default=None, help="MemTotal for % thresholds when the trace lacks it.")
 @click.option("--cooldown", "cooldown_s", type=float, default=None, help="Rule cooldown in s (default: settings).")
 @click.option("--all", "show_all", is_flag=True, help="Show every sample, not only active ones in long traces.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
