@@ -323,5 +323,13 @@ def uninstall(root: str, purge: bool) -> None:
     sys.exit(report.exit_code)
 
 
+def _register() -> None:
+    from .replay import replay_command
+
+    main.add_command(replay_command)
+
+
+_register()
+
 if __name__ == "__main__":
     main()

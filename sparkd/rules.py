@@ -319,10 +319,11 @@ def evaluate(
 def still_holds(rule: Rule, sample: Sample, slope: SlopeWindow | None, now: float) -> bool:
     """Re-check before acting: does the rule's condition hold on a fresh sample?
 
-    For predictive rules the projection must still hold (issue: re-check before acting).
+    For predictive rules the projection must still hold (issue: re-check before acting);
+    a gated rule — predictive or not — also needs its evidence, as in ``evaluate``.
     """
     if not all(c.holds(sample) is True for c in rule.when):
         return False
-    if rule.kind == "predictive":
-        return _projection(rule, sample, slope, now)[0]
+    if rule.kind == "predictive" and not _projection(rule, sample, slope, now)[0]:
+        return False
     return not rule.evidence or any(c.holds(sample) is True for c in rule.evidence)

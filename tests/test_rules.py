@@ -399,11 +399,6 @@ def test_still_holds_predictive_rule_rechecks_the_projection() -> None:
     assert still_holds(pred, S(2.0, 8.0, 50.0), None, 2.0) is False  # no window: cannot confirm
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rules.py bug: still_holds ignores 'evidence' for predictive rules, while evaluate requires it "
-    "(fix in rules.patch)",
-)
 def test_still_holds_predictive_rule_with_evidence_requires_evidence() -> None:
     (pred,) = rules_of({**COLLAPSE, "name": "gated_collapse", "evidence": ["nvrm_recent > 0"]})
     w = SlopeWindow()
