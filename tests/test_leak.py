@@ -49,8 +49,7 @@ def test_a_5gib_step_alerts_once_a_day_for_three_days() -> None:
     assert a.baseline_bytes == BASE
     assert a.growth_bytes == 5 * GiB + 200 * MiB
     assert a.reason == (
-        "driver memory 14.4 GiB is 5.2 GiB above the post-warm-up baseline 9.2 GiB "
-        "(threshold 4.0 GiB): plan a relaunch"
+        "driver memory 14.4 GiB is 5.2 GiB above the post-warm-up baseline 9.2 GiB (threshold 4.0 GiB): plan a relaunch"
     )
     assert a.details()["threshold_bytes"] == 4 * GiB
     st = tr.status()
@@ -71,8 +70,7 @@ def test_the_reason_text_matches_the_issue() -> None:
     a = tr.observe(2000, int(14.2 * GiB))
     assert a is not None
     assert a.reason == (
-        "driver memory 14.2 GiB is 5.0 GiB above the post-warm-up baseline 9.2 GiB "
-        "(threshold 4.0 GiB): plan a relaunch"
+        "driver memory 14.2 GiB is 5.0 GiB above the post-warm-up baseline 9.2 GiB (threshold 4.0 GiB): plan a relaunch"
     )
 
 
