@@ -1,0 +1,287 @@
+"""Watermark sanity on a tuned host: floor warnings, tunables, and the relaunch-loop guard."""
+
+from __future__ import annotations
+
+from sparkd import procfs
+from sparkd.config import DEFAULT_RULES, RuleConfig
+from sparkd.rules import Rule, RuleState, compile_rules, evaluate
+from sparkd.sample import build_sample
+from sparkd.units import GiB, MiB
+from sparkd.watermark import LoopGuard, check_floors, demote, loop_floor, read_vm_tunables
+from tests.conftest import LOCAL_FIXTURES
+
+PROC = LOCAL_FIXTURES / "proc-watermark"
+PAGE = 4096  # the fixture's zoneinfo is in 4 KiB pages
+LOW_PAGES = 114340 + 3599965  # DMA + Normal "low" lines
+
+
+def default_rules(mem_total: int) -> list[Rule]:
+    return compile_rules([RuleConfig(**r) for r in DEFAULT_RULES], mem_total)
+
+
+def fixture_state() -> tuple[int, int, int, dict[str, int | None]]:
+    mi = procfs.read_meminfo(PROC).fields
+    low = procfs.read_zoneinfo_low_watermark_bytes(PROC)
+    assert low is not None
+    return mi["MemTotal"], mi["MemAvailable"], low, read_vm_tunables(PROC)
+
+
+def test_fixture_reads_as_a_tuned_healthy_host() -> None:
+    total, avail, low, vm = fixture_state()
+    assert total == 127600748 * 1024
+    assert avail == 1677824 * 1024 and f"{avail / GiB:.2f}" == "1.60"
+    assert low == LOW_PAGES * procfs.os.sysconf("SC_PAGE_SIZE")
+    assert vm == {"min_free_kbytes": 2097152, "watermark_scale_factor": 1000, "watermark_boost_factor": None}
+    assert procfs.read_psi(PROC) is not None
+
+
+def test_read_vm_tunables_missing_tree(tmp_path: object) -> None:
+    assert read_vm_tunables(str(tmp_path)) == {
+        "min_free_kbytes": None,
+        "watermark_scale_factor": None,
+        "watermark_boost_factor": None,
+    }
+
+
+def test_check_floors_warns_for_the_6gib_rule_with_the_numbers() -> None:
+    total, avail, _, vm = fixture_state()
+    low = LOW_PAGES * PAGE  # page-size independent
+    ws = check_floors(
+        default_rules(total),
+        healthy_mem_available_bytes=avail,
+        low_watermark_bytes=low,
+        min_free_kbytes=vm["min_free_kbytes"],
+        watermark_scale_factor=vm["watermark_scale_factor"],
+    )
+    by = {(w.rule, w.problem): w for w in ws}
+    w = by[("low_available", "cannot_protect")]
+    assert w.severity == "warning" and w.floor_bytes == 6 * GiB and w.healthy_bytes == avail
+    assert w.message.startswith(
+        "rule low_available cannot protect this host: healthy MemAvailable 1.60 GiB is below its floor "
+        "6.00 GiB; stopping would loop"
+    )
+    assert "vm.min_free_kbytes=2097152" in w.message and "vm.watermark_scale_factor=1000" in w.message
+    assert "low watermarks 14.17 GiB in total" in w.message
+    # the predictive rule loops too: below its 4 GiB floor the projected crossing is "now"
+    p = by[("collapse_projected", "cannot_protect")]
+    assert p.floor_bytes == 4 * GiB and "below its floor 4.00 GiB" in p.message
+    # the MemFree rule does not loop (a healthy host has MemFree 27 GiB here), but its
+    # MemAvailable conditions say nothing on this host, and its MemFree floor sits under the watermarks
+    g = by[("low_free_with_evidence", "always_holds")]
+    assert g.severity == "info" and "only MemFree < 2GiB decides" in g.message
+    assert ("low_free_with_evidence", "cannot_protect") not in by
+    mf = [x for x in ws if x.problem == "at_watermark" and x.attr == "mem_free"]
+    assert len(mf) == 1 and mf[0].severity == "warning"
+    assert "floor MemFree 2.00 GiB is at or below the kernel's low watermarks (14.17 GiB in total)" in mf[0].message
+
+
+def test_check_floors_quiet_on_a_stock_host() -> None:
+    total = 127600748 * 1024
+    ws = check_floors(
+        default_rules(total),
+        healthy_mem_available_bytes=26 * GiB,  # model loaded, stock watermarks
+        low_watermark_bytes=80 * MiB,
+        min_free_kbytes=67584,
+        watermark_scale_factor=10,
+    )
+    assert [w for w in ws if w.severity == "warning"] == []
+
+
+def test_check_floors_near_margin() -> None:
+    rules = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)
+    ws = check_floors(
+        rules,
+        healthy_mem_available_bytes=int(6.5 * GiB),
+        low_watermark_bytes=None,
+        min_free_kbytes=None,
+        watermark_scale_factor=None,
+    )
+    assert [(w.problem, w.severity) for w in ws] == [("near_floor", "warning")]
+    assert "within 1.00 GiB of its floor 6.00 GiB" in ws[0].message
+
+
+def test_a_floor_sized_from_the_healthy_figure_passes() -> None:
+    """docs/tuned-hosts.md: a percent-of-MemTotal floor on MemAvailable-CmaFree, more than the
+    margin under the healthy figure (here 1.60 − 0.125 CmaFree = 1.48 GiB)."""
+    total, avail, low, _ = fixture_state()
+    cma_free = procfs.read_meminfo(PROC).fields["CmaFree"]
+    rules = compile_rules([RuleConfig(name="low_available", when=["MemAvailable-CmaFree < 0.3%"])], total)
+    assert f"{rules[0].when[0].threshold / GiB:.3f}" == "0.365"
+    ws = check_floors(
+        rules,
+        healthy_mem_available_bytes=avail,
+        low_watermark_bytes=low,
+        min_free_kbytes=None,
+        watermark_scale_factor=None,
+        healthy_cma_free_bytes=cma_free,
+    )
+    assert [(w.problem, w.severity) for w in ws] == [("at_watermark", "info")]
+    assert loop_floor(rules[0], cma_free) == 0.003 * total + cma_free
+    # 0.5% (0.61 GiB) would be within the 1 GiB noise margin of 1.48 GiB
+    rules = compile_rules([RuleConfig(name="low_available", when=["MemAvailable-CmaFree < 0.5%"])], total)
+    ws = check_floors(
+        rules,
+        healthy_mem_available_bytes=avail,
+        low_watermark_bytes=None,
+        min_free_kbytes=None,
+        watermark_scale_factor=None,
+        healthy_cma_free_bytes=cma_free,
+    )
+    assert [w.problem for w in ws] == ["near_floor"]
+
+
+def test_loop_floor_shapes() -> None:
+    rules = {r.name: r for r in default_rules(127600748 * 1024)}
+    assert loop_floor(rules["low_available"]) == 6 * GiB
+    assert loop_floor(rules["low_free_with_evidence"]) is None
+    assert loop_floor(rules["collapse_projected"]) == 4 * GiB
+
+
+def replay_trips(rules: list[Rule], guard: LoopGuard, relaunches: int) -> list[tuple[float, str, str]]:
+    """Replay a relaunch loop against the real rule engine on the fixture's healthy sample.
+
+    Each cycle: relaunch at T, the model is healthy and idle at T+120 s (MemAvailable 1.60 GiB,
+    noted), the rules then see that healthy sample once a second; on a trip the daemon asks the
+    loop guard first and stops (→ next relaunch 30 s later) only without a verdict.
+    Returns (t, rule, "stop" | "demoted" | "warn") for every trip.
+    """
+    mi = procfs.read_meminfo(PROC)
+    states: dict[str, RuleState] = {}
+    log: list[tuple[float, str, str]] = []
+    t = 0.0
+    for _ in range(relaunches):
+        guard.note_launch(t)
+        t += 120.0
+        healthy = build_sample(t, t, mi, None)
+        guard.note_healthy(t, healthy.mem_available)
+        stopped = False
+        for _ in range(600):  # ten minutes of 1 s samples
+            t += 1.0
+            s = build_sample(t, t, mi, None)
+            for d in evaluate(s, rules, states, t, cooldown_s=60.0):
+                if d.kind != "trip":
+                    continue
+                rule = next(r for r in rules if r.name == d.rule)
+                if d.action != "stop":
+                    log.append((t, d.rule, "warn"))
+                    continue
+                v = guard.record_trip(rule, t)
+                if v is not None:
+                    rules[:] = demote(rules, [v.rule])
+                    log.append((t, d.rule, "demoted"))
+                else:
+                    log.append((t, d.rule, "stop"))
+                    stopped = True
+            if stopped:
+                break
+        t += 30.0  # relaunch back-off
+    return log
+
+
+def test_loop_guard_concludes_cannot_protect_at_the_first_trip() -> None:
+    rules = [r for r in default_rules(127600748 * 1024) if r.name == "low_available"]
+    guard = LoopGuard()
+    log = replay_trips(rules, guard, relaunches=3)
+    # the first trip (5 samples after the healthy reading) is judged, not stopped on
+    assert log[0][1:] == ("low_available", "demoted") and log[0][0] == 120 + 5
+    assert [x for x in log if x[2] == "stop"] == []
+    assert all(x[2] == "warn" for x in log[1:]) and len(log) > 1
+    v = guard.cannot_protect("low_available")
+    assert v is not None and v.trips == 1
+    assert v.reason.startswith(
+        "rule low_available cannot protect this host: healthy MemAvailable 1.60 GiB is below its floor 6.00 GiB; "
+        "stopping would loop"
+    )
+    assert rules[0].action == "warn"
+    st = guard.status()
+    assert st["rules"]["low_available"]["cannot_protect"] and st["healthy_mem_available_bytes"] == 1677824 * 1024
+
+
+def test_three_quick_trips_after_relaunches_convict_after_the_first() -> None:
+    """The issue's scenario, as trip times: 3 trips each within minutes of a relaunch while
+    the idle MemAvailable sat below the floor — "cannot protect" after the first, not the hundredth."""
+    rule = next(r for r in default_rules(None) if r.name == "low_available")
+    g = LoopGuard()
+    verdicts = []
+    for i, launch in enumerate([0.0, 400.0, 1300.0]):
+        g.note_launch(launch)
+        g.note_healthy(launch + 100, int(1.6 * GiB))
+        verdicts.append(g.record_trip(rule, launch + 100 + 5 + i))
+    assert verdicts[0] is not None and verdicts[1] is None and verdicts[2] is None
+    assert g.status()["rules"]["low_available"]["trips"] == 3
+
+
+def test_genuine_emergencies_are_never_demoted() -> None:
+    rule = next(r for r in default_rules(None) if r.name == "low_available")
+    g = LoopGuard()
+    for launch in (0.0, 200.0, 400.0, 600.0):
+        g.note_launch(launch)
+        g.note_healthy(launch + 100, 30 * GiB)  # healthy idle host far above the floor
+        assert g.record_trip(rule, launch + 150) is None  # a real collapse, every time
+    assert g.cannot_protect("low_available") is None
+
+
+def test_no_healthy_reading_means_no_verdict() -> None:
+    rule = next(r for r in default_rules(None) if r.name == "low_available")
+    g = LoopGuard()
+    g.note_launch(0)
+    assert g.record_trip(rule, 30) is None  # leave it to the supervisor's circuit breaker
+
+
+def test_within_margin_needs_consecutive_quick_trips() -> None:
+    rule = next(r for r in default_rules(None) if r.name == "low_available")
+    g = LoopGuard(quick_trips=2)
+    g.note_launch(0)
+    g.note_healthy(60, int(6.5 * GiB))
+    assert g.record_trip(rule, 200) is None  # first quick trip: could be real
+    g.note_launch(5000)
+    assert g.record_trip(rule, 20000) is None  # hours after launch: not quick, streak resets
+    g.note_launch(30000)
+    assert g.record_trip(rule, 30100) is None
+    g.note_launch(30200)
+    v = g.record_trip(rule, 30300)
+    assert v is not None and v.quick_trips == 2 and "2 trips in a row" in v.reason
+
+
+def test_rules_without_a_loop_floor_are_never_convicted() -> None:
+    rule = next(r for r in default_rules(None) if r.name == "low_free_with_evidence")
+    g = LoopGuard()
+    g.note_launch(0)
+    g.note_healthy(10, int(1.6 * GiB))
+    assert g.record_trip(rule, 20) is None
+
+
+def test_demote_copies() -> None:
+    rules = default_rules(None)
+    out = demote(rules, ["low_available"])
+    assert [r.action for r in out] == ["warn", "stop", "stop"]
+    assert [r.action for r in rules] == ["stop", "stop", "stop"]
+
+
+def test_the_docs_example_config_fits_the_fixture_host() -> None:
+    """docs/tuned-hosts.md's TOML, validated and checked against the fixture host: no warning."""
+    import tomllib
+
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "tuned-hosts.md").read_text()
+    block = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = tomllib.loads(block)
+    total, avail, low, vm = fixture_state()
+    cma = procfs.read_meminfo(PROC).fields["CmaFree"]
+    rules = compile_rules([RuleConfig(**r) for r in cfg["rules"]], total)
+    ws = check_floors(
+        rules,
+        healthy_mem_available_bytes=avail,
+        low_watermark_bytes=low,
+        min_free_kbytes=vm["min_free_kbytes"],
+        watermark_scale_factor=vm["watermark_scale_factor"],
+        healthy_cma_free_bytes=cma,
+    )
+    assert {w.problem for w in ws if w.severity == "warning"} <= {"at_watermark"}
+    assert not [w for w in ws if w.problem in ("cannot_protect", "near_floor")]
+    # and the loop guard leaves every rule armed
+    g = LoopGuard()
+    g.note_launch(0)
+    g.note_healthy(120, avail, cma)
+    assert all(g.record_trip(r, 130) is None for r in rules)
