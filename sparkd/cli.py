@@ -117,6 +117,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "mode": snap.get("mode"),
         "interval_s": snap.get("interval_s"),
         "kernel_log": snap.get("kernel_log"),
+        "leak": snap.get("leak"),
+        "watermark": snap.get("watermark"),
+        "notify": snap.get("notify"),
         "events": events,
         "db_path": str(settings.db_file),
     }
@@ -152,10 +155,24 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo("rules:")
         for r in data["rules"]:
             extra = f", near misses {r['near_misses']}" if r.get("evidence") else ""
+            if r.get("demoted"):
+                extra += f"  DEMOTED to warn: {r['demoted']}"
             click.echo(
                 f"  {r['name']:<26} {r['counter']}/{r['samples']}  trips {r['trips']}{extra}  "
                 f"[{r['action']}: {' and '.join(r['when'])}]"
             )
+    wm = data["watermark"] or {}
+    for w in wm.get("warnings") or []:
+        click.echo(f"WATERMARK WARNING: {w}")
+    leak = data["leak"] or {}
+    if leak.get("baseline_bytes") is not None:
+        click.echo(
+            f"driver memory: {fmt_gib(leak.get('current_bytes'))} now, baseline "
+            f"{fmt_gib(leak.get('baseline_bytes'))}, growth {fmt_gib(leak.get('growth_bytes'))} "
+            f"({leak.get('state')})"
+        )
+    elif leak:
+        click.echo(f"driver memory: {fmt_gib(leak.get('current_bytes'))} ({leak.get('state')})")
     c = data["container"] or {}
     if c:
         click.echo(f"container: {c.get('state') or c.get('mode')} {('— ' + c['reason']) if c.get('reason') else ''}")

@@ -97,9 +97,7 @@ class ContainerManager:
                     if self.base_url is None:
                         self._client = docker.from_env(version="auto", timeout=timeout)
                     else:
-                        self._client = docker.DockerClient(
-                            base_url=self.base_url, version="auto", timeout=timeout
-                        )
+                        self._client = docker.DockerClient(base_url=self.base_url, version="auto", timeout=timeout)
             return self._client
 
     @contextlib.contextmanager
@@ -221,9 +219,7 @@ class ContainerManager:
         selector labels, newest first. Unlabelled containers are never returned."""
         filters = [f"{k}={v}" for k, v in {LABEL_MANAGED: "true", **self.selector}.items()]
         with self._call("list managed containers"):
-            found = self._docker().containers.list(
-                all=True, filters={"label": filters}, ignore_removed=True
-            )
+            found = self._docker().containers.list(all=True, filters={"label": filters}, ignore_removed=True)
         infos = [self._info(c) for c in found]
         return sorted(infos, key=lambda i: (i.started_at or 0.0, i.created or 0.0), reverse=True)
 

@@ -29,10 +29,13 @@ from .config import Settings, effective_config
 from .errors import Refused
 from .guard import Guard, TickResult
 from .kernlog import KernRecord, open_source
+from .leak import LeakTracker
+from .notify import Notifier
 from .rules import Decision, still_holds
 from .sample import Sample
 from .store import Store, Writer
-from .units import fmt_gib
+from .units import fmt_gib, parse_size
+from .watermark import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
 
 log = logging.getLogger("sparkd.daemon")
 
@@ -150,6 +153,17 @@ class Daemon:
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
+        self.event_notifier: Notifier | None = None
+        self.leak = LeakTracker(
+            settings.leak_warmup_start_s,
+            settings.leak_warmup_end_s,
+            parse_size(settings.leak_threshold),
+            settings.leak_repeat_s,
+        )
+        self.loop_guard = LoopGuard()
+        self.vm_tunables = read_vm_tunables(settings.proc_root)
+        self.floor_warnings: list[FloorWarning] = []
+        self._reported_floors: set[str] = set()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -190,7 +204,35 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
+        if kind in ("launched", "adopted"):
+            started: float = (details or {}).get("started_at") or time.time()
+            self.leak.start_launch(launch_id, started)
+            self.loop_guard.note_launch(time.time())
+        elif kind == "ready":
+            self.check_floors(healthy=True)
         return ev
+
+    def check_floors(self, *, healthy: bool) -> None:
+        """Compare each rule's floor with the kernel's low watermark and the MemAvailable seen
+        while healthy; report each new problem once as a ``watermark`` warning."""
+        g = self.guard
+        last = g.last if g else None
+        if g is None or last is None or last.mem_available is None:
+            return
+        if healthy:
+            self.loop_guard.note_healthy(time.time(), last.mem_available, last.cma_free)
+        self.floor_warnings = check_floors(
+            g.rules,
+            healthy_mem_available_bytes=last.mem_available,
+            low_watermark_bytes=g.low_watermark,
+            min_free_kbytes=self.vm_tunables.get("min_free_kbytes"),
+            watermark_scale_factor=self.vm_tunables.get("watermark_scale_factor"),
+            healthy_cma_free_bytes=last.cma_free,
+        )
+        for w in self.floor_warnings:
+            if w.severity == "warning" and w.message not in self._reported_floors:
+                self._reported_floors.add(w.message)
+                self.event("watermark", w.message, severity="warning", details=w.details())
 
     def status_json(self) -> dict[str, Any]:
         """The in-memory state as JSON (``sparkd status``, ``/api/status``). Sizes in bytes."""
@@ -218,6 +260,14 @@ class Daemon:
                 "dropped": self.writer.dropped if self.writer else 0,
             },
             "tick_s_p50": ticks[len(ticks) // 2] if ticks else None,
+            "leak": self.leak.status(),
+            "watermark": {
+                "vm": self.vm_tunables,
+                "low_watermark_bytes": g.low_watermark if g else None,
+                **self.loop_guard.status(),
+                "warnings": [w.message for w in self.floor_warnings],
+            },
+            "notify": self.event_notifier.stats.to_json() if self.event_notifier else None,
             "events": list(self.recent_events)[:20],
         }
 
@@ -264,11 +314,20 @@ class Daemon:
         elif kern is not None and self.guard.kern_source is None:
             self.guard.kern_source = kern
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
+        loop = asyncio.get_running_loop()
+        self.event_notifier = Notifier(
+            s.notify,
+            dispatch=loop.call_soon_threadsafe,
+            on_failure=lambda k, m, d: self.event(k, m, severity="warning", details=d),
+        )
+        self.notify_hooks.append(self.event_notifier.submit)
+        self.leak.start_launch(None, time.time())
         # first sample, stored before READY=1
         result = self._tick_once()
         if result is not None:
             await self._handle(result)
         await asyncio.to_thread(self.writer.flush)
+        self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
         await self.actions.start(self)
         if self.serve_api:
             await self._start_api()
@@ -333,8 +392,19 @@ class Daemon:
         sample = result.sample
         self.writer.submit("sample", sample.to_row())
         self.actions.observe(sample)
+        alert = self.leak.observe(sample.ts, sample.driver_bytes)
+        if alert is not None:
+            self.event(
+                "leak_trend", alert.reason, severity="warning", details=alert.details(), launch_id=alert.launch_id
+            )
         for rec in result.kernel:
             self._record_kernel(rec, sample)
+            if rec.kind == "nvrm_no_memory" and self.settings.nvrm_action == "stop":
+                await self._decide(
+                    Decision(
+                        "nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1
+                    )
+                )
         for d in result.decisions:
             await self._decide(d)
         now = self.mono()
@@ -355,6 +425,14 @@ class Daemon:
             if getattr(rec, key, None) is not None:
                 details[key] = getattr(rec, key)
         self.event(rec.kind, rec.message, severity=severity, details=details)
+        if rec.kind == "nvrm_no_memory" and self.guard and self.guard.nvrm.open_count == self.settings.nvrm_burst:
+            self.event(
+                "nvrm_burst",
+                f"{self.settings.nvrm_burst} NV_ERR_NO_MEMORY lines within one "
+                f"{self.settings.nvrm_window_s:g} s window (MemAvailable {fmt_gib(sample.mem_available)})",
+                severity="warning",
+                details={"context": sample.context()},
+            )
         self.actions.on_kernel_record(rec)
 
     async def _decide(self, d: Decision) -> None:
@@ -374,6 +452,14 @@ class Daemon:
         )
         if d.action != "stop":
             return
+        rule = self.guard.rule(d.rule) if self.guard else None
+        if self.guard and rule is not None:
+            verdict = self.loop_guard.record_trip(rule, time.time())
+            if verdict is not None:
+                self.guard.demoted[verdict.rule] = verdict.reason
+                self.guard.rules = demote(self.guard.rules, self.guard.demoted)
+                self.event("watermark", verdict.reason, severity="warning", details=verdict.details())
+                return
         if self.settings.dry_run:
             self.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
             return
@@ -449,6 +535,8 @@ class Daemon:
         self.event("daemon_stopped", f"sparkd stopping ({reason})")
         if self.writer:
             self.writer.submit("status", self.status_json())
+        if self.event_notifier is not None:
+            await asyncio.to_thread(self.event_notifier.close, 5.0)
         for t in self._tasks:
             if t.get_name() != "sparkd-api":
                 t.cancel()

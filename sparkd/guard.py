@@ -19,6 +19,7 @@ from .kernlog import KernRecord, NvrmWindows, classify
 from .rules import Decision, Rule, RuleState, SlopeWindow, compile_rules, evaluate
 from .sample import Sample, build_sample
 from .units import parse_size
+from .watermark import demote
 
 log = logging.getLogger("sparkd.guard")
 
@@ -63,6 +64,7 @@ class Guard:
         self._psi_missing_logged = False
         self.last: Sample | None = None
         self.nvrm_lines_total = 0
+        self.demoted: dict[str, str] = {}  # rule -> why it cannot protect this host (watermark.LoopGuard)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
 
@@ -118,7 +120,9 @@ class Guard:
         if self.rules and self.mem_total == sample.mem_total:
             return
         self.mem_total = sample.mem_total
-        self.rules = compile_rules(self.settings.rules, sample.mem_total, self.settings.fast_interval_s)
+        self.rules = demote(
+            compile_rules(self.settings.rules, sample.mem_total, self.settings.fast_interval_s), self.demoted
+        )
         for r in self.rules:
             self.states.setdefault(r.name, RuleState())
 
@@ -158,6 +162,7 @@ class Guard:
                         for c in r.when
                     ],
                     "floor_bytes": r.floor_bytes,
+                    "demoted": self.demoted.get(r.name),
                     **st.to_json(),
                 }
             )

@@ -93,9 +93,7 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def read_vllm_metrics(
-    port: int, host: str = "127.0.0.1", timeout_s: float = 2.0
-) -> dict[str, float]:
+def read_vllm_metrics(port: int, host: str = "127.0.0.1", timeout_s: float = 2.0) -> dict[str, float]:
     """Fetch ``http://host:port/metrics`` and return ``parse_vllm_metrics`` of it.
 
     Raises:
