@@ -1,0 +1,285 @@
+"""Tests for sparkd.archive: postmortem bundles."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from sparkd import archive
+from sparkd.archive import list_archives, prune_archives, safe_archive_path, write_archive
+from sparkd.errors import InvalidInput, NotFound
+
+NOW = 1_795_000_000.0  # 2026-11-18T11:06:40Z
+
+
+def _members(path: Path) -> dict[str, bytes]:
+    with tarfile.open(path, "r:gz") as tar:
+        out = {}
+        for m in tar.getmembers():
+            f = tar.extractfile(m)
+            assert f is not None
+            out[m.name] = f.read()
+        return out
+
+
+def _names_in_order(path: Path) -> list[str]:
+    with tarfile.open(path, "r:gz") as tar:
+        return tar.getnames()
+
+
+def test_it_bundles_every_part_with_the_summary_first(tmp_path: Path) -> None:
+    log = tmp_path / "container.log"
+    log.write_bytes(b"INFO loading weights\nERROR NV_ERR_NO_MEMORY\n")
+    parts: dict[str, bytes | str | Path] = {
+        "container.log": log,
+        "sparkd.log": "guard: low available 5/5\n",
+        "samples.csv": archive.samples_to_csv([{"t": 1.0, "mem_available_bytes": 5}]),
+        "kernel.log": b"NVRM: NV_ERR_NO_MEMORY\n",
+        "inspect.json": '{"State": {"StartedAt": "2026-11-18T09:00:00Z"}}',
+        "config.json": "{}",
+        "plan.json": '{"gmu": 0.786}',
+    }
+    info = write_archive(tmp_path / "arch", "Low MemAvailable (5/5)!", parts, "stop: low", now=NOW)
+    assert info.name == "sparkd-20261118T110640Z-low-memavailable-5-5.tar.gz"
+    assert info.path == (tmp_path / "arch" / info.name).resolve()
+    assert info.size_bytes == info.path.stat().st_size > 0
+    assert stat.S_IMODE(info.path.stat().st_mode) == 0o640
+    assert _names_in_order(info.path) == ["summary.txt", *parts]
+    got = _members(info.path)
+    assert got["summary.txt"] == b"stop: low\n"
+    assert got["container.log"] == log.read_bytes()
+    assert got["sparkd.log"] == b"guard: low available 5/5\n"
+    assert got["kernel.log"] == b"NVRM: NV_ERR_NO_MEMORY\n"
+    assert got["samples.csv"] == b"t,mem_available_bytes\n1.0,5\n"
+    assert os.listdir(tmp_path / "arch") == [info.name]  # no temp file left
+
+
+def test_it_records_a_missing_part_instead_of_crashing(tmp_path: Path) -> None:
+    gone = tmp_path / "nope.log"
+    info = write_archive(tmp_path, "x", {"container.log": gone, "sparkd.log": "ok"}, "s", now=NOW)
+    got = _members(info.path)
+    assert "container.log" not in got
+    assert got["container.log.missing"].startswith(f"could not read {gone}: No such file".encode())
+    assert b"container.log: missing" in got["summary.txt"]
+    assert got["sparkd.log"] == b"ok"
+
+
+def test_it_keeps_only_the_tail_of_a_large_part(tmp_path: Path) -> None:
+    log = tmp_path / "big.log"
+    log.write_bytes(b"a" * 1000 + b"THE END\n")
+    info = write_archive(tmp_path, "x", {"container.log": log}, "s", now=NOW, max_part_bytes=8)
+    got = _members(info.path)
+    assert got["container.log"] == b"THE END\n"
+    assert b"container.log: only the last 8 of 1008 bytes" in got["summary.txt"]
+
+
+def test_it_does_not_hang_on_a_fifo_part(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    info = write_archive(tmp_path / "a", "x", {"container.log": fifo}, "s", now=NOW)
+    assert b"not a regular file" in _members(info.path)["container.log.missing"]
+
+
+def test_it_names_archives_uniquely_within_one_second(tmp_path: Path) -> None:
+    names = [write_archive(tmp_path, "stop", {}, f"s{i}", now=NOW).name for i in range(3)]
+    assert names == [
+        "sparkd-20261118T110640Z-stop.tar.gz",
+        "sparkd-20261118T110640Z-stop-2.tar.gz",
+        "sparkd-20261118T110640Z-stop-3.tar.gz",
+    ]
+    assert [_members(tmp_path / n)["summary.txt"] for n in names] == [b"s0\n", b"s1\n", b"s2\n"]
+
+
+@pytest.mark.parametrize("hint", ["", "///", "Ünïcode only"])
+def test_it_slugs_odd_hints(hint: str, tmp_path: Path) -> None:
+    name = write_archive(tmp_path, hint, {}, "s", now=NOW).name
+    assert name.startswith("sparkd-20261118T110640Z-") and archive._NAME_RE.match(name)
+
+
+def test_it_leaves_nothing_when_writing_fails_midway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+    real = archive._tarinfo
+
+    def fail_on_third(name: str, size: int, mtime: float) -> tarfile.TarInfo:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return real(name, size, mtime)
+
+    monkeypatch.setattr(archive, "_tarinfo", fail_on_third)
+    with pytest.raises(OSError, match="No space left"):
+        write_archive(tmp_path, "x", {"a.log": "a" * 100_000, "b.log": "b"}, "s", now=NOW)
+    assert os.listdir(tmp_path) == []
+
+
+def test_it_leaves_nothing_when_fsync_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(archive.os, "fsync", no_space)
+    with pytest.raises(OSError):
+        write_archive(tmp_path, "x", {"a.log": "a"}, "s", now=NOW)
+    assert os.listdir(tmp_path) == []
+
+
+def test_it_never_shows_a_partial_file_under_the_final_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[str]] = []
+    real = archive._write_members
+
+    def spy(*a: object, **kw: object) -> None:
+        real(*a, **kw)  # type: ignore[arg-type]
+        seen.append(sorted(os.listdir(tmp_path)))
+
+    monkeypatch.setattr(archive, "_write_members", spy)
+    info = write_archive(tmp_path, "x", {"a.log": "a"}, "s", now=NOW)
+    (during,) = seen
+    assert len(during) == 1 and during[0].startswith(".sparkd-tmp-") and during[0].endswith(".tmp")
+    assert list_archives(tmp_path) != [] and os.listdir(tmp_path) == [info.name]
+
+
+@pytest.mark.parametrize("bad", ["summary.txt", "../x", "a/b", "", ".hidden", 3])
+def test_it_refuses_bad_part_names_and_values(bad: object, tmp_path: Path) -> None:
+    parts = {"x.log": bad} if isinstance(bad, int) else {bad: "content"}
+    with pytest.raises(InvalidInput):
+        write_archive(tmp_path, "x", parts, "s", now=NOW)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []
+
+
+def test_it_lists_newest_first_and_ignores_foreign_files(tmp_path: Path) -> None:
+    a = write_archive(tmp_path, "a", {}, "s", now=NOW)
+    b = write_archive(tmp_path, "b", {}, "s", now=NOW + 60)
+    os.utime(a.path, (NOW, NOW))
+    os.utime(b.path, (NOW + 60, NOW + 60))
+    (tmp_path / ".sparkd-tmp-abc.tmp").write_bytes(b"partial")
+    (tmp_path / "notes.tar.gz").write_bytes(b"operator's own file")
+    (tmp_path / "sparkd-20261118T110640Z-dir.tar.gz").mkdir()
+    os.symlink(a.path, tmp_path / "sparkd-20261118T110640Z-link.tar.gz")
+    got = list_archives(tmp_path)
+    assert [x.name for x in got] == [b.name, a.name]
+    assert got[0].created == NOW + 60 and got[0].size_bytes == b.size_bytes
+    assert list_archives(tmp_path / "missing") == []
+
+
+# --------------------------------------------------------------------------- download names
+
+
+@pytest.fixture
+def arch(tmp_path: Path) -> Path:
+    d = tmp_path / "arch"
+    write_archive(d, "ok", {}, "s", now=NOW)
+    outside = tmp_path / "secret.tar.gz"
+    outside.write_bytes(b"not yours")
+    os.symlink(outside, d / "sparkd-20261118T110640Z-escape.tar.gz")
+    os.symlink("../secret.tar.gz", d / "rel.tar.gz")
+    (d / "notes.txt").write_text("x")
+    (d / "sub.tar.gz").mkdir()
+    return d
+
+
+def test_it_resolves_a_real_archive(arch: Path) -> None:
+    name = "sparkd-20261118T110640Z-ok.tar.gz"
+    assert safe_archive_path(arch, name) == arch.resolve() / name
+    with archive.open_archive(arch, name) as f:
+        assert f.read(2) == b"\x1f\x8b"  # gzip magic
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../secret.tar.gz",
+        "..%2Fsecret.tar.gz",
+        "./../secret.tar.gz",
+        "sub/../../secret.tar.gz",
+        "/etc/passwd",
+        "/tmp/x.tar.gz",
+        "sparkd-20261118T110640Z-escape.tar.gz",  # symlink pointing out
+        "rel.tar.gz",  # relative symlink pointing out
+        "notes.txt",
+        "sparkd-20261118T110640Z-ok.tar",
+        "sparkd-20261118T110640Z-ok.tar.gz/",
+        "sparkd-20261118T110640Z-ok.tar.gz\x00.txt",
+        "sub.tar.gz",  # a directory
+        ".tar.gz",
+        "..tar.gz",
+        "missing.tar.gz",
+        "",
+        "\\..\\secret.tar.gz",
+    ],
+)
+def test_it_refuses_names_that_escape(arch: Path, name: str) -> None:
+    with pytest.raises(NotFound):
+        safe_archive_path(arch, name)
+    with pytest.raises(NotFound):
+        archive.open_archive(arch, name)
+
+
+# --------------------------------------------------------------------------- prune
+
+
+def _make(d: Path, n: int, size: int = 0) -> list[str]:
+    names = []
+    for i in range(n):
+        info = write_archive(d, f"a{i}", {"blob.bin": os.urandom(size)}, "s", now=NOW + i)
+        os.utime(info.path, (NOW + i, NOW + i))
+        names.append(info.name)
+    return names  # oldest first
+
+
+def test_it_prunes_by_count_oldest_first(tmp_path: Path) -> None:
+    names = _make(tmp_path, 5)
+    removed = prune_archives(tmp_path, max_count=2, max_total_bytes=10**9)
+    assert removed == names[:3]
+    assert [a.name for a in list_archives(tmp_path)] == names[:2:-1]
+
+
+def test_it_prunes_by_size(tmp_path: Path) -> None:
+    names = _make(tmp_path, 4, size=10_000)  # random bytes: gzip cannot shrink them
+    sizes = {a.name: a.size_bytes for a in list_archives(tmp_path)}
+    limit = sizes[names[3]] + sizes[names[2]]
+    assert prune_archives(tmp_path, max_count=100, max_total_bytes=limit) == names[:2]
+    assert sum(a.size_bytes for a in list_archives(tmp_path)) <= limit
+
+
+def test_it_never_prunes_the_newest(tmp_path: Path) -> None:
+    names = _make(tmp_path, 3, size=10_000)
+    assert prune_archives(tmp_path, max_count=1, max_total_bytes=0) == names[:2]
+    assert [a.name for a in list_archives(tmp_path)] == [names[2]]
+    assert prune_archives(tmp_path, max_count=1, max_total_bytes=0) == []
+
+
+def test_it_leaves_foreign_files_alone_when_pruning(tmp_path: Path) -> None:
+    _make(tmp_path, 2)
+    (tmp_path / "operator.tar.gz").write_bytes(b"x" * 100)
+    prune_archives(tmp_path, max_count=1, max_total_bytes=0)
+    assert (tmp_path / "operator.tar.gz").exists()
+
+
+@pytest.mark.parametrize(("count", "size"), [(0, 10), (-1, 10), (1, -1)])
+def test_it_refuses_bad_prune_limits(tmp_path: Path, count: int, size: int) -> None:
+    with pytest.raises(InvalidInput):
+        prune_archives(tmp_path, max_count=count, max_total_bytes=size)
+
+
+# --------------------------------------------------------------------------- csv
+
+
+def test_it_writes_samples_as_csv() -> None:
+    rows: list[dict[str, object]] = [
+        {"t": 1.5, "mem_available_bytes": 100, "mem_free_bytes": None},
+        {"t": 2.5, "mem_free_bytes": 7, "psi_some_avg10": 0.25},
+    ]
+    assert archive.samples_to_csv(rows) == (
+        "t,mem_available_bytes,mem_free_bytes,psi_some_avg10\n1.5,100,,\n2.5,,7,0.25\n"
+    )
+    assert archive.samples_to_csv([]) == ""
+    assert archive.samples_to_csv([{"note": 'a "quoted", text'}]) == 'note\n"a ""quoted"", text"\n'
