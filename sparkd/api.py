@@ -11,7 +11,6 @@ Every error has one shape: ``{"error": <code>, "detail": <str | dict>}``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -75,9 +74,9 @@ def _validation_detail(exc: RequestValidationError) -> dict[str, Any]:
         fld = _field_of(e.get("loc", ()))
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         item = {"field": fld, "message": f"{fld}: {msg}", "location": (e.get("loc") or ["?"])[0]}
-        if e.get("type") != "missing":
-            with contextlib.suppress(TypeError, ValueError):
-                item["value"] = e.get("input") if not isinstance(e.get("input"), dict) else None
+        value = e.get("input")
+        if e.get("type") != "missing" and isinstance(value, str | int | float | bool):
+            item["value"] = value if not isinstance(value, str) else value[:200]
         errors.append(item)
     first = errors[0] if errors else {"field": "body", "message": "invalid request"}
     return {"field": first["field"], "message": first["message"], "errors": errors}
@@ -254,29 +253,29 @@ def create_app(daemon: Daemon) -> FastAPI:
         return await metrics_response(app, daemon)
 
     # ------------------------------------------------------------------ control
-    async def control(action: Literal["start", "stop", "restart"], who: str) -> dict[str, Any]:
+    async def control(action: Literal["start", "stop", "restart"], source: str) -> dict[str, Any]:
         fn = getattr(daemon.actions, "request", None)
         if fn is None:
             raise Refused(
                 "monitor-only: no container configured",
                 detail=f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}",
             )
-        result: dict[str, Any] = await fn(action, source=f"api:{who}")
+        result: dict[str, Any] = await fn(action, source=source)
         return result
 
     @app.post("/api/container/start", tags=["control"])
     async def container_start(who: Who) -> dict[str, Any]:
-        return await control("start", who)
+        return await control("start", f"api:{who}")
 
     @app.post("/api/container/stop", tags=["control"])
     async def container_stop(who: Who) -> dict[str, Any]:
-        return await control("stop", who)
+        return await control("stop", f"api:{who}")
 
     @app.post("/api/container/restart", tags=["control"])
     async def container_restart(who: Who) -> dict[str, Any]:
-        return await control("restart", who)
+        return await control("restart", f"api:{who}")
 
-    async def resize(req: ResizeRequest, who: str) -> dict[str, Any]:
+    async def resize(req: ResizeRequest, source: str) -> dict[str, Any]:
         fn = getattr(daemon.actions, "resize", None)
         if fn is None:
             raise Refused(
@@ -287,7 +286,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         if not changes:
             knobs = sorted(ResizeRequest.model_fields.keys() - {"dry_run"})
             raise InvalidInput("body", {}, "at least one of " + ", ".join(knobs))
-        result: dict[str, Any] = await fn(changes, dry_run=req.dry_run, source=f"api:{who}")
+        result: dict[str, Any] = await fn(changes, dry_run=req.dry_run, source=source)
         return result
 
     app.state.control = control
@@ -296,7 +295,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     @app.post("/api/resize", tags=["control"])
     async def api_resize(req: ResizeRequest, who: Who) -> dict[str, Any]:
         """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
-        return await resize(req, who)
+        return await resize(req, f"api:{who}")
 
     from .web import install_web
 
