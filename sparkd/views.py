@@ -97,9 +97,11 @@ def health(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def _floors(status: dict[str, Any], attr: str) -> list[float]:
+def _floors(status: dict[str, Any], attr: str, action: str = "stop") -> list[float]:
     out = []
     for r in status.get("rules") or []:
+        if r.get("action", "stop") != action:
+            continue
         for t in r.get("thresholds") or []:
             if t.get("field") == attr and t.get("is_size") and t.get("op") in ("<", "<="):
                 out.append(float(t["value"]))
@@ -118,6 +120,9 @@ def summary_from_status(status: dict[str, Any]) -> dict[str, Any]:
             level = "critical"
         elif avail < top + WARN_MARGIN_BYTES:
             level = "warn"
+    warn_floors = _floors(status, "mem_available", "warn")
+    if level == "ok" and avail is not None and any(avail < f for f in warn_floors):
+        level = "warn"
     if any(r.get("counter") for r in status.get("rules") or []):
         level = "critical" if level == "critical" else "warn"
     rows = [{"key": k, "label": label, "bytes": s.get(k), "gib": gib(s.get(k))} for k, label in MEMORY_ROWS.items()]

@@ -59,6 +59,13 @@ def _fmt_num(v: Any, fmt: str = "{:.2f}") -> str:
         return str(v)
 
 
+def _fmt_value(v: Any) -> str:
+    """A diff value for people: floats to 3 decimals at most, everything else as is."""
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return "–" if v is None else str(v)
+
+
 def _fmt_time(ts: Any) -> str:
     if not isinstance(ts, int | float):
         return "–"
@@ -96,7 +103,13 @@ def _fmt_size(n: Any) -> str:
 def make_templates() -> Jinja2Templates:
     t = Jinja2Templates(directory=str(web_dir() / "templates"))
     t.env.filters.update(
-        gib=_fmt_gib, num=_fmt_num, time=_fmt_time, datetime=_fmt_datetime, duration=_fmt_duration, size=_fmt_size
+        gib=_fmt_gib,
+        num=_fmt_num,
+        val=_fmt_value,
+        time=_fmt_time,
+        datetime=_fmt_datetime,
+        duration=_fmt_duration,
+        size=_fmt_size,
     )
     t.env.globals.update(version=__version__, plan_rows=PLAN_ROWS)
     return t
@@ -177,6 +190,10 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
     async def index(request: Request) -> HTMLResponse:
         data = await view_data(daemon, (*PARTS, "chart"))
         return render(request, "index.html", **data, chart_json=json.dumps(data["chart"]))
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> RedirectResponse:
+        return RedirectResponse("/static/favicon.svg", status_code=308)
 
     @app.get("/dashboard.json", tags=["dashboard"])
     async def index_json() -> dict[str, Any]:

@@ -30,6 +30,18 @@
   let generation = 0;
 
   const fmtGiB = (u, v) => (v == null ? "–" : v.toFixed(2) + " GiB");
+  const pad = (n) => String(n).padStart(2, "0");
+  function fmtTick(ts) {
+    const d = new Date(ts * 1000);
+    const hm = `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}`;
+    if (range <= 3600) return `${hm}:${pad(d.getUTCSeconds())}`;
+    if (range <= 86400) return hm;
+    return `${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ${hm}`;
+  }
+  function showLatest(u) {
+    // with the cursor off the chart, the legend shows the newest values instead of dashes
+    if (u.cursor.idx == null && u.data[0].length) u.setLegend({ idx: u.data[0].length - 1 });
+  }
 
   function height() {
     return window.innerWidth < 760 ? 240 : 300;
@@ -44,6 +56,8 @@
     ctx.rect(left, top, width, h);
     ctx.clip();
     ctx.font = `${11 * dpr}px system-ui, sans-serif`;
+    ctx.textAlign = "left";
+    ctx.textBaseline = "bottom";
     for (const t of thresholds) {
       const y = u.valToPos(t.value / GiB, "y", true);
       if (y < top || y > top + h) continue;
@@ -79,7 +93,7 @@
       cursor: { drag: { x: false, y: false } },
       legend: { live: true },
       scales: {
-        x: { time: true },
+        x: { time: true, auto: false, range: () => [Date.now() / 1000 - range, Date.now() / 1000] },
         y: {
           range: (u, min, max) => {
             const top = Math.max(max || 0, ...thresholds.map((t) => t.value / GiB));
@@ -88,7 +102,13 @@
         },
       },
       axes: [
-        { stroke: "#8b95a3", grid: { stroke: "#1f2731", width: 1 }, ticks: { stroke: "#262f3b", width: 1 } },
+        {
+          stroke: "#8b95a3",
+          space: 80,
+          grid: { stroke: "#1f2731", width: 1 },
+          ticks: { stroke: "#262f3b", width: 1 },
+          values: (u, splits) => splits.map(fmtTick),
+        },
         {
           stroke: "#8b95a3",
           size: 64,
@@ -98,12 +118,13 @@
         },
       ],
       series: [
-        { label: "UTC" },
+        { label: "time (UTC)", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" },
         ...SERIES.map(([, , label, color, w]) => ({ label, stroke: color, width: w, value: fmtGiB, spanGaps: false })),
       ],
-      hooks: { draw: [draw] },
+      hooks: { draw: [draw], setData: [showLatest], setCursor: [showLatest] },
     };
     plot = new uPlot(opts, data, el);
+    showLatest(plot);
   }
 
   function columns(resp) {
