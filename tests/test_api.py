@@ -596,7 +596,7 @@ async def test_it_says_monitor_only_clearly(daemon: Daemon) -> None:
     async with _client(daemon) as c:
         html = (await c.get("/ui/container")).text
         page = (await c.get("/")).text
-    assert "Monitor-only." in html and "no container configured" in html
+    assert "Monitor-only." in html and "no container configured" in html.lower()
     assert 'id="part-budget"' in page and "hidden" in page.split('id="part-budget"')[1].split(">")[0]
 
 
