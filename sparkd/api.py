@@ -1,31 +1,303 @@
-"""REST API and dashboard app (FastAPI). Reads ``DaemonState``; control endpoints enqueue actions."""
+"""REST API (FastAPI, OpenAPI at /docs) — the read side and the control edge of the daemon.
+
+Runs inside the daemon's event loop (uvicorn ``Server.serve()``), so nothing here
+may block it: in-memory state (``status_json``) is read on the loop, SQLite and
+directory reads run in worker threads (sync ``def`` endpoints or
+``asyncio.to_thread``). Control endpoints hand work to ``daemon.actions``.
+
+Every error has one shape: ``{"error": <code>, "detail": <str | dict>}``
+(``sparkd.errors``; validation errors name the field and what is allowed).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import SparkdError
+from . import __version__, views
+from .archive import open_archive
+from .auth import Auth, GuardMiddleware, ensure_token
+from .errors import InvalidInput, Refused, SparkdError
+from .metrics import metrics_response
+from .resources import web_dir
+from .store import CHART_FIELDS
 
 if TYPE_CHECKING:
     from .daemon import Daemon
 
+log = logging.getLogger("sparkd.api")
 
-def create_app(daemon: Daemon) -> FastAPI:
-    app = FastAPI(title="sparkd", version="0.1.0")
+MAX_WINDOW_S = 31 * 86400
+MAX_POINTS = 20000
+DEFAULT_WINDOW_S = 300.0
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
+
+
+class ResizeRequest(BaseModel):
+    """``POST /api/resize``: the budget knobs to change (GiB at this edge). Unset = keep.
+
+    ``dry_run`` defaults to true: nothing changes unless a client asks for it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kv_target_gib: float | None = Field(default=None, ge=0, le=1024)
+    max_model_len: int | None = Field(default=None, ge=1, le=16_777_216)
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
+    host_reserve_gib: float | None = Field(default=None, ge=0, le=1024)
+    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    gmu_override: float | None = Field(default=None, gt=0, le=1)
+    docker_headroom_gib: float | None = Field(default=None, ge=0, le=1024)
+    dry_run: bool = True
+
+    def changes(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True, exclude={"dry_run"})
+
+
+def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "cookie")]
+    return ".".join(parts) or "body"
+
+
+def _validation_detail(exc: RequestValidationError) -> dict[str, Any]:
+    errors = []
+    for e in exc.errors():
+        fld = _field_of(e.get("loc", ()))
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        item = {"field": fld, "message": f"{fld}: {msg}", "location": (e.get("loc") or ["?"])[0]}
+        value = e.get("input")
+        if e.get("type") != "missing" and isinstance(value, str | int | float | bool):
+            item["value"] = value if not isinstance(value, str) else value[:200]
+        errors.append(item)
+    first = errors[0] if errors else {"field": "body", "message": "invalid request"}
+    return {"field": first["field"], "message": first["message"], "errors": errors}
+
+
+def wants_html(request: Request) -> bool:
+    path = request.url.path
+    if path.startswith(("/api/", "/metrics", "/healthz", "/docs", "/openapi")) or path.endswith(".json"):
+        return False
+    return bool(request.headers.get("hx-request")) or "text/html" in request.headers.get("accept", "")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    def _reply(request: Request, status: int, body: dict[str, Any]) -> Response:
+        if wants_html(request):
+            from .web import error_page
+
+            return error_page(request, status, body)
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(SparkdError)
-    async def _err(_req: Any, exc: SparkdError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=exc.status_code)
+    async def _sparkd(request: Request, exc: SparkdError) -> Response:
+        return _reply(request, exc.status_code, exc.to_json())
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"ok": daemon.ready, "samples_taken": daemon.samples_taken}
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _reply(request, 422, {"error": "invalid_input", "detail": _validation_detail(exc)})
 
-    @app.get("/api/status")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        detail = exc.detail
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no such path: {request.url.path}"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}"
+        resp = _reply(request, exc.status_code, {"error": code, "detail": detail})
+        for k, v in (exc.headers or {}).items():
+            resp.headers[k] = v
+        return resp
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse({"error": "internal_error", "detail": type(exc).__name__}, status_code=500)
+
+
+async def require_auth(request: Request) -> str:
+    """Dependency of every mutating endpoint: bearer token, or session cookie + CSRF token.
+
+    Returns ``"token"`` or ``"session"``. Raises ``Unauthorized`` (401) / ``Forbidden`` (403).
+    """
+    auth: Auth = request.app.state.auth
+    form_csrf = None
+    if request.headers.get("content-type", "").startswith(("application/x-www-form-urlencoded", "multipart/form-data")):
+        form = await request.form()
+        v = form.get("csrf_token")
+        form_csrf = v if isinstance(v, str) else None
+    return auth.authorize(request.headers, dict(request.cookies), form_csrf)
+
+
+Who = Annotated[str, Depends(require_auth)]
+
+
+def create_app(daemon: Daemon) -> FastAPI:
+    """The ASGI app: JSON API, dashboard (``sparkd.web``), ``/metrics``, ``/healthz``.
+
+    Creates the API token file on first use (``settings.token_file``, mode 0600).
+
+    Raises:
+        ConfigError: the token file cannot be created or read.
+    """
+    settings = daemon.settings
+    auth = Auth(ensure_token(settings.token_file))
+    app = FastAPI(
+        title="sparkd",
+        version=__version__,
+        description="Memory guard for vLLM on DGX Spark: status, samples, events, container control.",
+    )
+    app.state.daemon = daemon
+    app.state.auth = auth
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
+    app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
+
+    app.state.require_auth = require_auth
+
+    # ------------------------------------------------------------------ read side
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> JSONResponse:
+        """200 when the guard loop sampled recently, 503 otherwise."""
+        h = views.health(daemon)
+        return JSONResponse(h, status_code=200 if h["ok"] else 503)
+
+    @app.get("/api/status", tags=["read"])
     async def status() -> dict[str, Any]:
-        return daemon.status_json()
+        """``Daemon.status_json()`` (sizes in bytes) plus ``plan`` (the current budget plan or null)."""
+        return views.status_view(daemon)
 
+    @app.get("/api/samples", tags=["read"])
+    def samples(
+        since: Annotated[float | None, Query(description="epoch s; default until − 300")] = None,
+        until: Annotated[float | None, Query(description="epoch s; default now")] = None,
+        step: Annotated[float | None, Query(gt=0, description="bucket width s; default ≤ 2000 points")] = None,
+        fields: Annotated[str | None, Query(description="comma list; default all chart fields")] = None,
+    ) -> dict[str, Any]:
+        """min/avg/max per bucket, columnar (uPlot-ready): ``ts`` and ``<field>_<min|avg|max>`` arrays."""
+        u = time.time() if until is None else until
+        s = u - DEFAULT_WINDOW_S if since is None else since
+        if s >= u:
+            raise InvalidInput("since", s, f"a time before until ({u})")
+        if u - s > MAX_WINDOW_S:
+            raise InvalidInput("since", s, f"a window of at most 31 days (until − since ≤ {MAX_WINDOW_S} s)")
+        st = views.pick_step(u - s) if step is None else step
+        if (u - s) / st > MAX_POINTS:
+            raise InvalidInput("step", st, f"≥ {(u - s) / MAX_POINTS:g} s for this window (≤ {MAX_POINTS} points)")
+        flds = list(CHART_FIELDS)
+        if fields:
+            flds = [f.strip() for f in fields.split(",") if f.strip()]
+            bad = [f for f in flds if f not in CHART_FIELDS]
+            if bad or not flds:
+                raise InvalidInput("fields", fields, ", ".join(CHART_FIELDS))
+        aligned = (s // st) * st  # buckets on a fixed grid, so incremental fetches line up
+        rows = daemon.store.downsampled(since=aligned, until=u, step_s=st, fields=flds) if daemon.store else []
+        out: dict[str, Any] = {"since": aligned, "until": u, "step": st, "fields": flds, "points": len(rows)}
+        out["ts"] = [r["ts"] for r in rows]
+        out["n"] = [r["n"] for r in rows]
+        for f in flds:
+            for agg in ("min", "avg", "max"):
+                key = f"{f}_{agg}"
+                out[key] = [r.get(key) for r in rows]
+        return out
+
+    @app.get("/api/events", tags=["read"])
+    def events(
+        since: Annotated[float | None, Query(description="epoch s")] = None,
+        kind: Annotated[list[str] | None, Query(description="repeat or comma-separate")] = None,
+        limit: Annotated[int, Query(ge=1, le=5000)] = 100,
+    ) -> dict[str, Any]:
+        """Events, newest first."""
+        kinds = [k.strip() for v in kind or [] for k in v.split(",") if k.strip()] or None
+        rows = daemon.store.events(since=since, kinds=kinds, limit=limit) if daemon.store else []
+        return {"events": rows}
+
+    @app.get("/api/launches", tags=["read"])
+    def launches() -> dict[str, Any]:
+        """Launches, newest first: the plan's estimate beside vLLM's reported figures."""
+        return {"launches": views.launches_view(daemon.store, limit=50)}
+
+    @app.get("/api/archives", tags=["read"])
+    def archives() -> dict[str, Any]:
+        """Postmortem bundles in the archive directory, newest first."""
+        return {"archives": views.archives_view(settings.archives_path)}
+
+    @app.get("/api/archives/{name:path}", tags=["read"], response_class=StreamingResponse)
+    def archive_download(name: str) -> StreamingResponse:
+        """Download one bundle. Only plain ``*.tar.gz`` names directly in the archive directory."""
+        f = open_archive(settings.archives_path, name)
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                while block := f.read(1 << 16):
+                    yield block
+
+        return StreamingResponse(
+            chunks(),
+            media_type="application/gzip",
+            headers={"Content-Disposition": f'attachment; filename="{name}"'},
+        )
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition (memory, PSI, rule counters, trips, container, ticks)."""
+        return await metrics_response(app, daemon)
+
+    # ------------------------------------------------------------------ control
+    async def control(action: Literal["start", "stop", "restart"], source: str) -> dict[str, Any]:
+        fn = getattr(daemon.actions, "request", None)
+        if fn is None:
+            raise Refused(
+                "monitor-only: no container configured",
+                detail=f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}",
+            )
+        result: dict[str, Any] = await fn(action, source=source)
+        return result
+
+    @app.post("/api/container/start", tags=["control"])
+    async def container_start(who: Who) -> dict[str, Any]:
+        return await control("start", f"api:{who}")
+
+    @app.post("/api/container/stop", tags=["control"])
+    async def container_stop(who: Who) -> dict[str, Any]:
+        return await control("stop", f"api:{who}")
+
+    @app.post("/api/container/restart", tags=["control"])
+    async def container_restart(who: Who) -> dict[str, Any]:
+        return await control("restart", f"api:{who}")
+
+    async def resize(req: ResizeRequest, source: str) -> dict[str, Any]:
+        fn = getattr(daemon.actions, "resize", None)
+        if fn is None:
+            raise Refused(
+                "monitor-only: no container configured",
+                detail="monitor-only: no container configured — there is no plan to resize",
+            )
+        changes = req.changes()
+        if not changes:
+            knobs = sorted(ResizeRequest.model_fields.keys() - {"dry_run"})
+            raise InvalidInput("body", {}, "at least one of " + ", ".join(knobs))
+        result: dict[str, Any] = await fn(changes, dry_run=req.dry_run, source=source)
+        return result
+
+    app.state.control = control
+    app.state.resize = resize
+
+    @app.post("/api/resize", tags=["control"])
+    async def api_resize(req: ResizeRequest, who: Who) -> dict[str, Any]:
+        """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
+        return await resize(req, f"api:{who}")
+
+    from .web import install_web
+
+    install_web(app, daemon, auth)
     return app

@@ -1,0 +1,640 @@
+"""The REST API, dashboard routes, metrics and security, over ASGI (no server).
+
+A real ``Daemon`` with a real SQLite store in ``tmp_path`` samples this machine's
+/proc; only the container side is a fake (``FakeActions``, the slow and
+dangerous edge), whose resize runs the real budget formula.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkd.api import create_app
+from sparkd.archive import write_archive
+from sparkd.auth import SESSION_COOKIE, Auth, ensure_token
+from sparkd.budget import BudgetInputs, make_plan
+from sparkd.config import load_settings
+from sparkd.daemon import Daemon
+from sparkd.errors import ConfigError, Conflict
+from sparkd.units import GiB
+
+BASE = "http://127.0.0.1:8741"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class FakeActions:
+    """The container supervisor's control interface, without Docker."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.busy: str | None = None
+        self.inputs = BudgetInputs(
+            mem_total_bytes=int(121.69 * GiB),
+            max_model_len=262144,
+            kv_bytes_per_token=29482,
+            weights_gib=71.75,
+            kv_cache_dtype="fp8",
+            host_reserve_gib=26.0,
+        )
+        self.plan = make_plan(self.inputs)
+
+    async def start(self, daemon: Any) -> None:
+        return None
+
+    async def on_stop(self, decision: Any) -> None:
+        return None
+
+    def on_kernel_record(self, rec: Any) -> None:
+        return None
+
+    def fast_reason(self) -> str | None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def status_json(self) -> dict[str, Any]:
+        return {
+            "mode": "managed",
+            "state": "running",
+            "health": "healthy",
+            "name": "sparkd-vllm",
+            "image": "vllm/vllm-openai:v0.9.2",
+            "gmu": self.plan.gmu,
+            "memory_bytes": self.plan.docker_memory_bytes,
+            "started_at": time.time() - 3600,
+            "plan": self.plan.to_json(),
+            "stops_total": 2,
+        }
+
+    async def request(self, action: str, *, source: str) -> dict[str, Any]:
+        if self.busy:
+            raise Conflict(f"already {self.busy}")
+        self.calls.append((action, source))
+        return {"action": action, "accepted": True, "message": f"{action} queued"}
+
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+        fields = {**self.inputs.__dict__, **changes}
+        new = make_plan(BudgetInputs(**fields))
+        old = self.plan.to_json()
+        diff = {k: {"old": old.get(k), "new": v} for k, v in new.to_json().items() if k in ("gmu", "kv_exp_gib")}
+        self.calls.append(("resize", source))
+        return {"plan": new.to_json(), "previous": old, "diff": diff, "applied": not dry_run}
+
+
+async def _daemon(tmp_path: Path, actions: Any = None, **overrides: Any) -> Daemon:
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "interval_s": 0.25, **overrides}
+    )
+    d = Daemon(settings, actions=actions, serve_api=False)
+    await d.startup()
+    for _ in range(4):
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+    assert d.writer is not None
+    await asyncio.to_thread(d.writer.flush)
+    return d
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> Any:
+    d = await _daemon(tmp_path)
+    yield d
+    await d.shutdown("test")
+
+
+@pytest.fixture
+async def managed(tmp_path: Path) -> Any:
+    d = await _daemon(tmp_path, actions=FakeActions())
+    yield d
+    await d.shutdown("test")
+
+
+def _client(d: Daemon) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(d)), base_url=BASE)
+
+
+def _token(d: Daemon) -> str:
+    return ensure_token(d.settings.token_file)  # what create_app does; the file may not exist yet
+
+
+def _bearer(d: Daemon) -> dict[str, str]:
+    return {"Authorization": f"Bearer {_token(d)}"}
+
+
+async def _login(c: httpx.AsyncClient, d: Daemon) -> str:
+    r = await c.get("/login", params={"token": _token(d)})
+    assert r.status_code == 303
+    page = await c.get("/")
+    m = re.search(r'<meta name="csrf-token" content="([^"]+)"', page.text)
+    assert m, "logged-in page carries the CSRF token"
+    return m.group(1)
+
+
+def _err(r: httpx.Response, status: int, error: str) -> Any:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error", "detail"}
+    assert body["error"] == error
+    return body["detail"]
+
+
+pytestmark = pytest.mark.anyio
+
+
+# --------------------------------------------------------------------------- read side
+async def test_it_reports_health_when_the_guard_ticks(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        r = await c.get("/healthz")
+        assert r.status_code == 200 and r.json()["ok"] is True
+        assert daemon.guard is not None and daemon.guard.last is not None
+        last_mono = daemon.guard.last.mono
+        daemon.guard.mono = lambda: last_mono + 60.0  # the guard has not sampled for a minute
+        r = await c.get("/healthz")
+        assert r.status_code == 503 and r.json()["ok"] is False and r.json()["last_sample_age_s"] >= 60
+
+
+async def test_it_reports_unhealthy_while_stopping(daemon: Daemon) -> None:
+    daemon.should_exit.set()
+    async with _client(daemon) as c:
+        assert (await c.get("/healthz")).status_code == 503
+
+
+async def test_it_serves_status_with_the_real_sample(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        body = (await c.get("/api/status")).json()
+    assert body["sample"]["mem_total"] > 0 and body["sample"]["mem_available"] > 0
+    assert {r["name"] for r in body["rules"]} >= {"low_available"}
+    assert body["container"]["mode"] == "monitor-only"
+    assert body["plan"] is None
+
+
+async def test_it_includes_the_current_plan(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        body = (await c.get("/api/status")).json()
+    assert body["plan"]["gmu"] == pytest.approx(0.786)
+
+
+async def test_it_downsamples_samples_columnar(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        body = (await c.get("/api/samples")).json()
+        assert body["step"] == 1.0 and body["points"] >= 1
+        assert len(body["ts"]) == len(body["mem_available_avg"]) == body["points"]
+        assert sum(body["n"]) >= 5  # the startup sample and four ticks
+        assert body["mem_available_min"][0] <= body["mem_available_avg"][0] <= body["mem_available_max"][0]
+        now = time.time()
+        body = (await c.get("/api/samples", params={"since": now - 86400, "until": now})).json()
+        assert body["step"] == 44.0 and body["since"] % 44 == 0  # ≤ 2000 points, on a fixed grid
+        body = (await c.get("/api/samples", params={"since": now - 60, "step": 7, "fields": "mem_free"})).json()
+        assert body["fields"] == ["mem_free"] and "mem_available_avg" not in body and body["since"] % 7 == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"since": 200, "until": 100}, "since"),
+        ({"since": 100, "until": 100}, "since"),
+        ({"since": 0, "until": 40 * 86400}, "since"),
+        ({"step": 0}, "step"),
+        ({"step": -5}, "step"),
+        ({"step": "abc"}, "step"),
+        ({"since": "yesterday"}, "since"),
+        ({"until": "later"}, "until"),
+        ({"since": 0, "until": 31 * 86400, "step": 1}, "step"),
+        ({"fields": "mem_available,passwords"}, "fields"),
+    ],
+)
+async def test_it_refuses_bad_sample_queries_naming_the_field(
+    daemon: Daemon, params: dict[str, Any], field: str
+) -> None:
+    async with _client(daemon) as c:
+        detail = _err(await c.get("/api/samples", params=params), 422, "invalid_input")
+    assert detail["field"] == field
+    assert field in detail["message"]
+
+
+async def test_it_filters_events(daemon: Daemon) -> None:
+    assert daemon.store is not None
+    now = time.time()
+    daemon.store.add_event(kind="trip", message="low_available tripped", severity="critical", ts=now)
+    daemon.store.add_event(kind="nvrm_no_memory", message="NVRM: NV_ERR_NO_MEMORY", ts=now)
+    daemon.store.add_event(kind="trip", message="old trip", ts=now - 7200)
+    async with _client(daemon) as c:
+        kinds = {e["kind"] for e in (await c.get("/api/events")).json()["events"]}
+        assert {"daemon_started", "trip", "nvrm_no_memory"} <= kinds
+        body = (await c.get("/api/events", params={"kind": "trip,nvrm_no_memory", "since": now - 60})).json()
+        assert sorted(e["message"] for e in body["events"]) == ["NVRM: NV_ERR_NO_MEMORY", "low_available tripped"]
+        body = (await c.get("/api/events?kind=trip&kind=nvrm_no_memory&limit=1")).json()
+        assert len(body["events"]) == 1
+        detail = _err(await c.get("/api/events", params={"limit": 0}), 422, "invalid_input")
+        assert detail["field"] == "limit" and "greater than or equal to 1" in detail["message"]
+
+
+async def test_it_lists_launches_with_estimate_and_actual(daemon: Daemon) -> None:
+    assert daemon.store is not None
+    plan = FakeActions().plan.to_json()
+    daemon.store.save_launch(
+        {
+            "id": "L1",
+            "started_at": time.time() - 600,
+            "ready_at": time.time() - 300,
+            "status": "ready",
+            "plan": plan,
+            "actual": {"kv_cache_available_gib": 16.2, "graph_capture_gib": 0.9},
+        }
+    )
+    async with _client(daemon) as c:
+        [la] = (await c.get("/api/launches")).json()["launches"]
+        html = (await c.get("/ui/launches")).text
+    assert la["kv_exp_gib"] == pytest.approx(plan["kv_exp_gib"])
+    assert la["kv_delta_gib"] == pytest.approx(16.2 - plan["kv_exp_gib"])
+    assert 299 <= la["ready_s"] <= 301
+    assert "16.20" in html and "0.786" in html
+
+
+# --------------------------------------------------------------------------- archives
+def _archive(d: Daemon) -> str:
+    info = write_archive(
+        d.settings.archives_path, "stop low_available", {"memwatch.log": b"MemAvailable 5.1 GiB\n"}, "s"
+    )
+    return info.name
+
+
+async def test_it_lists_and_downloads_archives(daemon: Daemon) -> None:
+    name = _archive(daemon)
+    async with _client(daemon) as c:
+        [a] = (await c.get("/api/archives")).json()["archives"]
+        assert a["name"] == name and a["url"] == f"/api/archives/{name}"
+        r = await c.get(a["url"])
+        assert r.status_code == 200
+        assert r.content == (daemon.settings.archives_path / name).read_bytes()
+        assert r.headers["content-disposition"] == f'attachment; filename="{name}"'
+        assert name in (await c.get("/ui/archives")).text
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/archives/..%2f..%2fetc%2fpasswd",
+        "/api/archives/..%2ftoken",
+        "/api/archives/%2fetc%2fpasswd",
+        "/api/archives//etc/passwd",
+        "/api/archives/../token",
+        "/api/archives/outside.tar.gz",
+        "/api/archives/missing.tar.gz",
+        "/api/archives/sub.tar.gz",
+    ],
+)
+async def test_it_never_serves_files_outside_the_archive_dir(daemon: Daemon, tmp_path: Path, path: str) -> None:
+    adir = daemon.settings.archives_path
+    adir.mkdir(parents=True, exist_ok=True)
+    secret = tmp_path / "secret.tar.gz"
+    secret.write_bytes(b"not yours")
+    (adir / "outside.tar.gz").symlink_to(secret)  # a symlink out of the directory
+    (adir / "sub.tar.gz").mkdir()
+    async with _client(daemon) as c:
+        r = await c.get(path)
+    _err(r, 404, "not_found")
+    assert b"not yours" not in r.content and b"root:" not in r.content
+
+
+# --------------------------------------------------------------------------- metrics
+async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
+    _archive(managed)
+    async with _client(managed) as c:
+        r = await c.get("/metrics")
+        status = (await c.get("/api/status")).json()
+    assert r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    sample = status["sample"]
+    assert samples[("sparkd_memory_MemTotal_bytes", ())] == sample["mem_total"]
+    assert ("sparkd_memory_MemAvailable_bytes", ()) in samples
+    for name in ("MemFree", "Cached", "Buffers", "AnonPages", "Slab", "PageTables", "Shmem", "SwapFree"):
+        assert (f"sparkd_memory_{name}_bytes", ()) in samples, name
+    assert ("sparkd_driver_memory_bytes", ()) in samples
+    if sample.get("psi_some_avg10") is not None:
+        assert ("sparkd_pressure_memory_some_avg10", ()) in samples
+    assert samples[("sparkd_rule_counter", (("rule", "low_available"),))] == 0
+    assert samples[("sparkd_rule_samples_required", (("rule", "low_available"),))] == 5
+    assert samples[("sparkd_rule_trips_total", (("rule", "low_available"),))] == 0
+    assert ("sparkd_rule_near_misses_total", (("rule", "low_free_with_evidence"),)) in samples
+    assert samples[("sparkd_nvrm_errors_total", ())] == 0
+    assert samples[("sparkd_container_state", (("state", "running"),))] == 1
+    assert samples[("sparkd_container_state", (("state", "exited"),))] == 0
+    assert samples[("sparkd_container_stops_total", (("how", "stop"),))] == 2
+    assert samples[("sparkd_archives", ())] == 1
+    assert samples[("sparkd_samples_total", ())] >= 5
+    assert samples[("sparkd_tick_seconds", (("quantile", "0.5"),))] > 0
+
+
+async def test_it_marks_monitor_only_in_metrics(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        text = (await c.get("/metrics")).text
+    assert 'sparkd_container_state{state="monitor-only"} 1.0' in text
+
+
+# --------------------------------------------------------------------------- control
+async def test_it_requires_a_token_for_control(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        _err(await c.post("/api/container/stop"), 401, "unauthorized")
+        _err(await c.post("/api/container/stop", headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+        _err(
+            await c.post("/api/container/stop", headers={"Authorization": f"Basic {_token(managed)}"}),
+            401,
+            "unauthorized",
+        )
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("action", ["start", "stop", "restart"])
+async def test_it_hands_actions_to_the_supervisor(managed: Daemon, action: str) -> None:
+    async with _client(managed) as c:
+        r = await c.post(f"/api/container/{action}", headers=_bearer(managed))
+    assert r.status_code == 200 and r.json()["action"] == action
+    assert managed.actions.calls == [(action, "api:token")]  # type: ignore[attr-defined]
+
+
+async def test_it_answers_409_while_an_action_runs(managed: Daemon) -> None:
+    managed.actions.busy = "stopping"  # type: ignore[attr-defined]
+    async with _client(managed) as c:
+        detail = _err(await c.post("/api/container/restart", headers=_bearer(managed)), 409, "conflict")
+    assert detail == "already stopping"
+
+
+async def test_it_refuses_control_in_monitor_only_mode(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        detail = _err(await c.post("/api/container/stop", headers=_bearer(daemon)), 422, "refused")
+        assert detail.startswith("monitor-only: no container configured")
+        detail = _err(await c.post("/api/resize", json={"kv_target_gib": 10}, headers=_bearer(daemon)), 422, "refused")
+        assert "monitor-only" in detail
+
+
+async def test_it_dry_runs_a_resize(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", json={"host_reserve_gib": 28}, headers=_bearer(managed))
+    body = r.json()
+    assert r.status_code == 200 and body["applied"] is False  # dry_run defaults to true
+    assert body["previous"]["gmu"] == pytest.approx(0.786)
+    assert body["plan"]["gmu"] < body["previous"]["gmu"]
+    assert body["diff"]["gmu"]["old"] == pytest.approx(0.786)
+
+
+async def test_it_applies_a_resize_when_asked(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", json={"max_num_seqs": 8, "dry_run": False}, headers=_bearer(managed))
+    assert r.status_code == 200 and r.json()["applied"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"kv_target_gib": -1}, "kv_target_gib"),
+        ({"gmu_override": 1.5}, "gmu_override"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype"),
+        ({"max_num_seqs": "many"}, "max_num_seqs"),
+        ({"memory": "200g"}, "memory"),
+        ({}, "body"),
+        ({"dry_run": True}, "body"),
+    ],
+)
+async def test_it_refuses_bad_resize_input_naming_the_field(managed: Daemon, body: dict[str, Any], field: str) -> None:
+    async with _client(managed) as c:
+        detail = _err(await c.post("/api/resize", json=body, headers=_bearer(managed)), 422, "invalid_input")
+    assert detail["field"] == field
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
+async def test_it_passes_the_budget_refusal_through(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", json={"gmu_override": 0.95}, headers=_bearer(managed))
+    assert "above the host cap" in _err(r, 422, "refused")
+
+
+# --------------------------------------------------------------------------- sessions & CSRF
+async def test_it_logs_in_with_the_token_and_strips_it_from_the_url(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.get("/login", params={"token": _token(managed)})
+        assert r.status_code == 303 and r.headers["location"] == "/"
+        cookie = r.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and SESSION_COOKIE in cookie
+        assert "Log out" in (await c.get("/")).text
+
+
+async def test_it_logs_in_with_the_form(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/login", data={"token": _token(managed)})
+        assert r.status_code == 303
+        assert "csrf-token" in (await c.get("/")).text
+        r = await c.post("/logout")
+        assert r.status_code == 303
+        c.cookies.clear()
+        assert "csrf-token" not in (await c.get("/")).text
+
+
+async def test_it_refuses_a_wrong_login(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.get("/login", params={"token": "guess"})
+        assert r.status_code == 401 and "not valid" in r.text and SESSION_COOKIE not in r.headers.get("set-cookie", "")
+        assert (await c.post("/login", data={"token": "guess"})).status_code == 401
+
+
+async def test_it_requires_csrf_with_a_session(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        csrf = await _login(c, managed)
+        _err(await c.post("/api/container/stop"), 403, "forbidden")
+        _err(await c.post("/api/container/stop", headers={"X-CSRF-Token": "x" + csrf}), 403, "forbidden")
+        r = await c.post("/api/container/stop", headers={"X-CSRF-Token": csrf})
+        assert r.status_code == 200
+        r = await c.post("/ui/container/restart", data={"csrf_token": csrf}, headers={"HX-Request": "true"})
+        assert r.status_code == 200 and "restart queued" in r.text
+    assert managed.actions.calls == [("stop", "api:session"), ("restart", "web:session")]  # type: ignore[attr-defined]
+
+
+async def test_it_binds_csrf_to_the_session(managed: Daemon) -> None:
+    async with _client(managed) as a, _client(managed) as b:
+        csrf_a = await _login(a, managed)
+        await _login(b, managed)
+        _err(await b.post("/api/container/stop", headers={"X-CSRF-Token": csrf_a}), 403, "forbidden")
+
+
+async def test_it_refuses_forged_and_expired_sessions(managed: Daemon) -> None:
+    auth = Auth(_token(managed))
+    other = Auth("another-token-entirely-0123456789")
+    assert auth.session_id(other.new_session()) is None
+    issued, nonce, sig = auth.new_session().split(".")
+    assert auth.session_id(f"{int(issued) + 1}.{nonce}.{sig}") is None
+    old = Auth(_token(managed), clock=lambda: time.time() - 8 * 86400).new_session()
+    assert auth.session_id(old) is None
+    async with _client(managed) as c:
+        c.cookies.set(SESSION_COOKIE, old)
+        sid = old.rsplit(".", 1)[0]
+        r = await c.post("/api/container/stop", headers={"X-CSRF-Token": auth.csrf_for(sid)})
+        _err(r, 401, "unauthorized")
+
+
+# --------------------------------------------------------------------------- origin & host
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example"},
+        {"Origin": "http://127.0.0.1:9999"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+    ],
+)
+async def test_it_refuses_cross_origin_mutations_even_with_the_token(managed: Daemon, headers: dict[str, str]) -> None:
+    async with _client(managed) as c:
+        _err(await c.post("/api/container/stop", headers={**_bearer(managed), **headers}), 403, "forbidden")
+        _err(await c.post("/login", data={"token": _token(managed)}, headers=headers), 403, "forbidden")
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
+async def test_it_accepts_same_origin_mutations(managed: Daemon) -> None:
+    headers = {**_bearer(managed), "Origin": BASE, "Sec-Fetch-Site": "same-origin"}
+    async with _client(managed) as c:
+        assert (await c.post("/api/container/stop", headers=headers)).status_code == 200
+        assert (await c.get("/api/status", headers={"Origin": "http://evil.example"})).status_code == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8741", "127.0.0.1.nip.io", "localhost.evil"])
+async def test_it_refuses_foreign_host_headers(daemon: Daemon, host: str) -> None:
+    async with _client(daemon) as c:
+        detail = _err(await c.get("/api/status", headers={"Host": host}), 400, "bad_host")
+    assert "allowed_hosts" in detail
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:8741", "localhost:8741", "[::1]:8741", "[::1]"])
+async def test_it_accepts_allowed_hosts(daemon: Daemon, host: str) -> None:
+    async with _client(daemon) as c:
+        assert (await c.get("/api/status", headers={"Host": host})).status_code == 200
+
+
+# --------------------------------------------------------------------------- error shape
+async def test_it_answers_every_error_in_one_shape(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        assert "/nope" in _err(await c.get("/nope"), 404, "not_found")
+        assert "GET" in _err(await c.get("/api/container/stop"), 405, "method_not_allowed")
+        _err(await c.post("/api/resize", content=b"{not json", headers=_bearer(daemon)), 422, "invalid_input")
+        detail = _err(await c.get("/ui/bogus.json"), 422, "invalid_input")
+        assert detail["field"] == "name" and "summary" in detail["message"]
+
+
+async def test_it_renders_errors_as_a_page_for_browsers(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        r = await c.get("/nope", headers={"Accept": "text/html"})
+    assert r.status_code == 404 and "<html" in r.text and "no such path" in r.text
+
+
+# --------------------------------------------------------------------------- token file
+def test_it_creates_the_token_file_private_and_once(tmp_path: Path) -> None:
+    p = tmp_path / "state" / "token"
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_token(p))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results[0]) >= 40
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    assert ensure_token(p) == results[0]
+    assert [f.name for f in p.parent.iterdir()] == ["token"]  # no temp files left
+
+
+def test_it_tightens_a_readable_token_file(tmp_path: Path) -> None:
+    p = tmp_path / "token"
+    p.write_text("x" * 43 + "\n")
+    os.chmod(p, 0o644)
+    assert ensure_token(p) == "x" * 43
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+def test_it_refuses_an_unusable_token_file(tmp_path: Path) -> None:
+    p = tmp_path / "token"
+    p.write_text("short")
+    with pytest.raises(ConfigError, match="no usable token"):
+        ensure_token(p)
+    (tmp_path / "link").symlink_to(p)
+    with pytest.raises(ConfigError, match="link"):
+        ensure_token(tmp_path / "link")
+
+
+# --------------------------------------------------------------------------- dashboard
+async def test_it_renders_the_dashboard_server_side(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.get("/")
+    assert r.status_code == 200
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert r.headers["x-frame-options"] == "DENY"
+    for text in ("low_available", "MemAvailable", "vllm/vllm-openai:v0.9.2", "Memory budget", "daemon_started"):
+        assert text in r.text, text
+    assert "Log in to control" in r.text and "disabled" in r.text  # buttons disabled until login
+    assert "<noscript>" in r.text
+
+
+async def test_it_says_monitor_only_clearly(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        html = (await c.get("/ui/container")).text
+        page = (await c.get("/")).text
+    assert "Monitor-only." in html and "no container configured" in html.lower()
+    assert 'id="part-budget"' in page and "hidden" in page.split('id="part-budget"')[1].split(">")[0]
+
+
+@pytest.mark.parametrize("part", ["summary", "rules", "container", "budget", "events", "launches", "archives"])
+async def test_it_serves_each_part_with_a_json_twin(managed: Daemon, part: str) -> None:
+    async with _client(managed) as c:
+        html = await c.get(f"/ui/{part}")
+        data = await c.get(f"/ui/{part}.json")
+        whole = (await c.get("/dashboard.json")).json()
+    assert html.status_code == 200 and f'id="part-{part}"' in html.text and 'hx-trigger="every' in html.text
+    assert html.text.lstrip().startswith("<section")  # the fragment alone, no page around it
+    assert data.status_code == 200 and list(data.json()) == [part]
+    assert part in whole
+
+
+async def test_it_shows_a_dry_run_plan_with_an_apply_button(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        csrf = await _login(c, managed)
+        r = await c.post(
+            "/ui/resize",
+            data={"csrf_token": csrf, "dry_run": "true", "host_reserve_gib": "28", "kv_target_gib": ""},
+            headers={"HX-Request": "true"},
+        )
+        assert r.status_code == 200
+        assert "Dry run." in r.text and "0.786" in r.text and ">Apply</button>" in r.text
+        assert 'name="host_reserve_gib" value="28"' in r.text and 'name="dry_run" value="false"' in r.text
+        bad = await c.post("/ui/resize", data={"csrf_token": csrf, "gmu_override": "7"}, headers={"HX-Request": "true"})
+        assert bad.status_code == 422 and "gmu_override" in bad.text
+        applied = await c.post(
+            "/ui/resize",
+            data={"csrf_token": csrf, "max_num_seqs": "8", "dry_run": "false"},
+            headers={"HX-Request": "1"},
+        )
+        assert "Applied." in applied.text and ">Apply</button>" not in applied.text
+
+
+async def test_it_shows_the_monitor_only_refusal_in_the_resize_form(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        csrf = await _login(c, daemon)
+        r = await c.post("/ui/resize", data={"csrf_token": csrf, "kv_target_gib": "10"}, headers={"HX-Request": "1"})
+    assert r.status_code == 422 and "monitor-only: no container configured" in r.text

@@ -1,0 +1,242 @@
+"""Headless Chromium against a real ``sparkd run`` subprocess (monitor-only).
+
+Needs Debian's /usr/bin/chromium and the ``playwright`` package (never
+``playwright install``): skipped on a developer machine without them, failed in
+CI. Screenshots go to ``test-artifacts/`` (gitignored).
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, need
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _mem_available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+@pytest.fixture(scope="module")
+def sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real daemon sampling at 4 Hz, with a rule whose counter climbs on this machine."""
+    tmp = tmp_path_factory.mktemp("sparkd")
+    climbing = _mem_available_gib() + 10  # holds on every sample here
+    cfg = tmp / "sparkd.toml"
+    cfg.write_text(
+        "[[rules]]\n"
+        'name = "low_available"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 5\n\n'
+        "[[rules]]\n"
+        f'name = "climbing"\nwhen = ["MemAvailable < {climbing:.1f}GiB"]\nsamples = 1000\naction = "warn"\n'
+    )
+    port = _free_port()
+    env = {
+        **os.environ,
+        "SPARKD_STATE_DIR": str(tmp / "state"),
+        "SPARKD_API__PORT": str(port),
+        "SPARKD_KERNLOG_SOURCE": "off",
+        "SPARKD_INTERVAL_S": "0.25",
+        "SPARKD_FAST_INTERVAL_S": "0.25",
+    }
+    log = open(tmp / "sparkd.out", "w")  # noqa: SIM115 — closed after the process
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from sparkd.cli import main; main()", "--config", str(cfg), "run"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise AssertionError(f"sparkd did not come up: {(tmp / 'sparkd.out').read_text()[-2000:]}")
+            time.sleep(0.1)
+        token = (tmp / "state" / "token").read_text().strip()
+        yield {"base": base, "token": token, "port": port}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    need(os.path.exists(CHROMIUM), f"{CHROMIUM} (Debian's chromium) is not installed")
+    need(shutil.which("chromium") is not None or os.path.exists(CHROMIUM), "chromium on PATH")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        need(False, "the playwright Python package is not installed")
+        raise
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def _login(page: Any, sparkd: dict[str, Any]) -> None:
+    page.goto(f"{sparkd['base']}/login")
+    page.fill("#token", sparkd["token"])
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{sparkd['base']}/")
+    assert page.locator("meta[name=csrf-token]").count() == 1
+
+
+def test_it_logs_in_and_shows_live_data(browser: Any, sparkd: dict[str, Any]) -> None:
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    _login(page, sparkd)
+
+    # the chart has data points (uPlot's own data arrays)
+    page.wait_for_function("window.sparkdChart && window.sparkdChart.points() > 0", timeout=15000)
+    n_points = page.evaluate("window.sparkdChart.plot().data[0].length")
+    n_series = page.evaluate("window.sparkdChart.plot().series.length")
+    assert n_points > 0 and n_series == 7
+
+    # the climbing rule's counter rises on the page without a reload
+    counter = page.locator('.rule-counter[data-rule="climbing"]')
+    first = int(counter.inner_text())
+    page.wait_for_timeout(3000)
+    second = int(counter.inner_text())
+    assert second > first, (first, second)
+
+    # the resize form answers with the monitor-only refusal, in place
+    page.fill("input[name=kv_target_gib]", "10")
+    page.click("#resize-form button[type=submit]")
+    result = page.locator("#resize-result")
+    result.locator(".msg").wait_for(timeout=5000)
+    assert "monitor-only: no container configured" in result.inner_text()
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.wait_for_timeout(2500)  # a few more chart updates
+    assert page.evaluate("window.sparkdChart.points()") >= n_points
+    page.screenshot(path=str(ARTIFACTS / "dashboard-1280x800.png"))
+    page.screenshot(path=str(ARTIFACTS / "dashboard-1280-full.png"), full_page=True)
+    # the refusal itself is a 422 the console reports; anything else is a real error
+    assert not [e for e in errors if "status of 422" not in e], errors
+    ctx.close()
+
+
+def test_it_reads_on_a_phone(browser: Any, sparkd: dict[str, Any]) -> None:
+    ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
+    page = ctx.new_page()
+    page.goto(f"{sparkd['base']}/")
+    page.wait_for_function("window.sparkdChart && window.sparkdChart.points() > 0", timeout=15000)
+    # single column: nothing wider than the viewport
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    boxes = [page.locator(sel).bounding_box() for sel in ("#part-summary", "#part-rules", "#part-container")]
+    assert all(b is not None and b["width"] > 300 for b in boxes), boxes
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-390x844.png"))
+    page.screenshot(path=str(ARTIFACTS / "dashboard-390-full.png"), full_page=True)
+    ctx.close()
+
+
+def test_it_reads_with_javascript_off(browser: Any, sparkd: dict[str, Any]) -> None:
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800}, java_script_enabled=False)
+    page = ctx.new_page()
+    page.goto(f"{sparkd['base']}/")
+    assert "MemAvailable" in page.inner_text("#part-summary")
+    assert "GiB" in page.inner_text("#mem-available")
+    assert page.locator('.rule-counter[data-rule="climbing"]').count() == 1
+    assert "needs JavaScript" in page.content()
+    ctx.close()
+
+
+class _EvilPage(http.server.BaseHTTPRequestHandler):
+    target = ""
+
+    def do_GET(self) -> None:
+        body = f"""<!doctype html><html><body>
+<form id="f" method="post" action="{self.target}/api/container/stop"><button>win a prize</button></form>
+</body></html>""".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        return None
+
+
+def test_it_refuses_a_page_on_another_origin(browser: Any, sparkd: dict[str, Any]) -> None:
+    handler = type("Evil", (_EvilPage,), {"target": sparkd["base"]})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    evil = f"http://127.0.0.1:{server.server_address[1]}/"
+    ctx = browser.new_context()
+    page = ctx.new_page()
+    try:
+        _login(page, sparkd)  # the victim is logged in: the cookie would ride along (same site, other port)
+        page.goto(evil)
+        # a script on that page cannot read the answer (no CORS), and the request is refused anyway
+        fetched = page.evaluate(
+            """async (url) => {
+                try {
+                    const r = await fetch(url, {method: "POST", credentials: "include",
+                                                headers: {"Content-Type": "application/json"}, body: "{}"});
+                    return "status " + r.status;
+                } catch (e) { return "blocked"; }
+            }""",
+            f"{sparkd['base']}/api/container/stop",
+        )
+        assert fetched == "blocked"
+        with page.expect_navigation():
+            page.click("#f button")
+        text = page.inner_text("body")
+        assert '"error":"forbidden"' in text.replace(" ", ""), text
+        assert "Sec-Fetch-Site" in text or "Origin" in text
+        events = httpx.get(f"{sparkd['base']}/api/events", params={"limit": 500}).json()["events"]
+        assert not [e for e in events if e["kind"] in ("stopped", "stop_requested")]
+    finally:
+        ctx.close()
+        server.shutdown()

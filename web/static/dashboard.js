@@ -1,0 +1,215 @@
+/* sparkd live memory chart (uPlot). Fetches /api/samples once per range, then
+ * incrementally every 2 s (only the buckets since the last one). Stop thresholds
+ * are dashed horizontal lines; trips and NV_ERR_NO_MEMORY lines are vertical marks.
+ * No inline script: the page's CSP allows only 'self' scripts. */
+(function () {
+  "use strict";
+  const GiB = 1073741824;
+  const el = document.getElementById("chart");
+  if (!el || !window.uPlot) return;
+  const cfg = JSON.parse(el.dataset.config || "{}");
+  const SERIES = [
+    ["mem_available", "avg", "MemAvailable", "#3fb68b", 2],
+    ["mem_available", "min", "MemAvailable (min)", "rgba(63,182,139,0.45)", 1],
+    ["mem_free", "avg", "MemFree", "#6aa8ff", 1.5],
+    ["cached", "avg", "Cached (page cache)", "#e0b341", 1.5],
+    ["anon_pages", "avg", "AnonPages", "#b48cf0", 1.5],
+    ["slab", "avg", "Slab", "#e08a5b", 1.5],
+  ];
+  const FIELDS = [...new Set(SERIES.map((s) => s[0]))].join(",");
+  const MARK_COLORS = { trip: "#f0616d", nvrm_no_memory: "#ff9f43" };
+  const thresholds = cfg.thresholds || [];
+  const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
+
+  let range = 300;
+  let step = null;
+  let data = null; // [ts[], series...]
+  let markers = [];
+  let plot = null;
+  let timer = null;
+  let generation = 0;
+
+  const fmtGiB = (u, v) => (v == null ? "–" : v.toFixed(2) + " GiB");
+  const pad = (n) => String(n).padStart(2, "0");
+  function fmtTick(ts) {
+    const d = new Date(ts * 1000);
+    const hm = `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}`;
+    if (range <= 3600) return `${hm}:${pad(d.getUTCSeconds())}`;
+    if (range <= 86400) return hm;
+    return `${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())} ${hm}`;
+  }
+  function showLatest(u) {
+    // with the cursor off the chart, the legend shows the newest values instead of dashes
+    if (u.cursor.idx == null && u.data[0].length) u.setLegend({ idx: u.data[0].length - 1 });
+  }
+
+  function height() {
+    return window.innerWidth < 760 ? 240 : 300;
+  }
+
+  function draw(u) {
+    const ctx = u.ctx;
+    const dpr = window.devicePixelRatio || 1;
+    const { left, top, width, height: h } = u.bbox;
+    ctx.save();
+    ctx.beginPath();
+    ctx.rect(left, top, width, h);
+    ctx.clip();
+    ctx.font = `${11 * dpr}px system-ui, sans-serif`;
+    ctx.textAlign = "left";
+    ctx.textBaseline = "bottom";
+    for (const t of thresholds) {
+      const y = u.valToPos(t.value / GiB, "y", true);
+      if (y < top || y > top + h) continue;
+      ctx.strokeStyle = "rgba(240,97,109,0.85)";
+      ctx.lineWidth = 1 * dpr;
+      ctx.setLineDash([6 * dpr, 4 * dpr]);
+      ctx.beginPath();
+      ctx.moveTo(left, y);
+      ctx.lineTo(left + width, y);
+      ctx.stroke();
+      ctx.setLineDash([]);
+      ctx.fillStyle = "rgba(240,97,109,0.95)";
+      ctx.fillText(`${t.rule}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`, left + 6 * dpr, y - 4 * dpr);
+    }
+    for (const m of markers) {
+      const x = u.valToPos(m.ts, "x", true);
+      if (x < left || x > left + width) continue;
+      ctx.strokeStyle = MARK_COLORS[m.kind] || "#f0616d";
+      ctx.lineWidth = (m.kind === "trip" ? 2 : 1) * dpr;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + h);
+      ctx.stroke();
+    }
+    ctx.restore();
+  }
+
+  function makePlot() {
+    const opts = {
+      width: el.clientWidth || 600,
+      height: height(),
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
+      cursor: { drag: { x: false, y: false } },
+      legend: { live: true },
+      scales: {
+        x: { time: true, auto: false, range: () => [Date.now() / 1000 - range, Date.now() / 1000] },
+        y: {
+          range: (u, min, max) => {
+            const top = Math.max(max || 0, ...thresholds.map((t) => t.value / GiB));
+            return [0, Math.ceil(top * 1.08 + 0.5)];
+          },
+        },
+      },
+      axes: [
+        {
+          stroke: "#8b95a3",
+          space: 80,
+          grid: { stroke: "#1f2731", width: 1 },
+          ticks: { stroke: "#262f3b", width: 1 },
+          values: (u, splits) => splits.map(fmtTick),
+        },
+        {
+          stroke: "#8b95a3",
+          size: 64,
+          grid: { stroke: "#1f2731", width: 1 },
+          ticks: { stroke: "#262f3b", width: 1 },
+          values: (u, splits) => splits.map((v) => v + " GiB"),
+        },
+      ],
+      series: [
+        { label: "time (UTC)", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" },
+        ...SERIES.map(([, , label, color, w]) => ({ label, stroke: color, width: w, value: fmtGiB, spanGaps: false })),
+      ],
+      hooks: { draw: [draw], setData: [showLatest], setCursor: [showLatest] },
+    };
+    plot = new uPlot(opts, data, el);
+    showLatest(plot);
+  }
+
+  function columns(resp) {
+    const cols = [resp.ts];
+    for (const [f, agg] of SERIES) {
+      cols.push((resp[`${f}_${agg}`] || []).map((v) => (v == null ? null : v / GiB)));
+    }
+    return cols;
+  }
+
+  async function fetchJSON(url) {
+    const r = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
+    if (!r.ok) throw new Error(`${url}: ${r.status}`);
+    return r.json();
+  }
+
+  async function refresh(full) {
+    const gen = generation;
+    const now = Date.now() / 1000;
+    let url;
+    if (full || !data || !data[0].length) {
+      url = `/api/samples?since=${(now - range).toFixed(3)}&fields=${FIELDS}`;
+    } else {
+      const last = data[0][data[0].length - 1];
+      url = `/api/samples?since=${last}&step=${step}&fields=${FIELDS}`;
+    }
+    const [resp, ev] = await Promise.all([
+      fetchJSON(url),
+      fetchJSON(`/api/events?since=${(now - range).toFixed(3)}&kind=${markerKinds}&limit=500`),
+    ]);
+    if (gen !== generation) return; // the range changed meanwhile
+    markers = ev.events || [];
+    const cols = columns(resp);
+    if (full || !data || !data[0].length) {
+      step = resp.step;
+      data = cols;
+    } else if (cols[0].length) {
+      const first = cols[0][0];
+      let keep = data[0].findIndex((t) => t >= first);
+      if (keep < 0) keep = data[0].length;
+      data = data.map((arr, i) => arr.slice(0, keep).concat(cols[i]));
+    }
+    const cutoff = now - range;
+    const drop = data[0].findIndex((t) => t >= cutoff);
+    if (drop > 0) data = data.map((arr) => arr.slice(drop));
+    if (!plot) makePlot();
+    else plot.setData(data);
+    el.dataset.points = String(data[0].length);
+  }
+
+  function schedule() {
+    clearTimeout(timer);
+    timer = setTimeout(async () => {
+      if (!document.hidden) {
+        try {
+          await refresh(false);
+        } catch (e) {
+          /* the daemon may be restarting; try again next tick */
+        }
+      }
+      schedule();
+    }, 2000);
+  }
+
+  document.querySelectorAll("button.range").forEach((b) => {
+    b.addEventListener("click", async () => {
+      document.querySelectorAll("button.range").forEach((x) => x.classList.toggle("active", x === b));
+      range = Number(b.dataset.range);
+      generation += 1;
+      data = null;
+      try {
+        await refresh(true);
+      } catch (e) {
+        /* shown as an empty chart */
+      }
+    });
+  });
+
+  new ResizeObserver(() => {
+    if (plot) plot.setSize({ width: el.clientWidth, height: height() });
+  }).observe(el);
+
+  window.sparkdChart = {
+    points: () => (data ? data[0].length : 0),
+    plot: () => plot,
+  };
+  refresh(true).catch(() => {}).finally(schedule);
+})();
