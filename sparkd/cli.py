@@ -340,6 +340,242 @@ def uninstall(root: str, purge: bool) -> None:
     sys.exit(report.exit_code)
 
 
+# ---------------------------------------------------------------- control (through the daemon's API)
+def _api(
+    settings: Settings, method: str, path: str, *, json_body: dict[str, Any] | None = None, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Call the running daemon's API with the bearer token from the state directory.
+
+    Exits 1 with the API's ``{"error", "detail"}`` message on refusal; 3 when no daemon answers.
+    """
+    import httpx
+
+    try:
+        token = settings.token_file.read_text().strip()
+    except OSError as e:
+        click.echo(f"sparkd: cannot read the API token {settings.token_file}: {e} (is sparkd running here?)", err=True)
+        sys.exit(3)
+    host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
+    url = f"http://{host}:{settings.api.port}{path}"
+    try:
+        r = httpx.request(method, url, json=json_body, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as e:
+        click.echo(f"sparkd: no daemon answers at {url}: {e}", err=True)
+        sys.exit(3)
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"detail": r.text}
+    if r.status_code >= 400:
+        detail = data.get("detail")
+        msg = detail.get("message", detail) if isinstance(detail, dict) else detail
+        click.echo(f"sparkd: {data.get('error', r.status_code)}: {msg}", err=True)
+        sys.exit(1)
+    result: dict[str, Any] = data
+    return result
+
+
+def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False) -> None:
+    settings = _settings(ctx)
+    out = _api(
+        settings,
+        "POST",
+        f"/api/container/{action}" + ("?force=true" if force else ""),
+        timeout_s=settings.container.stop_timeout_s + settings.container.startup_timeout_s + 60,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    stop = out.get("stop")
+    if stop:
+        click.echo(
+            f"stopped: {stop.get('outcome')} (exit {stop.get('exit_code')}) in "
+            f"{stop.get('durations_s', {}).get('total', 0):.1f} s; archive {stop.get('archive')}"
+        )
+    if out.get("launch_id"):
+        click.echo(f"launched: launch {out['launch_id']} (follow with `sparkd status`)")
+
+
+@main.command()
+@click.option("--force", is_flag=True, help="Launch even if the preflight fails (recorded).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def start(ctx: click.Context, force: bool, as_json: bool) -> None:
+    """Launch the serving container (preflight first)."""
+    _control(ctx, "start", as_json, force)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def stop(ctx: click.Context, as_json: bool) -> None:
+    """Stop the serving container: archive, graceful 30 s stop, kill fallback, /dev/shm cleanup."""
+    _control(ctx, "stop", as_json)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def restart(ctx: click.Context, as_json: bool) -> None:
+    """Stop (as ``stop``) and launch again."""
+    _control(ctx, "restart", as_json)
+
+
+_RESIZE_OPTS = [
+    ("--kv-target-gib", "kv_target_gib", float),
+    ("--max-model-len", "max_model_len", int),
+    ("--max-num-seqs", "max_num_seqs", int),
+    ("--host-reserve-gib", "host_reserve_gib", float),
+    ("--kv-cache-dtype", "kv_cache_dtype", str),
+    ("--gmu-override", "gmu_override", float),
+    ("--docker-headroom-gib", "docker_headroom_gib", float),
+]
+
+
+def _resize_options(f: Any) -> Any:
+    for flag, dest, typ in reversed(_RESIZE_OPTS):
+        f = click.option(flag, dest, type=typ, default=None)(f)
+    return f
+
+
+@main.command()
+@_resize_options
+@click.option("--dry-run", is_flag=True, help="Show the new plan and the differences; change nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def resize(ctx: click.Context, dry_run: bool, as_json: bool, **changes: Any) -> None:
+    """Change budget inputs: dry run shows the new plan; apply drains, stops and relaunches (rollback on failure)."""
+    settings = _settings(ctx)
+    body = {k: v for k, v in changes.items() if v is not None}
+    if not body:
+        raise click.UsageError("give at least one of " + ", ".join(f for f, _d, _t in _RESIZE_OPTS))
+    out = _api(
+        settings,
+        "POST",
+        "/api/resize",
+        json_body={**body, "dry_run": dry_run},
+        timeout_s=settings.container.drain_timeout_s + 2 * settings.container.startup_timeout_s + 120,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    click.echo(
+        ("dry run: " if dry_run else "")
+        + "new plan: GMU {gmu}, budget {budget_gib:.2f} GiB, KV {kv_exp_gib:.2f}"
+        " GiB, --memory {docker_memory_gib:.2f} GiB".format(**out["plan"])
+    )
+    for k, (old, new) in (out.get("diff") or {}).items():
+        click.echo(f"  {k:<22} {old} -> {new}")
+    if not dry_run:
+        click.echo(
+            "applied"
+            if out.get("applied")
+            else f"NOT applied: {out.get('error')} (rolled back: {out.get('rolled_back', False)})"
+        )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", default=20, show_default=True)
+@click.pass_context
+def launches(ctx: click.Context, as_json: bool, limit: int) -> None:
+    """Launch records: the plan beside what vLLM reported and the start-up trough."""
+    settings = _settings(ctx)
+    rows = _store(settings).launches(limit=limit)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    if not rows:
+        click.echo("no launches recorded")
+    for r in rows:
+        plan, act = r.get("plan") or {}, r.get("actual") or {}
+        ready = f"ready after {r['ready_at'] - r['started_at']:.1f} s" if r.get("ready_at") else "never ready"
+        click.echo(
+            f"{_ts(r['started_at'])} {r['id']} {r['status']:<10} {ready}; trough "
+            f"{fmt_gib(r.get('trough_bytes'))}; rev {r.get('revision')}{' FORCED' if r.get('forced') else ''}"
+        )
+        click.echo(
+            f"    estimate: GMU {plan.get('gmu', '-')}, KV {_f(plan.get('kv_exp_gib'))} GiB, "
+            f"max-len concurrency {_f(plan.get('max_len_concurrency'))}"
+        )
+        click.echo(
+            f"    actual:   weights {_f(act.get('model_load_gib'))} GiB in {_f(act.get('model_load_s'))} s, "
+            f"KV {_f(act.get('kv_cache_available_gib'))} GiB = {act.get('kv_cache_tokens', '-')} tokens, concurrency "
+            f"{_f(act.get('max_concurrency'))}x, graphs {_f(act.get('graph_capture_gib'))} GiB"
+        )
+
+
+_PLAN_OPTS = [
+    ("--weights-gib", "weights_gib", float, "GPU-resident weights after PLE (GiB); default: measure model_dir"),
+    ("--ple-gib", "ple_gib", float, "mmap'ed embedding tables (PLE) in the checkpoint"),
+    ("--overhead-gib", "overhead_gib", float, "CUDA graphs, activations, workspaces"),
+    ("--mtp-gib", "mtp_gib", float, "MTP memory (with --mtp)"),
+    ("--mtp-off-credit-gib", "mtp_off_credit_gib", float, "weights not loaded with MTP off"),
+    ("--kv-target-gib", "kv_target_gib", float, "KV cache wanted"),
+    ("--host-reserve-gib", "host_reserve_gib", float, "left to the host"),
+    ("--max-model-len", "max_model_len", int, "vLLM --max-model-len"),
+    ("--kv-bytes-per-token", "kv_bytes_per_token", int, "BF16 KV bytes per token"),
+    ("--kv-cache-dtype", "kv_cache_dtype", str, "auto|bf16|fp16|fp8|fp8_e4m3|fp8_e5m2"),
+    ("--max-num-seqs", "max_num_seqs", int, "vLLM --max-num-seqs"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "vLLM --max-num-batched-tokens"),
+    ("--gmu-override", "gmu_override", float, "explicit --gpu-memory-utilization"),
+    ("--docker-headroom-gib", "docker_headroom_gib", float, "Docker --memory = budget + this"),
+]
+
+
+def _plan_options(f: Any) -> Any:
+    for flag, dest, typ, help_ in reversed(_PLAN_OPTS):
+        f = click.option(flag, dest, type=typ, default=None, help=help_)(f)
+    return f
+
+
+@main.command()
+@_plan_options
+@click.option("--mem-total-gib", type=float, default=None, help="MemTotal (GiB); default: read /proc/meminfo now.")
+@click.option("--model-dir", type=click.Path(), default=None, help="Checkpoint directory to measure.")
+@click.option("--mtp/--no-mtp", default=None, help="Multi-token prediction on/off (counts --mtp-gib).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def plan(
+    ctx: click.Context,
+    mem_total_gib: float | None,
+    model_dir: str | None,
+    mtp: bool | None,
+    as_json: bool,
+    **inputs: Any,
+) -> None:
+    """The memory budget without launching (the seed's --no-launch): inputs, intermediate values, results."""
+    from .budget import make_plan, render_plan_table
+    from .launchplan import budget_inputs
+
+    settings = _settings(ctx)
+    changes = {k: v for k, v in inputs.items() if v is not None}
+    if mtp is not None:
+        changes["mtp"] = mtp
+    from pydantic import ValidationError
+
+    from .config import BudgetSettings, format_validation_error
+
+    try:
+        b = BudgetSettings(**{**settings.budget.model_dump(), **changes, "enabled": True})
+    except ValidationError as e:
+        click.echo("sparkd: " + format_validation_error(e, "plan inputs"), err=True)
+        sys.exit(2)
+    c = settings.container.model_copy(update={"model_dir": model_dir} if model_dir else {})
+    if mem_total_gib is not None:
+        mem_total = int(mem_total_gib * 2**30)
+    else:
+        from .procfs import read_meminfo
+
+        mem_total = read_meminfo(settings.proc_root).fields["MemTotal"]
+    p = make_plan(budget_inputs(b, c, mem_total))
+    if as_json:
+        click.echo(json.dumps(p.to_json(), indent=2))
+    else:
+        click.echo(render_plan_table(p, image=settings.container.image or "vllm/vllm-openai:latest"))
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _register() -> None:
     from .replay import replay_command
 

@@ -346,7 +346,7 @@ class Settings(BaseSettings):
         return (env_settings, init_settings)
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -389,7 +389,7 @@ def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] |
     try:
         return Settings(**data)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source)) from None
 
 
 def effective_config(settings: Settings) -> dict[str, Any]:

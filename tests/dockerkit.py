@@ -101,9 +101,7 @@ def launcher(
     yield launch
 
     ids = set(created)
-    for c in docker_client.containers.list(
-        all=True, filters={"label": [f"{k}={v}" for k, v in case_labels.items()]}
-    ):
+    for c in docker_client.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in case_labels.items()]}):
         ids.add(c.id)  # carries this test's unique case label: ours
     for cid in ids:
         with contextlib.suppress(docker.errors.NotFound):

@@ -32,9 +32,7 @@ pytestmark = pytest.mark.docker
 pytest_plugins = ["dockerkit"]  # fixtures: mgr, launcher, image, docker_client
 
 
-def test_it_launches_a_labelled_limited_container_that_becomes_healthy(
-    mgr: ContainerManager, launcher: Any
-) -> None:
+def test_it_launches_a_labelled_limited_container_that_becomes_healthy(mgr: ContainerManager, launcher: Any) -> None:
     fv: Launched = launcher(startup_s=1.5, mem_limit_bytes=200 * MiB)
     first = health_check(fv.port, timeout_s=1)
     assert not first.ok  # not ready yet: refused or 503
@@ -89,9 +87,7 @@ def test_it_stops_gracefully_with_exit_0(mgr: ContainerManager, launcher: Any) -
     assert again.outcome == "not_running" and again.exit_code == 0
 
 
-def test_it_kills_after_the_grace_when_sigterm_is_ignored(
-    mgr: ContainerManager, launcher: Any
-) -> None:
+def test_it_kills_after_the_grace_when_sigterm_is_ignored(mgr: ContainerManager, launcher: Any) -> None:
     fv = launcher(mode="ignore-term")
     assert fv.wait_healthy()
     res = mgr.stop(fv.id, timeout_s=3)
@@ -143,9 +139,7 @@ def test_it_adopts_the_one_running_managed_container(
     assert adopted is not None and adopted.id == older.id
 
 
-def test_it_touches_an_unlabelled_container_only_when_guarded(
-    mgr: ContainerManager, launcher: Any
-) -> None:
+def test_it_touches_an_unlabelled_container_only_when_guarded(mgr: ContainerManager, launcher: Any) -> None:
     other = launcher(managed=False)
     assert other.wait_healthy()  # PID 1 ignores SIGTERM until its handler is installed
     assert not mgr.get(other.id).managed  # reading is allowed
@@ -176,15 +170,11 @@ def test_it_follows_log_lines_until_told_to_stop(mgr: ContainerManager, launcher
     assert not t.is_alive(), "stream_logs did not return after stop_event"
 
 
-def test_it_ends_log_following_when_the_container_exits(
-    mgr: ContainerManager, launcher: Any
-) -> None:
+def test_it_ends_log_following_when_the_container_exits(mgr: ContainerManager, launcher: Any) -> None:
     fv = launcher()
     assert fv.wait_healthy()
     lines: list[str] = []
-    t = threading.Thread(
-        target=mgr.stream_logs, args=(fv.id, lines.append, threading.Event()), daemon=True
-    )
+    t = threading.Thread(target=mgr.stream_logs, args=(fv.id, lines.append, threading.Event()), daemon=True)
     t.start()
     mgr.stop(fv.id, timeout_s=5)
     t.join(10)
@@ -212,9 +202,7 @@ def test_it_sees_progress_and_stalls_in_real_metrics(launcher: Any) -> None:
     assert progress_stalled(c, d)  # ... but makes no progress
 
 
-def test_it_refuses_a_taken_name_and_never_pulls(
-    mgr: ContainerManager, launcher: Any, image: str
-) -> None:
+def test_it_refuses_a_taken_name_and_never_pulls(mgr: ContainerManager, launcher: Any, image: str) -> None:
     fv = launcher()
     with pytest.raises(Conflict):
         mgr.launch(LaunchSpec(image=image, name=fv.name, gpu=False), "x", 1)

@@ -41,9 +41,7 @@ def shm_names() -> Iterator[list[str]]:
             (SHM / n).unlink()
 
 
-def test_it_leaves_shm_entries_behind_when_killed(
-    mgr: ContainerManager, launcher: Any, shm_names: list[str]
-) -> None:
+def test_it_leaves_shm_entries_behind_when_killed(mgr: ContainerManager, launcher: Any, shm_names: list[str]) -> None:
     fv: Launched = launcher()
     assert fv.wait_healthy()
     names = fv.post("/shm?n=5&kib=64")["names"]

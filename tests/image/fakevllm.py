@@ -79,20 +79,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=env("VLLM_API_KEY"))
     p.add_argument("--fake-mode", choices=MODES, default=env("FAKEVLLM_MODE", "graceful"))
     p.add_argument("--fake-startup-s", type=float, default=float(env("FAKEVLLM_STARTUP_S", "1.0")))
-    p.add_argument(
-        "--fake-exit-delay-s", type=float, default=float(env("FAKEVLLM_EXIT_DELAY_S", "0.2"))
-    )
-    p.add_argument(
-        "--fake-crash-after-s", type=float, default=float(env("FAKEVLLM_CRASH_AFTER_S", "3"))
-    )
+    p.add_argument("--fake-exit-delay-s", type=float, default=float(env("FAKEVLLM_EXIT_DELAY_S", "0.2")))
+    p.add_argument("--fake-crash-after-s", type=float, default=float(env("FAKEVLLM_CRASH_AFTER_S", "3")))
     p.add_argument(
         "--fake-shm-cleanup",
         action="store_true",
         default=env("FAKEVLLM_SHM_CLEANUP", "0").lower() in ("1", "true", "yes"),
     )
-    p.add_argument(
-        "--fake-tokens-per-s", type=float, default=float(env("FAKEVLLM_TOKENS_PER_S", "50"))
-    )
+    p.add_argument("--fake-tokens-per-s", type=float, default=float(env("FAKEVLLM_TOKENS_PER_S", "50")))
     args, unknown = p.parse_known_args(argv)
     pos = list(args.positional)
     if pos and pos[0] == "serve":
