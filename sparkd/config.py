@@ -163,6 +163,7 @@ class ContainerSettings(BaseModel):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     docker_url: str | None = None
+    selector: dict[str, str] = Field(default_factory=dict)
     gpu: Literal["auto", "on", "off"] = "auto"
     memory: str | None = None  # used when no budget is configured
     stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
@@ -445,6 +446,8 @@ FIELD_DOCS: dict[str, str] = {
     "container.args": "Extra vLLM arguments (exec form, no shell).",
     "container.env": "Environment variables for the container.",
     "container.docker_url": "Docker engine URL; default from DOCKER_HOST or the local socket.",
+    "container.selector": "Extra labels every launch carries and adoption filters on (one sparkd per engine "
+    "by default; set this to run several).",
     "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
     "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",

@@ -20,6 +20,9 @@ class SparkdError(Exception):
         self.detail = detail
 
     def to_json(self) -> dict[str, Any]:
+        """``{"error": code, "detail": ...}``; a dict detail always carries ``message`` too."""
+        if isinstance(self.detail, dict):
+            return {"error": self.code, "detail": {"message": self.message, **self.detail}}
         return {"error": self.code, "detail": self.detail if self.detail is not None else self.message}
 
 

@@ -54,7 +54,7 @@ class Supervisor:
     def __init__(self, settings: Settings, manager: ContainerManager | None = None) -> None:
         self.settings = settings
         c = settings.container
-        self.manager = manager or ContainerManager(c.docker_url)
+        self.manager = manager or ContainerManager(c.docker_url, selector=c.selector)
         self.mode = "managed" if c.image else "guard"
         self.name = c.name if c.image else (c.guard or "")
         self.daemon: Daemon | None = None

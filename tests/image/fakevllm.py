@@ -33,6 +33,8 @@ Behaviour (flag, else environment, else default):
   ``FAKEVLLM_CRASH_AFTER_S``, default 3), ``never-ready`` (/health never 200);
 * ``FAKEVLLM_STARTUP_S`` (default 1.0): seconds until ready;
 * ``FAKEVLLM_SHM_CLEANUP=1``: unlink the /dev/shm entries on graceful exit.
+* ``FAKEVLLM_NEVER_READY_WHEN=--max-num-seqs=7``: never ready when launched with that
+  argument value (a bad configuration, for rollback tests).
   Default: leave them behind, as a runtime that dies without cleanup does.
 """
 
@@ -87,7 +89,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=env("FAKEVLLM_SHM_CLEANUP", "0").lower() in ("1", "true", "yes"),
     )
     p.add_argument("--fake-tokens-per-s", type=float, default=float(env("FAKEVLLM_TOKENS_PER_S", "50")))
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    # a configuration that never becomes ready, as a real bad launch (e.g. "--max-num-seqs=7"): tests of rollback
+    p.add_argument("--fake-never-ready-when", default=env("FAKEVLLM_NEVER_READY_WHEN", ""))
     args, unknown = p.parse_known_args(argv)
+    if args.fake_never_ready_when:
+        flag, _, value = args.fake_never_ready_when.partition("=")
+        if str(getattr(args, flag.lstrip("-").replace("-", "_"), None)) == value:
+            args.fake_mode = "never-ready"
     pos = list(args.positional)
     if pos and pos[0] == "serve":
         pos = pos[1:]

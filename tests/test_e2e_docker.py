@@ -1,0 +1,237 @@
+"""sparkd owns the vLLM container on a real Docker engine (the fakevllm test image).
+
+Each test runs a real ``sparkd run`` subprocess with its API, a private state
+dir, and this test's labels as the container selector; the dockerkit finalizer
+removes exactly the containers carrying this test's case label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tarfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fvhelpers import wait_for
+from sparkdapi import SparkdUnderTest
+
+from sparkd import procfs
+from sparkd.units import GiB
+
+pytest_plugins = ["dockerkit"]
+
+
+@pytest.fixture
+def sparkd_factory(tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any, launcher: Any):
+    made: list[SparkdUnderTest] = []
+
+    def make(**kw: Any) -> SparkdUnderTest:
+        (tmp_path / f"s{len(made)}").mkdir(exist_ok=True)
+        s = SparkdUnderTest(tmp_path / f"s{len(made)}", image, case_labels, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def _inspect(docker_client: Any, cid: str) -> dict[str, Any]:
+    return docker_client.api.inspect_container(cid)  # type: ignore[no-any-return]
+
+
+def test_it_launches_the_container_and_it_becomes_ready(sparkd_factory: Any, docker_client: Any) -> None:
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    launched = s.wait_event("launched")
+    d = launched["details"]
+    assert d["image"].startswith("sparkd-test-vllm")
+    assert "--port" in d["args"] and str(s.vllm_port) in d["args"]
+    assert d["args"][d["args"].index("--shutdown-timeout") + 1] == "25"
+    assert d["mem_limit_bytes"] == 3 * GiB == d["memswap_limit_bytes"]
+    ins = _inspect(docker_client, c["container_id"])
+    assert ins["Config"]["Labels"]["sparkd.managed"] == "true"
+    assert ins["Config"]["Labels"]["sparkd.launch_id"] == c["launch_id"]
+    assert ins["HostConfig"]["IpcMode"] == "host" and ins["HostConfig"]["NetworkMode"] == "host"
+    assert ins["HostConfig"]["RestartPolicy"]["Name"] == "no"
+    assert ins["HostConfig"]["Memory"] == 3 * GiB
+    # exec form: the container's PID 1 is the server itself, not a shell
+    rc, out = docker_client.containers.get(c["container_id"]).exec_run(["cat", "/proc/1/cmdline"])
+    assert rc == 0 and not out.startswith(b"/bin/sh")
+    assert s.wait_event("ready")["details"]["time_to_ready_s"] > 0
+
+
+def test_end_to_end_a_real_memory_trip_archives_stops_gracefully_and_cleans_shm(
+    sparkd_factory: Any, docker_client: Any
+) -> None:
+    avail = procfs.read_meminfo().fields["MemAvailable"]
+    threshold = avail - GiB
+    s = sparkd_factory(rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}])
+    s.start()
+    c = s.wait_state("ready", 60)
+    started = c["started_at"]
+    names = s.vllm("POST", "/shm?n=5&kib=64")["names"]
+    assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+    # a /dev/shm entry that a live host process (this test) holds open, created after the container started
+    mine = f"/dev/shm/sparkd-test-held-{uuid.uuid4().hex[:8]}"
+    fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        assert os.stat(mine).st_mtime >= started
+        s.vllm("POST", "/alloc?mib=1536")
+        trip = s.wait_event("trip", 30)
+        assert trip["message"].startswith("low_available: MemAvailable ")
+        assert "for 3/3 samples" in trip["message"]
+        stopped = s.wait_event("stopped", 60)
+        rep = stopped["details"]
+        assert rep["exit_code"] == 0 and rep["outcome"] == "exited"
+        assert rep["durations_s"]["stop"] < 30
+        # the archive holds every part, summary first
+        arch = Path(s.tmp) / "archives" / rep["archive"]
+        with tarfile.open(arch) as tf:
+            members = tf.getnames()
+            assert members[0] == "summary.txt"
+            for part in ("container.log", "sparkd.log", "samples.csv", "kernel.log", "inspect.json",
+                         "config.json", "plan.json", "events.json"):
+                assert part in members, part
+            summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
+            assert "low_available" in summary
+            clog = tf.extractfile("container.log").read().decode()  # type: ignore[union-attr]
+            assert "Application startup complete" in clog
+            samples = tf.extractfile("samples.csv").read().decode()  # type: ignore[union-attr]
+            assert samples.startswith("ts,") and len(samples.splitlines()) > 3
+            ins = json.loads(tf.extractfile("inspect.json").read())  # type: ignore[union-attr]
+            assert ins["Id"] == c["container_id"]
+        # the container's /dev/shm entries are gone; the one this test holds open is kept
+        for n in names:
+            assert not os.path.exists(f"/dev/shm/{n}"), n
+        assert os.path.exists(mine)
+        kept = rep["shm_kept"]
+        assert any(os.path.basename(mine) in k and "in use by pid" in k for k in kept)
+        assert s.container()["state"] == "stopped"
+    finally:
+        os.close(fd)
+        os.unlink(mine)
+
+
+def test_a_container_that_ignores_sigterm_is_killed_after_30_s(sparkd_factory: Any) -> None:
+    s = sparkd_factory(container={"env": {"FAKEVLLM_MODE": "ignore-term", "FAKEVLLM_STARTUP_S": "0.3"}}).start()
+    s.wait_state("ready", 60)
+    t0 = time.monotonic()
+    r = s.api("POST", "/api/container/stop")
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    rep = r.json()["stop"]
+    assert rep["exit_code"] == 137
+    assert 28.0 <= rep["durations_s"]["stop"] <= 32.0
+    assert 28.0 <= elapsed <= 40.0
+    ev = s.wait_event("killed")
+    assert "no exit within 30 s of SIGTERM" in ev["message"]
+
+
+def test_kill_9_of_sparkd_then_restart_adopts_the_container(
+    sparkd_factory: Any, docker_client: Any, case_labels: dict[str, str]
+) -> None:
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    s.kill9()
+    # the model keeps serving without sparkd
+    assert docker_client.containers.get(c["container_id"]).status == "running"
+    s.start()
+    c2 = s.wait_state("ready", 60)
+    assert c2["container_id"] == c["container_id"]
+    assert s.wait_event("adopted")["details"]["container_id"] == c["container_id"]
+    labelled = docker_client.containers.list(
+        all=True, filters={"label": ["sparkd.managed=true", f"sparkd.test.case={case_labels['sparkd.test.case']}"]})
+    assert len(labelled) == 1
+
+
+def test_stop_requested_twice_at_once_stops_once(sparkd_factory: Any) -> None:
+    s = sparkd_factory(container={"env": {"FAKEVLLM_EXIT_DELAY_S": "2", "FAKEVLLM_STARTUP_S": "0.3"}}).start()
+    s.wait_state("ready", 60)
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s.token}"}, timeout=120) as cl:
+            url = f"http://127.0.0.1:{s.api_port}/api/container/stop"
+            return list(await asyncio.gather(cl.post(url), cl.post(url)))
+
+    responses = asyncio.run(both())
+    assert sorted(r.status_code for r in responses) == [200, 409]
+    refused = next(r for r in responses if r.status_code == 409).json()
+    assert refused["error"] == "conflict" and "already stopping" in json.dumps(refused)
+    assert len(s.events("stopped")) + len(s.events("killed")) == 1
+
+
+def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
+    import subprocess
+    import sys
+
+    s = sparkd_factory().start()
+    s.wait_state("ready", 60)
+    out = subprocess.run([sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "stopped: exited (exit 0)" in out.stdout
+    again = subprocess.run([sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "is not running" in again.stderr
+
+
+def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: dict[str, str]) -> None:
+    """A private dockerd (its own data root and socket: the shared engine is never touched) is stopped while
+    sparkd runs: sampling and rules go on, the engine is reported down, and sparkd reconnects."""
+    import shutil
+    import signal
+    import subprocess
+
+    dockerd = shutil.which("dockerd")
+    assert dockerd, "dockerd missing"
+    root = Path(f"/tmp/sparkd-dk-{uuid.uuid4().hex[:6]}")  # short: unix socket paths are limited
+    root.mkdir()
+    sock = root / "docker.sock"
+
+    def start_engine() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([dockerd, "--data-root", str(root / "data"), "--exec-root", str(root / "exec"),
+                              "--host", f"unix://{sock}", "--pidfile", str(root / "pid"), "--storage-driver", "vfs",
+                              "--iptables=false", "--bridge=none"],
+                             stdout=subprocess.DEVNULL, stderr=open(root / "log", "ab"))  # noqa: SIM115
+        ok = wait_for(lambda: httpx.get("http://d/_ping", transport=httpx.HTTPTransport(uds=str(sock)),
+                                        timeout=1).status_code == 200 if sock.exists() else False, 60, 0.2)
+        assert ok, (root / "log").read_text()[-2000:]
+        return p
+
+    engine = start_engine()
+    try:
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(work, image, case_labels, container={"image": None, "guard": "no-such-container",
+                                                                 "docker_url": f"unix://{sock}"})
+        s.start()
+        try:
+            assert wait_for(lambda: s.container()["engine"] == "up", 20)
+            engine.send_signal(signal.SIGTERM)
+            engine.wait(60)
+            assert wait_for(lambda: s.container()["engine"] == "down", 20)
+            down = s.wait_event("docker_down")
+            n0 = s.status()["samples_taken"]
+            time.sleep(1.5)
+            st = s.status()
+            assert st["samples_taken"] >= n0 + 4  # sampling goes on at 4 Hz
+            assert st["container"]["state"] == "unknown (engine down)"
+            assert all("counter" in r for r in st["rules"])
+            engine = start_engine()
+            assert wait_for(lambda: s.container()["engine"] == "up", 30)
+            up = s.wait_event("docker_up")
+            assert up["ts"] > down["ts"]
+        finally:
+            s.stop()
+    finally:
+        if engine.poll() is None:
+            engine.send_signal(signal.SIGTERM)
+            engine.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
