@@ -11,6 +11,7 @@ Every error has one shape: ``{"error": <code>, "detail": <str | dict>}``
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -124,6 +125,31 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": "internal_error", "detail": type(exc).__name__}, status_code=500)
 
 
+class StatusCache:
+    """``/api/status`` body, rebuilt when the guard took a new sample or after ``max_age_s``.
+
+    Status changes on a tick (or, for the container, asynchronously — hence the age
+    limit); 50 dashboards polling must not each re-serialise the same state.
+    Call on the event loop only (``status_json`` reads loop-owned state).
+    """
+
+    def __init__(self, daemon: Daemon, max_age_s: float = 0.1) -> None:
+        self.daemon = daemon
+        self.max_age_s = max_age_s
+        self._key: tuple[Any, ...] | None = None
+        self._at = 0.0
+        self._body = b""
+
+    def body(self) -> bytes:
+        d = self.daemon
+        key = (d.samples_taken, len(d.recent_events), id(d.recent_events[0]) if d.recent_events else None)
+        now = time.monotonic()
+        if key != self._key or now - self._at > self.max_age_s:
+            self._body = json.dumps(views.status_view(d), separators=(",", ":")).encode()
+            self._key, self._at = key, now
+        return self._body
+
+
 async def require_auth(request: Request) -> str:
     """Dependency of every mutating endpoint: bearer token, or session cookie + CSRF token.
 
@@ -163,6 +189,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     app.state.require_auth = require_auth
+    status_cache = StatusCache(daemon)
 
     # ------------------------------------------------------------------ read side
     @app.get("/healthz", tags=["health"])
@@ -171,10 +198,10 @@ def create_app(daemon: Daemon) -> FastAPI:
         h = views.health(daemon)
         return JSONResponse(h, status_code=200 if h["ok"] else 503)
 
-    @app.get("/api/status", tags=["read"])
-    async def status() -> dict[str, Any]:
+    @app.get("/api/status", tags=["read"], response_class=JSONResponse)
+    async def status() -> Response:
         """``Daemon.status_json()`` (sizes in bytes) plus ``plan`` (the current budget plan or null)."""
-        return views.status_view(daemon)
+        return Response(status_cache.body(), media_type="application/json")
 
     @app.get("/api/samples", tags=["read"])
     def samples(

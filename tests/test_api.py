@@ -638,3 +638,15 @@ async def test_it_shows_the_monitor_only_refusal_in_the_resize_form(daemon: Daem
         csrf = await _login(c, daemon)
         r = await c.post("/ui/resize", data={"csrf_token": csrf, "kv_target_gib": "10"}, headers={"HX-Request": "1"})
     assert r.status_code == 422 and "monitor-only: no container configured" in r.text
+
+
+async def test_it_refreshes_the_cached_status_on_each_sample(daemon: Daemon) -> None:
+    async with _client(daemon) as c:
+        first = (await c.get("/api/status")).json()
+        assert (await c.get("/api/status")).json()["samples_taken"] == first["samples_taken"]
+        result = daemon._tick_once()
+        assert result is not None
+        await daemon._handle(result)
+        assert (await c.get("/api/status")).json()["samples_taken"] == first["samples_taken"] + 1
+        daemon.event("test_event", "a new event without a new sample")
+        assert (await c.get("/api/status")).json()["events"][0]["kind"] == "test_event"
