@@ -87,6 +87,8 @@ class Supervisor:
         self._last_nvml_check = 0.0
         self._figures_saved: set[str] = set()
         self._bg: asyncio.Task[Any] | None = None
+        self.stops_total = 0
+        self.kills_total = 0
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
@@ -159,6 +161,9 @@ class Supervisor:
             "memory_bytes": int((self.plan_json or {}).get("docker_memory_gib", 0) * GiB) or None,
             "stay_stopped": self.stay_stopped,
             "restarts_in_window": self._restarts_in_window(),
+            "busy": self.lock.locked(),
+            "stops_total": self.stops_total,
+            "kills_total": self.kills_total,
         }
 
     # ------------------------------------------------------------------ control
@@ -232,7 +237,7 @@ class Supervisor:
                         f"revision {rev} failed ({why}); rolling back to revision {old_rev}",
                         severity="critical",
                     )
-                    if self.container_id and self.state in ("starting", "ready", "unhealthy"):
+                    if self.container_id and self.state not in ("stopped", "exited", "none"):
                         await run_stop(self, f"rollback from revision {rev}", "sparkd", archive_first=True)
                         self._finish_launch("failed")
                     self.budget = old_budget
@@ -402,7 +407,10 @@ class Supervisor:
             self.health = h.error
             if self.state == "starting":
                 if self.launch_started_at and now - self.launch_started_at > c.startup_timeout_s:
-                    self.set_state("failed", f"not ready within {c.startup_timeout_s:g} s ({h.error})")
+                    why = f"not ready within {c.startup_timeout_s:g} s ({h.error})"
+                    self.set_state("failed", why)
+                    if not self.lock.locked():  # a resize waits for this itself and rolls back
+                        self._bg = asyncio.create_task(self._stop_quietly(why))
             elif self.state == "ready":
                 self.set_state("unhealthy", f"/health: {h.error}")
             return
@@ -443,6 +451,12 @@ class Supervisor:
             self._bg = asyncio.create_task(
                 self.request("restart", source="sparkd (GPU lost)", reason="GPU access lost")
             )
+
+    async def _stop_quietly(self, reason: str) -> None:
+        try:
+            await self.request("stop", source="sparkd", reason=reason)
+        except SparkdError as e:
+            self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
 
     async def _exited(self, st: Any) -> None:
         oom = self._oom_record

@@ -42,19 +42,41 @@ def toml_value(v: Any) -> str:
 
 
 class SparkdUnderTest:
-    def __init__(self, tmp_path: Path, image: str, labels: dict[str, str], *, container: dict[str, Any] | None = None,
-                 top: dict[str, Any] | None = None, budget: dict[str, Any] | None = None,
-                 rules: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        image: str,
+        labels: dict[str, str],
+        *,
+        container: dict[str, Any] | None = None,
+        top: dict[str, Any] | None = None,
+        budget: dict[str, Any] | None = None,
+        rules: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.tmp = tmp_path
         self.api_port = free_port()
         self.vllm_port = free_port()
         self.name = f"sparkd-test-{labels['sparkd.test.case']}"
-        c = {"image": image, "name": self.name, "port": self.vllm_port, "health_interval_s": 0.3,
-             "gpu": "off", "memory": "3GiB", "selector": labels,
-             "env": {"FAKEVLLM_STARTUP_S": "0.5"}, **(container or {})}
-        t = {"state_dir": str(tmp_path), "log_dir": str(tmp_path / "logs"), "interval_s": 0.25,
-             "fast_interval_s": 0.25, "kernlog_source": "off", "shm_ignore_unreadable_pids": unreadable_pids(),
-             **(top or {})}
+        c = {
+            "image": image,
+            "name": self.name,
+            "port": self.vllm_port,
+            "health_interval_s": 0.3,
+            "gpu": "off",
+            "memory": "3GiB",
+            "selector": labels,
+            "env": {"FAKEVLLM_STARTUP_S": "0.5"},
+            **(container or {}),
+        }
+        t = {
+            "state_dir": str(tmp_path),
+            "log_dir": str(tmp_path / "logs"),
+            "interval_s": 0.25,
+            "fast_interval_s": 0.25,
+            "kernlog_source": "off",
+            "shm_ignore_unreadable_pids": unreadable_pids(),
+            **(top or {}),
+        }
         lines = [f"{k} = {toml_value(v)}" for k, v in t.items()]
         lines += ["[api]", f"port = {self.api_port}", "[container]"]
         lines += [f"{k} = {toml_value(v)}" for k, v in c.items() if v is not None]
@@ -71,8 +93,13 @@ class SparkdUnderTest:
     def start(self) -> SparkdUnderTest:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k != "NOTIFY_SOCKET"}
         self.log = open(self.tmp / "sparkd.out", "a")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "sparkd.cli", "--config", str(self.config), "run"],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sparkd.cli", "--config", str(self.config), "run"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert wait_for(self._healthz, 20), f"sparkd did not come up: {self.output()[-2000:]}"
         return self
 
@@ -106,8 +133,13 @@ class SparkdUnderTest:
         return (self.tmp / "token").read_text().strip()
 
     def api(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        return httpx.request(method, f"http://127.0.0.1:{self.api_port}{path}",
-                             headers={"Authorization": f"Bearer {self.token}"}, timeout=kw.pop("timeout", 120), **kw)
+        return httpx.request(
+            method,
+            f"http://127.0.0.1:{self.api_port}{path}",
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
 
     def status(self) -> dict[str, Any]:
         r = httpx.get(f"http://127.0.0.1:{self.api_port}/api/status", timeout=5)

@@ -62,6 +62,9 @@ class FakeActions:
     def on_kernel_record(self, rec: Any) -> None:
         return None
 
+    def observe(self, sample: Any) -> None:
+        self.observed = getattr(self, "observed", 0) + 1
+
     def fast_reason(self) -> str | None:
         return None
 

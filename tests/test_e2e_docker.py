@@ -96,8 +96,16 @@ def test_end_to_end_a_real_memory_trip_archives_stops_gracefully_and_cleans_shm(
         with tarfile.open(arch) as tf:
             members = tf.getnames()
             assert members[0] == "summary.txt"
-            for part in ("container.log", "sparkd.log", "samples.csv", "kernel.log", "inspect.json",
-                         "config.json", "plan.json", "events.json"):
+            for part in (
+                "container.log",
+                "sparkd.log",
+                "samples.csv",
+                "kernel.log",
+                "inspect.json",
+                "config.json",
+                "plan.json",
+                "events.json",
+            ):
                 assert part in members, part
             summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
             assert "low_available" in summary
@@ -147,7 +155,8 @@ def test_kill_9_of_sparkd_then_restart_adopts_the_container(
     assert c2["container_id"] == c["container_id"]
     assert s.wait_event("adopted")["details"]["container_id"] == c["container_id"]
     labelled = docker_client.containers.list(
-        all=True, filters={"label": ["sparkd.managed=true", f"sparkd.test.case={case_labels['sparkd.test.case']}"]})
+        all=True, filters={"label": ["sparkd.managed=true", f"sparkd.test.case={case_labels['sparkd.test.case']}"]}
+    )
     assert len(labelled) == 1
 
 
@@ -173,12 +182,20 @@ def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
 
     s = sparkd_factory().start()
     s.wait_state("ready", 60)
-    out = subprocess.run([sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "stopped: exited (exit 0)" in out.stdout
-    again = subprocess.run([sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
-                           capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 1 and "is not running" in again.stderr
 
 
@@ -196,12 +213,36 @@ def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: di
     sock = root / "docker.sock"
 
     def start_engine() -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([dockerd, "--data-root", str(root / "data"), "--exec-root", str(root / "exec"),
-                              "--host", f"unix://{sock}", "--pidfile", str(root / "pid"), "--storage-driver", "vfs",
-                              "--iptables=false", "--bridge=none"],
-                             stdout=subprocess.DEVNULL, stderr=open(root / "log", "ab"))  # noqa: SIM115
-        ok = wait_for(lambda: httpx.get("http://d/_ping", transport=httpx.HTTPTransport(uds=str(sock)),
-                                        timeout=1).status_code == 200 if sock.exists() else False, 60, 0.2)
+        p = subprocess.Popen(
+            [
+                dockerd,
+                "--data-root",
+                str(root / "data"),
+                "--exec-root",
+                str(root / "exec"),
+                "--host",
+                f"unix://{sock}",
+                "--pidfile",
+                str(root / "pid"),
+                "--storage-driver",
+                "vfs",
+                "--iptables=false",
+                "--bridge=none",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(root / "log", "ab"),  # noqa: SIM115 - lives as long as the engine
+        )
+
+        def ping() -> bool:
+            if not sock.exists():
+                return False
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=1) as cl:
+                try:
+                    return cl.get("http://docker/_ping").status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+        ok = wait_for(ping, 60, 0.2)
         assert ok, (root / "log").read_text()[-2000:]
         return p
 
@@ -209,8 +250,12 @@ def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: di
     try:
         work = tmp_path / "s"
         work.mkdir()
-        s = SparkdUnderTest(work, image, case_labels, container={"image": None, "guard": "no-such-container",
-                                                                 "docker_url": f"unix://{sock}"})
+        s = SparkdUnderTest(
+            work,
+            image,
+            case_labels,
+            container={"image": None, "guard": "no-such-container", "docker_url": f"unix://{sock}"},
+        )
         s.start()
         try:
             assert wait_for(lambda: s.container()["engine"] == "up", 20)
