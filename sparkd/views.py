@@ -14,7 +14,6 @@ figures. Levels are ``ok`` / ``warn`` / ``critical``.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,13 +175,15 @@ def container_from_status(status: dict[str, Any]) -> dict[str, Any]:
     c = dict(status.get("container") or {})
     monitor_only = c.get("mode") == "monitor-only"
     state = c.get("state")
+    # supervisor states: starting, ready, unhealthy, stopping, stopped, exited, failed, none
     level = "ok"
     if monitor_only:
         level = "warn"
-    elif state not in ("running", None) or c.get("health") not in (None, "healthy", "ok"):
-        level = "critical" if state in ("exited", "dead", "stopped") else "warn"
-    started = c.get("started_at")
-    uptime = (time.time() - started) if isinstance(started, int | float) and state == "running" else None
+    elif state in ("exited", "failed") or (state or "").startswith("unknown"):
+        level = "critical"
+    elif state != "ready" or c.get("health") not in (None, "healthy", "ok"):
+        level = "warn"
+    uptime = c.get("uptime_s")
     mem = c.get("memory_bytes")
     return {
         "monitor_only": monitor_only,
