@@ -280,27 +280,30 @@ def create_app(daemon: Daemon) -> FastAPI:
         return await metrics_response(app, daemon)
 
     # ------------------------------------------------------------------ control
-    async def control(action: Literal["start", "stop", "restart"], source: str) -> dict[str, Any]:
+    async def control(
+        action: Literal["start", "stop", "restart"], source: str, *, force: bool = False
+    ) -> dict[str, Any]:
         fn = getattr(daemon.actions, "request", None)
         if fn is None:
             raise Refused(
                 "monitor-only: no container configured",
                 detail=f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}",
             )
-        result: dict[str, Any] = await fn(action, source=source)
+        result: dict[str, Any] = await (fn(action, source=source, force=True) if force else fn(action, source=source))
         return result
 
     @app.post("/api/container/start", tags=["control"])
-    async def container_start(who: Who) -> dict[str, Any]:
-        return await control("start", f"api:{who}")
+    async def container_start(who: Who, force: bool = False) -> dict[str, Any]:
+        """Launch (preflight first). ``force=true`` launches despite a failed preflight; that is recorded."""
+        return await control("start", f"api:{who}", force=force)
 
     @app.post("/api/container/stop", tags=["control"])
     async def container_stop(who: Who) -> dict[str, Any]:
         return await control("stop", f"api:{who}")
 
     @app.post("/api/container/restart", tags=["control"])
-    async def container_restart(who: Who) -> dict[str, Any]:
-        return await control("restart", f"api:{who}")
+    async def container_restart(who: Who, force: bool = False) -> dict[str, Any]:
+        return await control("restart", f"api:{who}", force=force)
 
     async def resize(req: ResizeRequest, source: str) -> dict[str, Any]:
         fn = getattr(daemon.actions, "resize", None)

@@ -120,6 +120,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         "leak": snap.get("leak"),
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
+        "gpu": snap.get("gpu"),
         "events": events,
         "db_path": str(settings.db_file),
     }
@@ -173,6 +174,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
         )
     elif leak:
         click.echo(f"driver memory: {fmt_gib(leak.get('current_bytes'))} ({leak.get('state')})")
+    for g in data["gpu"] or []:
+        if g.get("available"):
+            mem = fmt_gib(g.get("memory_used_bytes")) if g.get("memory_supported") else "memory Not Supported"
+            click.echo(
+                f"GPU {g.get('index')}: {g.get('name')} util {g.get('utilization_pct')}% "
+                f"{g.get('temperature_c')} C {g.get('power_w')} W, {mem}"
+            )
     c = data["container"] or {}
     if c:
         click.echo(f"container: {c.get('state') or c.get('mode')} {('— ' + c['reason']) if c.get('reason') else ''}")

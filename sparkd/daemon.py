@@ -164,6 +164,7 @@ class Daemon:
         self.vm_tunables = read_vm_tunables(settings.proc_root)
         self.floor_warnings: list[FloorWarning] = []
         self._reported_floors: set[str] = set()
+        self.gpu: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -268,6 +269,7 @@ class Daemon:
                 "warnings": [w.message for w in self.floor_warnings],
             },
             "notify": self.event_notifier.stats.to_json() if self.event_notifier else None,
+            "gpu": self.gpu,
             "events": list(self.recent_events)[:20],
         }
 
@@ -314,6 +316,8 @@ class Daemon:
         elif kern is not None and self.guard.kern_source is None:
             self.guard.kern_source = kern
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
+        self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
+        self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
         loop = asyncio.get_running_loop()
         self.event_notifier = Notifier(
             s.notify,
@@ -496,6 +500,74 @@ class Daemon:
         elif self.mode == "fast" and now >= self._fast_until:
             self.mode, self.mode_reason = "normal", None
             self.event("sampling_normal", f"sampling every {self.settings.interval_s:g} s again")
+
+    async def retention_once(self, now: float | None = None) -> dict[str, Any]:
+        """Prune and aggregate the store, cap the archives (oldest first, never the newest)."""
+        from .archive import prune_archives
+
+        assert self.store is not None
+        r = self.settings.retention
+        removed = await asyncio.to_thread(
+            self.store.prune,
+            now=now or time.time(),
+            raw_keep_s=r.raw_samples_s,
+            minutes_keep_s=r.minute_aggregates_s,
+            events_keep_s=r.events_s,
+        )
+        await asyncio.to_thread(self.store.vacuum)
+        gone = await asyncio.to_thread(
+            prune_archives,
+            self.settings.archives_path,
+            max_count=r.archives_max_count,
+            max_total_bytes=parse_size(r.archives_max_bytes),
+        )
+        if gone:
+            self.event(
+                "archives_pruned", f"removed {len(gone)} old archives: {', '.join(gone[:5])}", details={"removed": gone}
+            )
+        return {**removed, "archives": len(gone)}
+
+    async def _retention_loop(self) -> None:
+        await asyncio.sleep(5.0)
+        while True:
+            try:
+                await self.retention_once()
+            except Exception as e:
+                log.warning("retention failed: %s", e)
+            await asyncio.sleep(self.settings.retention.interval_s)
+
+    async def _gpu_loop(self) -> None:
+        """NVML readings in a worker thread (an NVML call can block in the driver)."""
+        from .gpu import GpuSampler
+
+        sampler = GpuSampler(self.settings.gpu_interval_s)
+        while True:
+            try:
+                readings = await asyncio.to_thread(sampler.sample)
+            except Exception as e:
+                log.warning("GPU readings failed: %s", e)
+                readings = []
+            self.gpu = [r.to_json() for r in readings]
+            ts = time.time()
+            for r in readings:
+                if r.available and self.writer:
+                    self.writer.submit(
+                        "gpu",
+                        {
+                            "ts": ts,
+                            "gpu_index": r.index,
+                            "name": r.name,
+                            "utilization_pct": r.utilization_pct,
+                            "temperature_c": r.temperature_c,
+                            "power_w": r.power_w,
+                            "memory_total_bytes": r.memory_total_bytes,
+                            "memory_used_bytes": r.memory_used_bytes,
+                            "memory_supported": r.memory_supported,
+                        },
+                    )
+            if readings and not any(r.available for r in readings):
+                return  # no NVML here: asked once, answered once
+            await asyncio.sleep(self.settings.gpu_interval_s)
 
     def _ping_watchdog(self) -> None:
         if self._watchdog_s is None:

@@ -148,4 +148,20 @@ class ConfigRevision(Base):
     diff: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
+class GpuSample(Base):
+    """NVML readings; ``memory_supported`` False where the driver says Not Supported (GB10)."""
+
+    __tablename__ = "gpu_samples"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    gpu_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    utilization_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
+    temperature_c: Mapped[float | None] = mapped_column(Float, nullable=True)
+    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
+    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    memory_used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    memory_supported: Mapped[bool | None] = mapped_column(nullable=True)
+
+
 Index("ix_events_kind_ts", Event.kind, Event.ts)

@@ -34,6 +34,7 @@ from .models import (
     ConfigRevision,
     DaemonRun,
     Event,
+    GpuSample,
     KernelCount,
     Launch,
     NvrmWindow,
@@ -50,6 +51,7 @@ CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "dr
 
 def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA auto_vacuum=INCREMENTAL")  # only takes effect on a new file: freed pages return
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.execute("PRAGMA busy_timeout=2000")
@@ -117,9 +119,12 @@ class Store:
         """
         samples = [p for k, p in items if k == "sample"]
         events = [p for k, p in items if k == "event"]
+        gpu = [p for k, p in items if k == "gpu"]
         with self.engine.begin() as conn:
             if samples:
                 conn.execute(insert(SampleRow), samples)
+            if gpu:
+                conn.execute(insert(GpuSample), gpu)
             if events:
                 conn.execute(insert(Event), events)
             for kind, p in items:
@@ -288,6 +293,22 @@ class Store:
                 for r in conn.execute(q)
             ]
 
+    def gpu_samples(self, *, since: float, limit: int = 10000) -> list[dict[str, Any]]:
+        q = select(GpuSample).where(GpuSample.ts >= since).order_by(GpuSample.ts).limit(limit)
+        cols = (
+            "ts",
+            "gpu_index",
+            "name",
+            "utilization_pct",
+            "temperature_c",
+            "power_w",
+            "memory_total_bytes",
+            "memory_used_bytes",
+            "memory_supported",
+        )
+        with Session(self.engine) as conn:
+            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+
     def runs(self, *, limit: int = 20) -> list[dict[str, Any]]:
         q = select(DaemonRun).order_by(DaemonRun.id.desc()).limit(limit)
         with Session(self.engine) as conn:
@@ -391,12 +412,19 @@ class Store:
             removed["kernel_counts"] = (
                 conn.execute(delete(KernelCount).where(KernelCount.minute_ts < now - minutes_keep_s)).rowcount or 0
             )
+            removed["gpu_samples"] = (
+                conn.execute(delete(GpuSample).where(GpuSample.ts < now - raw_keep_s)).rowcount or 0
+            )
+            removed["nvrm_windows"] = (
+                conn.execute(delete(NvrmWindow).where(NvrmWindow.window_start < now - minutes_keep_s)).rowcount or 0
+            )
         return removed
 
     def vacuum(self) -> None:
-        with Session(self.engine) as conn:
-            conn.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
-            conn.execute(text("PRAGMA incremental_vacuum"))
+        """Return freed pages to the file system (auto_vacuum=INCREMENTAL) and truncate the WAL."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA incremental_vacuum")
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def Integer_() -> Any:

@@ -474,6 +474,22 @@ class Supervisor:
             )
         self.set_state("exited", how)
         self._finish_launch("oom_killed" if oom else "exited")
+        if self.container_id:  # an exit nobody asked for gets its postmortem too
+            from .stopproc import StopReport, write_postmortem
+
+            rep = StopReport(f"container exited unexpectedly: {how}", "sparkd")
+            name = await write_postmortem(self, rep, self.container_id)
+            self._event(
+                "exited",
+                f"{self.name} exited unexpectedly ({how}); archive {name or 'none'}",
+                severity="critical",
+                details={
+                    "exit_code": st.exit_code,
+                    "oom_killed": st.oom_killed,
+                    "kernel_oom_kill": oom is not None,
+                    "archive": name,
+                },
+            )
         c = self.settings.container
         if self.mode == "managed" and c.auto_restart and not self.stay_stopped:
             if self._restarts_in_window() >= c.restart_cap:

@@ -1,0 +1,102 @@
+"""Supervision on the real engine: kernel OOM attribution, auto-restart cap, preflight and --force,
+and 'answers /health but makes no progress'."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import need
+from sparkdapi import SparkdUnderTest
+from sparkdproc import db_query, wait_for
+from test_e2e_budget import BUDGET
+
+pytest_plugins = ["dockerkit"]
+
+
+@pytest.fixture
+def make(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any):
+    made: list[SparkdUnderTest] = []
+
+    def _make(**kw: Any) -> SparkdUnderTest:
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        s = SparkdUnderTest(d, image, case_labels, **kw)
+        made.append(s)
+        return s.start()
+
+    yield _make
+    for s in made:
+        s.stop()
+
+
+def test_a_kernel_oom_kill_of_the_container_is_attributed_archived_and_corrected(make: Any, docker_client: Any) -> None:
+    need(os.access("/dev/kmsg", os.W_OK), "/dev/kmsg is not writable (needs root)")
+    s = make(top={"kernlog_source": "kmsg"})
+    c = s.wait_state("ready", 60)
+    cid = c["container_id"]
+    pid = docker_client.api.inspect_container(cid)["State"]["Pid"]
+    # what the kernel prints for a global OOM kill of a process in this container (fixtures/kernlog format)
+    line = (
+        f"oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=docker-{cid[:12]}.scope,mems_allowed=0,"
+        f"global_oom,task_memcg=/system.slice/docker-{cid}.scope,task=python3,pid={pid},uid=0\n"
+    )
+    with open("/dev/kmsg", "w") as f:
+        f.write(line)
+    assert wait_for(lambda: s.events("oom_kill"), 10)
+    docker_client.containers.get(cid).kill()  # the kill itself (Docker will say OOMKilled=false)
+    ev = s.wait_event("oom_kill_attributed", 30)
+    assert str(pid) in json.dumps(ev["details"])
+    assert docker_client.api.inspect_container(cid)["State"]["OOMKilled"] is False
+    st = s.wait_state("exited", 10)
+    assert "OOM kill" in st["state_reason"] and "OOMKilled=False" in st["state_reason"]
+    exited = s.wait_event("exited", 30)
+    assert exited["details"]["kernel_oom_kill"] is True and exited["details"]["archive"]
+    assert (s.tmp / "archives" / exited["details"]["archive"]).exists()
+    assert db_query(s.db, "SELECT status FROM launches WHERE id=?", (c["launch_id"],))[0][0] == "oom_killed"
+
+
+def test_auto_restart_stops_at_the_cap(make: Any, docker_client: Any, case_labels: dict[str, str]) -> None:
+    s = make(
+        container={
+            "env": {"FAKEVLLM_MODE": "crash", "FAKEVLLM_CRASH_AFTER_S": "1.5", "FAKEVLLM_STARTUP_S": "0.3"},
+            "auto_restart": True,
+            "restart_cap": 2,
+            "restart_window_s": 3600,
+            "restart_cooldown_s": 0.5,
+        }
+    )
+    cap = s.wait_event("restart_cap", 90)
+    assert "cap reached (2 per 3600 s)" in cap["message"]
+    assert len(s.events("launched")) == 3  # the first launch and two restarts
+    assert len(s.events("exited")) >= 3
+    page = s.container()
+    assert page["stay_stopped"] is True and page["state"] == "exited"
+
+
+def test_a_failed_preflight_refuses_the_launch_and_force_overrides_it(make: Any) -> None:
+    s = make(budget={**BUDGET, "preflight_margin_gib": 1000.0}, container={"memory": None})
+    refused = s.wait_event("launch_refused", 30)
+    assert "MemAvailable" in refused["message"] and "vLLM would refuse to start" in refused["message"]
+    assert s.container()["container_id"] is None
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 422 and "preflight failed" in r.text and "--force overrides" in r.text
+    r = s.api("POST", "/api/container/start?force=true")
+    assert r.status_code == 200, r.text
+    c = s.wait_state("ready", 60)
+    assert db_query(s.db, "SELECT forced FROM launches WHERE id=?", (c["launch_id"],))[0][0] == 1
+    assert "preflight overridden with --force" in s.events("launched")[-1]["message"]
+
+
+def test_answers_health_but_no_progress_is_unhealthy(make: Any) -> None:
+    s = make()
+    s.wait_state("ready", 60)
+    s.vllm("POST", "/requests?running=2&waiting=3")
+    s.vllm("POST", "/stall?on=1")
+    st = s.wait_state("unhealthy", 20)
+    assert "no token progress" in st["state_reason"] and "3 waiting" in st["state_reason"]
+    s.vllm("POST", "/stall?on=0")
+    assert s.wait_state("ready", 20)["state_reason"] == "progress resumed"

@@ -1,0 +1,83 @@
+"""Retention: three days of samples at 1 Hz are aggregated and pruned; the DB stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+from sparkd.config import load_settings
+from sparkd.daemon import Daemon
+from sparkd.store import Store
+from sparkd.units import GiB
+
+DAY = 86400
+
+
+def _fill(store: Store, start: float, seconds: int) -> None:
+    batch = []
+    for i in range(seconds):
+        t = start + i
+        avail = 20 * GiB + (i % 3600) * 1024 * 1024  # a sawtooth, 1 h period
+        batch.append(
+            (
+                "sample",
+                {
+                    "ts": t,
+                    "mem_total": 120 * GiB,
+                    "mem_available": avail,
+                    "mem_free": avail // 2,
+                    "cached": 4 * GiB,
+                    "anon_pages": GiB,
+                    "slab": GiB // 2,
+                    "driver_bytes": 9 * GiB,
+                },
+            )
+        )
+        if len(batch) == 20000:
+            store.write_batch(batch)
+            batch = []
+    if batch:
+        store.write_batch(batch)
+
+
+def _db_bytes(path: Path) -> int:
+    return sum(os.path.getsize(p) for p in (path, Path(f"{path}-wal")) if p.exists())
+
+
+def test_three_days_at_1_hz_are_aggregated_pruned_and_bounded(tmp_path: Path) -> None:
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"enabled": False}})
+    now = time.time()
+    store = Store.open(settings.db_file)
+    _fill(store, now - 3 * DAY, 3 * DAY)
+    store.add_event(kind="trip", message="low_available: MemAvailable ...", severity="critical", ts=now - 2.5 * DAY)
+    full = _db_bytes(settings.db_file)
+    assert store.count_samples() == 3 * DAY
+
+    daemon = Daemon(settings, serve_api=False)
+    daemon.store = store
+    removed = asyncio.run(daemon.retention_once(now=now))
+    # raw samples older than 48 h are gone, aggregated per minute
+    assert removed["samples"] >= DAY - 60
+    assert store.count_samples() <= 2 * DAY + 60
+    with store.engine.connect() as c:
+        minutes = c.exec_driver_sql(
+            "SELECT count(*), min(mem_available_min), max(mem_available_max) FROM sample_minutes"
+        ).one()
+    assert 1400 <= minutes[0] <= 1500  # one day of minutes
+    assert minutes[1] == 20 * GiB and minutes[2] == 20 * GiB + 3599 * 1024 * 1024
+    # events are intact
+    assert [e["kind"] for e in store.events(since=now - 3 * DAY)] == ["trip"]
+    # the 30-day chart still answers, with the aggregated day and the raw two days
+    t0 = time.perf_counter()
+    chart = store.downsampled(since=now - 30 * DAY, until=now, step_s=3600, fields=["mem_available"])
+    took = time.perf_counter() - t0
+    assert 70 <= len(chart) <= 74 and took < 5
+    assert min(b["mem_available_min"] for b in chart) == 20 * GiB
+    # bounded: another day of samples and another pass leave the file no larger than after the first load
+    _fill(store, now, DAY)
+    asyncio.run(daemon.retention_once(now=now + DAY))
+    assert store.count_samples() <= 2 * DAY + 60
+    assert _db_bytes(settings.db_file) <= full
+    store.close()
