@@ -7,7 +7,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from conftest import REPO
 from sparkdproc import db_query, sparkd_run, wait_for
@@ -42,7 +42,7 @@ def test_a_tuned_host_below_the_floor_warns_and_does_not_loop(tmp_path: Path) ->
 
 
 class _Receiver(http.server.BaseHTTPRequestHandler):
-    got: list[dict[str, Any]] = []
+    got: ClassVar[list[dict[str, Any]]] = []
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
