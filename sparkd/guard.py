@@ -145,28 +145,11 @@ class Guard:
         return next((r for r in self.rules if r.name == name), None)
 
     def rules_json(self) -> list[dict[str, Any]]:
-        out = []
-        for r in self.rules:
-            st = self.states.get(r.name, RuleState())
-            out.append(
-                {
-                    "name": r.name,
-                    "kind": r.kind,
-                    "action": r.action,
-                    "samples": r.samples,
-                    "for_s": r.for_s,
-                    "when": [c.text for c in r.when],
-                    "evidence": [c.text for c in r.evidence],
-                    "thresholds": [
-                        {"field": c.attr, "name": c.name, "op": c.op, "value": c.threshold, "is_size": c.is_size}
-                        for c in r.when
-                    ],
-                    "floor_bytes": r.floor_bytes,
-                    "demoted": self.demoted.get(r.name),
-                    **st.to_json(),
-                }
-            )
-        return out
+        """Each rule as configured, with its counters and whether it was demoted."""
+        return [
+            {**r.to_json(), "demoted": self.demoted.get(r.name), **self.states.get(r.name, RuleState()).to_json()}
+            for r in self.rules
+        ]
 
     def fast_reason(self, sample: Sample) -> str | None:
         """Why the next sample should come at the fast interval, or ``None``.

@@ -428,17 +428,7 @@ class ReplayResult:
             "first_trip": {k: (v.to_json() if v else None) for k, v in self.first_trip.items()},
             "max_counter": self.max_counter,
             "near_misses": self.near_misses,
-            "rules": [
-                {
-                    "name": r.name,
-                    "kind": r.kind,
-                    "action": r.action,
-                    "samples": r.samples,
-                    "when": [c.text for c in r.when],
-                    "evidence": [c.text for c in r.evidence],
-                }
-                for r in self.rules
-            ],
+            "rules": [r.to_json() for r in self.rules],
             "cooldown_s": self.cooldown_s,
             "fast_interval_s": self.fast_interval_s,
             "mem_total_bytes": self.mem_total_bytes,
@@ -680,46 +670,15 @@ def _when(text: str, option: str, now: float) -> float:
 @click.option("--all", "show_all", is_flag=True, help="Show every sample, not only active ones in long traces.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def replay_command(
-    ctx: click.Context,
-    trace_path: str | None,
-    use_db: bool,
-    db_file: str | None,
-    since: str | None,
-    until: str | None,
-    config_path: str | None,
-    rules_spec: str | None,
-    compare_spec: str | None,
-    interval: float | None,
-    interpolate: bool,
-    mem_total_gib: float | None,
-    cooldown_s: float | None,
-    show_all: bool,
-    as_json: bool,
-) -> None:
+def replay_command(ctx: click.Context, **params: Any) -> None:
     """Replay stop rules over a recorded trace: what would have fired, when, and why.
 
     TRACE.csv is 'sparkd samples --csv' output or a CSV with a time column (t_s, ts, time,
     t, or phase) and MemAvailable/MemFree columns in GiB (mem_available_gib) or bytes.
     """
+    params["interpolate_"] = params.pop("interpolate")  # the function of that name is used inside
     try:
-        _replay_cli(
-            ctx,
-            trace_path,
-            use_db,
-            db_file,
-            since,
-            until,
-            config_path,
-            rules_spec,
-            compare_spec,
-            interval,
-            interpolate,
-            mem_total_gib,
-            cooldown_s,
-            show_all,
-            as_json,
-        )
+        _replay_cli(ctx, **params)
     except SparkdError as e:
         click.echo(f"sparkd replay: {e.message}", err=True)
         ctx.exit(2)
@@ -727,6 +686,7 @@ def replay_command(
 
 def _replay_cli(
     ctx: click.Context,
+    *,
     trace_path: str | None,
     use_db: bool,
     db_file: str | None,

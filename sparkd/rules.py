@@ -113,6 +113,23 @@ class Rule:
     def gated(self) -> bool:
         return bool(self.evidence)
 
+    def to_json(self) -> dict[str, Any]:
+        """The rule as configured and compiled (thresholds in bytes for size fields)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "action": self.action,
+            "samples": self.samples,
+            "for_s": self.for_s,
+            "when": [c.text for c in self.when],
+            "evidence": [c.text for c in self.evidence],
+            "thresholds": [
+                {"field": c.attr, "name": c.name, "op": c.op, "value": c.threshold, "is_size": c.is_size}
+                for c in self.when
+            ],
+            "floor_bytes": self.floor_bytes,
+        }
+
     def floors(self) -> list[tuple[str, float]]:
         """The size thresholds of ``<``/``<=`` conditions (what "near a floor" means)."""
         out = [(c.attr, c.threshold) for c in self.when if c.is_size and c.op in ("<", "<=")]
