@@ -249,8 +249,9 @@ def _projection(rule: Rule, sample: Sample, window: SlopeWindow | None, now: flo
         return False, "", {"slope_bytes_per_s": slope}
     eta = (avail - rule.floor_bytes) / -slope
     ok = eta <= rule.within_s
+    named = any(c.attr == "mem_available" for c in rule.when)  # else the reason must still give the value
     text = (
-        f"MemAvailable {fmt_gib(avail)} falling {(-slope) / GiB:.2f} GiB/s "
+        ("" if named else f"MemAvailable {fmt_gib(avail)} ") + f"falling {(-slope) / GiB:.2f} GiB/s "
         f"(robust fit over {rule.window_s:g} s), projected to cross {fmt_gib(rule.floor_bytes)} "
         f"in {max(eta, 0):.1f} s <= {rule.within_s:g} s"
     )

@@ -84,7 +84,7 @@ def test_startup_collapse_default_rules_at_250ms_stop_above_8gib() -> None:
     assert gib(stop.mem_available) >= 8.0
     assert stop.synthetic  # an interpolated point: labelled as such
     assert stop.reason == (
-        "collapse_projected: MemAvailable 13.91 GiB < 16.00 GiB, MemAvailable 13.91 GiB falling 6.59 GiB/s "
+        "collapse_projected: MemAvailable 13.91 GiB < 16.00 GiB, falling 6.59 GiB/s "
         "(robust fit over 2 s), projected to cross 4.00 GiB in 1.5 s <= 3 s for 2/2 samples (0.25 s)"
     )
     assert stop.recheck is True  # the next sample (3.75 s, 12.26 GiB) confirms it

@@ -331,7 +331,7 @@ def test_predictive_fires_on_a_fast_collapse() -> None:
     (d,) = decisions[first]
     assert d.kind == "trip"
     assert d.reason == (
-        "collapse_projected: MemAvailable 9.50 GiB < 16.00 GiB, MemAvailable 9.50 GiB falling 2.00 GiB/s "
+        "collapse_projected: MemAvailable 9.50 GiB < 16.00 GiB, falling 2.00 GiB/s "
         "(robust fit over 2 s), projected to cross 4.00 GiB in 2.8 s <= 3 s for 2/2 samples (0.25 s)"
     )
     assert d.values["slope_bytes_per_s"] == pytest.approx(-2 * GiB, rel=1e-6)
