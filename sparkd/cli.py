@@ -307,6 +307,17 @@ def doctor(ctx: click.Context) -> None:
     ctx.exit(doc.exit_code(checks))
 
 
+def _running_managed(settings: Settings) -> str | None:
+    """Id of the running sparkd-managed container, if the engine answers (for install's GPU check)."""
+    from .container import ContainerManager
+
+    try:
+        info = ContainerManager(settings.container.docker_url, selector=settings.container.selector).adopt()
+    except SparkdError:
+        return None
+    return info.id if info else None
+
+
 def _sparkd_exe() -> str:
     import shutil
 

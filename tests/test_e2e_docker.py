@@ -147,6 +147,11 @@ def test_kill_9_of_sparkd_then_restart_adopts_the_container(
 ) -> None:
     s = sparkd_factory().start()
     c = s.wait_state("ready", 60)
+    # a normal stop of sparkd (an upgrade) leaves the model serving (container.stop_on_exit = false)
+    assert s.stop() == 0
+    assert docker_client.containers.get(c["container_id"]).status == "running"
+    s.start()
+    assert s.wait_state("ready", 60)["container_id"] == c["container_id"]
     s.kill9()
     # the model keeps serving without sparkd
     assert docker_client.containers.get(c["container_id"]).status == "running"
