@@ -164,6 +164,21 @@ def test_fast_reason_falling_at_the_normal_interval(tmp_path: Path) -> None:
     assert g.fast_reason(pts[-1]) == "MemAvailable falling 1.00 GiB/s"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="adaptive.patch: at 1 Hz the 2 s slope window keeps the third point only if the loop's "
+    "sub-millisecond jitter falls the right way (half the time on this host)",
+)
+def test_fast_reason_falling_at_the_normal_interval_with_real_timing_jitter(tmp_path: Path) -> None:
+    # sample times as the daemon's 1 s grid produces them: each read a little late (0.5 ms, 1 ms)
+    g = _guard(tmp_path)
+    g.ensure_rules(_sample(0.0, 30.0))
+    pts = [_sample(t, 30.0 - i) for i, t in enumerate([0.0, 1.0005, 2.001])]  # 1 GiB/s
+    for p in pts:
+        g.slope.add(p.mono, p.mem_available)
+    assert g.fast_reason(pts[-1]) == "MemAvailable falling 1.00 GiB/s"
+
+
 def test_update_mode_holds_fast_for_fast_hold_s_after_the_last_reason(tmp_path: Path) -> None:
     clock = [100.0]
     g = _guard(tmp_path, interval_s=NORMAL, fast_interval_s=FAST, fast_hold_s=HOLD)
