@@ -169,7 +169,9 @@ class Guard:
                 v = getattr(sample, attr)
                 if v is not None and v - floor < margin:
                     return f"{attr} within {self.settings.fast_margin} of {r.name}'s floor"
-        s = self.slope.slope(sample.mono, 2.0, min_points=3)
+        # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
+        # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
+        s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)
         if s is not None and -s > self._fast_fall:
             return f"MemAvailable falling {-s / 2**30:.2f} GiB/s"
         return None

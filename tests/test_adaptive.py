@@ -164,11 +164,6 @@ def test_fast_reason_falling_at_the_normal_interval(tmp_path: Path) -> None:
     assert g.fast_reason(pts[-1]) == "MemAvailable falling 1.00 GiB/s"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="adaptive.patch: at 1 Hz the 2 s slope window keeps the third point only if the loop's "
-    "sub-millisecond jitter falls the right way (half the time on this host)",
-)
 def test_fast_reason_falling_at_the_normal_interval_with_real_timing_jitter(tmp_path: Path) -> None:
     # sample times as the daemon's 1 s grid produces them: each read a little late (0.5 ms, 1 ms)
     g = _guard(tmp_path)
