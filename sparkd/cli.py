@@ -16,7 +16,7 @@ import click
 
 from . import __version__
 from .config import Settings, effective_config, load_settings
-from .errors import SparkdError
+from .errors import SparkdError, StoreError
 from .store import Store
 from .units import fmt_gib, parse_duration_s
 
@@ -35,9 +35,14 @@ def _settings(ctx: click.Context) -> Settings:
     return settings
 
 
-def _store(settings: Settings) -> Store:
-
-    return Store.open(settings.db_file)
+def _store(settings: Settings, *, migrate: bool = False) -> Store:
+    """The daemon's database for reading (no migration: the daemon owns the schema)."""
+    if not migrate and not settings.db_file.exists():
+        raise StoreError(
+            f"no database at {settings.db_file} yet: start the daemon (sparkd run), or pass the "
+            "--config / SPARKD_STATE_DIR it runs with"
+        )
+    return Store.open(settings.db_file, migrate=migrate)
 
 
 def _ts(t: float | None) -> str:
@@ -275,7 +280,7 @@ def db_group() -> None:
 def db_upgrade(ctx: click.Context) -> None:
     """Create or upgrade the SQLite schema (Alembic) to the newest revision."""
     settings = _settings(ctx)
-    store = _store(settings)
+    store = _store(settings, migrate=True)
     click.echo(f"{settings.db_file}: schema at revision {store.current_revision()}")
 
 

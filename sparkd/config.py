@@ -60,7 +60,7 @@ class RuleConfig(BaseModel):
     ``within_s``, ``window_s``) on top of ``when``.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$")
     when: list[str] = Field(min_length=1)
@@ -135,7 +135,7 @@ DEFAULT_RULES: list[dict[str, Any]] = [
 
 
 class ApiSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
     host: str = "127.0.0.1"
@@ -151,7 +151,7 @@ class ApiSettings(BaseModel):
 
 
 class ContainerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     image: str | None = None
     name: str = "sparkd-vllm"
@@ -176,6 +176,7 @@ class ContainerSettings(BaseModel):
     restart_window_s: float = Field(default=7200.0, ge=60)
     restart_cooldown_s: float = Field(default=30.0, ge=0)
     stop_on_exit: bool = False  # stop the model when sparkd itself stops (default: keep serving)
+    autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
     drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
 
@@ -190,7 +191,7 @@ class ContainerSettings(BaseModel):
 class BudgetSettings(BaseModel):
     """Inputs of the memory budget (CONTEXT.md "The memory budget"); GiB at this edge."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = False
     weights_gib: float | None = Field(default=None, ge=0)
@@ -212,7 +213,7 @@ class BudgetSettings(BaseModel):
 
 
 class NotifySettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     kinds: list[str] = Field(
         default_factory=lambda: [
@@ -233,7 +234,7 @@ class NotifySettings(BaseModel):
 
 
 class RetentionSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     raw_samples_s: float = Field(default=48 * 3600, ge=600)
     minute_aggregates_s: float = Field(default=30 * 86400, ge=3600)
@@ -259,7 +260,7 @@ class Settings(BaseSettings):
     """The effective configuration. Sizes are strings like ``"6GiB"`` at this edge."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SPARKD_", env_nested_delimiter="__", extra="forbid", validate_default=True
+        env_prefix="SPARKD_", env_nested_delimiter="__", extra="forbid", validate_default=True, allow_inf_nan=False
     )
 
     state_dir: str = Field(default_factory=_default_state_dir)
@@ -393,9 +394,21 @@ def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] |
         raise ConfigError(format_validation_error(e, source)) from None
 
 
-def effective_config(settings: Settings) -> dict[str, Any]:
-    """The effective configuration as JSON-ready data, derived paths filled in."""
+REDACTED = "<redacted>"
+
+
+def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, Any]:
+    """The effective configuration as JSON-ready data, derived paths filled in.
+
+    ``redact``: container environment values (tokens such as HF_TOKEN live there) and the
+    webhook URL's query are replaced by ``<redacted>``; names stay visible.
+    """
     d = settings.model_dump(mode="json")
+    if redact:
+        d["container"]["env"] = {k: REDACTED for k in d["container"]["env"]}
+        url = d["notify"].get("webhook_url")
+        if url and "?" in url:
+            d["notify"]["webhook_url"] = url.split("?", 1)[0] + "?" + REDACTED
     d["db_path"] = str(settings.db_file)
     d["log_dir"] = str(settings.logs_path)
     d["archive_dir"] = str(settings.archives_path)
@@ -459,6 +472,8 @@ FIELD_DOCS: dict[str, str] = {
     "container.restart_cap": "At most this many automatic restarts per restart_window_s.",
     "container.restart_window_s": "Window for restart_cap.",
     "container.restart_cooldown_s": "Wait this long before an automatic restart.",
+    "container.autostart": "Launch when sparkd starts — unless the last launch was stopped (by a rule, an operator "
+    "or a crash): then stay stopped until `sparkd start`.",
     "container.stop_on_exit": "Stop the model when sparkd itself stops (default: keep serving, adopt later).",
     "container.archive_window_s": "Seconds of samples before a trip that go into the postmortem archive.",
     "container.drain_timeout_s": "Resize: wait this long for running/waiting requests to reach 0.",

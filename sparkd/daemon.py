@@ -20,13 +20,14 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import sdnotify
 
 from . import __version__
 from .config import Settings, effective_config
-from .errors import Refused
+from .errors import Refused, StoreError
 from .guard import Guard, TickResult
 from .kernlog import KernRecord, open_source
 from .leak import LeakTracker
@@ -165,6 +166,8 @@ class Daemon:
         self.floor_warnings: list[FloorWarning] = []
         self._reported_floors: set[str] = set()
         self.gpu: list[dict[str, Any]] = []
+        self._cooldown_logged: dict[str, float] = {}
+        self._lock_fd: int | None = None
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -293,8 +296,36 @@ class Daemon:
         )
 
     # ------------------------------------------------------------------ lifecycle
+    def _lock_state_dir(self) -> None:
+        """One daemon per state directory: an exclusive ``flock`` on ``<state_dir>/sparkd.lock``.
+
+        Raises:
+            StoreError: another sparkd holds it (the message names its pid and the directory).
+        """
+        import fcntl
+
+        path = Path(self.settings.state_dir) / "sparkd.lock"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot use state directory {path.parent}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreError(
+                f"another sparkd (pid {other}) is running with state directory {path.parent}; "
+                "stop it first, or give this one its own state_dir (SPARKD_STATE_DIR)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
     async def startup(self) -> None:
         s = self.settings
+        self._lock_state_dir()
         self.store = Store.open(s.db_file)
         self.writer = Writer(self.store, maxsize=s.queue_max)
         self.run_id = await asyncio.to_thread(
@@ -332,9 +363,9 @@ class Daemon:
             await self._handle(result)
         await asyncio.to_thread(self.writer.flush)
         self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
-        await self.actions.start(self)
         if self.serve_api:
             await self._start_api()
+        await self.actions.start(self)
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
@@ -350,6 +381,20 @@ class Daemon:
         from .api import create_app
 
         app = create_app(self)
+        host, port = self.settings.api.host, self.settings.api.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise OSError(
+                f"the API cannot listen on {host}:{port}: {e.strerror} (another sparkd? set api.port "
+                "or SPARKD_API__PORT)"
+            ) from None
+        sock.listen(128)
+        sock.set_inheritable(True)
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,
@@ -362,7 +407,7 @@ class Daemon:
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
-        self._tasks.append(asyncio.create_task(server.serve(), name="sparkd-api"))
+        self._tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="sparkd-api"))
         for _ in range(200):
             if server.started:
                 break
@@ -446,7 +491,17 @@ class Daemon:
                 self.event("near_miss", d.reason, severity="info", details={"rule": d.rule, **_jsonable(d.values)})
             return
         if d.kind == "cooldown":
-            self.event("trip_cooldown", d.reason, severity="warning", details={"rule": d.rule})
+            # once per rule per cooldown window: a rule that keeps holding must not flood the event log
+            last = self._cooldown_logged.get(d.rule)
+            now = self.mono()
+            if last is None or now - last >= max(self.settings.cooldown_s, 1.0):
+                self._cooldown_logged[d.rule] = now
+                self.event(
+                    "trip_cooldown",
+                    d.reason + " (further trips in this cooldown are counted, not logged)",
+                    severity="warning",
+                    details={"rule": d.rule},
+                )
             return
         self.event(
             "trip",

@@ -82,6 +82,17 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
     return "\n".join(lines) + "\n"
 
 
+def _redact_inspect(inspect: dict[str, Any]) -> dict[str, Any]:
+    """``docker inspect`` without environment values (names kept): tokens live there."""
+    from .config import REDACTED
+
+    out = dict(inspect)
+    cfg = dict(out.get("Config") or {})
+    cfg["Env"] = [f"{e.split('=', 1)[0]}={REDACTED}" for e in cfg.get("Env") or []]
+    out["Config"] = cfg
+    return out
+
+
 async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | None:
     """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on)."""
     d = sup.daemon
@@ -104,7 +115,7 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
             "sparkd.log": s.logs_path / "sparkd.log",
             "samples.csv": archive.samples_to_csv(rows),
             "kernel.log": "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(kern)) + "\n",
-            "inspect.json": json.dumps(inspect, indent=2, default=str),
+            "inspect.json": json.dumps(_redact_inspect(inspect), indent=2, default=str),
             "config.json": json.dumps(effective_config(s), indent=2),
             "plan.json": json.dumps(sup.plan_json, indent=2),
             "events.json": json.dumps(list(reversed(events)), indent=2, default=str),

@@ -148,8 +148,8 @@ class Store:
                         )
                     )
                 elif kind == "launch":
-                    stmt4 = sqlite_insert(Launch).values(**p)
-                    cols = {k: v for k, v in p.items() if k != "id"}
+                    cols = {k: v for k, v in p.items() if k != "id"}  # only what this item sets
+                    stmt4 = sqlite_insert(Launch).values(**{"status": "starting", **p})  # a row not yet written
                     conn.execute(stmt4.on_conflict_do_update(index_elements=["id"], set_=cols) if cols else stmt4)
                 elif kind == "run_end":
                     conn.execute(update(DaemonRun).where(DaemonRun.id == p.pop("id")).values(**p))
@@ -427,6 +427,13 @@ class Store:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
+def _short(e: BaseException) -> str:
+    """An error in one line, without the SQL statement and its parameters."""
+    orig = getattr(e, "orig", None)
+    text = f"{type(orig or e).__name__}: {orig or e}"
+    return text.splitlines()[0][:200]
+
+
 def Integer_() -> Any:
     from sqlalchemy import Integer
 
@@ -471,6 +478,7 @@ class Writer:
         self.failures = 0
         self._drop_logged = False
         self._fail_logged = False
+        self._pending: list[tuple[str, Any]] = []
 
     def submit(self, kind: str, payload: Any) -> bool:
         try:
@@ -495,36 +503,60 @@ class Writer:
                 break
         return batch
 
-    def _write(self, batch: list[tuple[str, Any]]) -> None:
+    def _write(self, batch: list[tuple[str, Any]]) -> bool:
+        """Write one batch; False (and logged once per episode) when the database refused it."""
         if self.store is None:
             self.dropped += len(batch)
-            return
+            return True
         try:
             self.store.write_batch(batch)
-            self.written += len(batch)
-            if self._fail_logged:
-                log.info("database writes recovered")
-            self._fail_logged = False
-            if self.queue.qsize() < self.queue.maxsize // 2:
-                self._drop_logged = False
         except Exception as e:
             self.failures += 1
-            self.dropped += len(batch)
             if not self._fail_logged:
-                log.error("database write failed (%s); the guard goes on, records are dropped until it recovers", e)
+                log.error(
+                    "database write failed (%s); the guard goes on, records wait in the queue (%d max) "
+                    "and are written when the database recovers",
+                    _short(e),
+                    self.queue.maxsize,
+                )
                 self._fail_logged = True
+            return False
+        self.written += len(batch)
+        if self._fail_logged:
+            log.info("database writes recovered")
+        self._fail_logged = False
+        if self.queue.qsize() < self.queue.maxsize // 2:
+            self._drop_logged = False
+        return True
 
     async def run(self) -> None:
+        backoff = 0.25
+        pending: list[tuple[str, Any]] = []
         while True:
-            first = await self.queue.get()
-            batch = self._take_batch(first)
-            await asyncio.to_thread(self._write, batch)
+            if not pending:
+                first = await self.queue.get()
+                pending = self._take_batch(first)
+            if await asyncio.to_thread(self._write, pending):
+                pending, backoff, self._pending = [], 0.25, []
+            else:  # keep the batch (a locked or full database is usually temporary) and retry
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._pending = pending
 
-    def flush(self) -> int:
-        """Write everything still queued (synchronously, at shutdown). Returns items written."""
+    def flush(self, attempts: int = 3) -> int:
+        """Write everything still queued (synchronously, at shutdown). Returns items written;
+        a batch the database keeps refusing after ``attempts`` tries is dropped and counted."""
         n = 0
+        batches = [self._pending] if self._pending else []
+        self._pending = []
         while not self.queue.empty():
-            batch = self._take_batch()
-            self._write(batch)
-            n += len(batch)
+            batches.append(self._take_batch())
+        for batch in batches:
+            for i in range(attempts):
+                if self._write(batch):
+                    n += len(batch)
+                    break
+                time.sleep(0.2 * (i + 1))
+            else:
+                self.dropped += len(batch)
         return n

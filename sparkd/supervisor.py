@@ -77,6 +77,9 @@ class Supervisor:
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
+        self.autostart_pending = self.mode == "managed" and settings.container.autostart
+        self.mem_limit_bytes: int | None = None
+        self._cooldown_logged: dict[str, float] = {}
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
         self.parser: LaunchLogParser | None = None
         self._log_stop: threading.Event | None = None
@@ -94,7 +97,26 @@ class Supervisor:
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
         await self._load_revision()
+        await self._remember_last_stop()
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
+
+    async def _remember_last_stop(self) -> None:
+        """A model that was stopped (by a rule, an operator, a crash) stays stopped across restarts of sparkd
+        until an operator starts it; only a launch that was still up when sparkd went away is relaunched."""
+        store = self.daemon.store if self.daemon else None
+        if store is None or self.mode != "managed":
+            return
+        last = await asyncio.to_thread(store.launches, limit=1)
+        if last and last[0]["status"] not in ("starting", "ready"):
+            self.autostart_pending = False
+            self.stay_stopped = True
+            self.state_reason = f"last launch {last[0]['id']} ended: {last[0]['status']}"
+            self._event(
+                "staying_stopped",
+                f"not launching at start: the last launch ({last[0]['id']}) ended "
+                f"'{last[0]['status']}'; `sparkd start` launches again",
+                severity="warning",
+            )
 
     async def close(self) -> None:
         if self._task:
@@ -158,7 +180,7 @@ class Supervisor:
             "revision": self.revision,
             "plan": self.plan_json,
             "gmu": (self.plan_json or {}).get("gmu"),
-            "memory_bytes": int((self.plan_json or {}).get("docker_memory_gib", 0) * GiB) or None,
+            "memory_bytes": self.mem_limit_bytes,
             "stay_stopped": self.stay_stopped,
             "restarts_in_window": self._restarts_in_window(),
             "busy": self.lock.locked(),
@@ -188,7 +210,9 @@ class Supervisor:
                         self.set_state("stopped", reason or source)
                         out["stop"] = rep.to_json()
                         self.stay_stopped = action == "stop"
-                        self._finish_launch("stopped")
+                        await self._finish_launch("stopped")
+                if action == "start" and self.container_id and self.state in ("starting", "ready", "unhealthy"):
+                    raise Refused(f"{self.name} is already running (state {self.state}); use restart")
                 if action in ("start", "restart"):
                     if self.mode != "managed":
                         raise Refused(f"{self.name} is guarded, not launched by sparkd: start it yourself")
@@ -228,7 +252,7 @@ class Supervisor:
                 await self._drain()
                 if self.container_id and self.state in ("starting", "ready", "unhealthy"):
                     await run_stop(self, f"resize to revision {rev}", source, archive_first=False)
-                    self._finish_launch("stopped")
+                    await self._finish_launch("stopped")
                 self.budget = new_budget
                 ok, why = await self._launch_and_wait(source)
                 if not ok:
@@ -239,7 +263,7 @@ class Supervisor:
                     )
                     if self.container_id and self.state not in ("stopped", "exited", "none"):
                         await run_stop(self, f"rollback from revision {rev}", "sparkd", archive_first=True)
-                        self._finish_launch("failed")
+                        await self._finish_launch("failed")
                     self.budget = old_budget
                     await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
                     ok2, why2 = await self._launch_and_wait("rollback")
@@ -256,6 +280,8 @@ class Supervisor:
             self.daemon.event(kind, message, severity=severity, details=details, launch_id=self.launch_id)
 
     def set_state(self, state: str, reason: str | None = None) -> None:
+        if state in ("stopped", "exited", "failed", "none", "stopping"):
+            self.health = None
         if state != self.state:
             self.state, self.state_since, self.state_reason = state, time.time(), reason
             self._event(
@@ -332,7 +358,8 @@ class Supervisor:
         if self.container_id is None:
             if self.mode == "guard":
                 await self._attach()
-            elif not self.stay_stopped and not self.lock.locked() and self.state in ("none",):
+            elif self.autostart_pending and not self.stay_stopped and not self.lock.locked():
+                self.autostart_pending = False
                 try:
                     await self.request("start", source="sparkd start-up")
                 except SparkdError as e:
@@ -345,10 +372,15 @@ class Supervisor:
             st = await asyncio.to_thread(self.manager.state, self.container_id)
         except NotFound:
             self._event(
-                "container_gone", f"{self.name} ({self.container_id[:12]}) no longer exists", severity="warning"
+                "container_gone",
+                f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; staying stopped until "
+                "`sparkd start`",
+                severity="warning",
             )
             self.container_id = None
-            self.set_state("none", "container removed")
+            self.stay_stopped = True
+            await self._finish_launch("removed")
+            self.set_state("none", "container removed outside sparkd")
             return
         if not st.running:
             if self.state not in ("stopping", "stopped", "exited", "failed"):
@@ -378,10 +410,24 @@ class Supervisor:
             f"adopted running container {info.name} ({info.id[:12]}), launch {info.launch_id}",
             details={"container_id": info.id, "image": info.image, "launch_id": info.launch_id},
         )
+        try:
+            ins = await asyncio.to_thread(self.manager.inspect, info.id)
+            self.mem_limit_bytes = ins.get("HostConfig", {}).get("Memory") or None
+        except SparkdError:
+            pass
         if self.daemon and self.daemon.store and info.launch_id:
             rec = await asyncio.to_thread(self.daemon.store.launch, info.launch_id)
             if rec:
                 self.plan_json = rec.get("plan")
+                self.launch_started_at = rec.get("started_at") or self.launch_started_at
+                self.ready_at, self.trough_bytes = rec.get("ready_at"), rec.get("trough_bytes")
+        if info.revision not in (None, str(self.revision)) and self.mode == "managed":
+            self._event(
+                "adopted_other_revision",
+                f"{info.name} was launched with configuration revision "
+                f"{info.revision}; the current revision is {self.revision} — restart to apply it",
+                severity="warning",
+            )
         self._follow_logs()
 
     async def _health(self) -> None:
@@ -390,7 +436,9 @@ class Supervisor:
         h = await asyncio.to_thread(health_check, c.port, "127.0.0.1", 2.0)
         now = time.time()
         if h.ok:
-            if self.state in ("starting", "none"):
+            if self.state in ("starting", "none") and self.ready_at is not None:
+                self.set_state("ready", "adopted")  # readiness of an adopted launch was recorded when it happened
+            elif self.state in ("starting", "none"):
                 self.ready_at = now
                 t_ready = now - (self.launch_started_at or now)
                 self._event(
@@ -473,7 +521,7 @@ class Supervisor:
                 details={"line": oom.raw, "pid": oom.pid},
             )
         self.set_state("exited", how)
-        self._finish_launch("oom_killed" if oom else "exited")
+        await self._finish_launch("oom_killed" if oom else "exited")
         if self.container_id:  # an exit nobody asked for gets its postmortem too
             from .stopproc import StopReport, write_postmortem
 
@@ -539,6 +587,7 @@ class Supervisor:
         self.container_id = await asyncio.to_thread(self.manager.launch, spec, launch_id, self.revision or 0)
         info = await asyncio.to_thread(self.manager.get, self.container_id)
         self.image, self.name, self.container_started_at = info.image, info.name, info.started_at
+        self.mem_limit_bytes = spec.mem_limit_bytes
         self._figures_saved = set()
         self._save_launch(
             status="starting",
@@ -652,9 +701,24 @@ class Supervisor:
             row["actual"] = base
         if "started_at" not in row:
             row["started_at"] = self.launch_started_at or time.time()
-        if "status" not in row:
+        if "status" not in row and actual_figures is None:
             row["status"] = self.state
         d.writer.submit("launch", row)
 
-    def _finish_launch(self, status: str) -> None:
-        self._save_launch(status=status, stopped_at=time.time())
+    async def _finish_launch(self, status: str) -> None:
+        """How a launch ended, written at once (not through the queue): a restart of sparkd reads it to decide
+        whether to launch again, so it must survive a crash right after the stop."""
+        d = self.daemon
+        if not d or not d.store or not self.launch_id:
+            return
+        row = {
+            "id": self.launch_id,
+            "status": status,
+            "stopped_at": time.time(),
+            "started_at": self.launch_started_at or time.time(),
+        }
+        try:
+            await asyncio.to_thread(d.store.save_launch, row)
+        except Exception as e:
+            log.warning("launch record not written directly (%s); queued", e)
+            self._save_launch(status=status, stopped_at=row["stopped_at"])

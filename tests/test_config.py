@@ -106,3 +106,21 @@ def test_every_setting_is_documented_and_the_example_config_loads(tmp_path: Path
     cfg.write_text(dumps(data))
     s = load_settings(cfg)
     assert s.interval_s == 1.0 and [r.name for r in s.rules] == [r["name"] for r in DEFAULT_RULES]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused(tmp_path: Path, value: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"interval_s = {value}\n[budget]\nweights_gib = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(cfg)
+    assert "interval_s" in e.value.message and "budget.weights_gib" in e.value.message
+    assert "finite number" in e.value.message
+
+
+def test_config_show_redacts_container_environment_values(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[container]\nenv = {{ HF_TOKEN = "hf_SECRET123" }}\n')
+    r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show", "--json"])
+    assert r.exit_code == 0 and "hf_SECRET123" not in r.output
+    assert '"HF_TOKEN": "<redacted>"' in r.output

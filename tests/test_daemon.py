@@ -141,3 +141,36 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
             assert sum(m == "WATCHDOG=1" for _, m in got) >= 3
     finally:
         srv.close()
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "sparkd.db"
+    with sparkd_run(tmp_path, config="interval_s = 0.2\nfast_interval_s = 0.2\n") as first:
+        assert wait_for(lambda: db_query(db, "SELECT 1 FROM samples"), 5.0)
+        second = subprocess.run(
+            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert second.returncode == 1
+        assert f"another sparkd (pid {first.pid}) is running with state directory {tmp_path}" in second.stderr
+        assert first.poll() is None
+
+
+def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        (tmp_path / "sparkd.toml").write_text(
+            f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path}"\n[api]\nport = {port}\n'
+        )
+        r = subprocess.run(
+            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert r.returncode == 1
+    assert f"the API cannot listen on 127.0.0.1:{port}" in r.stderr and "SPARKD_API__PORT" in r.stderr

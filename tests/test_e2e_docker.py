@@ -72,7 +72,10 @@ def test_end_to_end_a_real_memory_trip_archives_stops_gracefully_and_cleans_shm(
 ) -> None:
     avail = procfs.read_meminfo().fields["MemAvailable"]
     threshold = avail - GiB
-    s = sparkd_factory(rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}])
+    s = sparkd_factory(
+        rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}],
+        container={"env": {"FAKEVLLM_STARTUP_S": "0.5", "HF_TOKEN": "hf_SECRET_DO_NOT_ARCHIVE"}},
+    )
     s.start()
     c = s.wait_state("ready", 60)
     started = c["started_at"]
@@ -115,6 +118,11 @@ def test_end_to_end_a_real_memory_trip_archives_stops_gracefully_and_cleans_shm(
             assert samples.startswith("ts,") and len(samples.splitlines()) > 3
             ins = json.loads(tf.extractfile("inspect.json").read())  # type: ignore[union-attr]
             assert ins["Id"] == c["container_id"]
+            # secrets in the container's environment are not archived (names are)
+            for member in tf.getmembers():
+                data = tf.extractfile(member).read()  # type: ignore[union-attr]
+                assert b"hf_SECRET_DO_NOT_ARCHIVE" not in data, member.name
+            assert "HF_TOKEN=<redacted>" in ins["Config"]["Env"]
         # the container's /dev/shm entries are gone; the one this test holds open is kept
         for n in names:
             assert not os.path.exists(f"/dev/shm/{n}"), n
@@ -285,3 +293,31 @@ def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: di
             engine.send_signal(signal.SIGTERM)
             engine.wait(60)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_stopped_model_stays_stopped_across_restarts_of_sparkd(sparkd_factory: Any, docker_client: Any) -> None:
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 422 and "already running" in r.text
+    assert s.api("POST", "/api/container/stop").status_code == 200
+    s.kill9()
+    s.start()
+    ev = s.wait_event("staying_stopped", 20)
+    assert "ended 'stopped'" in ev["message"] and "sparkd start" in ev["message"]
+    time.sleep(2.0)
+    assert len(s.events("launched")) == 1
+    assert s.container()["stay_stopped"] is True
+    assert s.api("POST", "/api/container/start").status_code == 200
+    c2 = s.wait_state("ready", 60)
+    assert c2["container_id"] != c["container_id"]
+
+
+def test_a_container_removed_outside_sparkd_is_not_relaunched(sparkd_factory: Any, docker_client: Any) -> None:
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    docker_client.containers.get(c["container_id"]).remove(force=True)
+    ev = s.wait_event("container_gone", 20)
+    assert "removed outside sparkd" in ev["message"]
+    time.sleep(2.0)
+    assert len(s.events("launched")) == 1 and s.container()["state"] == "none"
