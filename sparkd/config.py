@@ -183,8 +183,8 @@ class ContainerSettings(BaseModel):
     @field_validator("memory", "hard_floor")
     @classmethod
     def _size(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_size(v)
+        if v is not None and parse_size(v) <= 0:
+            raise ValueError(f'{v!r} must be a positive size (e.g. "100GiB")')
         return v
 
 
@@ -314,6 +314,11 @@ class Settings(BaseSettings):
             raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
         if self.fast_interval_s > self.interval_s:
             raise ValueError("fast_interval_s must be <= interval_s")
+        if self.budget.enabled and self.container.memory is not None:
+            raise ValueError(
+                "container.memory and budget.enabled = true both set Docker --memory; the budget derives it "
+                "(budget + docker_headroom_gib): remove container.memory or disable the budget"
+            )
         return self
 
     # --- derived paths -------------------------------------------------

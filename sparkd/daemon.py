@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import sdnotify
 
-from . import __version__
+from . import __version__, procfs
 from .config import Settings, effective_config
-from .errors import Refused, StoreError
+from .errors import ConfigError, Refused, StoreError
 from .guard import Guard, TickResult
 from .kernlog import KernRecord, open_source
 from .leak import LeakTracker
@@ -357,7 +357,11 @@ class Daemon:
         )
         self.notify_hooks.append(self.event_notifier.submit)
         self.leak.start_launch(None, time.time())
-        # first sample, stored before READY=1
+        # first sample, stored before READY=1; a /proc that cannot be read at all is a configuration error
+        try:
+            procfs.read_meminfo(s.proc_root)
+        except OSError as e:
+            raise ConfigError(f"proc_root = {s.proc_root!r}: cannot read {e.filename}: {e.strerror}") from None
         result = self._tick_once()
         if result is not None:
             await self._handle(result)

@@ -256,6 +256,16 @@ def install(
         raise InvalidInput("sparkd_exe", sparkd_exe, "an absolute path to the sparkd executable")
     report = InstallReport(root)
     _write(report, root / UNIT_REL, render_unit(sparkd_exe), 0o644, keep=False)
+    if sparkd_exe.startswith(("/tmp/", "/var/tmp/")):
+        report.say(
+            f"WARNING: ExecStart={sparkd_exe} lies under a temporary directory, which the unit hides "
+            "(PrivateTmp=yes): the service will not start. Install sparkd in /opt or /usr/local."
+        )
+    elif sparkd_exe.startswith(("/home/", "/root/")):
+        report.say(
+            f"note: ExecStart={sparkd_exe} lies under a home directory, which the unit mounts read-only "
+            "(ProtectHome=read-only): it runs, but /opt or /usr/local is the usual place."
+        )
     (root / CONFIG_DIR_REL).mkdir(parents=True, exist_ok=True)
     text = example_config_text() if config_text is None else config_text
     _write(report, root / CONFIG_REL, text, 0o644, keep=True)

@@ -124,3 +124,19 @@ def test_config_show_redacts_container_environment_values(tmp_path: Path) -> Non
     r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show", "--json"])
     assert r.exit_code == 0 and "hf_SECRET123" not in r.output
     assert '"HF_TOKEN": "<redacted>"' in r.output
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"container": {"memory": "-3GiB"}}, "container.memory = \"-3GiB\": '-3GiB' must be a positive size"),
+        (
+            {"container": {"memory": "3GiB"}, "budget": {"enabled": True}},
+            "container.memory and budget.enabled = true both set Docker --memory",
+        ),
+    ],
+)
+def test_container_limits_that_cannot_work_are_refused(overrides: dict, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(overrides=overrides)
+    assert expected in e.value.message

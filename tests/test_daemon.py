@@ -174,3 +174,15 @@ def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         )
     assert r.returncode == 1
     assert f"the API cannot listen on 127.0.0.1:{port}" in r.stderr and "SPARKD_API__PORT" in r.stderr
+
+
+def test_a_proc_root_without_meminfo_is_refused_at_start(tmp_path: Path) -> None:
+    (tmp_path / "sparkd.toml").write_text(f'state_dir = "{tmp_path}"\nproc_root = "{tmp_path}/nope"\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 1
+    assert f"proc_root = '{tmp_path}/nope': cannot read {tmp_path}/nope/meminfo" in r.stderr
