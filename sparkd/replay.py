@@ -26,6 +26,7 @@ import csv
 import dataclasses
 import datetime as dt
 import io
+import itertools
 import json
 import math
 import statistics
@@ -39,10 +40,15 @@ from typing import Any
 import click
 
 from .config import DEFAULT_RULES, SEED_RULES, RuleConfig, Settings, load_settings
-from .errors import ConfigError, InvalidInput, SparkdError
+from .errors import ConfigError, SparkdError
 from .rules import Rule, RuleState, SlopeWindow, compile_rules, evaluate, still_holds
 from .sample import MEMINFO_ATTRS, Sample
 from .units import GiB, MiB, fmt_gib, parse_duration_s
+
+# The most samples a replay holds, read or interpolated. Measured: a replay of 200,000
+# points with the default rules peaks near 300 MB RSS (1,000,000 points: 1.3 GB) — memory
+# taken from the pool sparkd guards. 48 h of 1 s samples (the raw retention) fits.
+MAX_TRACE_POINTS = 200_000
 
 # Accepted time columns, in order of preference. ``phase`` means "row order, no times".
 TIME_COLUMNS = ("t_s", "ts", "time", "t", "phase")
@@ -110,20 +116,50 @@ class Trace:
         return next((s.mem_total for s in self.samples if s.mem_total), None)
 
 
-def _num_or_none(text: str | None) -> float | None:
-    if text is None:
-        return None
-    text = text.strip()
-    if text == "" or text.lower() in ("none", "null", "nan", "n/a"):
-        return None
-    return float(text)
+# Spelled-out "missing" values (a blank cell is missing too). ``nan``/``inf`` are not among
+# them: a non-finite number is refused, never read as a gap, so a replay does not quietly
+# differ from what the guard would have seen.
+_MISSING = frozenset({"", "none", "null", "n/a"})
+# Fields that may legitimately be negative (differences/estimates); every other size, count
+# and pressure is refused when negative.
+_SIGNED_FIELDS = frozenset({"driver_bytes", "mem_available_minus_cma"})
 
 
-def _parse_time(text: str, column: str, row: int) -> float:
+def _cell(raw: Any, source: str, row: int, column: str) -> float | None:
+    """A value cell as a finite float, or ``None`` when missing.
+
+    Raises:
+        TraceError: not a number, or not finite; the message names the row and column.
+    """
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    if text.lower() in _MISSING:
+        return None
     try:
-        return float(text)
+        v = float(text)
+    except ValueError:
+        raise TraceError(f"{source}: row {row}, column {column}: {text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise TraceError(f"{source}: row {row}, column {column}: {text!r} is not a finite number")
+    return v
+
+
+def _parse_time(text: str, column: str, row: int, source: str = "") -> float:
+    """Seconds from a time cell (a number, or ISO-8601 for ``time``/``ts``).
+
+    Raises:
+        TraceError: not a time, or not finite.
+    """
+    where = f"{source + ': ' if source else ''}row {row}, column {column}"
+    try:
+        v = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(v):
+            raise TraceError(f"{where}: {text.strip()!r} is not a finite number")
+        return v
     if column in ("time", "ts"):
         try:
             d = dt.datetime.fromisoformat(text.strip())
@@ -133,7 +169,7 @@ def _parse_time(text: str, column: str, row: int) -> float:
             if d.tzinfo is None:
                 d = d.replace(tzinfo=dt.UTC)
             return d.timestamp()
-    raise TraceError(f"row {row}: {column} = {text!r} is not a number of seconds (or an ISO-8601 time)")
+    raise TraceError(f"{where}: {text.strip()!r} is not a number of seconds (or an ISO-8601 time)")
 
 
 def _column_map(columns: Sequence[str]) -> tuple[dict[str, tuple[str, float]], list[str]]:
@@ -162,65 +198,105 @@ def _column_map(columns: Sequence[str]) -> tuple[dict[str, tuple[str, float]], l
     return out, ignored
 
 
-def samples_from_rows(rows: Sequence[Mapping[str, Any]], *, source: str, row_interval_s: float = 1.0) -> Trace:
-    """Build a trace from dict rows (CSV rows or ``Store.samples`` rows).
+def samples_from_rows(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    source: str,
+    row_interval_s: float = 1.0,
+    max_rows: int | None = None,
+) -> Trace:
+    """Build a trace from dict rows (CSV rows or ``Store.samples`` rows), one row at a time.
+
+    Rows are numbered from 1, the first row after the CSV header. Times must increase:
+    a row that repeats the previous row exactly (same time, same values — as when two
+    overlapping logs are concatenated) is dropped, and a note says which; a repeated time
+    with different values is refused, because the guard never sees two samples at one
+    instant and a replay would count the pair twice toward ``samples`` and toward the
+    predictive fit's minimum. ``max_rows`` (default ``MAX_TRACE_POINTS``): more rows are
+    refused before they are held in memory.
 
     Raises:
-        TraceError: no accepted time column, no memory column, a bad value, or times
-            that go backwards; the message names the columns found and those accepted.
+        TraceError: no accepted time column, no memory column, a bad, non-finite or
+            negative value, times that repeat or go backwards, or more than ``max_rows``
+            rows; the message names the row and column, or the columns found and accepted.
     """
-    if not rows:
+    cap = MAX_TRACE_POINTS if max_rows is None else max_rows
+    it = iter(rows)
+    first = next(it, None)
+    if first is None:
         raise TraceError(f"{source}: no samples")
-    columns = list(rows[0].keys())
+    columns = list(first.keys())
     time_col = next((c for c in TIME_COLUMNS if c in columns), None)
     mapping, ignored = _column_map(columns)
     attrs = {a for a, _ in mapping.values()}
     if time_col is None or not attrs & {"mem_available", "mem_free"}:
-        missing = "a time column" if time_col is None else "a MemAvailable or MemFree column"
+        missing = "time column" if time_col is None else "MemAvailable or MemFree column"
         raise TraceError(
             f"{source}: unknown trace layout: no {missing}. Columns found: {', '.join(columns) or '(none)'}. "
             f"Accepted: {ACCEPTED_COLUMNS_TEXT}"
         )
     notes: list[str] = []
     labels: list[str | None] = []
-    times: list[float] = []
-    for i, row in enumerate(rows):
+    out: list[Sample] = []
+    dropped: list[int] = []
+    prev: Mapping[str, Any] | None = None
+    t0 = 0.0
+    for i, row in enumerate(itertools.chain([first], it)):
+        n = i + 1
+        if len(out) >= cap:
+            raise TraceError(
+                f"{source}: more than {cap:,} rows; a replay holds at most {cap:,} samples — "
+                "replay a shorter range (--since/--until, or fewer CSV rows)"
+            )
         raw = row.get(time_col)
         if time_col == "phase":
-            times.append(i * row_interval_s)
-            labels.append(None if raw is None else str(raw))
+            t = i * row_interval_s
+            label = None if raw is None else str(raw)
         else:
             if raw is None or str(raw).strip() == "":
-                raise TraceError(f"{source}: row {i + 1}: empty {time_col}")
-            times.append(_parse_time(str(raw), time_col, i + 1))
-            labels.append(None)
-    for i in range(1, len(times)):
-        if times[i] < times[i - 1]:
-            raise TraceError(f"{source}: row {i + 1}: {time_col} goes backwards ({times[i - 1]:g} → {times[i]:g})")
-    if time_col == "phase":
-        notes.append(
-            f"rows are phases without times ({', '.join(str(x) for x in labels)}); "
-            f"spaced {row_interval_s:g} s apart by assumption"
-        )
-    if ignored:
-        notes.append(f"columns not used: {', '.join(ignored)}")
-    t0 = times[0]
-    out = []
-    for i, row in enumerate(rows):
-        s = Sample(ts=times[i], mono=times[i] - t0)
+                raise TraceError(f"{source}: row {n}, column {time_col}: empty")
+            t = _parse_time(str(raw), time_col, n, source)
+            label = None
+            if out:
+                t_prev = out[-1].ts
+                if t == t_prev and prev is not None and dict(row) == dict(prev):
+                    dropped.append(n)
+                    continue
+                if t == t_prev:
+                    raise TraceError(
+                        f"{source}: row {n}, column {time_col}: time {t:g} repeats the previous row's with "
+                        "different values; times must increase"
+                    )
+                if t < t_prev:
+                    raise TraceError(f"{source}: row {n}, column {time_col}: time goes backwards ({t_prev:g} → {t:g})")
+        if not out:
+            t0 = t
+        s = Sample(ts=t, mono=t - t0)
         for col, (attr, factor) in mapping.items():
-            raw = row.get(col)
-            try:
-                v = _num_or_none(None if raw is None else str(raw))
-            except ValueError:
-                raise TraceError(f"{source}: row {i + 1}: {col} = {raw!r} is not a number") from None
+            v = _cell(row.get(col), source, n, col)
             if v is None:
                 continue
+            if v < 0 and attr not in _SIGNED_FIELDS:
+                raise TraceError(f"{source}: row {n}, column {col}: {v:g} is negative (sizes and counts cannot be)")
             if attr in _FLOAT_FIELDS:
                 setattr(s, attr, v)
             else:
                 setattr(s, attr, round(v * factor))
         out.append(s)
+        labels.append(label)
+        prev = row
+    if time_col == "phase":
+        notes.append(
+            f"rows are phases without times ({', '.join(str(x) for x in labels)}); "
+            f"spaced {row_interval_s:g} s apart by assumption"
+        )
+    if dropped:
+        shown = ", ".join(str(x) for x in dropped[:10]) + (", ..." if len(dropped) > 10 else "")
+        notes.append(
+            f"dropped {len(dropped)} exact duplicate row(s) (row {shown}): same time and values as the row before"
+        )
+    if ignored:
+        notes.append(f"columns not used: {', '.join(ignored)}")
     return Trace(out, source, labels=labels, notes=notes, epoch=time_col == "ts")
 
 
@@ -744,8 +820,8 @@ def _replay_cli(
         try:
             res = replay(trace, rs, mem_total_bytes=mem_total, fast_interval_s=settings.fast_interval_s, cooldown_s=cd)
         except ValueError as e:
-            raise InvalidInput(
-                "rules", nm, f"rules that compile against this trace ({e}; try --mem-total-gib)"
+            raise ConfigError(
+                f"rule set {nm} cannot be compiled against this trace: {e}; give MemTotal with --mem-total-gib"
             ) from None
         runs.append((nm, res))
     if as_json:

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -139,30 +140,94 @@ def test_unknown_layout_names_found_and_accepted_columns() -> None:
     with pytest.raises(TraceError) as e:
         loads_csv("when,avail\n0,5\n", source="odd.csv")
     msg = e.value.message
-    assert "odd.csv: unknown trace layout: no a time column" in msg
-    assert "Columns found: when, avail" in msg
+    assert "odd.csv: unknown trace layout: no time column. Columns found: when, avail" in msg
     assert "t_s, ts, time, t, phase" in msg
     assert "mem_available_gib" in msg and "MemAvailable" in msg and "mem_available" in msg
 
 
 def test_time_without_memory_columns_is_refused() -> None:
-    with pytest.raises(TraceError, match=r"no a MemAvailable or MemFree column\. Columns found: t_s, used_gib"):
+    with pytest.raises(TraceError, match=r"no MemAvailable or MemFree column\. Columns found: t_s, used_gib"):
         loads_csv("t_s,used_gib\n0,90\n")
 
 
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("t_s,mem_available_gib\n0,5\n2,5\n1,5\n", r"row 3: t_s goes backwards \(2 → 1\)"),
-        ("t_s,mem_available_gib\n0,five\n", r"row 1: mem_available_gib = 'five' is not a number"),
-        ("t_s,mem_available_gib\n0,5\n,5\n", r"row 2: empty t_s"),
-        ("t,mem_available_gib\nnoon,5\n", r"row 1: t = 'noon' is not a number"),
+        ("t_s,mem_available_gib\n0,5\n2,5\n1,5\n", r"row 3, column t_s: time goes backwards \(2 → 1\)"),
+        ("t_s,mem_available_gib\n0,five\n", r"row 1, column mem_available_gib: 'five' is not a number$"),
+        ("t_s,mem_available_gib\n0,5\n,5\n", r"row 2, column t_s: empty"),
+        ("t,mem_available_gib\nnoon,5\n", r"row 1, column t: 'noon' is not a number of seconds"),
         ("t_s,mem_available_gib\n", r"no rows"),
     ],
 )
 def test_bad_rows(text: str, match: str) -> None:
     with pytest.raises(TraceError, match=match):
         loads_csv(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("t_s,mem_available_gib\n0,10\n1,9\n2,nan\n", "row 3, column mem_available_gib: 'nan' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\n1,inf\n", "row 2, column mem_available_gib: 'inf' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\n1,-Infinity\n", "row 2, column mem_available_gib: '-Infinity' is not a finite"),
+        ("t_s,MemAvailable\n0,NaN\n", "row 1, column MemAvailable: 'NaN' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\ninf,9\n", "row 2, column t_s: 'inf' is not a finite number"),
+        ("t_s,mem_available_gib\nnan,10\n", "row 1, column t_s: 'nan' is not a finite number"),
+    ],
+)
+def test_non_finite_values_are_refused_with_row_and_column(text: str, match: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(match)):
+        loads_csv(text)
+
+
+def test_non_finite_value_via_cli_exits_2_without_traceback(tmp_path: Path) -> None:
+    f = tmp_path / "inf.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1,9\n2,inf\n")
+    r = CliRunner().invoke(replay_command, [str(f)])
+    assert r.exit_code == 2, r.output
+    assert "row 3, column mem_available_gib: 'inf' is not a finite number" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("t_s,mem_available_gib\n0,10\n1,-1\n", "row 2, column mem_available_gib: -1 is negative"),
+        ("t_s,MemAvailable,MemFree\n0,100,-5\n", "row 1, column MemFree: -5 is negative"),
+        ("t_s,mem_available_gib,nvrm_recent\n0,5,-2\n", "row 1, column nvrm_recent: -2 is negative"),
+    ],
+)
+def test_negative_sizes_are_refused(text: str, match: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(match)):
+        loads_csv(text)
+
+
+def test_signed_derived_fields_may_be_negative() -> None:
+    trace = loads_csv("t_s,mem_available_gib,mem_available_minus_cma_gib\n0,5,-1\n")
+    assert trace.samples[0].mem_available_minus_cma == -GiB
+
+
+def test_repeated_time_with_different_values_is_refused() -> None:
+    with pytest.raises(TraceError, match=re.escape("row 3, column t_s: time 1 repeats the previous row's")):
+        loads_csv("t_s,mem_available_gib\n0,10\n1,9\n1,8\n")
+
+
+def test_exact_duplicate_rows_are_dropped_with_a_note() -> None:
+    trace = loads_csv("t_s,mem_available_gib\n0,10\n1,9\n1,9\n1,9\n2,8\n")
+    assert [s.mono for s in trace.samples] == [0.0, 1.0, 2.0]
+    assert [s.mem_available for s in trace.samples] == [10 * GiB, 9 * GiB, 8 * GiB]
+    assert trace.notes == ["dropped 2 exact duplicate row(s) (row 3, 4): same time and values as the row before"]
+    assert trace.labels == [None, None, None] and trace.synthetic == [False, False, False]
+
+
+def test_duplicate_note_is_printed_by_the_cli(tmp_path: Path) -> None:
+    f = tmp_path / "dup.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1,9\n1,9\n2,8\n")
+    r = invoke(str(f), "--rules", "seed")
+    assert r.exit_code == 0, r.output
+    assert "trace: dup.csv — 3 samples over 2.00 s" in r.output
+    assert "note: dropped 1 exact duplicate row(s) (row 3): same time and values as the row before" in r.output
 
 
 class FakeStore:
@@ -381,7 +446,11 @@ def test_cli_registered_under_a_group_reads_the_group_config(tmp_path: Path) -> 
         (["STARTUP", "--since", "2h"], "--since/--until apply to --db only"),
         (["STARTUP", "--rules", "nope.toml"], "rules file nope.toml does not exist"),
         (["--db", "--since", "2h", "--db-file", "/nonexistent/sparkd.db"], "database /nonexistent/sparkd.db does not"),
-        (["STARTUP", "--rules", "PCT"], "try --mem-total-gib"),
+        (["STARTUP", "--rules", "PCT"], "rule set pct.toml cannot be compiled against this trace: "),
+        (
+            ["STARTUP", "--rules", "PCT"],
+            "percentage needs MemTotal, which is unknown; give MemTotal with --mem-total-gib",
+        ),
     ],
 )
 def test_cli_errors(args: list[str], message: str, tmp_path: Path) -> None:
