@@ -300,43 +300,55 @@ def samples_from_rows(
     return Trace(out, source, labels=labels, notes=notes, epoch=time_col == "ts")
 
 
-def load_csv(path: str | Path, *, row_interval_s: float = 1.0) -> Trace:
-    """Read a CSV trace (``sparkd samples --csv`` or a generic time/GiB layout).
+def load_csv(path: str | Path, *, row_interval_s: float = 1.0, max_rows: int | None = None) -> Trace:
+    """Read a CSV trace (``sparkd samples --csv`` or a generic time/GiB layout), streaming:
+    at most ``max_rows`` (default ``MAX_TRACE_POINTS``) rows are read, more are refused.
 
     Raises:
-        TraceError: unreadable file or unknown layout.
+        TraceError: unreadable file, unknown layout, a bad row, or too many rows.
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open(newline="") as f:
+            return _csv_trace(f, source=p.name, row_interval_s=row_interval_s, max_rows=max_rows)
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {p}: {e}") from None
-    return loads_csv(text, source=p.name, row_interval_s=row_interval_s)
 
 
-def loads_csv(text: str, *, source: str = "<csv>", row_interval_s: float = 1.0) -> Trace:
+def loads_csv(text: str, *, source: str = "<csv>", row_interval_s: float = 1.0, max_rows: int | None = None) -> Trace:
     """``load_csv`` on CSV text (tests, stdin)."""
+    return _csv_trace(io.StringIO(text), source=source, row_interval_s=row_interval_s, max_rows=max_rows)
+
+
+def _csv_trace(f: Iterable[str], *, source: str, row_interval_s: float, max_rows: int | None) -> Trace:
+    reader = csv.DictReader(f)
     try:
-        rows = list(csv.DictReader(io.StringIO(text)))
+        first = next(reader, None)
+        if first is None:
+            raise TraceError(f"{source}: no rows (a header and at least one sample are needed)")
+        return samples_from_rows(
+            itertools.chain([first], reader), source=source, row_interval_s=row_interval_s, max_rows=max_rows
+        )
     except csv.Error as e:
         raise TraceError(f"{source} is not a readable CSV: {e}") from None
-    if not rows:
-        raise TraceError(f"{source}: no rows (a header and at least one sample are needed)")
-    return samples_from_rows(rows, source=source, row_interval_s=row_interval_s)
 
 
-def load_db(store: Any, *, since: float, until: float | None = None) -> Trace:
+def load_db(store: Any, *, since: float, until: float | None = None, max_rows: int | None = None) -> Trace:
     """sparkd's own samples between ``since`` and ``until`` (UTC epoch s) from a ``Store``.
 
+    At most ``max_rows`` (default ``MAX_TRACE_POINTS``) samples: one more is asked for, and
+    if it comes the range is refused (narrow it with --since/--until).
+
     Raises:
-        TraceError: no samples in that range.
+        TraceError: no samples in that range, or too many.
     """
-    rows = store.samples(since=since, until=until)
+    cap = MAX_TRACE_POINTS if max_rows is None else max_rows
+    rows = store.samples(since=since, until=until, limit=cap + 1)
     span = f"{_utc(since)} – {_utc(until) if until is not None else 'now'} UTC"
     if not rows:
         raise TraceError(f"no samples in the database between {span}")
-    trace = samples_from_rows(rows, source=f"database {getattr(store, 'path', '')} {span}".replace("  ", " "))
-    return trace
+    source = f"database {getattr(store, 'path', '')} {span}".replace("  ", " ")
+    return samples_from_rows(rows, source=source, max_rows=cap)
 
 
 def _utc(t: float) -> str:
@@ -350,7 +362,15 @@ def _lerp(a: Any, b: Any, f: float, attr: str) -> Any:
     return v if attr in _FLOAT_FIELDS else round(v)
 
 
-def interpolate(trace: Trace, interval_s: float) -> Trace:
+def _round_up(x: float) -> float:
+    """``x`` rounded up to three significant figures (a suggested interval that suffices)."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    e = math.floor(math.log10(x)) - 2
+    return float(f"{math.ceil(x / 10.0**e - 1e-9) * 10.0**e:.3g}")
+
+
+def interpolate(trace: Trace, interval_s: float, *, max_points: int | None = None) -> Trace:
     """Linear interpolation onto a grid of ``interval_s`` from the first sample.
 
     Recorded samples that fall on the grid are kept as they are, and so is the last
@@ -358,17 +378,36 @@ def interpolate(trace: Trace, interval_s: float) -> Trace:
     Count fields (``nvrm_recent``) are held from the previous recorded sample, not blended.
     The result carries a note: "interpolated to 0.25 s from 2 s samples — synthetic points".
 
+    At most ``max_points`` (default ``MAX_TRACE_POINTS``) points: a finer grid is refused
+    before anything is allocated.
+
     Raises:
-        ValueError: ``interval_s`` not positive.
+        ValueError: ``interval_s`` not positive (or not finite).
+        TraceError: the grid would exceed ``max_points``; the message says how many points,
+            the cap, and how to narrow it.
     """
-    if interval_s <= 0:
+    if not interval_s > 0 or not math.isfinite(interval_s):
         raise ValueError(f"interpolation interval must be > 0 s, got {interval_s:g}")
+    cap = MAX_TRACE_POINTS if max_points is None else max_points
     src = trace.samples
     if len(src) < 2:
         return trace
     orig = trace.interval_s
     t0 = src[0].mono
-    n = math.floor((src[-1].mono - t0) / interval_s + 1e-9) + 1
+    span_s = src[-1].mono - t0
+    steps = span_s / interval_s + 1e-9  # may be inf for a huge span; checked before any allocation
+    total = math.inf
+    if math.isfinite(steps):
+        n = math.floor(steps) + 1
+        total = n + (1 if t0 + (n - 1) * interval_s < src[-1].mono - 1e-9 else 0)  # + the last, off the grid
+    if total > cap:
+        would = f"{total:,}" if math.isfinite(total) else "more than can be counted"
+        coarsest = _round_up(span_s / max(cap - 2, 1))
+        raise TraceError(
+            f"{trace.source}: interpolating {span_s:g} s at {interval_s:g} s would make {would} points, "
+            f"more than the cap of {cap:,}; use a coarser --interval (at least {coarsest:g} s for this span) "
+            "or a shorter range (--since/--until, or fewer CSV rows)"
+        )
     out: list[Sample] = []
     synthetic: list[bool] = []
     labels: list[str | None] = []
@@ -780,8 +819,11 @@ def _replay_cli(
 ) -> None:
     if (trace_path is None) == (not use_db):
         raise click.UsageError("give either TRACE.csv or --db (with --since)")
-    if interval is not None and interval <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--interval")
+    for opt, v in (("--interval", interval), ("--mem-total-gib", mem_total_gib)):
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            raise click.BadParameter(f"must be a finite number > 0, got {v:g}", param_hint=opt)
+    if cooldown_s is not None and (not math.isfinite(cooldown_s) or cooldown_s < 0):
+        raise click.BadParameter(f"must be a finite number >= 0, got {cooldown_s:g}", param_hint="--cooldown")
     parent = ctx.find_root().obj if ctx.find_root().obj is not None else {}
     cfg = config_path or (parent.get("config") if isinstance(parent, dict) else None)
     settings = load_settings(cfg)

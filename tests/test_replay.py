@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 from sparkd import config
 from sparkd.config import DEFAULT_RULES, SEED_RULES
 from sparkd.replay import (
+    MAX_TRACE_POINTS,
     Trace,
     TraceError,
     compare_text,
@@ -236,10 +238,13 @@ class FakeStore:
     def __init__(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
         self.calls: list[tuple[float, float | None]] = []
+        self.limits: list[int | None] = []
 
-    def samples(self, *, since: float, until: float | None = None) -> list[dict[str, Any]]:
+    def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         self.calls.append((since, until))
-        return [r for r in self.rows if r["ts"] >= since and (until is None or r["ts"] <= until)]
+        self.limits.append(limit)
+        out = [r for r in self.rows if r["ts"] >= since and (until is None or r["ts"] <= until)]
+        return out[:limit] if limit else out
 
 
 def test_load_db_uses_store_samples_for_the_range() -> None:
@@ -257,6 +262,29 @@ def test_load_db_uses_store_samples_for_the_range() -> None:
     assert trace.epoch is True
     with pytest.raises(TraceError, match="no samples in the database between"):
         load_db(store, since=t0 + 100)
+
+
+def test_load_db_asks_for_one_row_over_the_cap_and_refuses_it() -> None:
+    t0 = 1_764_000_000.0
+    store = FakeStore([Sample(ts=t0 + i, mono=0.0, mem_available=GiB).to_row() for i in range(10)])
+    assert len(load_db(store, since=t0, max_rows=10).samples) == 10
+    assert store.limits == [11]
+    with pytest.raises(
+        TraceError, match=r"more than 9 rows; a replay holds at most 9 samples — replay a shorter range"
+    ):
+        load_db(store, since=t0, max_rows=9)
+    load_db(store, since=t0)
+    assert store.limits[-1] == MAX_TRACE_POINTS + 1
+
+
+def test_csv_rows_over_the_cap_are_refused_while_streaming(tmp_path: Path) -> None:
+    f = tmp_path / "long.csv"
+    f.write_text("t_s,mem_available_gib\n" + "".join(f"{i},5\n" for i in range(50)))
+    assert len(load_csv(f, max_rows=50).samples) == 50
+    with pytest.raises(TraceError, match=r"long\.csv: more than 49 rows; a replay holds at most 49 samples"):
+        load_csv(f, max_rows=49)
+    with pytest.raises(TraceError, match="more than 3 rows"):
+        loads_csv("t_s,mem_available_gib\n0,1\n1,1\n2,1\n3,1\n", max_rows=3)
 
 
 # ------------------------------------------------------------------ interpolation
@@ -291,6 +319,60 @@ def test_interpolation_keeps_the_last_recorded_sample_off_the_grid() -> None:
     assert [round(s.mono, 2) for s in trace.samples] == [0.0, 0.8, 1.6, 2.4, 3.2, 4.0, 4.8, 5.6, 6.0]
     assert trace.synthetic[-1] is False
     assert trace.samples[-1].mem_available == round(6.27 * GiB)
+
+
+def test_interpolation_over_the_cap_is_refused_before_allocating() -> None:
+    trace = loads_csv("t_s,mem_available_gib\n0,10\n1000,5\n", source="long.csv")
+    assert len(interpolate(trace, 10, max_points=101).samples) == 101
+    with pytest.raises(TraceError) as e:
+        interpolate(trace, 10, max_points=100)
+    assert e.value.message == (
+        "long.csv: interpolating 1000 s at 10 s would make 101 points, more than the cap of 100; use a coarser "
+        "--interval (at least 10.3 s for this span) or a shorter range (--since/--until, or fewer CSV rows)"
+    )
+    assert len(interpolate(trace, 10.3, max_points=100).samples) <= 100
+    # the last recorded sample off the grid counts too: 0, 300, 600, 900 and 1000
+    with pytest.raises(TraceError, match="would make 5 points, more than the cap of 4"):
+        interpolate(trace, 300, max_points=4)
+
+
+def test_interpolation_of_the_reviewers_trace_is_refused_at_once() -> None:
+    """A 1e9 s span at 0.25 s: 4e9 points; the loop used to run (and grow) until killed."""
+    tracemalloc.start()
+    try:
+        trace = loads_csv("t_s,mem_available_gib\n0,10\n1e9,5\n", source="big.csv")
+        with pytest.raises(TraceError) as e:
+            interpolate(trace, 0.25)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "interpolating 1e+09 s at 0.25 s would make 4,000,000,001 points, more than the cap of 200,000" in (
+        e.value.message
+    )
+    assert "a coarser --interval (at least 5010 s for this span) or a shorter range" in e.value.message
+    assert peak < 1_000_000
+    huge = Trace([Sample(ts=0, mono=0, mem_available=GiB), Sample(ts=1e308, mono=1e308, mem_available=GiB)], "x")
+    with pytest.raises(TraceError, match="would make more than can be counted points"):
+        interpolate(huge, 1e-300)
+
+
+def test_cli_refuses_an_interpolation_over_the_cap_with_exit_2(tmp_path: Path) -> None:
+    f = tmp_path / "big.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1e9,5\n")
+    r = CliRunner().invoke(replay_command, [str(f), "--interpolate", "--interval", "0.25"])
+    assert r.exit_code == 2, r.output
+    assert "sparkd replay: big.csv: interpolating 1e+09 s at 0.25 s would make 4,000,000,001 points" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("opt", "value"),
+    [("--interval", "nan"), ("--interval", "inf"), ("--mem-total-gib", "nan"), ("--cooldown", "nan")],
+)
+def test_cli_refuses_non_finite_numbers(opt: str, value: str) -> None:
+    r = CliRunner().invoke(replay_command, [startup_path(), "--interpolate", opt, value])
+    assert r.exit_code == 2, r.output
+    assert "must be a finite number" in r.output
 
 
 def test_interpolation_interval_must_be_positive() -> None:
