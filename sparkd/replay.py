@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import inspect
 import io
 import itertools
 import json
@@ -49,6 +50,11 @@ from .units import GiB, MiB, fmt_gib, parse_duration_s
 # points with the default rules peaks near 300 MB RSS (1,000,000 points: 1.3 GB) — memory
 # taken from the pool sparkd guards. 48 h of 1 s samples (the raw retention) fits.
 MAX_TRACE_POINTS = 200_000
+
+# The predictive rules' robust slope, as the guard runs it: the fewest points it fits
+# (``SlopeWindow.slope``'s ``min_points``) and the longest window the guard keeps.
+SLOPE_MIN_POINTS: int = inspect.signature(SlopeWindow.slope).parameters["min_points"].default
+SLOPE_MAX_WINDOW_S = 30.0
 
 # Accepted time columns, in order of preference. ``phase`` means "row order, no times".
 TIME_COLUMNS = ("t_s", "ts", "time", "t", "phase")
@@ -362,6 +368,14 @@ def _lerp(a: Any, b: Any, f: float, attr: str) -> Any:
     return v if attr in _FLOAT_FIELDS else round(v)
 
 
+def _round_down(x: float) -> float:
+    """``x`` rounded down to three significant figures."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    e = math.floor(math.log10(x)) - 2
+    return float(f"{math.floor(x / 10.0**e + 1e-9) * 10.0**e:.3g}")
+
+
 def _round_up(x: float) -> float:
     """``x`` rounded up to three significant figures (a suggested interval that suffices)."""
     if x <= 0 or not math.isfinite(x):
@@ -505,6 +519,25 @@ class ReplayResult:
     cooldown_s: float
     fast_interval_s: float
     mem_total_bytes: int | None
+    # predictive rules: the most MemAvailable points their fit window ever held on this trace
+    fit_points: dict[str, int] = field(default_factory=dict)
+    trace_interval_s: float | None = None
+
+    def why_no_trip(self, rule: Rule) -> str | None:
+        """For a predictive rule whose fit window never held the points the robust slope
+        needs (``SLOPE_MIN_POINTS``): why it could never evaluate, and what to try."""
+        held = self.fit_points.get(rule.name)
+        if rule.kind != "predictive" or held is None or held >= SLOPE_MIN_POINTS:
+            return None
+        iv = self.trace_interval_s
+        spacing = f" at {iv:g} s spacing" if iv is not None else ""
+        window = min(rule.window_s, SLOPE_MAX_WINDOW_S)
+        coarsest = window / (SLOPE_MIN_POINTS - 1)  # floor(window / iv) + 1 >= min points
+        suggest = self.fast_interval_s if self.fast_interval_s <= coarsest else _round_down(coarsest)
+        return (
+            f"its {window:g} s fit window holds at most {held} sample{'s' if held != 1 else ''}{spacing} — "
+            f"needs {SLOPE_MIN_POINTS}; try --interpolate --interval {suggest:g}"
+        )
 
     @property
     def decisions(self) -> list[ReplayDecision]:
@@ -547,6 +580,8 @@ class ReplayResult:
             "cooldown_s": self.cooldown_s,
             "fast_interval_s": self.fast_interval_s,
             "mem_total_bytes": self.mem_total_bytes,
+            "fit_points": self.fit_points,
+            "no_trip_reasons": {r.name: w for r in self.rules if (w := self.why_no_trip(r)) is not None},
             "decisions": [d.to_json() for d in self.decisions],
         }
 
@@ -578,7 +613,7 @@ def replay(
     rules = compile_rules(rule_configs(rule_configs_), mem_total_bytes, fast_interval_s)
     states: dict[str, RuleState] = {r.name: RuleState() for r in rules}
     by_name = {r.name: r for r in rules}
-    slope = SlopeWindow(max_window_s=30.0)  # as Guard
+    slope = SlopeWindow(max_window_s=SLOPE_MAX_WINDOW_S)  # as Guard
     steps: list[ReplayStep] = []
     first: dict[str, ReplayDecision | None] = {r.name: None for r in rules}
     max_counter = {r.name: 0 for r in rules}
@@ -634,7 +669,24 @@ def replay(
         cooldown_s=cooldown_s,
         fast_interval_s=fast_interval_s,
         mem_total_bytes=mem_total_bytes,
+        fit_points={
+            r.name: _most_in_window(trace.samples, min(r.window_s, SLOPE_MAX_WINDOW_S), slope.points.maxlen)
+            for r in rules
+            if r.kind == "predictive"
+        },
+        trace_interval_s=trace.interval_s,
     )
+
+
+def _most_in_window(samples: Sequence[Sample], window_s: float, max_points: int | None) -> int:
+    """The most MemAvailable points a ``SlopeWindow.slope`` over ``window_s`` ever sees here."""
+    monos = [s.mono for s in samples if s.mem_available is not None]
+    best = lo = 0
+    for hi, t in enumerate(monos):
+        while t - monos[lo] > window_s + 1e-9:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best if max_points is None else min(best, max_points)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -686,7 +738,9 @@ def render(result: ReplayResult, trace: Trace, *, title: str, show_all: bool = F
         ft = result.first_trip[r.name]
         nm = result.near_misses[r.name]
         nm_text = f", {nm} near misses (suppressed)" if nm else ""
-        if ft is None:
+        if ft is None and (why := result.why_no_trip(r)) is not None:
+            lines.append(f"  {r.name}: no trip; {why}{nm_text}")
+        elif ft is None:
             lines.append(f"  {r.name}: no trip (highest count {result.max_counter[r.name]}/{r.samples}){nm_text}")
         else:
             lines.append(

@@ -465,6 +465,53 @@ def test_cli_seed_rules_at_2s_do_not_stop() -> None:
     assert "no stop: no stop rule tripped before the trace ended (t=6.00 s, MemAvailable 6.27 GiB)" in r.output
 
 
+def test_cli_says_why_a_predictive_rule_could_never_evaluate() -> None:
+    r = invoke(startup_path(), "--rules", "default")
+    assert r.exit_code == 0, r.output
+    assert (
+        "  collapse_projected: no trip; its 2 s fit window holds at most 2 samples at 2 s spacing — needs 4; "
+        "try --interpolate --interval 0.25\n"
+    ) in r.output
+    assert "low_available: no trip (highest count 0/5)" in r.output  # threshold rules keep the count
+    data = json.loads(invoke(startup_path(), "--rules", "default", "--json").output)["runs"]["default"]
+    assert data["fit_points"] == {"collapse_projected": 2}
+    assert data["no_trip_reasons"]["collapse_projected"].startswith("its 2 s fit window holds at most 2 samples")
+    r = invoke(startup_path(), "--rules", "default", "--interpolate", "--interval", "0.25")
+    assert "fit window" not in r.output  # 9 points in 2 s: it evaluates (and trips)
+
+
+def test_fit_window_note_counts_the_densest_stretch_and_suggests_an_interval_that_fits() -> None:
+    rule = {"name": "p", "kind": "predictive", "when": ["MemAvailable < 16GiB"], "floor": "4GiB", "window_s": 0.5}
+    # 1 s spacing except one 0.25 s pair: the window holds at most 2 points there
+    samples = [low(t, 10 - t) for t in (0, 1, 2, 2.25, 3, 4)]
+    res = replay(samples, [rule], fast_interval_s=0.25)
+    assert res.fit_points == {"p": 2}
+    why = res.why_no_trip(res.rules[0])
+    # 0.25 s gives 3 points in 0.5 s, too few: the suggestion is the coarsest spacing that gives 4
+    assert (
+        why
+        == "its 0.5 s fit window holds at most 2 samples at 1 s spacing — needs 4; try --interpolate --interval 0.166"
+    )
+    dense = replay(interpolate(Trace(samples, "x"), 0.166), [rule], fast_interval_s=0.25)
+    assert dense.fit_points["p"] >= 4 and dense.why_no_trip(dense.rules[0]) is None
+    # a threshold rule never gets the note; a predictive rule with enough points neither
+    assert replay(samples, SEED_RULES).fit_points == {}
+    wide = replay(samples, [{**rule, "window_s": 3.0}], fast_interval_s=0.25)
+    assert wide.fit_points == {"p": 5} and wide.why_no_trip(wide.rules[0]) is None
+
+
+def test_slope_minimum_is_read_from_the_rules_module() -> None:
+    from sparkd.replay import SLOPE_MIN_POINTS
+    from sparkd.rules import SlopeWindow
+
+    w = SlopeWindow()
+    for t in range(SLOPE_MIN_POINTS - 1):
+        w.add(t, (10 - t) * GiB)
+    assert w.slope(SLOPE_MIN_POINTS - 2, 100.0) is None
+    w.add(SLOPE_MIN_POINTS - 1, GiB)
+    assert w.slope(SLOPE_MIN_POINTS - 1, 100.0) is not None
+
+
 def test_cli_compare() -> None:
     r = invoke(startup_path(), "--interpolate", "--interval", "0.25", "--rules", "default", "--compare", "seed")
     assert r.exit_code == 0, r.output
