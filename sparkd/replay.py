@@ -5,9 +5,12 @@ Pure core, thin edges:
 * loaders turn a trace into a ``Trace`` (a list of ``Sample``; ``mono`` = seconds
   from the trace start, sizes in bytes): ``load_db`` (sparkd's own samples table),
   ``load_csv`` (``sparkd samples --csv`` output, or a generic CSV with a time
-  column and GiB/byte memory columns such as the shared meminfo fixtures);
+  column and GiB/byte memory columns such as the shared meminfo fixtures); they refuse
+  non-finite or negative values and repeated or backward times (naming the row and
+  column), drop exact duplicate rows with a note, and hold at most ``MAX_TRACE_POINTS``;
 * ``interpolate`` resamples linearly to a finer interval; every point that is not
-  a recorded sample is flagged synthetic and the trace carries a note saying so;
+  a recorded sample is flagged synthetic and the trace carries a note saying so; a grid
+  over ``MAX_TRACE_POINTS`` is refused before it is built;
 * ``replay`` runs the real ``rules.evaluate`` over the samples, exactly as the
   guard does (slope window fed first, same ``now``, same cooldown), and returns
   a ``ReplayResult`` with each sample's decisions and each rule's first trip;
