@@ -5,9 +5,12 @@ Pure core, thin edges:
 * loaders turn a trace into a ``Trace`` (a list of ``Sample``; ``mono`` = seconds
   from the trace start, sizes in bytes): ``load_db`` (sparkd's own samples table),
   ``load_csv`` (``sparkd samples --csv`` output, or a generic CSV with a time
-  column and GiB/byte memory columns such as the shared meminfo fixtures);
+  column and GiB/byte memory columns such as the shared meminfo fixtures); they refuse
+  non-finite or negative values and repeated or backward times (naming the row and
+  column), drop exact duplicate rows with a note, and hold at most ``MAX_TRACE_POINTS``;
 * ``interpolate`` resamples linearly to a finer interval; every point that is not
-  a recorded sample is flagged synthetic and the trace carries a note saying so;
+  a recorded sample is flagged synthetic and the trace carries a note saying so; a grid
+  over ``MAX_TRACE_POINTS`` is refused before it is built;
 * ``replay`` runs the real ``rules.evaluate`` over the samples, exactly as the
   guard does (slope window fed first, same ``now``, same cooldown), and returns
   a ``ReplayResult`` with each sample's decisions and each rule's first trip;
@@ -25,7 +28,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import inspect
 import io
+import itertools
 import json
 import math
 import statistics
@@ -39,10 +44,20 @@ from typing import Any
 import click
 
 from .config import DEFAULT_RULES, SEED_RULES, RuleConfig, Settings, load_settings
-from .errors import ConfigError, InvalidInput, SparkdError
+from .errors import ConfigError, SparkdError
 from .rules import Rule, RuleState, SlopeWindow, compile_rules, evaluate, still_holds
 from .sample import MEMINFO_ATTRS, Sample
 from .units import GiB, MiB, fmt_gib, parse_duration_s
+
+# The most samples a replay holds, read or interpolated. Measured: a replay of 200,000
+# points with the default rules peaks near 300 MB RSS (1,000,000 points: 1.3 GB) — memory
+# taken from the pool sparkd guards. 48 h of 1 s samples (the raw retention) fits.
+MAX_TRACE_POINTS = 200_000
+
+# The predictive rules' robust slope, as the guard runs it: the fewest points it fits
+# (``SlopeWindow.slope``'s ``min_points``) and the longest window the guard keeps.
+SLOPE_MIN_POINTS: int = inspect.signature(SlopeWindow.slope).parameters["min_points"].default
+SLOPE_MAX_WINDOW_S = 30.0
 
 # Accepted time columns, in order of preference. ``phase`` means "row order, no times".
 TIME_COLUMNS = ("t_s", "ts", "time", "t", "phase")
@@ -110,20 +125,50 @@ class Trace:
         return next((s.mem_total for s in self.samples if s.mem_total), None)
 
 
-def _num_or_none(text: str | None) -> float | None:
-    if text is None:
-        return None
-    text = text.strip()
-    if text == "" or text.lower() in ("none", "null", "nan", "n/a"):
-        return None
-    return float(text)
+# Spelled-out "missing" values (a blank cell is missing too). ``nan``/``inf`` are not among
+# them: a non-finite number is refused, never read as a gap, so a replay does not quietly
+# differ from what the guard would have seen.
+_MISSING = frozenset({"", "none", "null", "n/a"})
+# Fields that may legitimately be negative (differences/estimates); every other size, count
+# and pressure is refused when negative.
+_SIGNED_FIELDS = frozenset({"driver_bytes", "mem_available_minus_cma"})
 
 
-def _parse_time(text: str, column: str, row: int) -> float:
+def _cell(raw: Any, source: str, row: int, column: str) -> float | None:
+    """A value cell as a finite float, or ``None`` when missing.
+
+    Raises:
+        TraceError: not a number, or not finite; the message names the row and column.
+    """
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    if text.lower() in _MISSING:
+        return None
     try:
-        return float(text)
+        v = float(text)
+    except ValueError:
+        raise TraceError(f"{source}: row {row}, column {column}: {text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise TraceError(f"{source}: row {row}, column {column}: {text!r} is not a finite number")
+    return v
+
+
+def _parse_time(text: str, column: str, row: int, source: str = "") -> float:
+    """Seconds from a time cell (a number, or ISO-8601 for ``time``/``ts``).
+
+    Raises:
+        TraceError: not a time, or not finite.
+    """
+    where = f"{source + ': ' if source else ''}row {row}, column {column}"
+    try:
+        v = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(v):
+            raise TraceError(f"{where}: {text.strip()!r} is not a finite number")
+        return v
     if column in ("time", "ts"):
         try:
             d = dt.datetime.fromisoformat(text.strip())
@@ -133,7 +178,7 @@ def _parse_time(text: str, column: str, row: int) -> float:
             if d.tzinfo is None:
                 d = d.replace(tzinfo=dt.UTC)
             return d.timestamp()
-    raise TraceError(f"row {row}: {column} = {text!r} is not a number of seconds (or an ISO-8601 time)")
+    raise TraceError(f"{where}: {text.strip()!r} is not a number of seconds (or an ISO-8601 time)")
 
 
 def _column_map(columns: Sequence[str]) -> tuple[dict[str, tuple[str, float]], list[str]]:
@@ -162,105 +207,157 @@ def _column_map(columns: Sequence[str]) -> tuple[dict[str, tuple[str, float]], l
     return out, ignored
 
 
-def samples_from_rows(rows: Sequence[Mapping[str, Any]], *, source: str, row_interval_s: float = 1.0) -> Trace:
-    """Build a trace from dict rows (CSV rows or ``Store.samples`` rows).
+def samples_from_rows(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    source: str,
+    row_interval_s: float = 1.0,
+    max_rows: int | None = None,
+) -> Trace:
+    """Build a trace from dict rows (CSV rows or ``Store.samples`` rows), one row at a time.
+
+    Rows are numbered from 1, the first row after the CSV header. Times must increase:
+    a row that repeats the previous row exactly (same time, same values — as when two
+    overlapping logs are concatenated) is dropped, and a note says which; a repeated time
+    with different values is refused, because the guard never sees two samples at one
+    instant and a replay would count the pair twice toward ``samples`` and toward the
+    predictive fit's minimum. ``max_rows`` (default ``MAX_TRACE_POINTS``): more rows are
+    refused before they are held in memory.
 
     Raises:
-        TraceError: no accepted time column, no memory column, a bad value, or times
-            that go backwards; the message names the columns found and those accepted.
+        TraceError: no accepted time column, no memory column, a bad, non-finite or
+            negative value, times that repeat or go backwards, or more than ``max_rows``
+            rows; the message names the row and column, or the columns found and accepted.
     """
-    if not rows:
+    cap = MAX_TRACE_POINTS if max_rows is None else max_rows
+    it = iter(rows)
+    first = next(it, None)
+    if first is None:
         raise TraceError(f"{source}: no samples")
-    columns = list(rows[0].keys())
+    columns = list(first.keys())
     time_col = next((c for c in TIME_COLUMNS if c in columns), None)
     mapping, ignored = _column_map(columns)
     attrs = {a for a, _ in mapping.values()}
     if time_col is None or not attrs & {"mem_available", "mem_free"}:
-        missing = "a time column" if time_col is None else "a MemAvailable or MemFree column"
+        missing = "time column" if time_col is None else "MemAvailable or MemFree column"
         raise TraceError(
             f"{source}: unknown trace layout: no {missing}. Columns found: {', '.join(columns) or '(none)'}. "
             f"Accepted: {ACCEPTED_COLUMNS_TEXT}"
         )
     notes: list[str] = []
     labels: list[str | None] = []
-    times: list[float] = []
-    for i, row in enumerate(rows):
+    out: list[Sample] = []
+    dropped: list[int] = []
+    prev: Mapping[str, Any] | None = None
+    t0 = 0.0
+    for i, row in enumerate(itertools.chain([first], it)):
+        n = i + 1
+        if len(out) >= cap:
+            raise TraceError(
+                f"{source}: more than {cap:,} rows; a replay holds at most {cap:,} samples — "
+                "replay a shorter range (--since/--until, or fewer CSV rows)"
+            )
         raw = row.get(time_col)
         if time_col == "phase":
-            times.append(i * row_interval_s)
-            labels.append(None if raw is None else str(raw))
+            t = i * row_interval_s
+            label = None if raw is None else str(raw)
         else:
             if raw is None or str(raw).strip() == "":
-                raise TraceError(f"{source}: row {i + 1}: empty {time_col}")
-            times.append(_parse_time(str(raw), time_col, i + 1))
-            labels.append(None)
-    for i in range(1, len(times)):
-        if times[i] < times[i - 1]:
-            raise TraceError(f"{source}: row {i + 1}: {time_col} goes backwards ({times[i - 1]:g} → {times[i]:g})")
-    if time_col == "phase":
-        notes.append(
-            f"rows are phases without times ({', '.join(str(x) for x in labels)}); "
-            f"spaced {row_interval_s:g} s apart by assumption"
-        )
-    if ignored:
-        notes.append(f"columns not used: {', '.join(ignored)}")
-    t0 = times[0]
-    out = []
-    for i, row in enumerate(rows):
-        s = Sample(ts=times[i], mono=times[i] - t0)
+                raise TraceError(f"{source}: row {n}, column {time_col}: empty")
+            t = _parse_time(str(raw), time_col, n, source)
+            label = None
+            if out:
+                t_prev = out[-1].ts
+                if t == t_prev and prev is not None and dict(row) == dict(prev):
+                    dropped.append(n)
+                    continue
+                if t == t_prev:
+                    raise TraceError(
+                        f"{source}: row {n}, column {time_col}: time {t:g} repeats the previous row's with "
+                        "different values; times must increase"
+                    )
+                if t < t_prev:
+                    raise TraceError(f"{source}: row {n}, column {time_col}: time goes backwards ({t_prev:g} → {t:g})")
+        if not out:
+            t0 = t
+        s = Sample(ts=t, mono=t - t0)
         for col, (attr, factor) in mapping.items():
-            raw = row.get(col)
-            try:
-                v = _num_or_none(None if raw is None else str(raw))
-            except ValueError:
-                raise TraceError(f"{source}: row {i + 1}: {col} = {raw!r} is not a number") from None
+            v = _cell(row.get(col), source, n, col)
             if v is None:
                 continue
+            if v < 0 and attr not in _SIGNED_FIELDS:
+                raise TraceError(f"{source}: row {n}, column {col}: {v:g} is negative (sizes and counts cannot be)")
             if attr in _FLOAT_FIELDS:
                 setattr(s, attr, v)
             else:
                 setattr(s, attr, round(v * factor))
         out.append(s)
+        labels.append(label)
+        prev = row
+    if time_col == "phase":
+        notes.append(
+            f"rows are phases without times ({', '.join(str(x) for x in labels)}); "
+            f"spaced {row_interval_s:g} s apart by assumption"
+        )
+    if dropped:
+        shown = ", ".join(str(x) for x in dropped[:10]) + (", ..." if len(dropped) > 10 else "")
+        notes.append(
+            f"dropped {len(dropped)} exact duplicate row(s) (row {shown}): same time and values as the row before"
+        )
+    if ignored:
+        notes.append(f"columns not used: {', '.join(ignored)}")
     return Trace(out, source, labels=labels, notes=notes, epoch=time_col == "ts")
 
 
-def load_csv(path: str | Path, *, row_interval_s: float = 1.0) -> Trace:
-    """Read a CSV trace (``sparkd samples --csv`` or a generic time/GiB layout).
+def load_csv(path: str | Path, *, row_interval_s: float = 1.0, max_rows: int | None = None) -> Trace:
+    """Read a CSV trace (``sparkd samples --csv`` or a generic time/GiB layout), streaming:
+    at most ``max_rows`` (default ``MAX_TRACE_POINTS``) rows are read, more are refused.
 
     Raises:
-        TraceError: unreadable file or unknown layout.
+        TraceError: unreadable file, unknown layout, a bad row, or too many rows.
     """
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open(newline="") as f:
+            return _csv_trace(f, source=p.name, row_interval_s=row_interval_s, max_rows=max_rows)
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read trace {p}: {e}") from None
-    return loads_csv(text, source=p.name, row_interval_s=row_interval_s)
 
 
-def loads_csv(text: str, *, source: str = "<csv>", row_interval_s: float = 1.0) -> Trace:
+def loads_csv(text: str, *, source: str = "<csv>", row_interval_s: float = 1.0, max_rows: int | None = None) -> Trace:
     """``load_csv`` on CSV text (tests, stdin)."""
+    return _csv_trace(io.StringIO(text), source=source, row_interval_s=row_interval_s, max_rows=max_rows)
+
+
+def _csv_trace(f: Iterable[str], *, source: str, row_interval_s: float, max_rows: int | None) -> Trace:
+    reader = csv.DictReader(f)
     try:
-        rows = list(csv.DictReader(io.StringIO(text)))
+        first = next(reader, None)
+        if first is None:
+            raise TraceError(f"{source}: no rows (a header and at least one sample are needed)")
+        return samples_from_rows(
+            itertools.chain([first], reader), source=source, row_interval_s=row_interval_s, max_rows=max_rows
+        )
     except csv.Error as e:
         raise TraceError(f"{source} is not a readable CSV: {e}") from None
-    if not rows:
-        raise TraceError(f"{source}: no rows (a header and at least one sample are needed)")
-    return samples_from_rows(rows, source=source, row_interval_s=row_interval_s)
 
 
-def load_db(store: Any, *, since: float, until: float | None = None) -> Trace:
+def load_db(store: Any, *, since: float, until: float | None = None, max_rows: int | None = None) -> Trace:
     """sparkd's own samples between ``since`` and ``until`` (UTC epoch s) from a ``Store``.
 
+    At most ``max_rows`` (default ``MAX_TRACE_POINTS``) samples: one more is asked for, and
+    if it comes the range is refused (narrow it with --since/--until).
+
     Raises:
-        TraceError: no samples in that range.
+        TraceError: no samples in that range, or too many.
     """
-    rows = store.samples(since=since, until=until)
+    cap = MAX_TRACE_POINTS if max_rows is None else max_rows
+    rows = store.samples(since=since, until=until, limit=cap + 1)
     span = f"{_utc(since)} – {_utc(until) if until is not None else 'now'} UTC"
     if not rows:
         raise TraceError(f"no samples in the database between {span}")
-    trace = samples_from_rows(rows, source=f"database {getattr(store, 'path', '')} {span}".replace("  ", " "))
-    return trace
+    source = f"database {getattr(store, 'path', '')} {span}".replace("  ", " ")
+    return samples_from_rows(rows, source=source, max_rows=cap)
 
 
 def _utc(t: float) -> str:
@@ -274,7 +371,23 @@ def _lerp(a: Any, b: Any, f: float, attr: str) -> Any:
     return v if attr in _FLOAT_FIELDS else round(v)
 
 
-def interpolate(trace: Trace, interval_s: float) -> Trace:
+def _round_down(x: float) -> float:
+    """``x`` rounded down to three significant figures."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    e = math.floor(math.log10(x)) - 2
+    return float(f"{math.floor(x / 10.0**e + 1e-9) * 10.0**e:.3g}")
+
+
+def _round_up(x: float) -> float:
+    """``x`` rounded up to three significant figures (a suggested interval that suffices)."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    e = math.floor(math.log10(x)) - 2
+    return float(f"{math.ceil(x / 10.0**e - 1e-9) * 10.0**e:.3g}")
+
+
+def interpolate(trace: Trace, interval_s: float, *, max_points: int | None = None) -> Trace:
     """Linear interpolation onto a grid of ``interval_s`` from the first sample.
 
     Recorded samples that fall on the grid are kept as they are, and so is the last
@@ -282,17 +395,36 @@ def interpolate(trace: Trace, interval_s: float) -> Trace:
     Count fields (``nvrm_recent``) are held from the previous recorded sample, not blended.
     The result carries a note: "interpolated to 0.25 s from 2 s samples — synthetic points".
 
+    At most ``max_points`` (default ``MAX_TRACE_POINTS``) points: a finer grid is refused
+    before anything is allocated.
+
     Raises:
-        ValueError: ``interval_s`` not positive.
+        ValueError: ``interval_s`` not positive (or not finite).
+        TraceError: the grid would exceed ``max_points``; the message says how many points,
+            the cap, and how to narrow it.
     """
-    if interval_s <= 0:
+    if not interval_s > 0 or not math.isfinite(interval_s):
         raise ValueError(f"interpolation interval must be > 0 s, got {interval_s:g}")
+    cap = MAX_TRACE_POINTS if max_points is None else max_points
     src = trace.samples
     if len(src) < 2:
         return trace
     orig = trace.interval_s
     t0 = src[0].mono
-    n = math.floor((src[-1].mono - t0) / interval_s + 1e-9) + 1
+    span_s = src[-1].mono - t0
+    steps = span_s / interval_s + 1e-9  # may be inf for a huge span; checked before any allocation
+    total = math.inf
+    if math.isfinite(steps):
+        n = math.floor(steps) + 1
+        total = n + (1 if t0 + (n - 1) * interval_s < src[-1].mono - 1e-9 else 0)  # + the last, off the grid
+    if total > cap:
+        would = f"{total:,}" if math.isfinite(total) else "more than can be counted"
+        coarsest = _round_up(span_s / max(cap - 2, 1))
+        raise TraceError(
+            f"{trace.source}: interpolating {span_s:g} s at {interval_s:g} s would make {would} points, "
+            f"more than the cap of {cap:,}; use a coarser --interval (at least {coarsest:g} s for this span) "
+            "or a shorter range (--since/--until, or fewer CSV rows)"
+        )
     out: list[Sample] = []
     synthetic: list[bool] = []
     labels: list[str | None] = []
@@ -390,6 +522,25 @@ class ReplayResult:
     cooldown_s: float
     fast_interval_s: float
     mem_total_bytes: int | None
+    # predictive rules: the most MemAvailable points their fit window ever held on this trace
+    fit_points: dict[str, int] = field(default_factory=dict)
+    trace_interval_s: float | None = None
+
+    def why_no_trip(self, rule: Rule) -> str | None:
+        """For a predictive rule whose fit window never held the points the robust slope
+        needs (``SLOPE_MIN_POINTS``): why it could never evaluate, and what to try."""
+        held = self.fit_points.get(rule.name)
+        if rule.kind != "predictive" or held is None or held >= SLOPE_MIN_POINTS:
+            return None
+        iv = self.trace_interval_s
+        spacing = f" at {iv:g} s spacing" if iv is not None else ""
+        window = min(rule.window_s, SLOPE_MAX_WINDOW_S)
+        coarsest = window / (SLOPE_MIN_POINTS - 1)  # floor(window / iv) + 1 >= min points
+        suggest = self.fast_interval_s if self.fast_interval_s <= coarsest else _round_down(coarsest)
+        return (
+            f"its {window:g} s fit window holds at most {held} sample{'s' if held != 1 else ''}{spacing} — "
+            f"needs {SLOPE_MIN_POINTS}; try --interpolate --interval {suggest:g}"
+        )
 
     @property
     def decisions(self) -> list[ReplayDecision]:
@@ -432,6 +583,8 @@ class ReplayResult:
             "cooldown_s": self.cooldown_s,
             "fast_interval_s": self.fast_interval_s,
             "mem_total_bytes": self.mem_total_bytes,
+            "fit_points": self.fit_points,
+            "no_trip_reasons": {r.name: w for r in self.rules if (w := self.why_no_trip(r)) is not None},
             "decisions": [d.to_json() for d in self.decisions],
         }
 
@@ -463,7 +616,7 @@ def replay(
     rules = compile_rules(rule_configs(rule_configs_), mem_total_bytes, fast_interval_s)
     states: dict[str, RuleState] = {r.name: RuleState() for r in rules}
     by_name = {r.name: r for r in rules}
-    slope = SlopeWindow(max_window_s=30.0)  # as Guard
+    slope = SlopeWindow(max_window_s=SLOPE_MAX_WINDOW_S)  # as Guard
     steps: list[ReplayStep] = []
     first: dict[str, ReplayDecision | None] = {r.name: None for r in rules}
     max_counter = {r.name: 0 for r in rules}
@@ -519,7 +672,24 @@ def replay(
         cooldown_s=cooldown_s,
         fast_interval_s=fast_interval_s,
         mem_total_bytes=mem_total_bytes,
+        fit_points={
+            r.name: _most_in_window(trace.samples, min(r.window_s, SLOPE_MAX_WINDOW_S), slope.points.maxlen)
+            for r in rules
+            if r.kind == "predictive"
+        },
+        trace_interval_s=trace.interval_s,
     )
+
+
+def _most_in_window(samples: Sequence[Sample], window_s: float, max_points: int | None) -> int:
+    """The most MemAvailable points a ``SlopeWindow.slope`` over ``window_s`` ever sees here."""
+    monos = [s.mono for s in samples if s.mem_available is not None]
+    best = lo = 0
+    for hi, t in enumerate(monos):
+        while t - monos[lo] > window_s + 1e-9:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best if max_points is None else min(best, max_points)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -571,7 +741,9 @@ def render(result: ReplayResult, trace: Trace, *, title: str, show_all: bool = F
         ft = result.first_trip[r.name]
         nm = result.near_misses[r.name]
         nm_text = f", {nm} near misses (suppressed)" if nm else ""
-        if ft is None:
+        if ft is None and (why := result.why_no_trip(r)) is not None:
+            lines.append(f"  {r.name}: no trip; {why}{nm_text}")
+        elif ft is None:
             lines.append(f"  {r.name}: no trip (highest count {result.max_counter[r.name]}/{r.samples}){nm_text}")
         else:
             lines.append(
@@ -704,8 +876,11 @@ def _replay_cli(
 ) -> None:
     if (trace_path is None) == (not use_db):
         raise click.UsageError("give either TRACE.csv or --db (with --since)")
-    if interval is not None and interval <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--interval")
+    for opt, v in (("--interval", interval), ("--mem-total-gib", mem_total_gib)):
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            raise click.BadParameter(f"must be a finite number > 0, got {v:g}", param_hint=opt)
+    if cooldown_s is not None and (not math.isfinite(cooldown_s) or cooldown_s < 0):
+        raise click.BadParameter(f"must be a finite number >= 0, got {cooldown_s:g}", param_hint="--cooldown")
     parent = ctx.find_root().obj if ctx.find_root().obj is not None else {}
     cfg = config_path or (parent.get("config") if isinstance(parent, dict) else None)
     settings = load_settings(cfg)
@@ -744,8 +919,8 @@ def _replay_cli(
         try:
             res = replay(trace, rs, mem_total_bytes=mem_total, fast_interval_s=settings.fast_interval_s, cooldown_s=cd)
         except ValueError as e:
-            raise InvalidInput(
-                "rules", nm, f"rules that compile against this trace ({e}; try --mem-total-gib)"
+            raise ConfigError(
+                f"rule set {nm} cannot be compiled against this trace: {e}; give MemTotal with --mem-total-gib"
             ) from None
         runs.append((nm, res))
     if as_json:

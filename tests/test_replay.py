@@ -6,6 +6,8 @@ import csv
 import io
 import json
 import os
+import re
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from click.testing import CliRunner
 from sparkd import config
 from sparkd.config import DEFAULT_RULES, SEED_RULES
 from sparkd.replay import (
+    MAX_TRACE_POINTS,
     Trace,
     TraceError,
     compare_text,
@@ -139,24 +142,23 @@ def test_unknown_layout_names_found_and_accepted_columns() -> None:
     with pytest.raises(TraceError) as e:
         loads_csv("when,avail\n0,5\n", source="odd.csv")
     msg = e.value.message
-    assert "odd.csv: unknown trace layout: no a time column" in msg
-    assert "Columns found: when, avail" in msg
+    assert "odd.csv: unknown trace layout: no time column. Columns found: when, avail" in msg
     assert "t_s, ts, time, t, phase" in msg
     assert "mem_available_gib" in msg and "MemAvailable" in msg and "mem_available" in msg
 
 
 def test_time_without_memory_columns_is_refused() -> None:
-    with pytest.raises(TraceError, match=r"no a MemAvailable or MemFree column\. Columns found: t_s, used_gib"):
+    with pytest.raises(TraceError, match=r"no MemAvailable or MemFree column\. Columns found: t_s, used_gib"):
         loads_csv("t_s,used_gib\n0,90\n")
 
 
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("t_s,mem_available_gib\n0,5\n2,5\n1,5\n", r"row 3: t_s goes backwards \(2 → 1\)"),
-        ("t_s,mem_available_gib\n0,five\n", r"row 1: mem_available_gib = 'five' is not a number"),
-        ("t_s,mem_available_gib\n0,5\n,5\n", r"row 2: empty t_s"),
-        ("t,mem_available_gib\nnoon,5\n", r"row 1: t = 'noon' is not a number"),
+        ("t_s,mem_available_gib\n0,5\n2,5\n1,5\n", r"row 3, column t_s: time goes backwards \(2 → 1\)"),
+        ("t_s,mem_available_gib\n0,five\n", r"row 1, column mem_available_gib: 'five' is not a number$"),
+        ("t_s,mem_available_gib\n0,5\n,5\n", r"row 2, column t_s: empty"),
+        ("t,mem_available_gib\nnoon,5\n", r"row 1, column t: 'noon' is not a number of seconds"),
         ("t_s,mem_available_gib\n", r"no rows"),
     ],
 )
@@ -165,16 +167,84 @@ def test_bad_rows(text: str, match: str) -> None:
         loads_csv(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("t_s,mem_available_gib\n0,10\n1,9\n2,nan\n", "row 3, column mem_available_gib: 'nan' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\n1,inf\n", "row 2, column mem_available_gib: 'inf' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\n1,-Infinity\n", "row 2, column mem_available_gib: '-Infinity' is not a finite"),
+        ("t_s,MemAvailable\n0,NaN\n", "row 1, column MemAvailable: 'NaN' is not a finite number"),
+        ("t_s,mem_available_gib\n0,10\ninf,9\n", "row 2, column t_s: 'inf' is not a finite number"),
+        ("t_s,mem_available_gib\nnan,10\n", "row 1, column t_s: 'nan' is not a finite number"),
+    ],
+)
+def test_non_finite_values_are_refused_with_row_and_column(text: str, match: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(match)):
+        loads_csv(text)
+
+
+def test_non_finite_value_via_cli_exits_2_without_traceback(tmp_path: Path) -> None:
+    f = tmp_path / "inf.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1,9\n2,inf\n")
+    r = CliRunner().invoke(replay_command, [str(f)])
+    assert r.exit_code == 2, r.output
+    assert "row 3, column mem_available_gib: 'inf' is not a finite number" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("t_s,mem_available_gib\n0,10\n1,-1\n", "row 2, column mem_available_gib: -1 is negative"),
+        ("t_s,MemAvailable,MemFree\n0,100,-5\n", "row 1, column MemFree: -5 is negative"),
+        ("t_s,mem_available_gib,nvrm_recent\n0,5,-2\n", "row 1, column nvrm_recent: -2 is negative"),
+    ],
+)
+def test_negative_sizes_are_refused(text: str, match: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(match)):
+        loads_csv(text)
+
+
+def test_signed_derived_fields_may_be_negative() -> None:
+    trace = loads_csv("t_s,mem_available_gib,mem_available_minus_cma_gib\n0,5,-1\n")
+    assert trace.samples[0].mem_available_minus_cma == -GiB
+
+
+def test_repeated_time_with_different_values_is_refused() -> None:
+    with pytest.raises(TraceError, match=re.escape("row 3, column t_s: time 1 repeats the previous row's")):
+        loads_csv("t_s,mem_available_gib\n0,10\n1,9\n1,8\n")
+
+
+def test_exact_duplicate_rows_are_dropped_with_a_note() -> None:
+    trace = loads_csv("t_s,mem_available_gib\n0,10\n1,9\n1,9\n1,9\n2,8\n")
+    assert [s.mono for s in trace.samples] == [0.0, 1.0, 2.0]
+    assert [s.mem_available for s in trace.samples] == [10 * GiB, 9 * GiB, 8 * GiB]
+    assert trace.notes == ["dropped 2 exact duplicate row(s) (row 3, 4): same time and values as the row before"]
+    assert trace.labels == [None, None, None] and trace.synthetic == [False, False, False]
+
+
+def test_duplicate_note_is_printed_by_the_cli(tmp_path: Path) -> None:
+    f = tmp_path / "dup.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1,9\n1,9\n2,8\n")
+    r = invoke(str(f), "--rules", "seed")
+    assert r.exit_code == 0, r.output
+    assert "trace: dup.csv — 3 samples over 2.00 s" in r.output
+    assert "note: dropped 1 exact duplicate row(s) (row 3): same time and values as the row before" in r.output
+
+
 class FakeStore:
     path = "/var/lib/sparkd/sparkd.db"
 
     def __init__(self, rows: list[dict[str, Any]]) -> None:
         self.rows = rows
         self.calls: list[tuple[float, float | None]] = []
+        self.limits: list[int | None] = []
 
-    def samples(self, *, since: float, until: float | None = None) -> list[dict[str, Any]]:
+    def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
         self.calls.append((since, until))
-        return [r for r in self.rows if r["ts"] >= since and (until is None or r["ts"] <= until)]
+        self.limits.append(limit)
+        out = [r for r in self.rows if r["ts"] >= since and (until is None or r["ts"] <= until)]
+        return out[:limit] if limit else out
 
 
 def test_load_db_uses_store_samples_for_the_range() -> None:
@@ -192,6 +262,29 @@ def test_load_db_uses_store_samples_for_the_range() -> None:
     assert trace.epoch is True
     with pytest.raises(TraceError, match="no samples in the database between"):
         load_db(store, since=t0 + 100)
+
+
+def test_load_db_asks_for_one_row_over_the_cap_and_refuses_it() -> None:
+    t0 = 1_764_000_000.0
+    store = FakeStore([Sample(ts=t0 + i, mono=0.0, mem_available=GiB).to_row() for i in range(10)])
+    assert len(load_db(store, since=t0, max_rows=10).samples) == 10
+    assert store.limits == [11]
+    with pytest.raises(
+        TraceError, match=r"more than 9 rows; a replay holds at most 9 samples — replay a shorter range"
+    ):
+        load_db(store, since=t0, max_rows=9)
+    load_db(store, since=t0)
+    assert store.limits[-1] == MAX_TRACE_POINTS + 1
+
+
+def test_csv_rows_over_the_cap_are_refused_while_streaming(tmp_path: Path) -> None:
+    f = tmp_path / "long.csv"
+    f.write_text("t_s,mem_available_gib\n" + "".join(f"{i},5\n" for i in range(50)))
+    assert len(load_csv(f, max_rows=50).samples) == 50
+    with pytest.raises(TraceError, match=r"long\.csv: more than 49 rows; a replay holds at most 49 samples"):
+        load_csv(f, max_rows=49)
+    with pytest.raises(TraceError, match="more than 3 rows"):
+        loads_csv("t_s,mem_available_gib\n0,1\n1,1\n2,1\n3,1\n", max_rows=3)
 
 
 # ------------------------------------------------------------------ interpolation
@@ -226,6 +319,60 @@ def test_interpolation_keeps_the_last_recorded_sample_off_the_grid() -> None:
     assert [round(s.mono, 2) for s in trace.samples] == [0.0, 0.8, 1.6, 2.4, 3.2, 4.0, 4.8, 5.6, 6.0]
     assert trace.synthetic[-1] is False
     assert trace.samples[-1].mem_available == round(6.27 * GiB)
+
+
+def test_interpolation_over_the_cap_is_refused_before_allocating() -> None:
+    trace = loads_csv("t_s,mem_available_gib\n0,10\n1000,5\n", source="long.csv")
+    assert len(interpolate(trace, 10, max_points=101).samples) == 101
+    with pytest.raises(TraceError) as e:
+        interpolate(trace, 10, max_points=100)
+    assert e.value.message == (
+        "long.csv: interpolating 1000 s at 10 s would make 101 points, more than the cap of 100; use a coarser "
+        "--interval (at least 10.3 s for this span) or a shorter range (--since/--until, or fewer CSV rows)"
+    )
+    assert len(interpolate(trace, 10.3, max_points=100).samples) <= 100
+    # the last recorded sample off the grid counts too: 0, 300, 600, 900 and 1000
+    with pytest.raises(TraceError, match="would make 5 points, more than the cap of 4"):
+        interpolate(trace, 300, max_points=4)
+
+
+def test_interpolation_of_the_reviewers_trace_is_refused_at_once() -> None:
+    """A 1e9 s span at 0.25 s: 4e9 points; the loop used to run (and grow) until killed."""
+    tracemalloc.start()
+    try:
+        trace = loads_csv("t_s,mem_available_gib\n0,10\n1e9,5\n", source="big.csv")
+        with pytest.raises(TraceError) as e:
+            interpolate(trace, 0.25)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "interpolating 1e+09 s at 0.25 s would make 4,000,000,001 points, more than the cap of 200,000" in (
+        e.value.message
+    )
+    assert "a coarser --interval (at least 5010 s for this span) or a shorter range" in e.value.message
+    assert peak < 1_000_000
+    huge = Trace([Sample(ts=0, mono=0, mem_available=GiB), Sample(ts=1e308, mono=1e308, mem_available=GiB)], "x")
+    with pytest.raises(TraceError, match="would make more than can be counted points"):
+        interpolate(huge, 1e-300)
+
+
+def test_cli_refuses_an_interpolation_over_the_cap_with_exit_2(tmp_path: Path) -> None:
+    f = tmp_path / "big.csv"
+    f.write_text("t_s,mem_available_gib\n0,10\n1e9,5\n")
+    r = CliRunner().invoke(replay_command, [str(f), "--interpolate", "--interval", "0.25"])
+    assert r.exit_code == 2, r.output
+    assert "sparkd replay: big.csv: interpolating 1e+09 s at 0.25 s would make 4,000,000,001 points" in r.output
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    ("opt", "value"),
+    [("--interval", "nan"), ("--interval", "inf"), ("--mem-total-gib", "nan"), ("--cooldown", "nan")],
+)
+def test_cli_refuses_non_finite_numbers(opt: str, value: str) -> None:
+    r = CliRunner().invoke(replay_command, [startup_path(), "--interpolate", opt, value])
+    assert r.exit_code == 2, r.output
+    assert "must be a finite number" in r.output
 
 
 def test_interpolation_interval_must_be_positive() -> None:
@@ -318,6 +465,53 @@ def test_cli_seed_rules_at_2s_do_not_stop() -> None:
     assert "no stop: no stop rule tripped before the trace ended (t=6.00 s, MemAvailable 6.27 GiB)" in r.output
 
 
+def test_cli_says_why_a_predictive_rule_could_never_evaluate() -> None:
+    r = invoke(startup_path(), "--rules", "default")
+    assert r.exit_code == 0, r.output
+    assert (
+        "  collapse_projected: no trip; its 2 s fit window holds at most 2 samples at 2 s spacing — needs 4; "
+        "try --interpolate --interval 0.25\n"
+    ) in r.output
+    assert "low_available: no trip (highest count 0/5)" in r.output  # threshold rules keep the count
+    data = json.loads(invoke(startup_path(), "--rules", "default", "--json").output)["runs"]["default"]
+    assert data["fit_points"] == {"collapse_projected": 2}
+    assert data["no_trip_reasons"]["collapse_projected"].startswith("its 2 s fit window holds at most 2 samples")
+    r = invoke(startup_path(), "--rules", "default", "--interpolate", "--interval", "0.25")
+    assert "fit window" not in r.output  # 9 points in 2 s: it evaluates (and trips)
+
+
+def test_fit_window_note_counts_the_densest_stretch_and_suggests_an_interval_that_fits() -> None:
+    rule = {"name": "p", "kind": "predictive", "when": ["MemAvailable < 16GiB"], "floor": "4GiB", "window_s": 0.5}
+    # 1 s spacing except one 0.25 s pair: the window holds at most 2 points there
+    samples = [low(t, 10 - t) for t in (0, 1, 2, 2.25, 3, 4)]
+    res = replay(samples, [rule], fast_interval_s=0.25)
+    assert res.fit_points == {"p": 2}
+    why = res.why_no_trip(res.rules[0])
+    # 0.25 s gives 3 points in 0.5 s, too few: the suggestion is the coarsest spacing that gives 4
+    assert (
+        why
+        == "its 0.5 s fit window holds at most 2 samples at 1 s spacing — needs 4; try --interpolate --interval 0.166"
+    )
+    dense = replay(interpolate(Trace(samples, "x"), 0.166), [rule], fast_interval_s=0.25)
+    assert dense.fit_points["p"] >= 4 and dense.why_no_trip(dense.rules[0]) is None
+    # a threshold rule never gets the note; a predictive rule with enough points neither
+    assert replay(samples, SEED_RULES).fit_points == {}
+    wide = replay(samples, [{**rule, "window_s": 3.0}], fast_interval_s=0.25)
+    assert wide.fit_points == {"p": 5} and wide.why_no_trip(wide.rules[0]) is None
+
+
+def test_slope_minimum_is_read_from_the_rules_module() -> None:
+    from sparkd.replay import SLOPE_MIN_POINTS
+    from sparkd.rules import SlopeWindow
+
+    w = SlopeWindow()
+    for t in range(SLOPE_MIN_POINTS - 1):
+        w.add(t, (10 - t) * GiB)
+    assert w.slope(SLOPE_MIN_POINTS - 2, 100.0) is None
+    w.add(SLOPE_MIN_POINTS - 1, GiB)
+    assert w.slope(SLOPE_MIN_POINTS - 1, 100.0) is not None
+
+
 def test_cli_compare() -> None:
     r = invoke(startup_path(), "--interpolate", "--interval", "0.25", "--rules", "default", "--compare", "seed")
     assert r.exit_code == 0, r.output
@@ -381,7 +575,11 @@ def test_cli_registered_under_a_group_reads_the_group_config(tmp_path: Path) -> 
         (["STARTUP", "--since", "2h"], "--since/--until apply to --db only"),
         (["STARTUP", "--rules", "nope.toml"], "rules file nope.toml does not exist"),
         (["--db", "--since", "2h", "--db-file", "/nonexistent/sparkd.db"], "database /nonexistent/sparkd.db does not"),
-        (["STARTUP", "--rules", "PCT"], "try --mem-total-gib"),
+        (["STARTUP", "--rules", "PCT"], "rule set pct.toml cannot be compiled against this trace: "),
+        (
+            ["STARTUP", "--rules", "PCT"],
+            "percentage needs MemTotal, which is unknown; give MemTotal with --mem-total-gib",
+        ),
     ],
 )
 def test_cli_errors(args: list[str], message: str, tmp_path: Path) -> None:
