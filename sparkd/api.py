@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -47,21 +48,70 @@ class ResizeRequest(BaseModel):
     """``POST /api/resize``: the budget knobs to change (GiB at this edge). Unset = keep.
 
     ``dry_run`` defaults to true: nothing changes unless a client asks for it.
+    Numbers are strict: ``true`` is not 1, ``"8"`` is not 8, ``4096.5`` is not an
+    integer; a JSON integer is fine for a float field (2 → 2.0). NaN and ±Infinity
+    (which Python's JSON parser accepts) are refused.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    kv_target_gib: float | None = Field(default=None, ge=0, le=1024)
-    max_model_len: int | None = Field(default=None, ge=1, le=16_777_216)
-    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
-    host_reserve_gib: float | None = Field(default=None, ge=0, le=1024)
+    kv_target_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
+    max_model_len: int | None = Field(default=None, ge=1, le=16_777_216, strict=True)
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, strict=True)
+    host_reserve_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
     kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
-    gmu_override: float | None = Field(default=None, gt=0, le=1)
-    docker_headroom_gib: float | None = Field(default=None, ge=0, le=1024)
+    gmu_override: float | None = Field(default=None, gt=0, le=1, strict=True)
+    docker_headroom_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
     dry_run: bool = True
 
     def changes(self) -> dict[str, Any]:
         return self.model_dump(exclude_unset=True, exclude={"dry_run"})
+
+
+RESIZE_INT_FIELDS = frozenset({"max_model_len", "max_num_seqs"})
+RESIZE_FLOAT_FIELDS = frozenset({"kv_target_gib", "host_reserve_gib", "gmu_override", "docker_headroom_gib"})
+
+
+def form_to_resize(form: dict[str, str]) -> dict[str, Any]:
+    """Dashboard form strings → ``ResizeRequest`` input (the model is strict; forms only have strings).
+
+    A number that does not parse stays a string, so the model names the field.
+    """
+    data: dict[str, Any] = {k: v.strip() for k, v in form.items() if k != "csrf_token" and v.strip() != ""}
+    for k, v in data.items():
+        try:
+            if k in RESIZE_INT_FIELDS:
+                data[k] = int(v)
+            elif k in RESIZE_FLOAT_FIELDS:
+                data[k] = float(v)
+        except ValueError:
+            pass
+    if "dry_run" in data:
+        data["dry_run"] = data["dry_run"].lower() in ("1", "true", "yes", "on")
+    return data
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with every non-finite float as a string (``nan``, ``inf``, ``-inf``): always serializes."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def require_finite(field: str, value: float | None) -> None:
+    """Query parameters: refuse NaN and ±Infinity (``since=nan``, ``1e999``) naming the field.
+
+    Raises:
+        InvalidInput: ``value`` is not finite.
+    """
+    if value is not None and not math.isfinite(value):
+        raise InvalidInput(field, value, "a finite number")
 
 
 def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -69,11 +119,26 @@ def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) or "body"
 
 
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type", "missing"})
+
+
 def _validation_detail(exc: RequestValidationError) -> dict[str, Any]:
     errors = []
     for e in exc.errors():
-        fld = _field_of(e.get("loc", ()))
+        loc = tuple(e.get("loc", ()))
+        fld = _field_of(loc)
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        etype = e.get("type")
+        if etype == "json_invalid" or (loc == ("body",) and etype in _NOT_AN_OBJECT):
+            fld = "body"
+            why = (e.get("ctx") or {}).get("error") if etype == "json_invalid" else None
+            msg = "the request body must be a JSON object" + (f" (not valid JSON: {why})" if why else "")
+            errors.append({"field": fld, "message": f"{fld}: {msg}", "location": "body"})
+            continue
+        if etype == "finite_number":
+            msg = "a finite number is required (not NaN or Infinity)"
+        elif isinstance(e.get("input"), bool) and etype in ("int_type", "float_type"):
+            msg = f"{msg}, not true/false"
         item = {"field": fld, "message": f"{fld}: {msg}", "location": (e.get("loc") or ["?"])[0]}
         value = e.get("input")
         if e.get("type") != "missing" and isinstance(value, str | int | float | bool):
@@ -92,6 +157,7 @@ def wants_html(request: Request) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     def _reply(request: Request, status: int, body: dict[str, Any]) -> Response:
+        body = jsonable(body)  # an error body must always serialize (NaN in a detail, say)
         if wants_html(request):
             from .web import error_page
 
@@ -164,7 +230,17 @@ async def require_auth(request: Request) -> str:
     return auth.authorize(request.headers, dict(request.cookies), form_csrf)
 
 
+async def require_reader(request: Request) -> str:
+    """Dependency of reads that expose secrets (postmortem bundles): bearer token or session cookie.
+
+    No CSRF token: a GET changes nothing. Raises ``Unauthorized`` (401).
+    """
+    auth: Auth = request.app.state.auth
+    return auth.authorize_read(request.headers, request.cookies)
+
+
 Who = Annotated[str, Depends(require_auth)]
+Reader = Annotated[str, Depends(require_reader)]
 
 
 def create_app(daemon: Daemon) -> FastAPI:
@@ -207,10 +283,14 @@ def create_app(daemon: Daemon) -> FastAPI:
     def samples(
         since: Annotated[float | None, Query(description="epoch s; default until − 300")] = None,
         until: Annotated[float | None, Query(description="epoch s; default now")] = None,
-        step: Annotated[float | None, Query(gt=0, description="bucket width s; default ≤ 2000 points")] = None,
+        step: Annotated[
+            float | None, Query(gt=0, allow_inf_nan=False, description="bucket width s; default ≤ 2000 points")
+        ] = None,
         fields: Annotated[str | None, Query(description="comma list; default all chart fields")] = None,
     ) -> dict[str, Any]:
         """min/avg/max per bucket, columnar (uPlot-ready): ``ts`` and ``<field>_<min|avg|max>`` arrays."""
+        for name, value in (("since", since), ("until", until), ("step", step)):
+            require_finite(name, value)
         u = time.time() if until is None else until
         s = u - DEFAULT_WINDOW_S if since is None else since
         if s >= u:
@@ -244,6 +324,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         limit: Annotated[int, Query(ge=1, le=5000)] = 100,
     ) -> dict[str, Any]:
         """Events, newest first."""
+        require_finite("since", since)
         kinds = [k.strip() for v in kind or [] for k in v.split(",") if k.strip()] or None
         rows = daemon.store.events(since=since, kinds=kinds, limit=limit) if daemon.store else []
         return {"events": rows}
@@ -254,13 +335,17 @@ def create_app(daemon: Daemon) -> FastAPI:
         return {"launches": views.launches_view(daemon.store, limit=50)}
 
     @app.get("/api/archives", tags=["read"])
-    def archives() -> dict[str, Any]:
-        """Postmortem bundles in the archive directory, newest first."""
-        return {"archives": views.archives_view(settings.archives_path)}
+    def archives(who: Reader) -> JSONResponse:
+        """Postmortem bundles in the archive directory, newest first. Needs the token or a session."""
+        body = {"archives": views.archives_view(settings.archives_path)}
+        return JSONResponse(body, headers={"Cache-Control": "private, no-store"})
 
     @app.get("/api/archives/{name:path}", tags=["read"], response_class=StreamingResponse)
-    def archive_download(name: str) -> StreamingResponse:
-        """Download one bundle. Only plain ``*.tar.gz`` names directly in the archive directory."""
+    def archive_download(name: str, who: Reader) -> StreamingResponse:
+        """Download one bundle (container logs, configuration: needs the token or a session).
+
+        Only plain ``*.tar.gz`` names directly in the archive directory.
+        """
         f = open_archive(settings.archives_path, name)
 
         def chunks() -> Iterator[bytes]:
@@ -271,7 +356,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         return StreamingResponse(
             chunks(),
             media_type="application/gzip",
-            headers={"Content-Disposition": f'attachment; filename="{name}"'},
+            headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "private, no-store"},
         )
 
     @app.get("/metrics", tags=["health"], response_class=Response)

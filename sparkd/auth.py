@@ -15,8 +15,12 @@ every mutating request must prove it comes from the operator:
   ``csrf_token`` form field).
 * **Origin** — mutating methods with a foreign ``Origin`` (or ``Origin: null``) or
   ``Sec-Fetch-Site`` other than ``same-origin``/``none`` are refused (403).
-* **Host** — every request's ``Host`` must be one of ``api.allowed_hosts`` (with or
-  without the port), which defeats DNS rebinding (400).
+* **Host** — every request's ``Host`` must parse strictly as ``host[:port]`` (a
+  name or IPv4 address, or an IPv6 address in brackets; the port ASCII digits
+  only) and name one of ``api.allowed_hosts`` (with or without the port), which
+  defeats DNS rebinding (400). Anything else (``a@b``, ``host:80x``, ``host/x``) is refused.
+* **Reads of secrets** — postmortem bundles (container logs, configuration) need
+  the bearer token or a session cookie; a GET needs no CSRF token.
 
 All comparisons of secrets use ``hmac.compare_digest``.
 """
@@ -28,6 +32,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import time
@@ -182,22 +187,70 @@ class Auth:
             raise Forbidden("CSRF token missing or wrong", detail="send the page's CSRF token in X-CSRF-Token")
         return "session"
 
+    def reader(self, headers: Mapping[str, str], cookies: Mapping[str, str]) -> str | None:
+        """Who may read protected data (a GET, so no CSRF): ``"token"``, ``"session"`` or None.
+
+        A wrong bearer token is None even with a valid session cookie beside it.
+        """
+        authz = headers.get("authorization", "")
+        if authz:
+            scheme, _, cred = authz.partition(" ")
+            return "token" if scheme.lower() == "bearer" and self.check_token(cred.strip()) else None
+        return "session" if self.session_id(cookies.get(SESSION_COOKIE)) is not None else None
+
+    def authorize_read(self, headers: Mapping[str, str], cookies: Mapping[str, str]) -> str:
+        """Check a read of protected data (bearer token, or session cookie without CSRF).
+
+        Raises:
+            Unauthorized: no valid bearer token and no valid session.
+        """
+        who = self.reader(headers, cookies)
+        if who is None:
+            raise Unauthorized(
+                "authentication required",
+                detail="send 'Authorization: Bearer <token>' or log in at /login",
+            )
+        return who
+
 
 # --------------------------------------------------------------------------- host & origin
-def _host_only(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+# host[:port]: a DNS name or IPv4 address, or an IPv6 address in brackets; the port
+# ASCII digits only. No userinfo ("@"), no path, no whitespace, no second colon.
+_HOST_RE = re.compile(r"(?:(\[[0-9a-f:.]+\])|([a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?))(?::([0-9]{1,5}))?", re.ASCII)
+
+
+def parse_host(value: str | None) -> tuple[str, int | None] | None:
+    """``Host`` value → ``(host, port)``, host lowercased (IPv6 keeps its brackets); None if malformed.
+
+    An allow-list entry may also be a bare IPv6 address (``::1`` → ``[::1]``).
+    """
+    if not value:
+        return None
+    m = _HOST_RE.fullmatch(value.lower())
+    if m is None:
+        return None
+    host = m.group(1) or m.group(2)
+    port = int(m.group(3)) if m.group(3) is not None else None
+    if port is not None and port > 65535:
+        return None
+    return host, port
+
+
+def _allowed_entry(entry: str) -> tuple[str, int | None] | None:
+    e = entry.strip().lower()
+    if ":" in e and not e.startswith("[") and e.count(":") > 1:
+        e = f"[{e}]"  # a bare IPv6 address in the config
+    return parse_host(e)
 
 
 def host_allowed(host: str | None, allowed: Iterable[str]) -> bool:
-    """``Host`` header check: the host (with or without port) must be listed."""
-    if not host:
+    """``Host`` header check: must parse strictly, and the host (with or without port) must be listed."""
+    parsed = parse_host(host)
+    if parsed is None:
         return False
-    h = host.strip().lower()
-    allowed_l = {a.strip().lower() for a in allowed}
-    return h in allowed_l or _host_only(h) in allowed_l
+    name, _port = parsed
+    entries = {e for e in (_allowed_entry(a) for a in allowed) if e is not None}
+    return parsed in entries or (name, None) in entries
 
 
 def origin_refusal(method: str, headers: Mapping[str, str]) -> str | None:
@@ -250,10 +303,17 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         err: SparkdError | None = None
-        if not host_allowed(headers.get("host"), self.allowed_hosts):
+        host = headers.get("host")
+        if parse_host(host) is None:
+            err = BadHost(
+                "malformed Host header",
+                detail=f"Host {host!r} is not host[:port] (port digits only, IPv6 in brackets); "
+                f"api.allowed_hosts: {', '.join(self.allowed_hosts)}",
+            )
+        elif not host_allowed(host, self.allowed_hosts):
             err = BadHost(
                 "Host not allowed",
-                detail=f"Host {headers.get('host')!r} is not in api.allowed_hosts ({', '.join(self.allowed_hosts)})",
+                detail=f"Host {host!r} is not in api.allowed_hosts ({', '.join(self.allowed_hosts)})",
             )
         else:
             why = origin_refusal(scope["method"], headers)

@@ -156,39 +156,41 @@ def _status_parts(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def _store_parts(daemon: Daemon, names: tuple[str, ...]) -> dict[str, Any]:
+def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
         out["events"] = views.events_view(daemon.store, limit=30)
     if "launches" in names:
         out["launches"] = views.launches_view(daemon.store, limit=10)
     if "archives" in names:
-        out["archives"] = views.archives_view(daemon.settings.archives_path)
+        # bundles hold container logs and configuration: listed for the token or a session only
+        out["archives"] = views.archives_view(daemon.settings.archives_path) if reader else None
     return out
 
 
-async def view_data(daemon: Daemon, names: tuple[str, ...]) -> dict[str, Any]:
-    """Data of the named parts: status parts on the loop, store parts in a worker thread."""
+async def view_data(daemon: Daemon, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
+    """Data of the named parts: status parts on the loop, store parts in a worker thread.
+
+    ``reader``: the request carries the token or a session; without it ``archives`` is None.
+    """
     data: dict[str, Any] = {}
     if any(n in STATUS_PARTS or n == "chart" for n in names):
         data.update({k: v for k, v in _status_parts(daemon).items() if k in names})
     store_names = tuple(n for n in names if n in STORE_PARTS)
     if store_names:
-        data.update(await asyncio.to_thread(_store_parts, daemon, store_names))
+        data.update(await asyncio.to_thread(_store_parts, daemon, store_names, reader))
     return data
 
 
-def _form_to_resize(form: dict[str, str]) -> dict[str, Any]:
-    data: dict[str, Any] = {k: v for k, v in form.items() if k != "csrf_token" and v.strip() != ""}
-    if "dry_run" in data:
-        data["dry_run"] = data["dry_run"].lower() in ("1", "true", "yes", "on")
-    return data
+def _is_reader(request: Request) -> bool:
+    auth: Auth | None = getattr(request.app.state, "auth", None)
+    return auth is not None and auth.reader(request.headers, request.cookies) is not None
 
 
 def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
-        data = await view_data(daemon, (*PARTS, "chart"))
+        data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
         return render(request, "index.html", **data, chart_json=json.dumps(data["chart"]))
 
     @app.get("/favicon.ico", include_in_schema=False)
@@ -196,20 +198,20 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
         return RedirectResponse("/static/favicon.svg", status_code=308)
 
     @app.get("/dashboard.json", tags=["dashboard"])
-    async def index_json() -> dict[str, Any]:
-        """The whole dashboard's data (the JSON twin of ``/``)."""
-        return await view_data(daemon, (*PARTS, "chart"))
+    async def index_json(request: Request) -> dict[str, Any]:
+        """The whole dashboard's data (the JSON twin of ``/``); ``archives`` is null without the token or a session."""
+        return await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
 
     @app.get("/ui/{name}.json", tags=["dashboard"])
-    async def part_json(name: Literal[PARTS]) -> JSONResponse:  # type: ignore[valid-type]
-        """One dashboard part's data (the JSON twin of ``/ui/<name>``)."""
-        data = await view_data(daemon, (name,))
+    async def part_json(request: Request, name: Literal[PARTS]) -> JSONResponse:  # type: ignore[valid-type]
+        """One dashboard part's data (the JSON twin of ``/ui/<name>``); ``archives`` needs the token or a session."""
+        data = await view_data(daemon, (name,), reader=_is_reader(request))
         return JSONResponse({name: data[name]})
 
     @app.get("/ui/{name}", response_class=HTMLResponse, tags=["dashboard"])
     async def part_html(request: Request, name: Literal[PARTS]) -> HTMLResponse:  # type: ignore[valid-type]
         """One dashboard part alone (what htmx polls)."""
-        data = await view_data(daemon, (name,))
+        data = await view_data(daemon, (name,), reader=_is_reader(request))
         return render(request, f"partials/_{name}.html", **data)
 
     # ------------------------------------------------------------------ login
@@ -272,11 +274,11 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
 
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
     async def ui_resize(request: Request) -> HTMLResponse:
-        from .api import ResizeRequest, _validation_detail
+        from .api import ResizeRequest, _validation_detail, form_to_resize
 
         who = await app.state.require_auth(request)
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
-        values = _form_to_resize(form)
+        values = form_to_resize(form)
         try:
             req = ResizeRequest.model_validate(values)
         except ValidationError as e:
@@ -291,5 +293,6 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
             result = await app.state.resize(req, f"web:{who}")
         except SparkdError as e:
             return _error_fragment(request, e)
-        changes = {k: v for k, v in values.items() if k != "dry_run"}
+        # echo what was typed (``28``, not ``28.0``) into the Apply form
+        changes = {k: form[k].strip() for k in values if k != "dry_run"}
         return _fragment(request, "partials/_resize_result.html", result=result, changes=changes, dry_run=req.dry_run)

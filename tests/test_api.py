@@ -94,9 +94,12 @@ class FakeActions:
     async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
         fields = {**self.inputs.__dict__, **changes}
         new = make_plan(BudgetInputs(**fields))
-        old = self.plan.to_json()
-        diff = {k: {"old": old.get(k), "new": v} for k, v in new.to_json().items() if k in ("gmu", "kv_exp_gib")}
+        old = None if getattr(self, "plan_json_missing", False) else self.plan.to_json()
+        diff = {
+            k: {"old": (old or {}).get(k), "new": v} for k, v in new.to_json().items() if k in ("gmu", "kv_exp_gib")
+        }
         self.calls.append(("resize", source))
+        self.last_changes = changes
         return {"plan": new.to_json(), "previous": old, "diff": diff, "applied": not dry_run}
 
 
@@ -282,13 +285,40 @@ def _archive(d: Daemon) -> str:
 async def test_it_lists_and_downloads_archives(daemon: Daemon) -> None:
     name = _archive(daemon)
     async with _client(daemon) as c:
-        [a] = (await c.get("/api/archives")).json()["archives"]
+        [a] = (await c.get("/api/archives", headers=_bearer(daemon))).json()["archives"]
         assert a["name"] == name and a["url"] == f"/api/archives/{name}"
-        r = await c.get(a["url"])
+        r = await c.get(a["url"], headers=_bearer(daemon))
         assert r.status_code == 200
         assert r.content == (daemon.settings.archives_path / name).read_bytes()
         assert r.headers["content-disposition"] == f'attachment; filename="{name}"'
-        assert name in (await c.get("/ui/archives")).text
+        assert "no-store" in r.headers["cache-control"]
+
+
+async def test_it_requires_auth_to_list_or_download_archives(daemon: Daemon) -> None:
+    name = _archive(daemon)
+    async with _client(daemon) as c:
+        for path in ("/api/archives", f"/api/archives/{name}"):
+            _err(await c.get(path), 401, "unauthorized")
+            _err(await c.get(path, headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+        html = (await c.get("/ui/archives")).text
+        assert "Log in to download" in html and name not in html and "/api/archives" not in html
+        assert (await c.get("/ui/archives.json")).json() == {"archives": None}
+        assert (await c.get("/dashboard.json")).json()["archives"] is None
+        assert name not in (await c.get("/")).text
+        [a] = (await c.get("/ui/archives.json", headers=_bearer(daemon))).json()["archives"]
+        assert a["name"] == name
+
+
+async def test_it_lets_a_dashboard_session_download_archives(daemon: Daemon) -> None:
+    name = _archive(daemon)
+    async with _client(daemon) as c:
+        await _login(c, daemon)  # a plain GET with the session cookie: no CSRF token needed
+        html = (await c.get("/ui/archives")).text
+        assert f'href="/api/archives/{name}"' in html and "Log in to download" not in html
+        assert name in (await c.get("/")).text
+        [a] = (await c.get("/api/archives")).json()["archives"]
+        r = await c.get(a["url"])
+        assert r.status_code == 200 and r.content == (daemon.settings.archives_path / name).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -312,7 +342,11 @@ async def test_it_never_serves_files_outside_the_archive_dir(daemon: Daemon, tmp
     (adir / "outside.tar.gz").symlink_to(secret)  # a symlink out of the directory
     (adir / "sub.tar.gz").mkdir()
     async with _client(daemon) as c:
-        r = await c.get(path)
+        unauth = await c.get(path)  # auth comes first: no probing without the token
+        assert unauth.status_code in (401, 404) and b"not yours" not in unauth.content  # 404: normalized away
+        if "/../" not in path:
+            _err(unauth, 401, "unauthorized")
+        r = await c.get(path, headers=_bearer(daemon))
     _err(r, 404, "not_found")
     assert b"not yours" not in r.content and b"root:" not in r.content
 
@@ -418,13 +452,81 @@ async def test_it_applies_a_resize_when_asked(managed: Daemon) -> None:
         ({"memory": "200g"}, "memory"),
         ({}, "body"),
         ({"dry_run": True}, "body"),
+        ({"max_model_len": True}, "max_model_len"),
+        ({"max_num_seqs": False}, "max_num_seqs"),
+        ({"kv_target_gib": True}, "kv_target_gib"),
+        ({"gmu_override": True}, "gmu_override"),
+        ({"max_num_seqs": "8"}, "max_num_seqs"),
+        ({"max_model_len": 4096.5}, "max_model_len"),
     ],
 )
 async def test_it_refuses_bad_resize_input_naming_the_field(managed: Daemon, body: dict[str, Any], field: str) -> None:
     async with _client(managed) as c:
         detail = _err(await c.post("/api/resize", json=body, headers=_bearer(managed)), 422, "invalid_input")
     assert detail["field"] == field
+    if isinstance(next(iter(body.values()), None), bool) and field != "body":
+        assert "not true/false" in detail["message"]
     assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("raw", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
+@pytest.mark.parametrize("field", ["kv_target_gib", "host_reserve_gib", "gmu_override", "docker_headroom_gib"])
+async def test_it_refuses_non_finite_resize_numbers(managed: Daemon, field: str, raw: str) -> None:
+    body = f'{{"{field}": {raw}}}'.encode()  # what Python's json (and so FastAPI) parses to nan/inf
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", content=body, headers={**_bearer(managed), "Content-Type": "application/json"})
+    detail = _err(r, 422, "invalid_input")
+    assert detail["field"] == field and "finite number" in detail["message"]
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
+async def test_it_accepts_a_json_integer_for_a_float_field(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", json={"kv_target_gib": 20}, headers=_bearer(managed))
+    assert r.status_code == 200, r.text
+    assert managed.actions.last_changes == {"kv_target_gib": 20.0}  # type: ignore[attr-defined]
+    assert isinstance(managed.actions.last_changes["kv_target_gib"], float)  # type: ignore[attr-defined]
+    assert managed.actions.calls == [("resize", "api:token")]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"max_model_len=5", b"[1, 2]", b"5", b'"x"', b"null"])
+async def test_it_says_the_resize_body_must_be_a_json_object(managed: Daemon, content: bytes) -> None:
+    headers = {**_bearer(managed), "Content-Type": "application/json"}
+    async with _client(managed) as c:
+        detail = _err(await c.post("/api/resize", content=content, headers=headers), 422, "invalid_input")
+    assert detail["field"] == "body" and "JSON object" in detail["message"], detail
+
+
+@pytest.mark.parametrize("param", ["since", "until", "step"])
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "Infinity", "1e999", "-1e999"])
+async def test_it_refuses_non_finite_sample_queries(daemon: Daemon, param: str, raw: str) -> None:
+    async with _client(daemon) as c:
+        r = await c.get("/api/samples", params={param: raw})
+    detail = _err(r, 422, "invalid_input")
+    assert detail["field"] == param and "finite number" in detail["message"], detail
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "1e999"])
+async def test_it_refuses_non_finite_event_queries(daemon: Daemon, raw: str) -> None:
+    async with _client(daemon) as c:
+        detail = _err(await c.get("/api/events", params={"since": raw}), 422, "invalid_input")
+    assert detail["field"] == "since" and "finite number" in detail["message"]
+
+
+async def test_it_serializes_non_finite_values_in_error_bodies(daemon: Daemon) -> None:
+    from sparkd.errors import InvalidInput
+
+    app = create_app(daemon)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise InvalidInput("x", {"v": [float("nan"), float("inf")]}, "anything")
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE) as c:
+        detail = _err(await c.get("/boom"), 422, "invalid_input")
+        assert detail["value"] == {"v": ["nan", "inf"]}
+        page = await c.get("/boom", headers={"Accept": "text/html"})
+    assert page.status_code == 422 and "<html" in page.text
 
 
 async def test_it_passes_the_budget_refusal_through(managed: Daemon) -> None:
@@ -527,10 +629,41 @@ async def test_it_refuses_foreign_host_headers(daemon: Daemon, host: str) -> Non
     assert "allowed_hosts" in detail
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:8741", "localhost:8741", "[::1]:8741", "[::1]"])
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1", "127.0.0.1:8741", "localhost:8741", "[::1]:8741", "[::1]", "LOCALHOST", "LocalHost:8741"],
+)
 async def test_it_accepts_allowed_hosts(daemon: Daemon, host: str) -> None:
     async with _client(daemon) as c:
         assert (await c.get("/api/status", headers={"Host": host})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1:8751@evil",
+        "a@b",
+        "127.0.0.1@evil.example",
+        "127.0.0.1:80x",
+        "127.0.0.1:8741/evil",
+        "127.0.0.1:",
+        "127.0.0.1:99999",
+        "127.0.0.1:+80",
+        "127.0.0.1:8741:1",
+        "[::1]x",
+        "[::1]:80x",
+        "[::1",
+        "::1",
+        "127.0.0.1 evil",
+        "",
+    ],
+)
+async def test_it_refuses_malformed_host_headers(managed: Daemon, host: str) -> None:
+    async with _client(managed) as c:
+        r = await c.post("/api/container/stop", headers={**_bearer(managed), "Host": host})
+        _err(r, 400, "bad_host")
+        _err(await c.get("/api/status", headers={"Host": host}), 400, "bad_host")
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- error shape
@@ -538,7 +671,8 @@ async def test_it_answers_every_error_in_one_shape(daemon: Daemon) -> None:
     async with _client(daemon) as c:
         assert "/nope" in _err(await c.get("/nope"), 404, "not_found")
         assert "GET" in _err(await c.get("/api/container/stop"), 405, "method_not_allowed")
-        _err(await c.post("/api/resize", content=b"{not json", headers=_bearer(daemon)), 422, "invalid_input")
+        detail = _err(await c.post("/api/resize", content=b"{not json", headers=_bearer(daemon)), 422, "invalid_input")
+        assert detail["field"] == "body"
         detail = _err(await c.get("/ui/bogus.json"), 422, "invalid_input")
         assert detail["field"] == "name" and "summary" in detail["message"]
 
@@ -634,6 +768,30 @@ async def test_it_shows_a_dry_run_plan_with_an_apply_button(managed: Daemon) -> 
             headers={"HX-Request": "1"},
         )
         assert "Applied." in applied.text and ">Apply</button>" not in applied.text
+
+
+async def test_it_says_so_when_there_is_no_current_plan(managed: Daemon) -> None:
+    managed.actions.plan_json_missing = True  # type: ignore[attr-defined]
+    async with _client(managed) as c:
+        csrf = await _login(c, managed)
+        r = await c.post("/ui/resize", data={"csrf_token": csrf, "kv_target_gib": "20"}, headers={"HX-Request": "true"})
+    assert r.status_code == 200, r.text
+    assert "no current plan (the running container was launched without the budget)" in r.text
+    assert "None" not in r.text and "–" not in r.text.split("no current plan")[1]
+    assert "Dry run." in r.text and ">Apply</button>" in r.text
+
+
+async def test_it_refuses_non_finite_numbers_in_the_resize_form(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        csrf = await _login(c, managed)
+        for raw in ("nan", "inf", "1e999"):
+            r = await c.post(
+                "/ui/resize", data={"csrf_token": csrf, "kv_target_gib": raw}, headers={"HX-Request": "true"}
+            )
+            assert r.status_code == 422 and "kv_target_gib" in r.text and "finite number" in r.text, raw
+        r = await c.post("/ui/resize", data={"csrf_token": csrf, "max_num_seqs": "8.5"}, headers={"HX-Request": "1"})
+        assert r.status_code == 422 and "max_num_seqs" in r.text
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
 
 
 async def test_it_shows_the_monitor_only_refusal_in_the_resize_form(daemon: Daemon) -> None:
