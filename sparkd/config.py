@@ -143,6 +143,16 @@ class ApiSettings(BaseModel):
     allow_remote: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        from .auth import parse_host
+
+        bad = [h for h in v if parse_host(h) is None and parse_host(f"[{h}]") is None]
+        if bad:
+            raise ValueError(f'not a host[:port]: {", ".join(map(repr, bad))} (e.g. "127.0.0.1", "spark.lan:8741")')
+        return v
+
     @model_validator(mode="after")
     def _loopback(self) -> ApiSettings:
         if self.host not in ("127.0.0.1", "localhost", "::1") and not self.allow_remote:

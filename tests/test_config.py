@@ -140,3 +140,9 @@ def test_container_limits_that_cannot_work_are_refused(overrides: dict, expected
     with pytest.raises(ConfigError) as e:
         load_settings(overrides=overrides)
     assert expected in e.value.message
+
+
+def test_a_malformed_allowed_host_is_refused() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_settings(overrides={"api": {"allowed_hosts": ["a@b", "localhost"]}})
+    assert "api.allowed_hosts" in e.value.message and "not a host[:port]: 'a@b'" in e.value.message
