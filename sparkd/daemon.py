@@ -150,6 +150,7 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._read_error_logged = False
         self.api_server: Any = None
+        self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
@@ -387,7 +388,9 @@ class Daemon:
         app = create_app(self)
         host, port = self.settings.api.host, self.settings.api.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, as asyncio's own server sockets: asyncio sets TCP_NODELAY only on sockets
+        # that say TCP, and without it every response waits ~40 ms for a delayed ACK (bench/api.py)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
@@ -399,6 +402,7 @@ class Daemon:
             ) from None
         sock.listen(128)
         sock.set_inheritable(True)
+        self.api_socket = sock
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,

@@ -186,3 +186,36 @@ def test_a_proc_root_without_meminfo_is_refused_at_start(tmp_path: Path) -> None
     )
     assert r.returncode == 1
     assert f"proc_root = '{tmp_path}/nope': cannot read {tmp_path}/nope/meminfo" in r.stderr
+
+
+def test_the_api_socket_is_tcp_so_responses_are_not_held_by_nagle(tmp_path: Path) -> None:
+    """asyncio sets TCP_NODELAY only on sockets created with IPPROTO_TCP; a plain socket() made every
+    /api/status answer wait ~40 ms for a delayed ACK (found with bench/api.py)."""
+    import asyncio
+
+    from sparkdproc import free_port
+
+    from sparkd.config import load_settings
+    from sparkd.daemon import Daemon
+
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"port": free_port()}}
+    )
+
+    async def go() -> tuple[int, int]:
+        d = Daemon(settings)
+        await d.startup()
+        try:
+            assert d.api_socket is not None
+            reader, writer = await asyncio.open_connection("127.0.0.1", settings.api.port)
+            writer.write(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{settings.api.port}\r\n\r\n".encode())
+            line = await reader.readline()
+            writer.close()
+            assert line.startswith(b"HTTP/1.1 ")
+            return d.api_socket.proto, d.api_socket.type
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    proto, kind = asyncio.run(go())
+    assert proto == socket.IPPROTO_TCP and kind == socket.SOCK_STREAM
