@@ -110,7 +110,7 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
     srv.bind(sock_path)
     srv.settimeout(0.2)
     stall = tmp_path / "stall"
-    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000", "SPARKD_TEST_HOOK_STALL_FILE": str(stall)}
+    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "1000000", "SPARKD_TEST_HOOK_STALL_FILE": str(stall)}
     got: list[tuple[float, str]] = []
 
     def drain(until: float) -> None:
@@ -126,19 +126,19 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
             ready_at = next(t for t, m in got if m == "READY=1")
             assert any(m.startswith("STATUS=MemAvailable") for m in msgs)
             pings = [t for t, m in got if m == "WATCHDOG=1" and t > ready_at]
-            # every WATCHDOG_USEC/2 = 0.2 s for ~3.5 s after READY: 12-18 pings
-            assert 10 <= len(pings) <= 25, len(pings)
+            # every WATCHDOG_USEC/2 = 0.5 s (on the next 0.1 s tick) for ~3.5 s after READY: 5-8 pings
+            assert 5 <= len(pings) <= 9, len(pings)
             gaps = [b - a for a, b in itertools.pairwise(pings)]
-            assert max(gaps) < 0.5
+            assert max(gaps) < 1.0  # never as long as WATCHDOG_USEC: systemd would restart the daemon
             # stall the guard loop through the test hook: the pings stop
             stall.touch()
             got.clear()
-            drain(time.monotonic() + 1.5)
+            drain(time.monotonic() + 2.0)
             assert [m for _, m in got if m == "WATCHDOG=1"][1:] == []  # at most one ping in flight
             stall.unlink()
             got.clear()
-            drain(time.monotonic() + 1.0)
-            assert sum(m == "WATCHDOG=1" for _, m in got) >= 3
+            drain(time.monotonic() + 1.6)
+            assert sum(m == "WATCHDOG=1" for _, m in got) >= 2
     finally:
         srv.close()
 
