@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from conftest import need
 from sparkdproc import db_query, sparkd_run, wait_for
@@ -219,3 +220,56 @@ def test_the_api_socket_is_tcp_so_responses_are_not_held_by_nagle(tmp_path: Path
 
     proto, kind = asyncio.run(go())
     assert proto == socket.IPPROTO_TCP and kind == socket.SOCK_STREAM
+
+
+def test_a_stop_is_skipped_when_memory_recovered_before_acting(tmp_path: Path) -> None:
+    """Re-check before acting: the rule trips on the sample, /proc shows recovery right after, no stop."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    (proc / "meminfo").write_text(high)  # healthy at start (else the watermark check demotes the rule)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+
+    class Recorder(MonitorOnly):
+        stops: list[str] = []  # noqa: RUF012
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.reason)
+
+    async def go(recover: bool) -> tuple[list[str], list[str]]:
+        actions = Recorder()
+        actions.stops = []
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        assert d.guard is not None
+        (proc / "meminfo").write_text(low)
+        assert d._tick_once() is not None  # first low sample: counting
+        r = d._tick_once()  # second low sample: the rule trips
+        assert r is not None and [x.kind for x in r.decisions] == ["trip"]
+        if recover:
+            (proc / "meminfo").write_text(high)
+        await d._handle(r)
+        kinds = [e["kind"] for e in d.recent_events]
+        d.should_exit.set()
+        await d.shutdown("test")
+        (proc / "meminfo").write_text(high)
+        return actions.stops, kinds
+
+    stops, kinds = asyncio.run(go(recover=True))
+    assert stops == [] and "recovered_before_stop" in kinds
+    stops, kinds = asyncio.run(go(recover=False))
+    assert len(stops) == 1 and stops[0].startswith("low_available: MemAvailable 2.00 GiB < 6.00 GiB for 2/2")

@@ -3,6 +3,7 @@ and 'answers /health but makes no progress'."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -100,3 +101,38 @@ def test_answers_health_but_no_progress_is_unhealthy(make: Any) -> None:
     assert "no token progress" in st["state_reason"] and "3 waiting" in st["state_reason"]
     s.vllm("POST", "/stall?on=0")
     assert s.wait_state("ready", 20)["state_reason"] == "progress resumed"
+
+
+def test_below_the_hard_floor_during_the_grace_period_it_kills_at_once(make: Any) -> None:
+    import threading
+    import time
+
+    from sparkd import procfs
+    from sparkd.units import GiB
+
+    floor = procfs.read_meminfo().fields["MemAvailable"] - GiB
+    s = make(
+        container={"env": {"FAKEVLLM_MODE": "ignore-term", "FAKEVLLM_STARTUP_S": "0.3"}, "hard_floor": f"{floor}B"}
+    )
+    s.wait_state("ready", 60)
+    result: dict[str, Any] = {}
+
+    def stop() -> None:
+        result["r"] = s.api("POST", "/api/container/stop")
+
+    t0 = time.monotonic()
+    th = threading.Thread(target=stop)
+    th.start()
+    assert wait_for(lambda: s.container()["state"] == "stopping", 10)
+    import httpx
+
+    # the container ignores SIGTERM and takes memory during the grace; sparkd may kill it before it answers
+    with contextlib.suppress(httpx.HTTPError):
+        s.vllm("POST", "/alloc?mib=1536")
+    th.join(60)
+    elapsed = time.monotonic() - t0
+    rep = result["r"].json()["stop"]
+    assert rep["hard_floor_kill"] is True and rep["exit_code"] == 137
+    assert elapsed < 15  # not the 30 s grace
+    ev = s.wait_event("hard_floor_kill", 5)
+    assert "during the grace period: killing" in ev["message"]
