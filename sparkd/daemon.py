@@ -699,6 +699,9 @@ class Daemon:
             self.guard.kern_source.close()
         if self.store:
             self.store.close()
+        if self._lock_fd is not None:  # releases the state-directory lock
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     async def serve(self) -> None:
         """startup → main_loop → shutdown, with SIGTERM/SIGINT setting ``should_exit``."""
