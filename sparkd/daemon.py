@@ -40,7 +40,8 @@ from .watermark import FloorWarning, LoopGuard, check_floors, demote, read_vm_tu
 
 log = logging.getLogger("sparkd.daemon")
 
-STATUS_EVERY_S = 1.0
+STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
+STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old
 
 
 class Actions(Protocol):
@@ -145,6 +146,8 @@ class Daemon:
         self.mode_reason: str | None = None
         self._fast_until = 0.0
         self._last_status = 0.0
+        self._status_key: tuple[Any, ...] | None = None
+        self._wake: asyncio.Future[None] | None = None
         self._last_watchdog = 0.0
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -467,10 +470,19 @@ class Daemon:
         now = self.mono()
         for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
-        if now - self._last_status >= STATUS_EVERY_S:
-            self._last_status = now
-            self.writer.submit("status", self.status_json())
-            self.notifier.notify(f"STATUS={self.summary_line()}")
+        since = now - self._last_status
+        if since >= STATUS_EVERY_S:
+            g = self.guard
+            key = (
+                tuple(st.counter for st in g.states.values()) if g else (),
+                self.mode,
+                self.actions.status_json().get("state"),
+                id(self.recent_events[0]) if self.recent_events else None,
+            )
+            if key != self._status_key or since >= STATUS_QUIET_S:
+                self._status_key, self._last_status = key, now
+                self.writer.submit("status", self.status_json())
+                self.notifier.notify(f"STATUS={self.summary_line()}")
 
     def _record_kernel(self, rec: KernRecord, sample: Any) -> None:
         assert self.writer is not None
@@ -591,7 +603,8 @@ class Daemon:
         return {**removed, "archives": len(gone)}
 
     async def _retention_loop(self) -> None:
-        await asyncio.sleep(5.0)
+        # not during start-up (the riskiest phase of a launch is then, and the first minute of a daemon)
+        await asyncio.sleep(min(60.0, self.settings.retention.interval_s))
         while True:
             try:
                 await self.retention_once()
@@ -659,8 +672,28 @@ class Daemon:
             now = self.mono()
             if next_at < now - interval:  # fell behind (suspend, stall): do not burst
                 next_at = now
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.should_exit.wait(), timeout=max(0.0, next_at - now))
+            await self._sleep(next_at - now)
+
+    async def _sleep(self, delay_s: float) -> None:
+        """Sleep until the next tick; ``request_exit`` wakes it early. (A timer and a future per tick cost
+        far less than ``wait_for`` on the event, which makes a task each time.)"""
+        if delay_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._wake = fut
+        handle = loop.call_later(delay_s, _wake_up, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._wake = None
+
+    def request_exit(self) -> None:
+        """Ask the main loop to finish (signal handlers call this; it only sets flags)."""
+        self.should_exit.set()
+        if self._wake is not None:
+            _wake_up(self._wake)
 
     async def shutdown(self, reason: str = "signal") -> None:
         self.notifier.notify("STOPPING=1")
@@ -710,7 +743,7 @@ class Daemon:
 
         def _sig(signum: int) -> None:
             reason["why"] = signal.Signals(signum).name
-            self.should_exit.set()
+            self.request_exit()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _sig, sig)
@@ -719,6 +752,11 @@ class Daemon:
             await self.main_loop()
         finally:
             await self.shutdown(reason["why"])
+
+
+def _wake_up(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
