@@ -243,16 +243,26 @@ class Plan:
         ]
         return args + list(i.extra_vllm_args)
 
-    def docker_args(self) -> list[str]:
+    def docker_args(self, *, gpus: bool = True) -> list[str]:
         """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix)."""
         mem = f"{self.docker_memory_bytes // MiB}m"
-        return ["--gpus", "all", "--ipc", "host", "--network", "host", "--memory", mem, "--memory-swap", mem]
+        return [
+            *(["--gpus", "all"] if gpus else []),
+            "--ipc",
+            "host",
+            "--network",
+            "host",
+            "--memory",
+            mem,
+            "--memory-swap",
+            mem,
+        ]
 
-    def docker_run_command(self, image: str = "vllm/vllm-openai:latest") -> str:
+    def docker_run_command(self, image: str = "vllm/vllm-openai:latest", *, gpus: bool = True) -> str:
         """The ``docker run`` line a person would type, one flag pair per line."""
         lines = [
             ["docker", "run", "-d"],
-            *_flag_groups(["--label", "sparkd.managed=true", *self.docker_args()]),
+            *_flag_groups(["--label", "sparkd.managed=true", *self.docker_args(gpus=gpus)]),
             [image],
             *_flag_groups(self.vllm_args()),
         ]
@@ -403,7 +413,7 @@ def make_plan(inputs: BudgetInputs) -> Plan:
     )
 
 
-def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest") -> str:
+def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest", gpus: bool = True) -> str:
     """A plain-text table to check by hand: inputs, intermediates, results, command line."""
     i = plan.inputs
 
@@ -458,7 +468,7 @@ def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest") -> 
         out.append("\nwarnings")
         out.extend(f"  - {w}" for w in others)
     out.append("\ncommand")
-    out.append(plan.docker_run_command(image))
+    out.append(plan.docker_run_command(image, gpus=gpus))
     return "\n".join(out) + "\n"
 
 

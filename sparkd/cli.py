@@ -593,7 +593,11 @@ def plan(
     if as_json:
         click.echo(json.dumps(p.to_json(), indent=2))
     else:
-        click.echo(render_plan_table(p, image=settings.container.image or "vllm/vllm-openai:latest"))
+        click.echo(
+            render_plan_table(
+                p, image=settings.container.image or "vllm/vllm-openai:latest", gpus=settings.container.gpu != "off"
+            )
+        )
 
 
 def _f(v: Any) -> str:

@@ -101,3 +101,12 @@ def test_kv_room_below_one_request_is_refused_with_a_suggestion(tmp_path: Path) 
     code, out = _run(tmp_path, *args)
     assert code == 1
     assert "max_model_len" in out and "KV" in out
+
+
+def test_the_printed_command_has_no_gpu_request_when_the_container_gets_none(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[container]\ngpu = "off"\n')
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", *WORKED])
+    assert r.exit_code == 0 and "--gpus" not in r.output and "--memory 103063m" in r.output
+    code, out = _run(tmp_path, *WORKED)
+    assert code == 0 and "--gpus all" in out
