@@ -51,19 +51,7 @@ SESSION_MAX_AGE_S = 7 * 86400
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-class Unauthorized(SparkdError):
-    status_code = 401
-    code = "unauthorized"
-
-
-class Forbidden(SparkdError):
-    status_code = 403
-    code = "forbidden"
-
-
-class BadHost(SparkdError):
-    status_code = 400
-    code = "bad_host"
+from .errors import BadHost, Forbidden, Unauthorized  # noqa: E402 - the one error hierarchy
 
 
 # --------------------------------------------------------------------------- token file

@@ -76,3 +76,31 @@ class StoreError(SparkdError):
 
     status_code = 500
     code = "store_error"
+
+
+class Unauthorized(SparkdError):
+    """No valid bearer token or session (API, dashboard controls, archive downloads)."""
+
+    status_code = 401
+    code = "unauthorized"
+
+
+class Forbidden(SparkdError):
+    """A cross-site request, a foreign ``Origin`` or a missing CSRF token."""
+
+    status_code = 403
+    code = "forbidden"
+
+
+class BadHost(SparkdError):
+    """A ``Host`` header not in ``api.allowed_hosts`` (DNS rebinding) or not ``host[:port]``."""
+
+    status_code = 400
+    code = "bad_host"
+
+
+class MetricsUnavailable(SparkdError):
+    """vLLM's ``/metrics`` could not be fetched or parsed (server down, not vLLM, bad text)."""
+
+    status_code = 503
+    code = "metrics_unavailable"

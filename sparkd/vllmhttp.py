@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .errors import SparkdError
-
 # Sample name in /metrics -> key in read_vllm_metrics()'s answer.
 VLLM_METRICS: dict[str, str] = {
     "vllm:num_requests_running": "num_requests_running",
@@ -30,11 +28,7 @@ VLLM_METRICS: dict[str, str] = {
 }
 
 
-class MetricsUnavailable(SparkdError):
-    """``/metrics`` could not be fetched or parsed (server down, not vLLM, bad text)."""
-
-    status_code = 503
-    code = "metrics_unavailable"
+from .errors import MetricsUnavailable  # noqa: E402 - re-exported: the one error hierarchy
 
 
 @dataclass(frozen=True)
