@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import ConfigError, SparkdError
+from .errors import BadHost, ConfigError, Forbidden, SparkdError, Unauthorized
 
 log = logging.getLogger("sparkd.auth")
 
@@ -49,9 +49,6 @@ SESSION_COOKIE = "sparkd_session"
 CSRF_HEADER = "x-csrf-token"
 SESSION_MAX_AGE_S = 7 * 86400
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
-from .errors import BadHost, Forbidden, Unauthorized  # noqa: E402 - the one error hierarchy
 
 
 # --------------------------------------------------------------------------- token file

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from .errors import MetricsUnavailable
+
 # Sample name in /metrics -> key in read_vllm_metrics()'s answer.
 VLLM_METRICS: dict[str, str] = {
     "vllm:num_requests_running": "num_requests_running",
@@ -26,9 +28,6 @@ VLLM_METRICS: dict[str, str] = {
     "vllm:generation_tokens_total": "generation_tokens_total",
     "vllm:prompt_tokens_total": "prompt_tokens_total",
 }
-
-
-from .errors import MetricsUnavailable  # noqa: E402 - re-exported: the one error hierarchy
 
 
 @dataclass(frozen=True)
