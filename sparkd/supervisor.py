@@ -317,8 +317,7 @@ class Supervisor:
     async def _save_revision(self, budget: BudgetSettings, *, who: str, reason: str) -> int:
         assert self.daemon is not None and self.daemon.store is not None
         data = {**budget.model_dump(), "_config_base": self.settings.budget.model_dump()}
-        prev = {k: v for k, v in budget.model_dump().items()}
-        diff = {k: [getattr(self.budget, k), v] for k, v in prev.items() if getattr(self.budget, k) != v}
+        diff = {k: [getattr(self.budget, k), v] for k, v in budget.model_dump().items() if getattr(self.budget, k) != v}
         self.revision = await asyncio.to_thread(
             self.daemon.store.add_revision, who=who, reason=reason, data=data, diff=diff or None
         )

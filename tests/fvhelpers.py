@@ -3,31 +3,15 @@ those are in ``dockerkit``)."""
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from sparkdproc import free_port, wait_for
 
 from sparkd.vllmhttp import health_check
 
-
-def free_port() -> int:
-    """A TCP port free on the host right now (containers use the host network)."""
-    with socket.socket() as s:
-        s.bind(("0.0.0.0", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(pred: Callable[[], bool], timeout_s: float, step_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step_s)
-    return pred()
+__all__ = ["Launched", "free_port", "wait_for"]
 
 
 @dataclass

@@ -16,8 +16,9 @@ from typing import Any
 
 
 def free_port() -> int:
+    """A TCP port free on the host right now, on every address (containers use the host network)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("0.0.0.0", 0))
         return int(s.getsockname()[1])
 
 
@@ -30,6 +31,8 @@ def db_query(db: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, 
 
 
 def wait_for(pred: Any, timeout_s: float, step_s: float = 0.05) -> Any:
+    """Poll ``pred`` until it returns something truthy (returned) or ``timeout_s`` passes (the last value).
+    A database being written or a file not there yet counts as "not yet"."""
     end = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < end:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sparkdproc import free_port
 
 from tests.conftest import REPO, need
 
@@ -36,12 +36,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ARTIFACTS = REPO / "test-artifacts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mem_available_gib() -> float:
@@ -63,7 +57,7 @@ def sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         "[[rules]]\n"
         f'name = "climbing"\nwhen = ["MemAvailable < {climbing:.1f}GiB"]\nsamples = 1000\naction = "warn"\n'
     )
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "SPARKD_STATE_DIR": str(tmp / "state"),
