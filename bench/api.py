@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from sparkd.models import SAMPLE_COLUMNS
-from sparkd.store import Store
+from sparkd.store.schema import SAMPLE_COLUMNS
+from sparkd.store.store import Store
 
 GiB = 2**30
 
@@ -135,7 +135,7 @@ def main() -> int:
     }
     out = open(tmp / "sparkd.out", "w")  # noqa: SIM115 — closed below
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from sparkd.cli import main; main()", "run"], env=env, stdout=out, stderr=out
+        [sys.executable, "-c", "from sparkd.face.cli import main; main()", "run"], env=env, stdout=out, stderr=out
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from hog import Hog  # noqa: E402
 from sparkdproc import db_query, sparkd_run, wait_for  # noqa: E402
 
-from sparkd import procfs  # noqa: E402
+from sparkd.sense import procfs  # noqa: E402
 from sparkd.units import GiB  # noqa: E402
 
 HOG_MIB = 1536

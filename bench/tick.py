@@ -20,9 +20,9 @@ import subprocess
 import time
 
 from sparkd.config import load_settings
-from sparkd.guard import Guard
-from sparkd.kernlog import open_source
-from sparkd.store import Writer
+from sparkd.loop.guard import Guard
+from sparkd.sense.kernlog import open_source
+from sparkd.store.store import Writer
 
 BASH_LOOP = r"""
 n=$1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -21,36 +20,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .errors import ConfigError
-from .sample import FIELD_ALIASES
-from .units import parse_duration_s, parse_size
+from sparkd.core.conditions import parse_condition
+from sparkd.errors import ConfigError
+from sparkd.hostport import parse_host
+from sparkd.units import parse_duration_s, parse_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/sparkd/sparkd.toml")
-
-_COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_()\-]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
-
-
-def parse_condition(text: str) -> tuple[str, str, str]:
-    """Split ``"MemAvailable < 6GiB"`` into ``(field, op, value)``.
-
-    Raises:
-        ValueError: not ``<field> <op> <value>``, unknown field, or a bad value.
-            Allowed fields: ``FIELD_ALIASES``; ops ``< <= > >=``; values a size
-            (``6GiB``), a percentage of MemTotal (``5%``) or a plain number.
-    """
-    m = _COND_RE.match(text)
-    if not m:
-        raise ValueError(f"condition {text!r} is not '<field> <op> <value>' (e.g. 'MemAvailable < 6GiB')")
-    fld, op, value = m.groups()
-    if fld not in FIELD_ALIASES:
-        raise ValueError(f"unknown field {fld!r} in {text!r}; allowed: {', '.join(sorted(FIELD_ALIASES))}")
-    if value.endswith("%"):
-        pct = float(value[:-1])
-        if not 0 <= pct <= 100:
-            raise ValueError(f"percentage {value!r} in {text!r} must be within 0%..100%")
-    else:
-        parse_size(value)
-    return fld, op, value
 
 
 class RuleConfig(BaseModel):
@@ -146,8 +121,6 @@ class ApiSettings(BaseModel):
     @field_validator("allowed_hosts")
     @classmethod
     def _hosts(cls, v: list[str]) -> list[str]:
-        from .auth import parse_host
-
         bad = [h for h in v if parse_host(h) is None and parse_host(f"[{h}]") is None]
         if bad:
             raise ValueError(f'not a host[:port]: {", ".join(map(repr, bad))} (e.g. "127.0.0.1", "spark.lan:8741")')
@@ -534,27 +507,3 @@ def setting_keys(model: type[BaseModel] = Settings, prefix: str = "") -> list[st
         else:
             keys.append(f"{prefix}{name}")
     return keys
-
-
-def example_config_text() -> str:
-    """The example ``sparkd.toml``: every setting commented out at its default, with its doc line."""
-    from .install import render_example_config
-
-    defaults = Settings.model_construct().model_dump(mode="json")
-    fields = []
-    for key in setting_keys():
-        if key == "rules":
-            continue
-        node: Any = defaults
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        fields.append((key, node, FIELD_DOCS.get(key, "")))
-    text = render_example_config(fields)
-    rules = "\n".join("# " + line for line in _rules_toml(DEFAULT_RULES).splitlines())
-    return text + "\n\n# Stop rules (defaults shown). " + FIELD_DOCS["rules"] + "\n" + rules + "\n"
-
-
-def _rules_toml(rules: list[dict[str, Any]]) -> str:
-    from .tomlout import dumps
-
-    return dumps({"rules": rules})

@@ -27,3 +27,8 @@ def web_dir() -> Path:
 def migrations_dir() -> Path:
     """Alembic script directory (``env.py`` + ``versions/``)."""
     return _find("migrations")
+
+
+def systemd_dir() -> Path:
+    """Directory holding ``sparkd.service``."""
+    return _find("systemd")

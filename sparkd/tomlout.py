@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 
-def _scalar(v: Any) -> str:
+def scalar(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
@@ -14,9 +14,9 @@ def _scalar(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, list):
-        return "[" + ", ".join(_scalar(x) for x in v) + "]"
+        return "[" + ", ".join(scalar(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_scalar(x)}" for k, x in v.items()) + " }"
+        return "{ " + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"cannot write {type(v).__name__} as TOML")
 
 
@@ -33,7 +33,7 @@ def dumps(data: dict[str, Any], prefix: str = "") -> str:
             and prefix == ""
             and k in ("env",)
         ):
-            lines.append(f"{k} = {_scalar(v)}")
+            lines.append(f"{k} = {scalar(v)}")
         elif isinstance(v, dict):
             tables.append((k, v))
         elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
@@ -41,7 +41,7 @@ def dumps(data: dict[str, Any], prefix: str = "") -> str:
         elif v is None:
             lines.append(f"# {k} = (unset)")
         else:
-            lines.append(f"{k} = {_scalar(v)}")
+            lines.append(f"{k} = {scalar(v)}")
     out = "\n".join(lines)
     for k, v in tables:
         name = f"{prefix}{k}"
@@ -49,6 +49,6 @@ def dumps(data: dict[str, Any], prefix: str = "") -> str:
     for k, items in arrays:
         for item in items:
             out += f"\n\n[[{prefix}{k}]]\n" + "\n".join(
-                f"{ik} = {_scalar(iv)}" if iv is not None else f"# {ik} = (unset)" for ik, iv in item.items()
+                f"{ik} = {scalar(iv)}" if iv is not None else f"# {ik} = (unset)" for ik, iv in item.items()
             )
     return out.strip("\n") + ("\n" if prefix == "" else "")

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_FIXTURES = REPO.parent / "shared" / "fixtures"
-LOCAL_FIXTURES = REPO / "tests" / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 def in_ci() -> bool:
@@ -30,13 +29,10 @@ def need(condition: bool, why: str) -> None:
     pytest.skip(why)
 
 
-def shared_fixture(*parts: str) -> Path:
-    """Path to a file in ../shared/fixtures (the public reports' figures)."""
-    p = SHARED_FIXTURES.joinpath(*parts)
-    need(p.exists(), f"shared fixture {p} not present")
+def fixture(*parts: str) -> Path:
+    """Path to a file in tests/fixtures (the public reports' figures, copied from the project's
+    shared folder so that a clone stands alone). A missing file is an error, never a skip."""
+    p = FIXTURES.joinpath(*parts)
+    if not p.exists():
+        raise FileNotFoundError(f"test fixture {p} is missing from the repository")
     return p
-
-
-@pytest.fixture
-def fixtures_dir() -> Path:
-    return SHARED_FIXTURES

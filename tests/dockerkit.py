@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, need
 from fvhelpers import Launched, free_port
 
-from sparkd.container import ContainerManager, LaunchSpec
+from sparkd.act.docker import ContainerManager, LaunchSpec
 from sparkd.units import MiB
 
 RUN_ID = uuid.uuid4().hex[:12]

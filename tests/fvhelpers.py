@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 from sparkdproc import free_port, wait_for
 
-from sparkd.vllmhttp import health_check
+from sparkd.sense.vllm_http import health_check
 
 __all__ = ["Launched", "free_port", "wait_for"]
 

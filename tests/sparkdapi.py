@@ -94,7 +94,7 @@ class SparkdUnderTest:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k != "NOTIFY_SOCKET"}
         self.log = open(self.tmp / "sparkd.out", "a")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparkd.cli", "--config", str(self.config), "run"],
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(self.config), "run"],
             env=env,
             stdout=self.log,
             stderr=subprocess.STDOUT,

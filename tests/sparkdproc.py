@@ -54,7 +54,7 @@ def sparkd_run(
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = ("--no-api",),
 ) -> Iterator[subprocess.Popen[str]]:
-    """Run ``python -m sparkd.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
+    """Run ``python -m sparkd.face.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
     cfg = tmp_path / "sparkd.toml"
     cfg.write_text(f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
     e = {
@@ -64,7 +64,7 @@ def sparkd_run(
     }
     e.update(env or {})
     p = subprocess.Popen(
-        [sys.executable, "-m", "sparkd.cli", "--config", str(cfg), "run", *args],
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "run", *args],
         env=e,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -20,11 +20,11 @@ import pytest
 from hog import Hog
 from sparkdproc import db_query, sparkd_run, wait_for
 
-from sparkd import procfs
 from sparkd.config import load_settings
-from sparkd.daemon import Daemon
-from sparkd.guard import Guard
-from sparkd.sample import Sample
+from sparkd.core.sample import Sample
+from sparkd.loop.daemon import Daemon
+from sparkd.loop.guard import Guard
+from sparkd.sense import procfs
 from sparkd.units import GiB
 
 NORMAL = 1.0

@@ -20,13 +20,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sparkd.api import create_app
-from sparkd.archive import write_archive
-from sparkd.auth import SESSION_COOKIE, Auth, ensure_token
-from sparkd.budget import BudgetInputs, make_plan
+from sparkd.act.archive import write_archive
 from sparkd.config import load_settings
-from sparkd.daemon import Daemon
+from sparkd.core.budget import BudgetInputs, make_plan
 from sparkd.errors import ConfigError, Conflict
+from sparkd.face.api import create_app
+from sparkd.face.auth import SESSION_COOKIE, Auth, ensure_token
+from sparkd.loop.daemon import Daemon
 from sparkd.units import GiB
 
 BASE = "http://127.0.0.1:8741"

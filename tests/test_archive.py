@@ -1,4 +1,4 @@
-"""Tests for sparkd.archive: postmortem bundles."""
+"""Tests for sparkd.act.archive: postmortem bundles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkd import archive
-from sparkd.archive import list_archives, prune_archives, safe_archive_path, write_archive
+from sparkd.act import archive
+from sparkd.act.archive import list_archives, prune_archives, safe_archive_path, write_archive
 from sparkd.errors import InvalidInput, NotFound
 
 NOW = 1_795_000_000.0  # 2026-11-18T11:06:40Z

@@ -68,7 +68,7 @@ def sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     }
     log = open(tmp / "sparkd.out", "w")  # noqa: SIM115 — closed after the process
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from sparkd.cli import main; main()", "--config", str(cfg), "run"],
+        [sys.executable, "-c", "from sparkd.face.cli import main; main()", "--config", str(cfg), "run"],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

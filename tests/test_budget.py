@@ -13,15 +13,15 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from sparkd.budget import (
+from sparkd.core.budget import (
     BudgetInputs,
     Plan,
     floor_gmu,
     make_plan,
     render_plan_table,
 )
-from sparkd.checkpoint import checkpoint_weight_bytes
 from sparkd.errors import InvalidInput, Refused
+from sparkd.sense.checkpoint import checkpoint_weight_bytes
 from sparkd.units import GiB, MiB
 
 MEM_TOTAL_BYTES = round(121.69 * GiB)

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from sparkd.cli import main
 from sparkd.config import DEFAULT_RULES, load_settings
 from sparkd.errors import ConfigError
+from sparkd.face.cli import main
 
 
 def test_it_builds_the_embedded_defaults(tmp_path: Path) -> None:
@@ -84,7 +84,8 @@ def test_the_cli_refuses_a_bad_config_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_every_setting_is_documented_and_the_example_config_loads(tmp_path: Path) -> None:
-    from sparkd.config import FIELD_DOCS, example_config_text, setting_keys
+    from sparkd.config import FIELD_DOCS, setting_keys
+    from sparkd.ops.example_config import example_config_text
 
     assert set(setting_keys()) == set(FIELD_DOCS)
     text = example_config_text()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fvhelpers import Launched, wait_for
 
-from sparkd.container import (
+from sparkd.act.docker import (
     LABEL_LAUNCH_ID,
     LABEL_MANAGED,
     LABEL_PORT,
@@ -25,8 +25,8 @@ from sparkd.container import (
     LaunchSpec,
 )
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused
+from sparkd.sense.vllm_http import health_check, progress_stalled, read_vllm_metrics
 from sparkd.units import MiB
-from sparkd.vllmhttp import health_check, progress_stalled, read_vllm_metrics
 
 pytestmark = pytest.mark.docker
 pytest_plugins = ["dockerkit"]  # fixtures: mgr, launcher, image, docker_client
@@ -127,7 +127,7 @@ def test_it_adopts_the_one_running_managed_container(
     newer = launcher()
     assert wait_for(lambda: mgr.state(hand_started.id).running, 10)
 
-    with caplog.at_level(logging.WARNING, logger="sparkd.container"):
+    with caplog.at_level(logging.WARNING, logger="sparkd.act.docker"):
         adopted = mgr.adopt()
     assert adopted is not None and adopted.id == newer.id  # several: the newest ...
     assert "several managed containers" in caplog.text  # ... and the others reported

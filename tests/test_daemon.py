@@ -17,7 +17,7 @@ from typing import Any
 from conftest import need
 from sparkdproc import db_query, sparkd_run, wait_for
 
-from sparkd import procfs
+from sparkd.sense import procfs
 
 INTERVAL = 0.2
 
@@ -36,7 +36,7 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         assert elapsed < 5.0
         assert rows[0][0] == _mem_total()
         out = subprocess.run(
-            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
             capture_output=True,
             text=True,
             check=True,
@@ -47,7 +47,7 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         assert {r["name"] for r in st["rules"]} >= {"low_available"}
         assert all(r["counter"] == 0 for r in st["rules"])
         human = subprocess.run(
-            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "status"],
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "status"],
             capture_output=True,
             text=True,
             check=True,
@@ -149,7 +149,7 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path: Path) -> Non
     with sparkd_run(tmp_path, config="interval_s = 0.2\nfast_interval_s = 0.2\n") as first:
         assert wait_for(lambda: db_query(db, "SELECT 1 FROM samples"), 5.0)
         second = subprocess.run(
-            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -168,7 +168,7 @@ def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
             f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path}"\n[api]\nport = {port}\n'
         )
         r = subprocess.run(
-            [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run"],
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "run"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -180,7 +180,7 @@ def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_proc_root_without_meminfo_is_refused_at_start(tmp_path: Path) -> None:
     (tmp_path / "sparkd.toml").write_text(f'state_dir = "{tmp_path}"\nproc_root = "{tmp_path}/nope"\n')
     r = subprocess.run(
-        [sys.executable, "-m", "sparkd.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
         capture_output=True,
         text=True,
         timeout=30,
@@ -197,14 +197,15 @@ def test_the_api_socket_is_tcp_so_responses_are_not_held_by_nagle(tmp_path: Path
     from sparkdproc import free_port
 
     from sparkd.config import load_settings
-    from sparkd.daemon import Daemon
+    from sparkd.face.api import create_app
+    from sparkd.loop.daemon import Daemon
 
     settings = load_settings(
         overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"port": free_port()}}
     )
 
     async def go() -> tuple[int, int]:
-        d = Daemon(settings)
+        d = Daemon(settings, app_factory=create_app)
         await d.startup()
         try:
             assert d.api_socket is not None
@@ -227,7 +228,7 @@ def test_a_stop_is_skipped_when_memory_recovered_before_acting(tmp_path: Path) -
     import asyncio
 
     from sparkd.config import load_settings
-    from sparkd.daemon import Daemon, MonitorOnly
+    from sparkd.loop.daemon import Daemon, MonitorOnly
 
     proc = tmp_path / "proc"
     proc.mkdir()

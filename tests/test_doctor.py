@@ -1,4 +1,4 @@
-"""sparkd.doctor: on this real host, and on a fixture GB10 tree with exact statuses.
+"""sparkd.ops.doctor: on this real host, and on a fixture GB10 tree with exact statuses.
 
 The fixture /dev tree uses symlinks to real character devices (/dev/null,
 /dev/zero): ``nvidia_device_nodes`` follows links with ``os.stat``, so no
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkd.doctor import (
+from sparkd.ops.doctor import (
     Check,
     DoctorContext,
     LastTrip,
@@ -25,9 +25,9 @@ from sparkd.doctor import (
     nvidia_device_nodes,
     run_checks,
 )
-from sparkd.procfs import read_meminfo
+from sparkd.sense.procfs import read_meminfo
 from sparkd.units import GiB
-from tests.conftest import shared_fixture
+from tests.conftest import fixture
 
 NOW = 1_800_000_000.0
 TITLES = [
@@ -97,7 +97,7 @@ class FakeHost:
 def _gb10_ctx(tmp_path: Path, *, char_links: bool = True) -> tuple[DoctorContext, FakeHost]:
     proc = tmp_path / "proc"
     (proc / "sys" / "vm").mkdir(parents=True)
-    shutil.copy(shared_fixture("meminfo", "gb10-idle.meminfo"), proc / "meminfo")
+    shutil.copy(fixture("meminfo", "gb10-idle.meminfo"), proc / "meminfo")
     (proc / "sys" / "vm" / "min_free_kbytes").write_text("67584\n")
     (proc / "sys" / "vm" / "watermark_scale_factor").write_text("10\n")
     sys_root = tmp_path / "sys"
@@ -118,7 +118,7 @@ def _gb10_ctx(tmp_path: Path, *, char_links: bool = True) -> tuple[DoctorContext
     (run_root / "systemd" / "system").mkdir(parents=True)
     host = FakeHost(
         tmp_path,
-        nvidia_smi=shared_fixture("nvidia-smi", "gb10.txt").read_text(),
+        nvidia_smi=fixture("nvidia-smi", "gb10.txt").read_text(),
         docker_info=GB10_DOCKER_INFO,
     )
     ctx = DoctorContext(

@@ -97,7 +97,7 @@ def test_a_launch_records_plan_actual_figures_and_the_startup_trough(managed: An
     assert actual["model_load_gib"] == 63.71 and actual["kv_cache_tokens"] == 42656
     assert actual["max_concurrency"] == 1.30 and actual["graph_capture_gib"] == 0.26
     out = subprocess.run(
-        [sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "launches"],
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "launches"],
         capture_output=True,
         text=True,
         check=True,
@@ -149,7 +149,7 @@ def test_an_impossible_resize_is_refused_and_the_container_is_untouched(managed:
         [
             sys.executable,
             "-m",
-            "sparkd.cli",
+            "sparkd.face.cli",
             "--config",
             str(s.config),
             "resize",

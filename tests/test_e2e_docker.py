@@ -21,7 +21,7 @@ import pytest
 from fvhelpers import wait_for
 from sparkdapi import SparkdUnderTest
 
-from sparkd import procfs
+from sparkd.sense import procfs
 from sparkd.units import GiB
 
 pytest_plugins = ["dockerkit"]
@@ -196,7 +196,7 @@ def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
     s = sparkd_factory().start()
     s.wait_state("ready", 60)
     out = subprocess.run(
-        [sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "stop"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -204,7 +204,7 @@ def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
     assert out.returncode == 0, out.stderr
     assert "stopped: exited (exit 0)" in out.stdout
     again = subprocess.run(
-        [sys.executable, "-m", "sparkd.cli", "--config", str(s.config), "stop"],
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "stop"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -107,7 +107,7 @@ def test_below_the_hard_floor_during_the_grace_period_it_kills_at_once(make: Any
     import threading
     import time
 
-    from sparkd import procfs
+    from sparkd.sense import procfs
     from sparkd.units import GiB
 
     floor = procfs.read_meminfo().fields["MemAvailable"] - GiB

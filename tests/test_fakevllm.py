@@ -14,14 +14,14 @@ import httpx
 import pytest
 from fvhelpers import Launched
 
-from sparkd.container import ContainerManager
-from sparkd.vllmhttp import health_check
+from sparkd.act.docker import ContainerManager
+from sparkd.sense.vllm_http import health_check
 
 pytestmark = pytest.mark.docker
 pytest_plugins = ["dockerkit"]
 
 SHM = Path("/dev/shm")
-SHM_PATTERNS = [  # the names public reports show (shared/fixtures/shm/README.md)
+SHM_PATTERNS = [  # the names public reports show (tests/fixtures/shm/README.md)
     r"psm_[0-9a-f]+",
     r"nccl-[0-9a-f]{6}",
     r"sem\.loky-.+",

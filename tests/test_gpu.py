@@ -1,4 +1,4 @@
-"""sparkd.gpu: NVML readings through an injected fake pynvml, and nvidia-smi text parsers."""
+"""sparkd.sense.gpu: NVML readings through an injected fake pynvml, and nvidia-smi text parsers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from sparkd.gpu import (
+from sparkd.sense.gpu import (
     GpuReading,
     GpuSampler,
     parse_nvidia_smi_query_csv,
@@ -19,7 +19,7 @@ from sparkd.gpu import (
     read_gpu,
 )
 from sparkd.units import GiB, MiB
-from tests.conftest import REPO, shared_fixture
+from tests.conftest import REPO, fixture
 
 GB10_MEMTOTAL = 127600748 * 1024  # gb10-idle.meminfo
 
@@ -135,7 +135,7 @@ def test_the_sampler_calls_nvml_at_most_every_interval_and_logs_not_supported_on
         return read_gpu(FakeNvml(memory=3))
 
     s = GpuSampler(10.0, reader=reader, clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="sparkd.gpu"):
+    with caplog.at_level(logging.INFO, logger="sparkd.sense.gpu"):
         for t in range(0, 35):
             now[0] = float(t)
             [r] = s.sample()
@@ -156,14 +156,14 @@ def test_the_sampler_logs_unavailable_again_after_it_cleared(
         [GpuReading.unavailable("x")],
     ]
     s = GpuSampler(0.0, reader=lambda: answers.pop(0), clock=lambda: 0.0)
-    with caplog.at_level(logging.INFO, logger="sparkd.gpu"):
+    with caplog.at_level(logging.INFO, logger="sparkd.sense.gpu"):
         for _ in range(4):
             s.sample()
     assert caplog.messages == ["GPU readings unavailable: x"] * 2
 
 
 def test_it_parses_the_gb10_query_csv() -> None:
-    text = shared_fixture("nvidia-smi", "gb10-query.csv").read_text()
+    text = fixture("nvidia-smi", "gb10-query.csv").read_text()
     assert parse_nvidia_smi_query_csv(text) == [
         {
             "memory.total": None,
@@ -195,7 +195,7 @@ def test_it_parses_query_csv_variants(text: str, expected: dict[str, Any]) -> No
 
 
 def test_it_parses_the_gb10_table() -> None:
-    t = parse_nvidia_smi_table(shared_fixture("nvidia-smi", "gb10.txt").read_text())
+    t = parse_nvidia_smi_table(fixture("nvidia-smi", "gb10.txt").read_text())
     assert (t.driver_version, t.cuda_version) == ("580.126.09", "13.0")
     assert [g.name for g in t.gpus] == ["NVIDIA GB10"]
     assert t.memory_not_supported is True
@@ -219,7 +219,7 @@ def test_it_parses_nothing_from_an_empty_text() -> None:
 
 def test_python_m_sparkd_gpu_prints_json() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sparkd.gpu"],
+        [sys.executable, "-m", "sparkd.sense.gpu"],
         capture_output=True,
         text=True,
         cwd=Path(REPO),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from hog import Hog
 
-from sparkd import procfs
 from sparkd.config import load_settings
-from sparkd.guard import Guard
+from sparkd.loop.guard import Guard
+from sparkd.sense import procfs
 from sparkd.units import GiB, fmt_gib
 
 

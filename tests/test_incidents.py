@@ -2,7 +2,7 @@
 
 Each test states what the rules decide, when, at what MemAvailable, and why. Series
 marked "built" are made here from the figures the operators reported; the fixtures
-are read from ../shared/fixtures.
+are read from tests/fixtures.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import random
 import pytest
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES
-from sparkd.replay import ReplayResult, Trace, interpolate, load_csv, replay
-from sparkd.sample import Sample
+from sparkd.core.sample import Sample
+from sparkd.ops.replay import ReplayResult, Trace, interpolate, load_csv, replay
 from sparkd.units import GiB, MiB
-from tests.conftest import shared_fixture
+from tests.conftest import fixture
 
 MEM_TOTAL = round(121.69 * GiB)
 
@@ -41,7 +41,7 @@ def gib(n: int | None) -> float:
 
 
 def startup() -> Trace:
-    return load_csv(shared_fixture("meminfo", "startup-collapse.csv"))
+    return load_csv(fixture("meminfo", "startup-collapse.csv"))
 
 
 # ------------------------------------------------------------------ (a) startup collapse, seed, 2 s
@@ -140,7 +140,7 @@ def test_startup_collapse_default_rules_by_sampling_interval(
 @pytest.mark.parametrize("rules", [DEFAULT_RULES, SEED_RULES], ids=["default", "seed"])
 @pytest.mark.parametrize("interval", [None, 0.25])
 def test_page_cache_flood_trips_nothing(rules: list[dict[str, object]], interval: float | None) -> None:
-    trace = load_csv(shared_fixture("meminfo", "page-cache-flood.csv"))
+    trace = load_csv(fixture("meminfo", "page-cache-flood.csv"))
     assert [round(gib(s.mem_free), 2) for s in trace.samples] == [103.25, 41.52, 103.30]
     assert [round(gib(s.mem_available), 2) for s in trace.samples] == [115.85, 115.65, 115.87]
     if interval is not None:

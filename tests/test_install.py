@@ -1,4 +1,4 @@
-"""sparkd.install: files, modes, idempotence, and the systemctl steps (through a recording runner).
+"""sparkd.ops.install: files, modes, idempotence, and the systemctl steps (through a recording runner).
 
 No test touches this machine's /etc: every install goes into a tmp root; the
 "live" path uses ``live=True`` with the real host's systemd detection or a fake.
@@ -15,14 +15,12 @@ from typing import Any
 
 import pytest
 
-from sparkd.doctor import Check, systemd_is_pid1
 from sparkd.errors import InvalidInput
-from sparkd.install import (
-    PLACEHOLDER_FIELDS,
+from sparkd.ops.doctor import Check, systemd_is_pid1
+from sparkd.ops.example_config import ConfigField, example_config_text, render_example_config
+from sparkd.ops.install import (
     InstallReport,
-    example_config_text,
     install,
-    render_example_config,
     render_unit,
     uninstall,
     unit_template_path,
@@ -280,11 +278,20 @@ def test_uninstall_with_systemd_stops_then_reloads(tmp_path: Path) -> None:
     assert RELOAD not in runner.calls
 
 
+SAMPLE_FIELDS: list[ConfigField] = [
+    ("state_dir", "/var/lib/sparkd", "SQLite store, API token and postmortem archives."),
+    ("api.port", 8741, "Listen port of the API and web UI."),
+    ("guard.interval_s", 1.0, "Seconds between /proc/meminfo samples."),
+    ("rules.low_available_and_free", ["10GiB", "2GiB"], "Two floors."),
+    ("container.stop_timeout_s", 30, "Grace for docker stop."),
+]
+
+
 def test_the_example_config_has_every_setting_commented_and_round_trips() -> None:
-    text = render_example_config(PLACEHOLDER_FIELDS)
+    text = render_example_config(SAMPLE_FIELDS)
     assert tomllib.loads(text) == {"api": {}, "container": {}, "guard": {}, "rules": {}}
     uncommented = []
-    leaves = {k.rpartition(".")[2] for k, _, _ in PLACEHOLDER_FIELDS}
+    leaves = {k.rpartition(".")[2] for k, _, _ in SAMPLE_FIELDS}
     for line in text.splitlines():
         body = line.removeprefix("# ")
         if line.startswith("# ") and body.partition(" = ")[0] in leaves and " = " in body:
@@ -292,7 +299,7 @@ def test_the_example_config_has_every_setting_commented_and_round_trips() -> Non
         else:
             uncommented.append(line)
     data = tomllib.loads("\n".join(uncommented))
-    for key, default, _ in PLACEHOLDER_FIELDS:
+    for key, default, _ in SAMPLE_FIELDS:
         node = data
         for part in key.split("."):
             node = node[part]

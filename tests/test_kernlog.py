@@ -1,4 +1,4 @@
-"""Kernel-log classifier, counters and readers (sparkd.kernlog, sparkd.kernlog_sources)."""
+"""Kernel-log classifier, counters and readers (sparkd.sense.kernlog, sparkd.sense.kernlog_readers)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparkd import kernlog_sources
 from sparkd.errors import ConfigError
-from sparkd.kernlog import (
+from sparkd.sense import kernlog_readers as kernlog_sources
+from sparkd.sense.kernlog import (
     DmesgSource,
     JournalSource,
     KmsgSource,
@@ -27,8 +27,8 @@ from sparkd.kernlog import (
     classify,
     open_source,
 )
-from sparkd.kernlog_sources import decode_kmsg_record
-from tests.conftest import need, shared_fixture
+from sparkd.sense.kernlog_readers import decode_kmsg_record
+from tests.conftest import fixture, need
 
 CID = "3f2a9c1b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8"
 NOMEM = {
@@ -92,7 +92,7 @@ def check(rec: Any, kind: str | None, want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("name", "idx", "kind", "want"), FIXTURE_TABLE)
 def test_it_classifies_every_fixture_line(name: str, idx: int, kind: str | None, want: dict[str, Any]) -> None:
-    lines = shared_fixture("kernlog", name).read_text().splitlines()
+    lines = fixture("kernlog", name).read_text().splitlines()
     rec = classify(lines[idx])
     check(rec, kind, want)
     if rec is not None:
@@ -102,7 +102,7 @@ def test_it_classifies_every_fixture_line(name: str, idx: int, kind: str | None,
 
 @pytest.mark.parametrize("name", ["dmesg-nvrm-oom.txt", "journal-nvrm.txt"])
 def test_it_has_a_table_row_for_every_fixture_line(name: str) -> None:
-    n = len(shared_fixture("kernlog", name).read_text().splitlines())
+    n = len(fixture("kernlog", name).read_text().splitlines())
     assert sorted(i for f, i, _, _ in FIXTURE_TABLE if f == name) == list(range(n))
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparkd.leak import STATE_IDLE, STATE_MEASURING, STATE_TRACKING, STATE_WAITING, LeakAlert, LeakTracker
-from sparkd.procfs import parse_meminfo
-from sparkd.sample import driver_bytes
+from sparkd.core.leak import STATE_IDLE, STATE_MEASURING, STATE_TRACKING, STATE_WAITING, LeakAlert, LeakTracker
+from sparkd.core.sample import driver_bytes
+from sparkd.sense.procfs import parse_meminfo
 from sparkd.units import GiB, MiB
-from tests.conftest import shared_fixture
+from tests.conftest import fixture
 
 DAY = 86400.0
 BASE = int(9.2 * GiB)
@@ -121,7 +121,7 @@ def test_bad_arguments_raise() -> None:
 
 
 def test_driver_estimate_of_the_idle_gb10_fixture_by_hand() -> None:
-    m = parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text()).fields
+    m = parse_meminfo(fixture("meminfo", "gb10-idle.meminfo").read_text()).fields
     # MemTotal − MemFree − Buffers − Cached − AnonPages − Slab − PageTables − KernelStack, in kB:
     # 127600748 − 112874312 = 14726436
     #  14726436 −    412388 = 14314048   (Buffers)

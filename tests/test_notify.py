@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from sparkd import notify
+from sparkd.act import notify
+from sparkd.act.notify import Notifier
 from sparkd.config import NotifySettings, Settings
-from sparkd.guard import Guard
-from sparkd.notify import Notifier
-from tests.conftest import LOCAL_FIXTURES
+from sparkd.loop.guard import Guard
+from tests.conftest import FIXTURES
 
-PROC_WATERMARK = LOCAL_FIXTURES / "proc-watermark"
+PROC_WATERMARK = FIXTURES / "proc-watermark"
 
 
 def wait_for(pred: Any, timeout: float = 10.0) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from sparkd.cli import main
+from sparkd.face.cli import main
 
 WORKED = [
     "--mem-total-gib",

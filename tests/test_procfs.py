@@ -3,15 +3,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import shared_fixture
+from conftest import fixture
 
-from sparkd import procfs
-from sparkd.sample import build_sample, driver_bytes
+from sparkd.core.sample import build_sample, driver_bytes
+from sparkd.sense import procfs
 from sparkd.units import GiB
 
 
 def test_it_parses_the_gb10_idle_fixture_in_bytes() -> None:
-    text = shared_fixture("meminfo", "gb10-idle.meminfo").read_text()
+    text = fixture("meminfo", "gb10-idle.meminfo").read_text()
     res = procfs.parse_meminfo(text)
     assert res.bad_lines == []
     assert res.fields["MemTotal"] == 127600748 * 1024
@@ -97,12 +97,12 @@ def test_the_fast_reader_falls_back_when_the_layout_changes(tmp_path: Path) -> N
     ],
 )
 def test_driver_estimate_terms_come_from_the_fixture(field: str, kb: int) -> None:
-    res = procfs.parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text())
+    res = procfs.parse_meminfo(fixture("meminfo", "gb10-idle.meminfo").read_text())
     assert res.fields[field] == kb * 1024
 
 
 def test_driver_estimate_checked_by_hand_on_gb10_fixture() -> None:
-    res = procfs.parse_meminfo(shared_fixture("meminfo", "gb10-idle.meminfo").read_text())
+    res = procfs.parse_meminfo(fixture("meminfo", "gb10-idle.meminfo").read_text())
     # 127600748 - 112874312 - 412388 - 6384120 - 1709184 - 929792 - 38912 - 24576 = 5227464 kB
     assert driver_bytes(res.fields) == 5227464 * 1024
     assert round(5227464 / 2**20, 2) == 4.99  # GiB

@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import REPO, in_ci, need
 from sparkdproc import db_query, free_port, wait_for
 
-from sparkd import procfs
+from sparkd.sense import procfs
 
 
 def _commands() -> list[str]:

@@ -1,4 +1,4 @@
-"""``sparkd.replay``: trace loaders, interpolation, the replay result, the CLI command."""
+"""``sparkd.ops.replay``: trace loaders, interpolation, the replay result, the CLI command."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from click.testing import CliRunner
 
 from sparkd import config
 from sparkd.config import DEFAULT_RULES, SEED_RULES
-from sparkd.replay import (
+from sparkd.core.sample import Sample
+from sparkd.ops.replay import (
     MAX_TRACE_POINTS,
     Trace,
     TraceError,
@@ -29,9 +30,8 @@ from sparkd.replay import (
     replay,
     replay_command,
 )
-from sparkd.sample import Sample
 from sparkd.units import GiB, MiB
-from tests.conftest import shared_fixture
+from tests.conftest import fixture
 
 MEM_TOTAL = round(121.69 * GiB)
 
@@ -46,7 +46,7 @@ def _no_system_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def startup_path() -> str:
-    return str(shared_fixture("meminfo", "startup-collapse.csv"))
+    return str(fixture("meminfo", "startup-collapse.csv"))
 
 
 # ------------------------------------------------------------------ loaders
@@ -64,7 +64,7 @@ def test_generic_csv_gib_columns() -> None:
 
 
 def test_phase_rows_are_ordered_and_spaced_by_assumption() -> None:
-    trace = load_csv(shared_fixture("meminfo", "page-cache-flood.csv"), row_interval_s=2.0)
+    trace = load_csv(fixture("meminfo", "page-cache-flood.csv"), row_interval_s=2.0)
     assert [s.mono for s in trace.samples] == [0.0, 2.0, 4.0]
     assert trace.labels == ["baseline", "after_writing_60GB", "after_deleting_it"]
     assert [s.cached for s in trace.samples] == [round(v * GiB) for v in (12.64, 72.64, 12.61)]
@@ -501,8 +501,8 @@ def test_fit_window_note_counts_the_densest_stretch_and_suggests_an_interval_tha
 
 
 def test_slope_minimum_is_read_from_the_rules_module() -> None:
-    from sparkd.replay import SLOPE_MIN_POINTS
-    from sparkd.rules import SlopeWindow
+    from sparkd.core.rules import SlopeWindow
+    from sparkd.ops.replay import SLOPE_MIN_POINTS
 
     w = SlopeWindow()
     for t in range(SLOPE_MIN_POINTS - 1):

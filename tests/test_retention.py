@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from sparkd.config import load_settings
-from sparkd.daemon import Daemon
-from sparkd.store import Store
+from sparkd.loop.daemon import Daemon
+from sparkd.store.store import Store
 from sparkd.units import GiB
 
 DAY = 86400

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES, RuleConfig
-from sparkd.rules import (
+from sparkd.core.rules import (
     Decision,
     Rule,
     RuleState,
@@ -20,7 +20,7 @@ from sparkd.rules import (
     evaluate,
     still_holds,
 )
-from sparkd.sample import Sample
+from sparkd.core.sample import Sample
 from sparkd.units import GiB, MiB
 
 MEM_TOTAL = round(121.69 * GiB)

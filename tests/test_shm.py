@@ -1,4 +1,4 @@
-"""Tests for sparkd.shm.
+"""Tests for sparkd.act.shm.
 
 The key tests run against the REAL /dev/shm with real child processes, as root.
 They only ever touch entries they created themselves (O_CREAT|O_EXCL, so an
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkd import shm
-from sparkd.shm import CleanupPlan, ShmEntry, ShmKind
+from sparkd.act import shm
+from sparkd.act.shm import CleanupPlan, ShmEntry, ShmKind
 from tests.conftest import need
 
 SHM = "/dev/shm"

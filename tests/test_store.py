@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import inspect
 
 from sparkd.errors import StoreError
-from sparkd.store import Store, Writer
+from sparkd.store.store import Store, Writer
 
 
 def _row(ts: float, avail: int) -> dict:
@@ -50,7 +50,7 @@ def test_the_writer_drops_when_full_and_logs_once(tmp_path: Path, caplog: pytest
             w.submit("sample", _row(float(i), i))
         return w
 
-    with caplog.at_level(logging.WARNING, logger="sparkd.store"):
+    with caplog.at_level(logging.WARNING, logger="sparkd.store.store"):
         w = asyncio.run(go())
     assert w.dropped == 15
     assert sum("queue full" in r.message for r in caplog.records) == 1
@@ -69,7 +69,7 @@ def test_a_failing_database_never_raises_into_the_guard(tmp_path: Path, caplog: 
             w.submit("sample", _row(float(i), i))
         return w
 
-    with caplog.at_level(logging.ERROR, logger="sparkd.store"):
+    with caplog.at_level(logging.ERROR, logger="sparkd.store.store"):
         w = asyncio.run(go())
         w.flush()
         w.submit("sample", _row(9.0, 9))
@@ -123,7 +123,7 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
         task.cancel()
         return w
 
-    with caplog.at_level(logging.ERROR, logger="sparkd.store"):
+    with caplog.at_level(logging.ERROR, logger="sparkd.store.store"):
         w = asyncio.run(go())
     assert w.failures >= 1 and w.dropped == 0
     assert store.count_samples() == 20

@@ -7,16 +7,16 @@ import pytest
 from fvhelpers import free_port
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from sparkd.containerspec import LaunchSpec, epoch_from_docker
+from sparkd.act.containerspec import LaunchSpec, epoch_from_docker
 from sparkd.errors import InvalidInput
-from sparkd.units import MiB
-from sparkd.vllmhttp import (
+from sparkd.sense.vllm_http import (
     MetricsUnavailable,
     health_check,
     parse_vllm_metrics,
     progress_stalled,
     read_vllm_metrics,
 )
+from sparkd.units import MiB
 
 # As vLLM 0.11 writes it (prometheus_client text format): counters carry _created.
 VLLM_TEXT = """\

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import shared_fixture
+from conftest import fixture
 
-from sparkd.vllmlog import LaunchLogParser, LaunchRecord, parse_lines, strip_prefixes
+from sparkd.sense.vllm_log import LaunchLogParser, LaunchRecord, parse_lines, strip_prefixes
 
 ARGS = {
     "model": "/models/flash-next",
@@ -55,7 +55,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
 
 
 def _lines(name: str) -> list[str]:
-    return shared_fixture("vllm", name).read_text(encoding="utf-8").splitlines()
+    return fixture("vllm", name).read_text(encoding="utf-8").splitlines()
 
 
 @pytest.mark.parametrize(("name", "lineno", "expected"), CASES, ids=[f"{n}:{i}" for n, i, _ in CASES])

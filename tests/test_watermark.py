@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from sparkd import procfs
 from sparkd.config import DEFAULT_RULES, RuleConfig
-from sparkd.rules import Rule, RuleState, compile_rules, evaluate
-from sparkd.sample import build_sample
+from sparkd.core.floors import LoopGuard, check_floors, demote, loop_floor, read_vm_tunables
+from sparkd.core.rules import Rule, RuleState, compile_rules, evaluate
+from sparkd.core.sample import build_sample
+from sparkd.sense import procfs
 from sparkd.units import GiB, MiB
-from sparkd.watermark import LoopGuard, check_floors, demote, loop_floor, read_vm_tunables
-from tests.conftest import LOCAL_FIXTURES
+from tests.conftest import FIXTURES
 
-PROC = LOCAL_FIXTURES / "proc-watermark"
+PROC = FIXTURES / "proc-watermark"
 PAGE = 4096  # the fixture's zoneinfo is in 4 KiB pages
 LOW_PAGES = 114340 + 3599965  # DMA + Normal "low" lines
 

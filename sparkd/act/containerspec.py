@@ -1,0 +1,134 @@
+"""Data shapes of the container manager: ownership labels, ``LaunchSpec``, and
+what ``ContainerManager`` answers (``ContainerInfo``, ``ContainerState``,
+``StopResult``). Pure: no Docker here. Sizes in bytes, times in UTC epoch seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from sparkd.errors import InvalidInput
+
+LABEL_MANAGED = "sparkd.managed"
+LABEL_LAUNCH_ID = "sparkd.launch_id"
+LABEL_REVISION = "sparkd.config_revision"
+LABEL_PORT = "sparkd.port"
+_RESERVED = (LABEL_MANAGED, LABEL_LAUNCH_ID, LABEL_REVISION, LABEL_PORT)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to run. Sizes in bytes.
+
+    ``command`` is the vLLM argument vector in exec form (no shell), appended to
+    the image's entrypoint. ``model_dir`` is ``(host path, container path)``,
+    mounted read-only. ``port`` is where vLLM listens (host network), recorded
+    as label ``sparkd.port``; pass ``--port`` in ``command`` too.
+    ``memswap_limit_bytes=None`` means "same as ``mem_limit_bytes``" (no swap for
+    the container, as the notes run it); ``-1`` allows unlimited swap.
+    ``gpu="auto"`` requests all GPUs only when the engine has an ``nvidia`` runtime.
+
+    Raises ``InvalidInput`` (at construction) for a shell-string command, a port
+    outside 1..65535, non-positive limits, swap below memory, or extra labels
+    that would override ``sparkd.*`` ownership labels.
+    """
+
+    image: str
+    name: str
+    command: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+    model_dir: tuple[str, str] | None = None
+    port: int = 8000
+    mem_limit_bytes: int | None = None
+    memswap_limit_bytes: int | None = None
+    ipc_mode: str = "host"
+    shm_size_bytes: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    gpu: bool | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.command, list) or not all(isinstance(a, str) for a in self.command):
+            raise InvalidInput("command", self.command, "a list of strings (exec form, no shell)")
+        if not 1 <= self.port <= 65535:
+            raise InvalidInput("port", self.port, "1..65535")
+        if self.mem_limit_bytes is not None and self.mem_limit_bytes <= 0:
+            raise InvalidInput("mem_limit_bytes", self.mem_limit_bytes, "> 0 or None")
+        swap = self.memswap_limit_bytes
+        too_small = self.mem_limit_bytes is None or (swap or 0) < self.mem_limit_bytes
+        if swap is not None and swap != -1 and too_small:
+            raise InvalidInput("memswap_limit_bytes", swap, ">= mem_limit_bytes, -1 or None")
+        bad = sorted(k for k in self.labels if k in _RESERVED)
+        if bad:
+            raise InvalidInput("labels", bad, f"any key except {', '.join(_RESERVED)}")
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    """A container as sparkd sees it. ``created``/``started_at``: UTC epoch seconds."""
+
+    id: str
+    name: str
+    image: str
+    status: str  # created | running | paused | restarting | removing | exited | dead
+    labels: dict[str, str]
+    managed: bool
+    launch_id: str | None
+    revision: str | None
+    port: int | None
+    created: float | None
+    started_at: float | None
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    """``State`` of ``docker inspect``. Times are UTC epoch seconds (None when unset);
+    ``pid`` is the host PID of the container's PID 1 (None when not running)."""
+
+    status: str
+    running: bool
+    exit_code: int | None
+    oom_killed: bool
+    started_at: float | None
+    finished_at: float | None
+    pid: int | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What ``stop`` did. ``outcome``: ``not_running`` (nothing to do), ``exited``
+    (left by itself within the grace), ``killed`` (SIGKILL after the grace, exit 137)
+    or ``oom_killed``. ``fallback_kill`` is true when ``docker stop`` failed and a
+    kill was sent instead."""
+
+    outcome: Literal["not_running", "exited", "killed", "oom_killed"]
+    exit_code: int | None
+    elapsed_s: float
+    timeout_s: float
+    fallback_kill: bool = False
+
+    def describe(self) -> str:
+        """One line for operators, e.g. ``"killed (exit 137) after 3.0 s: no exit within 3 s"``."""
+        if self.outcome == "not_running":
+            return f"was not running (exit {self.exit_code})"
+        how = " via kill fallback" if self.fallback_kill else ""
+        text = f"{self.outcome} (exit {self.exit_code}) after {self.elapsed_s:.1f} s{how}"
+        if self.outcome == "killed" and not self.fallback_kill:
+            text += f": no exit within {self.timeout_s:g} s of SIGTERM"
+        return text
+
+
+_DOCKER_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$")
+
+
+def epoch_from_docker(stamp: str | None) -> float | None:
+    """Docker's RFC 3339 time (nanoseconds) → UTC epoch seconds; unset/zero time → None."""
+    m = _DOCKER_TIME.match(stamp or "")
+    if not m or stamp is None or stamp.startswith("0001-01-01"):
+        return None
+    head, frac, tz = m.groups()
+    tz = "+00:00" if tz == "Z" else tz
+    return datetime.fromisoformat(f"{head}{tz}").timestamp() + float(f"0.{frac or 0}")

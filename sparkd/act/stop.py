@@ -1,0 +1,255 @@
+"""The stop procedure — one implementation used by the rules, the API and the CLI.
+
+1. event with the reason; 2. postmortem archive (tar.gz, atomic); 3. ``docker
+stop`` with a 30 s grace (CONTEXT.md: a 10 s grace still ended in exit 137);
+4. kill if the stop call fails or the container still runs — and at once if
+MemAvailable falls below the hard floor during the grace; 5. confirm with
+inspect (exit code, OOMKilled, step durations); 6. /dev/shm cleanup by
+evidence; 7. event ``stopped`` with the durations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from sparkd.act import archive, shm
+from sparkd.config import effective_config
+from sparkd.sense import procfs
+from sparkd.units import fmt_gib, parse_size
+
+
+class Supervisor(Protocol):
+    """What the stop procedure reads and calls on its caller (``sparkd.loop.supervisor.Supervisor``).
+
+    act never imports loop: the caller is handed in and only these members are used.
+    """
+
+    daemon: Any  # event(), writer, guard, store (the running daemon)
+    settings: Any  # sparkd.config.Settings
+    manager: Any  # sparkd.act.docker.ContainerManager
+    name: str
+    container_id: str | None
+    container_started_at: float | None
+    launch_id: str | None
+    launch_started_at: float | None
+    plan_json: dict[str, Any] | None
+
+    def set_state(self, state: str, reason: str | None = None) -> None: ...
+
+
+log = logging.getLogger("sparkd.stop")
+
+KERNEL_KINDS = ("nvrm_no_memory", "nvrm_other", "oom_invoked", "oom_kill", "oom_killed")
+
+
+@dataclass
+class StopReport:
+    reason: str
+    source: str
+    archive: str | None = None
+    outcome: str | None = None
+    exit_code: int | None = None
+    oom_killed: bool | None = None
+    hard_floor_kill: bool = False
+    durations_s: dict[str, float] = field(default_factory=dict)
+    shm_removed: list[str] = field(default_factory=list)
+    shm_kept: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]) -> str:
+    d = sup.daemon
+    last = d.guard.last if d and d.guard else None
+    lines = [
+        "sparkd postmortem",
+        "=================",
+        f"time (UTC):   {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())}",
+        f"reason:       {rep.reason}",
+        f"requested by: {rep.source}",
+        f"container:    {inspect.get('Name', '').lstrip('/')} {cid[:12]}",
+        f"image:        {inspect.get('Config', {}).get('Image')}",
+        f"launch id:    {sup.launch_id}",
+        f"started at:   {inspect.get('State', {}).get('StartedAt')}",
+    ]
+    if last is not None:
+        lines += [
+            f"MemAvailable: {fmt_gib(last.mem_available)}   MemFree: {fmt_gib(last.mem_free)}",
+            f"page cache:   {fmt_gib(last.cached)}   anon: {fmt_gib(last.anon_pages)}   slab: {fmt_gib(last.slab)}",
+            f"driver (est): {fmt_gib(last.driver_bytes)}   NVRM errors in window: {last.nvrm_recent}",
+        ]
+    if sup.plan_json:
+        p = sup.plan_json
+        lines.append(
+            f"plan:         GMU {p.get('gmu')}  budget {p.get('budget_gib'):.2f} GiB  "
+            f"--memory {p.get('docker_memory_gib'):.2f} GiB"
+        )
+    lines += [
+        "",
+        "files: container.log (since launch), sparkd.log, samples.csv (window before the trip, bytes),",
+        "       kernel.log (NVRM/OOM lines since launch), inspect.json, config.json, plan.json, events.json",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _redact_inspect(inspect: dict[str, Any]) -> dict[str, Any]:
+    """``docker inspect`` without environment values (names kept): tokens live there."""
+    from sparkd.config import REDACTED
+
+    out = dict(inspect)
+    cfg = dict(out.get("Config") or {})
+    cfg["Env"] = [f"{e.split('=', 1)[0]}={REDACTED}" for e in cfg.get("Env") or []]
+    out["Config"] = cfg
+    return out
+
+
+async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | None:
+    """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on)."""
+    d = sup.daemon
+    assert d is not None
+    s = sup.settings
+    now = time.time()
+    try:
+        if d.writer is not None:
+            await asyncio.to_thread(d.writer.flush)
+        inspect = await asyncio.to_thread(sup.manager.inspect, cid)
+        since = sup.launch_started_at or (now - s.container.archive_window_s)
+        logs = await asyncio.to_thread(sup.manager.logs, cid, since)
+        store = d.store
+        assert store is not None
+        rows = await asyncio.to_thread(store.samples, since=now - s.container.archive_window_s)
+        kern = await asyncio.to_thread(store.events, since=since, kinds=KERNEL_KINDS, limit=10000)
+        events = await asyncio.to_thread(store.events, since=since, limit=500)
+        parts: dict[str, bytes | str | Path] = {
+            "container.log": logs,
+            "sparkd.log": s.logs_path / "sparkd.log",
+            "samples.csv": archive.samples_to_csv(rows),
+            "kernel.log": "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(kern)) + "\n",
+            "inspect.json": json.dumps(_redact_inspect(inspect), indent=2, default=str),
+            "config.json": json.dumps(effective_config(s), indent=2),
+            "plan.json": json.dumps(sup.plan_json, indent=2),
+            "events.json": json.dumps(list(reversed(events)), indent=2, default=str),
+        }
+        info = await asyncio.to_thread(
+            archive.write_archive,
+            s.archives_path,
+            f"{inspect.get('Name', 'vllm').lstrip('/')}-{rep.source}",
+            parts,
+            _summary(sup, rep, cid, inspect),
+        )
+        return info.name
+    except Exception as e:
+        rep.errors.append(f"archive failed: {e}")
+        log.error("postmortem archive failed: %s", e)
+        return None
+
+
+async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
+    """Steps 1–7 for the current container. The caller holds the action lock."""
+    d = sup.daemon
+    assert d is not None and sup.container_id is not None
+    s = sup.settings
+    cid = sup.container_id
+    rep = StopReport(reason, source)
+    t0 = time.monotonic()
+    sup.set_state("stopping", reason)
+    d.event(
+        "stopping",
+        f"stopping {sup.name}: {reason}",
+        severity="warning",
+        details={"source": source, "container_id": cid},
+        launch_id=sup.launch_id,
+    )
+    if archive_first:
+        rep.archive = await write_postmortem(sup, rep, cid)
+        rep.durations_s["archive"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    floor = parse_size(s.container.hard_floor)
+    stop_task = asyncio.create_task(asyncio.to_thread(sup.manager.stop, cid, s.container.stop_timeout_s))
+    reader = procfs.ProcReader(s.proc_root)
+    try:
+        while not stop_task.done():
+            done, _ = await asyncio.wait({stop_task}, timeout=0.25)
+            if done:
+                break
+            avail = reader.meminfo().fields.get("MemAvailable")
+            if avail is not None and avail < floor and not rep.hard_floor_kill:
+                rep.hard_floor_kill = True
+                d.event(
+                    "hard_floor_kill",
+                    f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(floor)} during the "
+                    f"grace period: killing {sup.name} now",
+                    severity="critical",
+                    launch_id=sup.launch_id,
+                )
+                await asyncio.to_thread(sup.manager.kill, cid)
+    finally:
+        reader.close()
+    try:
+        result = stop_task.result()
+        rep.outcome = "killed (hard floor)" if rep.hard_floor_kill else result.outcome
+        if result.fallback_kill:
+            rep.outcome += " via kill fallback"
+    except Exception as e:
+        rep.errors.append(f"docker stop failed: {e}")
+        try:
+            await asyncio.to_thread(sup.manager.kill, cid)
+            rep.outcome = "killed (stop failed)"
+        except Exception as e2:
+            rep.errors.append(f"kill failed: {e2}")
+    rep.durations_s["stop"] = time.monotonic() - t1
+    try:
+        st = await asyncio.to_thread(sup.manager.state, cid)
+        if st.running:  # still running after stop: kill (step 4)
+            await asyncio.to_thread(sup.manager.kill, cid)
+            st = await asyncio.to_thread(sup.manager.state, cid)
+            rep.outcome = "killed (still running after stop)"
+        rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
+    except Exception as e:
+        rep.errors.append(f"inspect failed: {e}")
+    t2 = time.monotonic()
+    try:
+        res = await asyncio.to_thread(
+            shm.cleanup,
+            container_started_at=sup.container_started_at,
+            shm_dir=s.shm_dir,
+            proc_root=s.proc_root,
+            ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+        )
+        rep.shm_removed = [n for n, _b in res.removed]
+        rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]
+        if res.removed or res.kept:
+            d.event(
+                "shm_cleanup",
+                shm.format_result(res),
+                details={"removed": rep.shm_removed, "kept": rep.shm_kept[:50]},
+                launch_id=sup.launch_id,
+            )
+    except Exception as e:
+        rep.errors.append(f"/dev/shm cleanup failed: {e}")
+    rep.durations_s["shm_cleanup"] = time.monotonic() - t2
+    rep.durations_s["total"] = time.monotonic() - t0
+    killed = rep.exit_code == 137 or rep.hard_floor_kill or "kill" in (rep.outcome or "")
+    msg = (
+        f"{sup.name} {rep.outcome} (exit {rep.exit_code}, OOMKilled={rep.oom_killed}) after "
+        f"{rep.durations_s['stop']:.1f} s of {s.container.stop_timeout_s:g} s grace; total "
+        f"{rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}"
+    )
+    if killed and not rep.hard_floor_kill and rep.durations_s["stop"] >= s.container.stop_timeout_s - 1:
+        msg += f"; killed: no exit within {s.container.stop_timeout_s:g} s of SIGTERM"
+    d.event(
+        "killed" if killed else "stopped",
+        msg,
+        severity="critical" if killed else "warning",
+        details=rep.to_json(),
+        launch_id=sup.launch_id,
+    )
+    return rep

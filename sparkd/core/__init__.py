@@ -1,0 +1,1 @@
+"""Pure decisions: no I/O, no clock reads, no asyncio, never config."""

@@ -1,0 +1,434 @@
+"""Watermark sanity: can a rule's floor protect *this* host at all?
+
+A host with raised ``vm.min_free_kbytes`` / ``vm.watermark_scale_factor``
+reads a lower MemAvailable while healthy, because the kernel subtracts its
+reserves (the zones' high watermarks and lowmem protection) from MemAvailable
+(``si_mem_available``). The operators read 1.6 GiB on a healthy tuned host; a
+fixed 6 GiB floor then stopped a healthy server over and over — a relaunch loop
+(CONTEXT.md "What the operators learned later"). See docs/tuned-hosts.md.
+
+Policy (what the daemon does with this module):
+
+* A rule's *loop floor* (``loop_floor``) is the MemAvailable level below which
+  every one of its conditions holds with no other signal: only rules made of
+  ``MemAvailable``/``MemAvailable-CmaFree`` ``<``/``<=`` conditions have one
+  (a rule that also needs MemFree, NVRM errors, PSI … does not loop on a
+  healthy host, because a healthy host does not show those signals).
+* ``check_floors`` (pure) runs whenever a healthy, idle MemAvailable is known
+  (the model answers its health check and runs no request). A rule whose loop
+  floor is above that figure *cannot protect*; within ``margin_bytes`` (1 GiB:
+  MemAvailable excursions past 1 GiB, change log) it *may loop*. Both are
+  ``warning``\\ s → ``watermark`` events (notified by default).
+* ``LoopGuard`` decides at a trip: the **first** trip of a rule whose loop floor
+  is above the last healthy MemAvailable is judged "cannot protect" — the
+  daemon does not stop, demotes the rule to ``warn`` for the rest of its run
+  (``demote``), flags it in status and reports a ``watermark`` event. A rule
+  within the margin is demoted after ``quick_trips`` (2) consecutive trips each
+  within ``relaunch_window_s`` (15 min) of a (re)launch. Demotion is not
+  persisted: fix the floors (docs/tuned-hosts.md) and restart.
+
+Sizes are bytes; times are seconds on one caller-chosen clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from sparkd.core.rules import Condition, Rule
+from sparkd.core.sample import DISPLAY_NAMES
+from sparkd.units import GiB, fmt_gib
+
+#: Sample attributes read as "MemAvailable" for loop floors (MemAvailable-CmaFree ≤ MemAvailable,
+#: so a healthy MemAvailable below the floor means MemAvailable-CmaFree is below it too).
+MEMAVAIL_ATTRS = frozenset({"mem_available", "mem_available_minus_cma"})
+
+#: Margin under which a healthy MemAvailable is "near" a floor: MemAvailable is noisy,
+#: ~107 MiB per 5 s with excursions past 1 GiB (CONTEXT.md, operators' change log).
+DEFAULT_MARGIN_BYTES = 1 * GiB
+
+#: A trip within this many seconds of a (re)launch counts as "quick" for the loop guard;
+#: the supervisor's relaunch back-off starts at 30 s and doubles to 15 min (change log).
+DEFAULT_RELAUNCH_WINDOW_S = 900.0
+
+VM_TUNABLES = ("min_free_kbytes", "watermark_scale_factor", "watermark_boost_factor")
+
+Problem = Literal["cannot_protect", "near_floor", "always_holds", "at_watermark"]
+
+
+@dataclass(frozen=True, slots=True)
+class FloorWarning:
+    """One finding of ``check_floors``.
+
+    ``problem``: ``"cannot_protect"`` (healthy MemAvailable below the rule's loop
+    floor: stopping would loop), ``"near_floor"`` (within the margin: noise can
+    loop it), ``"always_holds"`` (one condition of a multi-signal rule already
+    holds on the healthy host; the other signals decide alone — info),
+    ``"at_watermark"`` (the floor is at or below the kernel's low-watermark total).
+    Sizes in bytes.
+    """
+
+    rule: str
+    attr: str
+    floor_bytes: float
+    problem: Problem
+    severity: Literal["warning", "info"]
+    message: str
+    healthy_bytes: int | None
+    low_watermark_bytes: int | None
+
+    def details(self) -> dict[str, Any]:
+        """JSON-able event details."""
+        return {
+            "rule": self.rule,
+            "field": self.attr,
+            "floor_bytes": self.floor_bytes,
+            "problem": self.problem,
+            "healthy_mem_available_bytes": self.healthy_bytes,
+            "low_watermark_bytes": self.low_watermark_bytes,
+        }
+
+
+def _is_memavail_floor(c: Condition) -> bool:
+    return c.is_size and c.attr in MEMAVAIL_ATTRS and c.op in ("<", "<=")
+
+
+def _memavail_threshold(c: Condition, cma_free_bytes: int) -> float:
+    # "MemAvailable-CmaFree < F" holds when MemAvailable < F + CmaFree
+    return c.threshold + (cma_free_bytes if c.attr == "mem_available_minus_cma" else 0)
+
+
+def loop_floor(rule: Rule, cma_free_bytes: int = 0) -> float | None:
+    """The MemAvailable (bytes) below which ``rule`` trips on MemAvailable alone, or ``None``.
+
+    ``MemAvailable-CmaFree`` thresholds are moved up by ``cma_free_bytes`` (the
+    healthy CmaFree, default 0) so that every floor is on the MemAvailable scale.
+
+    ``None`` when any ``when`` condition is on another signal, or when the rule
+    has an evidence clause with no MemAvailable condition in it. Otherwise the
+    smallest ``when`` threshold (all must hold), capped by the largest evidence
+    threshold (any must hold) and, for a predictive rule, by its ``floor``
+    (below the floor the projected crossing time is ≤ 0, so any falling noise
+    counts).
+    """
+    if not rule.when or not all(_is_memavail_floor(c) for c in rule.when):
+        return None
+    f = min(_memavail_threshold(c, cma_free_bytes) for c in rule.when)
+    if rule.evidence:
+        ev = [_memavail_threshold(c, cma_free_bytes) for c in rule.evidence if _is_memavail_floor(c)]
+        if not ev:
+            return None
+        f = min(f, max(ev))
+    if rule.kind == "predictive" and rule.floor_bytes is not None:
+        f = min(f, float(rule.floor_bytes))
+    return f
+
+
+def _tunables_text(min_free_kbytes: int | None, wsf: int | None, low: int | None) -> str:
+    parts = []
+    if min_free_kbytes is not None:
+        parts.append(f"vm.min_free_kbytes={min_free_kbytes}")
+    if wsf is not None:
+        parts.append(f"vm.watermark_scale_factor={wsf}")
+    if low is not None:
+        parts.append(f"low watermarks {fmt_gib(low)} in total")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def check_floors(
+    rules: Iterable[Rule],
+    *,
+    healthy_mem_available_bytes: int | None,
+    low_watermark_bytes: int | None,
+    min_free_kbytes: int | None,
+    watermark_scale_factor: int | None,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    healthy_cma_free_bytes: int | None = None,
+) -> list[FloorWarning]:
+    """Compare every rule floor with this host's healthy state and kernel watermarks (pure).
+
+    Args:
+        rules: compiled rules (``rules.compile_rules``); floors from ``Rule.floors()``
+            and ``loop_floor``.
+        healthy_mem_available_bytes: MemAvailable read while the model is
+            loaded, healthy and idle; ``None`` skips the healthy checks.
+        low_watermark_bytes: sum of the zones' ``low`` watermarks
+            (``procfs.read_zoneinfo_low_watermark_bytes``); ``None`` skips that check.
+        min_free_kbytes, watermark_scale_factor: ``read_vm_tunables`` values,
+            quoted in the messages only (``None``: left out).
+        margin_bytes: "near" margin, default 1 GiB (MemAvailable noise).
+        healthy_cma_free_bytes: CmaFree at that moment, for ``MemAvailable-CmaFree``
+            floors (default ``None``: 0, which can only under-report those).
+
+    Returns:
+        Warnings in rule order; for each rule at most one of
+        cannot_protect / near_floor / always_holds, plus at_watermark per floor.
+    """
+    out: list[FloorWarning] = []
+    ctx = _tunables_text(min_free_kbytes, watermark_scale_factor, low_watermark_bytes)
+    healthy = healthy_mem_available_bytes
+    cma = healthy_cma_free_bytes or 0
+    for rule in rules:
+        lf = loop_floor(rule, cma)
+        attr = "mem_available"
+        if healthy is not None and lf is not None and healthy < lf:
+            out.append(
+                FloorWarning(
+                    rule.name,
+                    attr,
+                    lf,
+                    "cannot_protect",
+                    "warning",
+                    f"rule {rule.name} cannot protect this host: healthy MemAvailable {fmt_gib(healthy)} "
+                    f"is below its floor {fmt_gib(lf)}; stopping would loop{ctx}",
+                    healthy,
+                    low_watermark_bytes,
+                )
+            )
+        elif healthy is not None and lf is not None and healthy - lf < margin_bytes:
+            out.append(
+                FloorWarning(
+                    rule.name,
+                    attr,
+                    lf,
+                    "near_floor",
+                    "warning",
+                    f"rule {rule.name} may loop on this host: healthy MemAvailable {fmt_gib(healthy)} is within "
+                    f"{fmt_gib(margin_bytes)} of its floor {fmt_gib(lf)} (MemAvailable noise reaches 1 GiB){ctx}",
+                    healthy,
+                    low_watermark_bytes,
+                )
+            )
+        elif healthy is not None:
+
+            def holds(c: Condition) -> bool:
+                return _is_memavail_floor(c) and healthy < _memavail_threshold(c, cma)
+
+            held_when = [c for c in rule.when if holds(c)]
+            held_ev = [c for c in rule.evidence if holds(c)]
+            if held_when or held_ev:
+                held = held_when + held_ev
+                others = [c.text or c.name for c in rule.when if c not in held_when]
+                if rule.kind == "predictive" and rule.floor_bytes is not None:
+                    others.append(f"the projected crossing of {fmt_gib(rule.floor_bytes)}")
+                if not held_ev:
+                    others += [c.text or c.name for c in rule.evidence]
+                gate = "; its evidence clause is always satisfied" if held_ev else ""
+                verb = "decides" if len(others) == 1 else "decide"
+                out.append(
+                    FloorWarning(
+                        rule.name,
+                        held[0].attr,
+                        max(c.threshold for c in held),
+                        "always_holds",
+                        "info",
+                        f"rule {rule.name}: {', '.join(c.text or c.name for c in held)} already "
+                        f"{'hold' if len(held) > 1 else 'holds'} on this healthy host "
+                        f"(MemAvailable {fmt_gib(healthy)}){gate}; only "
+                        f"{' and '.join(others) or 'its other signals'} {verb}{ctx}",
+                        healthy,
+                        low_watermark_bytes,
+                    )
+                )
+        if low_watermark_bytes is None:
+            continue
+        seen: set[tuple[str, float]] = set()
+        for fattr, thr in rule.floors():
+            if (fattr, thr) in seen or thr > low_watermark_bytes:
+                continue
+            seen.add((fattr, thr))
+            name = DISPLAY_NAMES.get(fattr, fattr)
+            if fattr in MEMAVAIL_ATTRS:
+                why = (
+                    f"{name} is already net of the kernel's reserve, so on this host size the floor "
+                    "from the healthy MemAvailable, not from a stock host's"
+                )
+                sev: Literal["warning", "info"] = "info"
+            else:
+                why = (
+                    f"kswapd reclaims to keep {name} above them, so {name} under this floor means the "
+                    "kernel's reclaim is already losing: the rule can only fire late"
+                )
+                sev = "warning"
+            out.append(
+                FloorWarning(
+                    rule.name,
+                    fattr,
+                    thr,
+                    "at_watermark",
+                    sev,
+                    f"rule {rule.name}: floor {name} {fmt_gib(thr)} is at or below the kernel's low watermarks "
+                    f"({fmt_gib(low_watermark_bytes)} in total): {why}{ctx}",
+                    healthy,
+                    low_watermark_bytes,
+                )
+            )
+    return out
+
+
+def read_vm_tunables(proc_root: str | Path = "/proc") -> dict[str, int | None]:
+    """Read ``<proc_root>/sys/vm/{min_free_kbytes,watermark_scale_factor,watermark_boost_factor}``.
+
+    Returns ``{name: int}`` with ``None`` for a file that is absent, unreadable
+    or not an integer (never raises). ``min_free_kbytes`` is in KiB;
+    ``watermark_scale_factor`` in units of 0.01 % of a zone (kernel default 10).
+    """
+    out: dict[str, int | None] = {}
+    for name in VM_TUNABLES:
+        try:
+            with open(os.path.join(proc_root, "sys", "vm", name)) as f:
+                out[name] = int(f.read().strip())
+        except (OSError, ValueError):
+            out[name] = None
+    return out
+
+
+def demote(rules: Sequence[Rule], names: Iterable[str]) -> list[Rule]:
+    """Copies of ``rules`` with ``action = "warn"`` for the named ones (others unchanged)."""
+    names = set(names)
+    return [dataclasses.replace(r, action="warn") if r.name in names and r.action != "warn" else r for r in rules]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopVerdict:
+    """``LoopGuard``'s conclusion that a rule cannot protect this host."""
+
+    rule: str
+    t: float
+    floor_bytes: float
+    healthy_bytes: int | None
+    trips: int
+    quick_trips: int
+    reason: str
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "floor_bytes": self.floor_bytes,
+            "healthy_mem_available_bytes": self.healthy_bytes,
+            "trips": self.trips,
+            "quick_trips": self.quick_trips,
+            "action": "demoted to warn",
+        }
+
+
+@dataclass(slots=True)
+class _RuleTrips:
+    trips: int = 0
+    quick_streak: int = 0
+    last_trip_t: float | None = None
+
+
+class LoopGuard:
+    """Tells, at a trip, whether stopping for this rule would only loop (pure; times passed in).
+
+    Feed it ``note_launch(t)`` when a (re)launch starts and ``note_healthy(t,
+    mem_available)`` when the model is healthy and idle (health check passes,
+    no request running); call ``record_trip(rule, t)`` on every trip, *before*
+    acting on it. A ``LoopVerdict`` means: do not stop, demote the rule to warn,
+    report it. It is returned once per rule; ``verdicts`` keeps them.
+
+    Args:
+        margin_bytes: "near the floor" margin (default 1 GiB, MemAvailable noise).
+        relaunch_window_s: a trip this soon after a launch is "quick" (default 900 s).
+        quick_trips: consecutive quick trips that convict a rule whose floor is
+            only within the margin (default 2).
+    """
+
+    def __init__(
+        self,
+        *,
+        margin_bytes: int = DEFAULT_MARGIN_BYTES,
+        relaunch_window_s: float = DEFAULT_RELAUNCH_WINDOW_S,
+        quick_trips: int = 2,
+    ) -> None:
+        self.margin_bytes = margin_bytes
+        self.relaunch_window_s = relaunch_window_s
+        self.quick_trips = max(1, quick_trips)
+        self.launch_t: float | None = None
+        self.launches = 0
+        self.healthy_bytes: int | None = None
+        self.healthy_cma_free: int = 0
+        self.healthy_t: float | None = None
+        self.trips: dict[str, _RuleTrips] = {}
+        self.verdicts: dict[str, LoopVerdict] = {}
+
+    def note_launch(self, t: float) -> None:
+        """A launch (or relaunch) of the model started at ``t``."""
+        self.launch_t = t
+        self.launches += 1
+
+    def note_healthy(self, t: float, mem_available_bytes: int | None, cma_free_bytes: int | None = None) -> None:
+        """MemAvailable (and CmaFree) in bytes while the model is loaded, healthy and idle.
+
+        A ``None`` MemAvailable is ignored.
+        """
+        if mem_available_bytes is not None:
+            self.healthy_bytes, self.healthy_t = mem_available_bytes, t
+            self.healthy_cma_free = cma_free_bytes or 0
+
+    def cannot_protect(self, rule_name: str) -> LoopVerdict | None:
+        """The verdict on ``rule_name``, if one was reached."""
+        return self.verdicts.get(rule_name)
+
+    def record_trip(self, rule: Rule, t: float) -> LoopVerdict | None:
+        """Record a trip of ``rule`` at ``t``; return a verdict the first time it is convicted.
+
+        Convicted when the rule has a loop floor (``loop_floor``) and either the
+        last healthy MemAvailable is below it (at the first such trip), or that
+        figure is within ``margin_bytes`` of it and this is the ``quick_trips``-th
+        consecutive trip within ``relaunch_window_s`` of a launch.
+        """
+        st = self.trips.setdefault(rule.name, _RuleTrips())
+        st.trips += 1
+        st.last_trip_t = t
+        quick = self.launch_t is not None and 0 <= t - self.launch_t <= self.relaunch_window_s
+        st.quick_streak = st.quick_streak + 1 if quick else 0
+        if rule.name in self.verdicts:
+            return None
+        lf = loop_floor(rule, self.healthy_cma_free)
+        h = self.healthy_bytes
+        if lf is None or h is None:
+            return None
+        since = ""
+        if quick and self.launch_t is not None:
+            since = f", {t - self.launch_t:.0f} s after the last launch"
+        if h < lf:
+            reason = (
+                f"rule {rule.name} cannot protect this host: healthy MemAvailable {fmt_gib(h)} is below its floor "
+                f"{fmt_gib(lf)}; stopping would loop (trip {st.trips}{since}); demoted to warn"
+            )
+        elif h - lf < self.margin_bytes and st.quick_streak >= self.quick_trips:
+            reason = (
+                f"rule {rule.name} cannot protect this host: {st.quick_streak} trips in a row each within "
+                f"{self.relaunch_window_s:g} s of a relaunch while healthy MemAvailable {fmt_gib(h)} sat within "
+                f"{fmt_gib(self.margin_bytes)} of its floor {fmt_gib(lf)}; stopping would loop; demoted to warn"
+            )
+        else:
+            return None
+        v = LoopVerdict(rule.name, t, lf, h, st.trips, st.quick_streak, reason)
+        self.verdicts[rule.name] = v
+        return v
+
+    def status(self) -> dict[str, Any]:
+        """``{"healthy_mem_available_bytes", "healthy_t", "launch_t", "launches",
+        "rules": {name: {"trips", "quick_streak", "cannot_protect", "reason"}}}``."""
+        return {
+            "healthy_mem_available_bytes": self.healthy_bytes,
+            "healthy_t": self.healthy_t,
+            "launch_t": self.launch_t,
+            "launches": self.launches,
+            "rules": {
+                name: {
+                    "trips": st.trips,
+                    "quick_streak": st.quick_streak,
+                    "cannot_protect": name in self.verdicts,
+                    "reason": self.verdicts[name].reason if name in self.verdicts else None,
+                }
+                for name, st in self.trips.items()
+            },
+        }

@@ -1,0 +1,188 @@
+"""``GET /metrics``: Prometheus text from the daemon's in-memory state at scrape time.
+
+A per-app ``CollectorRegistry`` holds one custom collector (no global registry,
+no metrics updated from the guard path). The endpoint takes a snapshot on the
+event loop (``status_json`` reads loop-owned state), lists the archive
+directory in a worker thread, and hands both to the collector through a
+context variable, so concurrent scrapes do not mix.
+
+Names follow node_exporter's meminfo collector where they mirror /proc/meminfo
+(``sparkd_memory_MemAvailable_bytes``) and /proc/pressure
+(``sparkd_pressure_memory_some_avg10``, a percentage as the kernel prints it).
+Counters read totals the daemon keeps since its start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+
+from sparkd.face import presenters as views
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from sparkd.loop.daemon import Daemon
+
+#: sample column → meminfo name (gauge ``sparkd_memory_<name>_bytes``)
+MEMINFO_GAUGES = {
+    "mem_total": "MemTotal",
+    "mem_available": "MemAvailable",
+    "mem_free": "MemFree",
+    "cached": "Cached",
+    "buffers": "Buffers",
+    "anon_pages": "AnonPages",
+    "slab": "Slab",
+    "page_tables": "PageTables",
+    "shmem": "Shmem",
+    "swap_free": "SwapFree",
+    "swap_total": "SwapTotal",
+}
+PSI_GAUGES = ("some_avg10", "some_avg60", "full_avg10", "full_avg60")
+CONTAINER_STATES = ("monitor-only", "absent", "created", "starting", "running", "stopping", "exited", "unknown")
+
+
+@dataclass
+class Snapshot:
+    status: dict[str, Any]
+    ticks: list[float] = field(default_factory=list)
+    archives: tuple[int, int] = (0, 0)  # count, total bytes
+
+
+_SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("sparkd_metrics_snapshot", default=None)
+
+
+def take_snapshot(daemon: Daemon) -> Snapshot:
+    """In-memory state only; call on the event loop."""
+    return Snapshot(status=views.status_view(daemon), ticks=sorted(daemon.tick_durations))
+
+
+class SparkdCollector(Collector):
+    """Reads the snapshot set for this scrape (or ``take_snapshot`` when called directly)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Metric]:
+        snap = _SNAPSHOT.get() or take_snapshot(self.daemon)
+        st = snap.status
+        sample = st.get("sample") or {}
+
+        for col, name in MEMINFO_GAUGES.items():
+            if sample.get(col) is not None:
+                g = GaugeMetricFamily(f"sparkd_memory_{name}_bytes", f"/proc/meminfo {name} in bytes")
+                g.add_metric([], float(sample[col]))
+                yield g
+        if sample.get("driver_bytes") is not None:
+            g = GaugeMetricFamily(
+                "sparkd_driver_memory_bytes",
+                "Memory taken through the GPU driver (estimate: MemTotal − MemFree − Buffers − Cached − "
+                "AnonPages − Slab − PageTables − KernelStack)",
+            )
+            g.add_metric([], float(sample["driver_bytes"]))
+            yield g
+        if sample.get("shm_bytes") is not None:
+            g = GaugeMetricFamily("sparkd_dev_shm_bytes", "Bytes in /dev/shm")
+            g.add_metric([], float(sample["shm_bytes"]))
+            yield g
+        for p in PSI_GAUGES:
+            v = sample.get(f"psi_{p}")
+            if v is not None:
+                g = GaugeMetricFamily(f"sparkd_pressure_memory_{p}", f"/proc/pressure/memory {p} (percent)")
+                g.add_metric([], float(v))
+                yield g
+
+        rules = st.get("rules") or []
+        counter = GaugeMetricFamily(
+            "sparkd_rule_counter", "Consecutive samples the rule's condition held", labels=["rule"]
+        )
+        need = GaugeMetricFamily("sparkd_rule_samples_required", "Samples a rule needs to trip", labels=["rule"])
+        trips = CounterMetricFamily("sparkd_rule_trips", "Rule trips since sparkd started", labels=["rule"])
+        near = CounterMetricFamily(
+            "sparkd_rule_near_misses", "Samples a rule's condition held but its evidence gate did not", labels=["rule"]
+        )
+        for r in rules:
+            name = str(r.get("name"))
+            counter.add_metric([name], float(r.get("counter") or 0))
+            need.add_metric([name], float(r.get("samples") or 0))
+            trips.add_metric([name], float(r.get("trips") or 0))
+            near.add_metric([name], float(r.get("near_misses") or 0))
+        yield from (counter, need, trips, near)
+
+        nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
+        nvrm.add_metric([], float((st.get("kernel_log") or {}).get("nvrm_lines") or 0))
+        yield nvrm
+
+        c = st.get("container") or {}
+        current = "monitor-only" if c.get("mode") == "monitor-only" else str(c.get("state") or "unknown")
+        cs = GaugeMetricFamily("sparkd_container_state", "1 for the container's current state", labels=["state"])
+        for s in dict.fromkeys((*CONTAINER_STATES, current)):
+            cs.add_metric([s], 1.0 if s == current else 0.0)
+        yield cs
+        stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
+        stops.add_metric(["stop"], float(c.get("stops_total") or 0))
+        stops.add_metric(["kill"], float(c.get("kills_total") or 0))
+        yield stops
+
+        n, size = snap.archives
+        g = GaugeMetricFamily("sparkd_archives", "Postmortem bundles in the archive directory")
+        g.add_metric([], float(n))
+        yield g
+        g = GaugeMetricFamily("sparkd_archives_bytes", "Total size of the postmortem bundles")
+        g.add_metric([], float(size))
+        yield g
+
+        ticks = snap.ticks
+        tick = GaugeMetricFamily(
+            "sparkd_tick_seconds", "Guard tick duration over the last ≤600 ticks (quantile)", labels=["quantile"]
+        )
+        if ticks:
+            for q in (0.5, 0.9, 0.99, 1.0):
+                tick.add_metric([f"{q:g}"], ticks[min(len(ticks) - 1, int(q * len(ticks)))])
+        yield tick
+        samples = CounterMetricFamily("sparkd_samples", "Samples the guard took since sparkd started")
+        samples.add_metric([], float(st.get("samples_taken") or 0))
+        yield samples
+        w = st.get("writer") or {}
+        dropped = CounterMetricFamily("sparkd_db_dropped", "Records dropped because the database writer was behind")
+        dropped.add_metric([], float(w.get("dropped") or 0))
+        yield dropped
+        interval = GaugeMetricFamily("sparkd_sample_interval_seconds", "Current sampling interval")
+        interval.add_metric([], float(st.get("interval_s") or 0))
+        yield interval
+
+
+def build_registry(daemon: Daemon) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SparkdCollector(daemon))
+    return reg
+
+
+def _archive_totals(archive_dir: Any) -> tuple[int, int]:
+    from sparkd.act.archive import list_archives
+
+    items = list_archives(archive_dir)
+    return len(items), sum(a.size_bytes for a in items)
+
+
+async def metrics_response(app: FastAPI, daemon: Daemon) -> Response:
+    reg = getattr(app.state, "metrics_registry", None)
+    if reg is None:
+        reg = app.state.metrics_registry = build_registry(daemon)
+    snap = take_snapshot(daemon)
+    snap.archives = await asyncio.to_thread(_archive_totals, daemon.settings.archives_path)
+    token = _SNAPSHOT.set(snap)
+    try:
+        body = generate_latest(reg)
+    finally:
+        _SNAPSHOT.reset(token)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

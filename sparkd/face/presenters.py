@@ -1,0 +1,303 @@
+"""One data function per dashboard view, shared by the JSON twin and the HTML partial.
+
+Two kinds, because the guard must never wait on the web side:
+
+* ``*_from_status(status)`` — pure functions over ``Daemon.status_json()`` (call
+  ``status_json`` on the event loop: it reads in-memory state the loop mutates);
+* ``events_view`` / ``launches_view`` / ``archives_view`` — blocking (SQLite,
+  directory listing): call them in a worker thread (``asyncio.to_thread``).
+
+Sizes stay bytes in the data (``*_bytes``); GiB appear only as ``*_gib`` display
+figures. Levels are ``ok`` / ``warn`` / ``critical``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sparkd.units import GiB
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+    from sparkd.store.store import Store
+
+#: Chart series: sample column → label (node_exporter/meminfo words).
+CHART_SERIES = {
+    "mem_available": "MemAvailable",
+    "mem_free": "MemFree",
+    "cached": "Cached",
+    "anon_pages": "AnonPages",
+    "slab": "Slab",
+}
+#: Event kinds drawn as vertical markers on the chart.
+MARKER_KINDS = ("trip", "nvrm_no_memory")
+#: Memory rows of the summary card: sample column → label.
+MEMORY_ROWS = {
+    "mem_total": "MemTotal",
+    "mem_available": "MemAvailable",
+    "mem_free": "MemFree",
+    "cached": "Cached",
+    "anon_pages": "AnonPages",
+    "slab": "Slab",
+    "page_tables": "PageTables",
+    "driver_bytes": "driver (est.)",
+    "shm_bytes": "/dev/shm",
+}
+WARN_MARGIN_BYTES = 4 * GiB  # MemAvailable within this of a floor → warn
+
+
+def gib(v: float | None) -> float | None:
+    return None if v is None else v / GiB
+
+
+def current_plan(daemon: Daemon, status: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan the container runs with (``Plan.to_json()``), if the supervisor has one."""
+    c = status.get("container") or {}
+    if isinstance(c.get("plan"), dict):
+        return dict(c["plan"])
+    plan = getattr(daemon.actions, "plan", None)
+    if plan is None:
+        return None
+    to_json = getattr(plan, "to_json", None)
+    if callable(to_json):
+        out = to_json()
+        return out if isinstance(out, dict) else None
+    return plan if isinstance(plan, dict) else None
+
+
+def status_view(daemon: Daemon) -> dict[str, Any]:
+    """``/api/status``: ``Daemon.status_json()`` plus ``plan`` (None without one). Loop only."""
+    status = daemon.status_json()
+    status["plan"] = current_plan(daemon, status)
+    return status
+
+
+def guard_age_s(daemon: Daemon) -> float | None:
+    """Seconds since the guard's last sample (monotonic), None before the first."""
+    g = daemon.guard
+    if g is None or g.last is None:
+        return None
+    return max(0.0, g.mono() - g.last.mono)
+
+
+def health(daemon: Daemon) -> dict[str, Any]:
+    """``/healthz``: ok when the daemon runs and the guard sampled within 3 intervals (≥ 3 s)."""
+    age = guard_age_s(daemon)
+    limit = max(3.0, 3 * daemon.settings.interval_s)
+    ok = bool(daemon.ready) and not daemon.should_exit.is_set() and age is not None and age <= limit
+    return {
+        "ok": ok,
+        "ready": daemon.ready,
+        "last_sample_age_s": age,
+        "max_age_s": limit,
+        "samples_taken": daemon.samples_taken,
+    }
+
+
+def _floors(status: dict[str, Any], attr: str, action: str = "stop") -> list[float]:
+    out = []
+    for r in status.get("rules") or []:
+        if r.get("action", "stop") != action:
+            continue
+        for t in r.get("thresholds") or []:
+            if t.get("field") == attr and t.get("is_size") and t.get("op") in ("<", "<="):
+                out.append(float(t["value"]))
+    return out
+
+
+def summary_from_status(status: dict[str, Any]) -> dict[str, Any]:
+    """Memory now (bytes and GiB), sampling mode and an overall level."""
+    s = status.get("sample") or {}
+    avail = s.get("mem_available")
+    floors = _floors(status, "mem_available")
+    level = "ok"
+    if avail is not None and floors:
+        top = max(floors)
+        if avail < top:
+            level = "critical"
+        elif avail < top + WARN_MARGIN_BYTES:
+            level = "warn"
+    warn_floors = _floors(status, "mem_available", "warn")
+    if level == "ok" and avail is not None and any(avail < f for f in warn_floors):
+        level = "warn"
+    if any(r.get("counter") for r in status.get("rules") or []):
+        level = "critical" if level == "critical" else "warn"
+    rows = [{"key": k, "label": label, "bytes": s.get(k), "gib": gib(s.get(k))} for k, label in MEMORY_ROWS.items()]
+    total = s.get("mem_total")
+    used_pct = None if not total or avail is None else 100.0 * (total - avail) / total
+    return {
+        "ts": s.get("ts"),
+        "level": level,
+        "mode": status.get("mode"),
+        "mode_reason": status.get("mode_reason"),
+        "interval_s": status.get("interval_s"),
+        "dry_run": status.get("dry_run"),
+        "samples_taken": status.get("samples_taken"),
+        "memory": rows,
+        "used_pct": used_pct,
+        "psi_some_avg10": s.get("psi_some_avg10"),
+        "psi_full_avg10": s.get("psi_full_avg10"),
+        "nvrm_recent": s.get("nvrm_recent"),
+        "kernel_log": status.get("kernel_log"),
+        "writer": status.get("writer"),
+    }
+
+
+def rules_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each rule: counter/samples, near misses, trips, its conditions and a level."""
+    out = []
+    for r in status.get("rules") or []:
+        counter, need = int(r.get("counter") or 0), int(r.get("samples") or 1)
+        level = "ok" if counter == 0 else ("critical" if counter * 2 >= need else "warn")
+        out.append(
+            {
+                "name": r.get("name"),
+                "kind": r.get("kind"),
+                "action": r.get("action"),
+                "counter": counter,
+                "samples": need,
+                "progress_pct": min(100.0, 100.0 * counter / need),
+                "near_misses": int(r.get("near_misses") or 0),
+                "trips": int(r.get("trips") or 0),
+                "when": list(r.get("when") or []),
+                "evidence": list(r.get("evidence") or []),
+                "last_reason": r.get("last_reason"),
+                "level": level,
+            }
+        )
+    return out
+
+
+def container_from_status(status: dict[str, Any]) -> dict[str, Any]:
+    """The container card: monitor-only, or state/health/uptime/image/GMU/--memory."""
+    c = dict(status.get("container") or {})
+    monitor_only = c.get("mode") == "monitor-only"
+    state = c.get("state")
+    # supervisor states: starting, ready, unhealthy, stopping, stopped, exited, failed, none
+    level = "ok"
+    if monitor_only:
+        level = "warn"
+    elif state in ("exited", "failed") or (state or "").startswith("unknown"):
+        level = "critical"
+    elif state != "ready" or c.get("health") not in (None, "healthy", "ok"):
+        level = "warn"
+    uptime = c.get("uptime_s")
+    mem = c.get("memory_bytes")
+    return {
+        "monitor_only": monitor_only,
+        "reason": c.get("reason"),
+        "state": state,
+        "health": c.get("health"),
+        "uptime_s": uptime,
+        "image": c.get("image"),
+        "name": c.get("name"),
+        "gmu": c.get("gmu"),
+        "memory_bytes": mem,
+        "memory_gib": gib(mem),
+        "busy": c.get("busy") or c.get("action"),
+        "level": level,
+        "raw": c,
+    }
+
+
+def budget_from_status(plan: dict[str, Any] | None, status: dict[str, Any]) -> dict[str, Any] | None:
+    """Budget bar segments against MemTotal (GiB). None when there is no plan."""
+    if not plan:
+        return None
+    total = float(plan.get("mem_total_gib") or 0) or 1.0
+    inputs = plan.get("inputs") or {}
+    overhead = plan.get("overhead_gib", inputs.get("overhead_gib")) or 0.0
+    cap = float(plan.get("cap_gib") or total)
+    budget = float(plan.get("budget_gib") or 0.0)
+    parts = [
+        ("weights", "Weights", float(plan.get("weights_gib") or 0.0)),
+        ("overhead", "Overhead", float(overhead)),
+        ("mtp", "MTP", float(plan.get("mtp_gib") or 0.0)),
+        ("kv", "KV cache (exp.)", max(0.0, float(plan.get("kv_exp_gib") or 0.0))),
+        ("slack", "Unallocated", max(0.0, cap - budget)),
+        ("reserve", "Host reserve", max(0.0, total - cap)),
+    ]
+    segments = [{"key": k, "label": label, "gib": v, "pct": 100.0 * v / total} for k, label, v in parts if v > 0]
+    s = status.get("sample") or {}
+    used = None
+    if s.get("mem_total") and s.get("mem_available") is not None:
+        used = (s["mem_total"] - s["mem_available"]) / GiB
+    return {
+        "mem_total_gib": total,
+        "gmu": plan.get("gmu"),
+        "budget_gib": budget,
+        "cap_gib": cap,
+        "kv_exp_gib": plan.get("kv_exp_gib"),
+        "kv_need_gib": plan.get("kv_need_gib"),
+        "squeezed": bool(plan.get("squeezed")),
+        "docker_memory_gib": plan.get("docker_memory_gib"),
+        "segments": segments,
+        "used_gib": used,
+        "used_pct": None if used is None else min(100.0, 100.0 * used / total),
+        "warnings": list(plan.get("warnings") or []),
+        "inputs": inputs,
+    }
+
+
+def chart_config(status: dict[str, Any]) -> dict[str, Any]:
+    """What the chart script needs besides samples: series and stop thresholds (bytes)."""
+    lines = []
+    for r in status.get("rules") or []:
+        for t in r.get("thresholds") or []:
+            if t.get("is_size") and t.get("field") in CHART_SERIES:
+                lines.append({"rule": r.get("name"), "field": t["field"], "label": t.get("name"), "value": t["value"]})
+    return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS)}
+
+
+# --------------------------------------------------------------------------- blocking views
+def events_view(store: Store | None, *, limit: int = 30) -> list[dict[str, Any]]:
+    """Recent events, newest first. Blocking (SQLite): call in a thread."""
+    if store is None:
+        return []
+    return store.events(limit=limit)
+
+
+def launches_view(store: Store | None, *, limit: int = 20) -> list[dict[str, Any]]:
+    """Launches with the plan's estimate beside what vLLM reported. Blocking."""
+    if store is None:
+        return []
+    out = []
+    for la in store.launches(limit=limit):
+        plan, actual = la.get("plan") or {}, la.get("actual") or {}
+        est, act = plan.get("kv_exp_gib"), actual.get("kv_cache_available_gib")
+        out.append(
+            {
+                **la,
+                "gmu": plan.get("gmu"),
+                "kv_exp_gib": est,
+                "kv_actual_gib": act,
+                "kv_delta_gib": (act - est) if isinstance(est, int | float) and isinstance(act, int | float) else None,
+                "graph_capture_gib": actual.get("graph_capture_gib"),
+                "max_concurrency": actual.get("max_concurrency"),
+                "ready_s": (la["ready_at"] - la["started_at"]) if la.get("ready_at") else None,
+                "trough_gib": gib(la.get("trough_bytes")),
+            }
+        )
+    return out
+
+
+def archives_view(archive_dir: str | Path) -> list[dict[str, Any]]:
+    """Postmortem bundles, newest first, with their download URL. Blocking (listdir)."""
+    from sparkd.act.archive import list_archives
+
+    return [
+        {
+            "name": a.name,
+            "size_bytes": a.size_bytes,
+            "created": a.created,
+            "url": f"/api/archives/{a.name}",
+        }
+        for a in list_archives(archive_dir)
+    ]
+
+
+def pick_step(window_s: float) -> float:
+    """Bucket width so a window has at most ~2000 points (≥ 1 s)."""
+    return float(max(1, math.ceil(window_s / 2000)))

@@ -1,0 +1,299 @@
+"""Dashboard HTML routes (Jinja2 + htmx), each view with a JSON twin.
+
+* ``GET /`` — the page; ``GET /dashboard.json`` — the same data as JSON.
+* ``GET /ui/<part>`` — one live part alone (htmx polls it, ``hx-swap=outerHTML``);
+  ``GET /ui/<part>.json`` — its JSON twin. Both come from the same data function
+  in ``sparkd.face.presenters``; the page renders every part inline (healthchecks' pattern),
+  so it reads fine with JavaScript off.
+* ``GET|POST /login`` — trade the token for a session cookie; ``POST /logout``.
+* ``POST /ui/container/<action>``, ``POST /ui/resize`` — control fragments
+  (cookie + CSRF, or bearer token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
+
+from sparkd import __version__
+from sparkd.errors import SparkdError
+from sparkd.face import presenters as views
+from sparkd.face.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Auth
+from sparkd.resources import web_dir
+from sparkd.units import GiB
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+
+STATUS_PARTS = ("summary", "rules", "container", "budget")
+STORE_PARTS = ("events", "launches", "archives")
+PARTS = STATUS_PARTS + STORE_PARTS
+PLAN_ROWS = (
+    ("gmu", "--gpu-memory-utilization", "{:.3f}"),
+    ("budget_gib", "vLLM budget (GiB)", "{:.2f}"),
+    ("kv_exp_gib", "KV cache expected (GiB)", "{:.2f}"),
+    ("kv_need_gib", "KV for one max-length request (GiB)", "{:.2f}"),
+    ("max_len_concurrency", "max-length requests that fit", "{:.2f}"),
+    ("cap_gib", "host cap (GiB)", "{:.2f}"),
+    ("docker_memory_gib", "docker --memory (GiB)", "{:.2f}"),
+    ("squeezed", "KV target squeezed by the cap", "{}"),
+)
+
+
+def _fmt_gib(v: Any, digits: int = 2) -> str:
+    return "–" if v is None else f"{v / GiB:.{digits}f} GiB"
+
+
+def _fmt_num(v: Any, fmt: str = "{:.2f}") -> str:
+    if v is None:
+        return "–"
+    try:
+        return fmt.format(v)
+    except (ValueError, TypeError):
+        return str(v)
+
+
+def _fmt_value(v: Any) -> str:
+    """A diff value for people: floats to 3 decimals at most, everything else as is."""
+    if isinstance(v, float):
+        return f"{v:.3f}".rstrip("0").rstrip(".")
+    return "–" if v is None else str(v)
+
+
+def _fmt_time(ts: Any) -> str:
+    if not isinstance(ts, int | float):
+        return "–"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%H:%M:%S")
+
+
+def _fmt_datetime(ts: Any) -> str:
+    if not isinstance(ts, int | float):
+        return "–"
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt_duration(s: Any) -> str:
+    if not isinstance(s, int | float):
+        return "–"
+    s = int(s)
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    if s < 172800:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
+
+
+def _fmt_size(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "–"
+    for unit, div in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def make_templates() -> Jinja2Templates:
+    t = Jinja2Templates(directory=str(web_dir() / "templates"))
+    t.env.filters.update(
+        gib=_fmt_gib,
+        num=_fmt_num,
+        val=_fmt_value,
+        time=_fmt_time,
+        datetime=_fmt_datetime,
+        duration=_fmt_duration,
+        size=_fmt_size,
+    )
+    t.env.globals.update(version=__version__, plan_rows=PLAN_ROWS)
+    return t
+
+
+_templates: Jinja2Templates | None = None
+
+
+def templates() -> Jinja2Templates:
+    global _templates
+    if _templates is None:
+        _templates = make_templates()
+    return _templates
+
+
+def _auth_ctx(request: Request) -> dict[str, Any]:
+    auth: Auth | None = getattr(request.app.state, "auth", None)
+    sid = auth.session_id(request.cookies.get(SESSION_COOKIE)) if auth else None
+    return {"logged_in": sid is not None, "csrf": auth.csrf_for(sid) if auth and sid else ""}
+
+
+def render(request: Request, name: str, status_code: int = 200, **ctx: Any) -> HTMLResponse:
+    return templates().TemplateResponse(
+        request, name, {**_auth_ctx(request), "request": request, **ctx}, status_code=status_code
+    )
+
+
+def error_page(request: Request, status: int, body: dict[str, Any]) -> Response:
+    """Errors for browsers: a fragment for htmx, a small page otherwise (same shape inside)."""
+    detail = body.get("detail")
+    message = detail.get("message", json.dumps(detail)) if isinstance(detail, dict) else str(detail)
+    name = "partials/_message.html" if request.headers.get("hx-request") else "error.html"
+    return render(request, name, status, level="critical", title=body.get("error"), message=message, body=body)
+
+
+def _status_parts(daemon: Daemon) -> dict[str, Any]:
+    status = views.status_view(daemon)
+    return {
+        "summary": views.summary_from_status(status),
+        "rules": views.rules_from_status(status),
+        "container": views.container_from_status(status),
+        "budget": views.budget_from_status(status.get("plan"), status),
+        "chart": views.chart_config(status),
+    }
+
+
+def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "events" in names:
+        out["events"] = views.events_view(daemon.store, limit=30)
+    if "launches" in names:
+        out["launches"] = views.launches_view(daemon.store, limit=10)
+    if "archives" in names:
+        # bundles hold container logs and configuration: listed for the token or a session only
+        out["archives"] = views.archives_view(daemon.settings.archives_path) if reader else None
+    return out
+
+
+async def view_data(daemon: Daemon, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
+    """Data of the named parts: status parts on the loop, store parts in a worker thread.
+
+    ``reader``: the request carries the token or a session; without it ``archives`` is None.
+    """
+    data: dict[str, Any] = {}
+    if any(n in STATUS_PARTS or n == "chart" for n in names):
+        data.update({k: v for k, v in _status_parts(daemon).items() if k in names})
+    store_names = tuple(n for n in names if n in STORE_PARTS)
+    if store_names:
+        data.update(await asyncio.to_thread(_store_parts, daemon, store_names, reader))
+    return data
+
+
+def _is_reader(request: Request) -> bool:
+    auth: Auth | None = getattr(request.app.state, "auth", None)
+    return auth is not None and auth.reader(request.headers, request.cookies) is not None
+
+
+def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index(request: Request) -> HTMLResponse:
+        data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
+        return render(request, "index.html", **data, chart_json=json.dumps(data["chart"]))
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> RedirectResponse:
+        return RedirectResponse("/static/favicon.svg", status_code=308)
+
+    @app.get("/dashboard.json", tags=["dashboard"])
+    async def index_json(request: Request) -> dict[str, Any]:
+        """The whole dashboard's data (the JSON twin of ``/``); ``archives`` is null without the token or a session."""
+        return await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
+
+    @app.get("/ui/{name}.json", tags=["dashboard"])
+    async def part_json(request: Request, name: Literal[PARTS]) -> JSONResponse:  # type: ignore[valid-type]
+        """One dashboard part's data (the JSON twin of ``/ui/<name>``); ``archives`` needs the token or a session."""
+        data = await view_data(daemon, (name,), reader=_is_reader(request))
+        return JSONResponse({name: data[name]})
+
+    @app.get("/ui/{name}", response_class=HTMLResponse, tags=["dashboard"])
+    async def part_html(request: Request, name: Literal[PARTS]) -> HTMLResponse:  # type: ignore[valid-type]
+        """One dashboard part alone (what htmx polls)."""
+        data = await view_data(daemon, (name,), reader=_is_reader(request))
+        return render(request, f"partials/_{name}.html", **data)
+
+    # ------------------------------------------------------------------ login
+    def _login_response(request: Request) -> RedirectResponse:
+        resp = RedirectResponse("/", status_code=303)
+        resp.set_cookie(
+            SESSION_COOKIE,
+            auth.new_session(),
+            max_age=SESSION_MAX_AGE_S,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            path="/",
+        )
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    async def login_page(request: Request, token: str | None = None) -> Response:
+        if token is None:
+            return render(request, "login.html")
+        if auth.check_token(token):
+            return _login_response(request)  # redirect: the token leaves the address bar
+        return render(request, "login.html", 401, error="That token is not valid.")
+
+    @app.post("/login", response_class=HTMLResponse, include_in_schema=False)
+    async def login_post(request: Request) -> Response:
+        form = await request.form()
+        token = form.get("token")
+        if isinstance(token, str) and auth.check_token(token.strip()):
+            return _login_response(request)
+        return render(request, "login.html", 401, error="That token is not valid.")
+
+    @app.post("/logout", include_in_schema=False)
+    async def logout() -> RedirectResponse:
+        resp = RedirectResponse("/", status_code=303)
+        resp.delete_cookie(SESSION_COOKIE, path="/")
+        return resp
+
+    # ------------------------------------------------------------------ controls
+    def _fragment(request: Request, name: str, status_code: int = 200, **ctx: Any) -> HTMLResponse:
+        if request.headers.get("hx-request"):
+            return render(request, name, status_code, **ctx)
+        return render(request, "standalone.html", status_code, fragment=name, **ctx)
+
+    def _error_fragment(request: Request, e: SparkdError) -> HTMLResponse:
+        d = e.to_json()["detail"]
+        msg = d.get("message", str(d)) if isinstance(d, dict) else str(d)
+        return _fragment(request, "partials/_message.html", e.status_code, level="critical", title=e.code, message=msg)
+
+    @app.post("/ui/container/{action}", response_class=HTMLResponse, include_in_schema=False)
+    async def ui_control(request: Request, action: Literal["start", "stop", "restart"]) -> HTMLResponse:
+        who = await app.state.require_auth(request)
+        try:
+            result = await app.state.control(action, f"web:{who}")
+        except SparkdError as e:
+            return _error_fragment(request, e)
+        text = result.get("message") or f"{action} requested"
+        return _fragment(request, "partials/_message.html", level="ok", title=action, message=text, result=result)
+
+    @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
+    async def ui_resize(request: Request) -> HTMLResponse:
+        from sparkd.face.api import ResizeRequest, _validation_detail, form_to_resize
+
+        who = await app.state.require_auth(request)
+        form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
+        values = form_to_resize(form)
+        try:
+            req = ResizeRequest.model_validate(values)
+        except ValidationError as e:
+            from fastapi.exceptions import RequestValidationError
+
+            detail = _validation_detail(RequestValidationError(e.errors()))
+            msg = detail["message"]
+            return _fragment(
+                request, "partials/_message.html", 422, level="critical", title="invalid input", message=msg
+            )
+        try:
+            result = await app.state.resize(req, f"web:{who}")
+        except SparkdError as e:
+            return _error_fragment(request, e)
+        # echo what was typed (``28``, not ``28.0``) into the Apply form
+        changes = {k: form[k].strip() for k in values if k != "dry_run"}
+        return _fragment(request, "partials/_resize_result.html", result=result, changes=changes, dry_run=req.dry_run)

@@ -1,0 +1,1 @@
+"""asyncio, clocks and mutable state: the daemon, the guard, the supervisor."""

@@ -1,0 +1,1 @@
+"""Host setup and offline tools: install, doctor, replay."""

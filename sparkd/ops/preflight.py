@@ -1,0 +1,91 @@
+"""Launch preflight: refuse launches that cannot work, before anything is started.
+
+Checks (issue "Memory budget, launch preflight"):
+* MemAvailable ≥ GMU × MemTotal + margin — vLLM itself refuses otherwise on GB10
+  ("Free memory on device ... is less than desired GPU memory utilization",
+  fixtures/vllm/startup-fail-free-memory.log);
+* no other sparkd-labelled container running;
+* leftover /dev/shm entries of earlier runs: reported, removed when provably dead;
+* swap state: reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkd.act import shm
+from sparkd.sense import procfs
+from sparkd.units import GiB, fmt_gib
+
+
+@dataclass
+class Preflight:
+    ok: bool = True
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def fail(self, msg: str) -> None:
+        self.ok = False
+        self.failures.append(msg)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "failures": self.failures, "notes": self.notes}
+
+    def describe(self) -> str:
+        return "; ".join(self.failures + self.notes) or "ok"
+
+
+def run_preflight(
+    *,
+    gmu: float | None,
+    margin_bytes: int,
+    running_managed: list[str],
+    proc_root: str = "/proc",
+    shm_dir: str = "/dev/shm",
+    clean_shm: bool = True,
+    ignore_unreadable_pids: list[int] | None = None,
+) -> Preflight:
+    """Run the checks. ``gmu`` None (no budget): the memory check is skipped.
+    ``running_managed``: names of sparkd-labelled containers running now."""
+    pf = Preflight()
+    m = procfs.read_meminfo(proc_root).fields
+    total, avail = m.get("MemTotal"), m.get("MemAvailable")
+    if gmu is not None and total and avail is not None:
+        need = gmu * total + margin_bytes
+        if avail < need:
+            pf.fail(
+                f"MemAvailable {fmt_gib(avail)} < GMU {gmu:.3f} x MemTotal {fmt_gib(total)} + margin "
+                f"{fmt_gib(margin_bytes)} = {fmt_gib(need)}: vLLM would refuse to start (free memory below "
+                f"gpu_memory_utilization); free memory or lower the KV target / GMU"
+            )
+        else:
+            pf.notes.append(f"MemAvailable {fmt_gib(avail)} >= {fmt_gib(need)} needed")
+    if running_managed:
+        pf.fail(f"another sparkd-managed container is running: {', '.join(running_managed)}; stop it first")
+    try:
+        if clean_shm:
+            res = shm.cleanup(
+                container_started_at=None,
+                shm_dir=shm_dir,
+                proc_root=proc_root,
+                allow_unknown_age=True,
+                ignore_unreadable_pids=ignore_unreadable_pids or (),
+            )
+            if res.removed:
+                pf.notes.append(
+                    f"removed {len(res.removed)} dead /dev/shm leftovers ({fmt_gib(sum(b for _n, b in res.removed))})"
+                )
+            kept = [k for k in res.kept if shm.classify(k.name) != shm.ShmKind.OTHER]
+            if kept:
+                pf.notes.append(
+                    f"{len(kept)} /dev/shm entries of known runtimes kept: "
+                    + "; ".join(f"{k.name}: {k.reason}" for k in kept[:5])
+                )
+    except OSError as e:
+        pf.notes.append(f"/dev/shm not checked: {e}")
+    swap = m.get("SwapTotal") or 0
+    pf.notes.append(f"swap {'on (' + fmt_gib(swap) + ')' if swap else 'off'}")
+    if swap > 0 and swap < GiB:
+        pf.notes.append("a small swap delays nothing on a unified-memory host")
+    return pf

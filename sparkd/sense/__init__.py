@@ -1,0 +1,1 @@
+"""Read the world, never write it."""

@@ -1,0 +1,344 @@
+"""Optional GPU readings: NVML through ``pynvml`` (package ``nvidia-ml-py``) and nvidia-smi text.
+
+On the unified-memory GB10 "Not Supported" is a normal answer, not an error:
+the driver cannot report framebuffer memory, so ``nvmlDeviceGetMemoryInfo``
+fails with ``NVML_ERROR_NOT_SUPPORTED`` on some driver releases and succeeds
+on others with a total equal to MemTotal; ``nvidia-smi`` prints
+``Not Supported`` in its table and ``[N/A]`` in CSV queries. Utilization,
+temperature and power do work. Host ``/proc/meminfo`` stays the ground truth
+for memory (CONTEXT.md, "The machine"; tests/fixtures/nvidia-smi/README.md).
+
+Shapes:
+    ``read_gpu(nvml=None) -> list[GpuReading]`` — one per device, or one
+    ``GpuReading.unavailable(reason)`` when the package or the driver is missing.
+    ``parse_nvidia_smi_query_csv(text) -> list[dict[str, float | str | None]]``
+    ``parse_nvidia_smi_table(text) -> SmiTable``
+
+NVML calls can block inside the driver. The guard loop must never call
+``read_gpu``/``GpuSampler.sample`` inline: run them in a worker thread.
+
+``python -m sparkd.sense.gpu`` prints the readings as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sparkd.units import MiB
+
+log = logging.getLogger(__name__)
+
+# pynvml error codes (nvml.h); used when the injected module lacks the constant.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_TEMPERATURE_GPU = 0
+
+
+@dataclass(slots=True, frozen=True)
+class GpuReading:
+    """One device's NVML view. Sizes in bytes, power in W, temperature in °C.
+
+    ``memory_supported`` is ``False`` when NVML answered NOT_SUPPORTED (GB10);
+    then ``memory_total_bytes``/``memory_used_bytes`` are ``None``. When a
+    driver reports memory on GB10 the total equals MemTotal and is kept as is.
+    ``available`` is ``False`` only for ``GpuReading.unavailable(reason)``.
+    ``notes`` lists fields that failed for another reason (``"power: ..."``).
+    """
+
+    index: int | None
+    name: str | None = None
+    driver_version: str | None = None
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_supported: bool | None = None
+    available: bool = True
+    reason: str | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> GpuReading:
+        """No readings at all: package missing, driver not loaded, no device."""
+        return cls(index=None, available=False, reason=reason)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _import_pynvml() -> Any:
+    import pynvml  # optional dependency (nvidia-ml-py), imported lazily
+
+    return pynvml
+
+
+def _is_not_supported(nvml: Any, exc: BaseException) -> bool:
+    code = getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", NVML_ERROR_NOT_SUPPORTED)
+    return getattr(exc, "value", None) == code
+
+
+def read_gpu(nvml: Any = None) -> list[GpuReading]:
+    """Read every NVIDIA device through NVML; never raises.
+
+    Args:
+        nvml: an object with pynvml's API (``nvmlInit``, ``nvmlDeviceGetCount``,
+            ``NVMLError``, ...). ``None`` imports ``pynvml`` lazily; tests inject
+            a fake.
+
+    Returns:
+        One ``GpuReading`` per device, or ``[GpuReading.unavailable(reason)]``
+        when ``nvidia-ml-py`` is not installed, NVML cannot initialize (no
+        driver) or there is no device.
+    """
+    if nvml is None:
+        try:
+            nvml = _import_pynvml()
+        except ImportError:
+            return [GpuReading.unavailable("nvidia-ml-py (pynvml) is not installed")]
+    nvml_error: type[BaseException] = getattr(nvml, "NVMLError", Exception)
+    try:
+        nvml.nvmlInit()
+    except nvml_error as exc:
+        return [GpuReading.unavailable(f"NVML init failed: {exc}")]
+    except OSError as exc:  # libnvidia-ml.so missing on some pynvml versions
+        return [GpuReading.unavailable(f"NVML library not found: {exc}")]
+    try:
+        return _read_devices(nvml, nvml_error)
+    finally:
+        with contextlib.suppress(nvml_error):
+            nvml.nvmlShutdown()
+
+
+def _read_devices(nvml: Any, nvml_error: type[BaseException]) -> list[GpuReading]:
+    try:
+        driver: str | None = _text(nvml.nvmlSystemGetDriverVersion())
+    except nvml_error:
+        driver = None
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except nvml_error as exc:
+        return [GpuReading.unavailable(f"NVML device count failed: {exc}")]
+    if count == 0:
+        return [GpuReading.unavailable("NVML reports no device")]
+    return [_read_device(nvml, nvml_error, i, driver) for i in range(count)]
+
+
+def _read_device(nvml: Any, nvml_error: type[BaseException], index: int, driver: str | None) -> GpuReading:
+    notes: list[str] = []
+
+    def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except nvml_error as exc:
+            notes.append(f"{what}: {exc}")
+            return None
+
+    h = call("handle", nvml.nvmlDeviceGetHandleByIndex, index)
+    if h is None:
+        return GpuReading(index=index, driver_version=driver, notes=tuple(notes))
+    name = call("name", nvml.nvmlDeviceGetName, h)
+    util = call("utilization", nvml.nvmlDeviceGetUtilizationRates, h)
+    temp_kind = getattr(nvml, "NVML_TEMPERATURE_GPU", NVML_TEMPERATURE_GPU)
+    temp = call("temperature", nvml.nvmlDeviceGetTemperature, h, temp_kind)
+    power_mw = call("power", nvml.nvmlDeviceGetPowerUsage, h)
+    total = used = None
+    supported: bool | None
+    try:
+        mem = nvml.nvmlDeviceGetMemoryInfo(h)
+        total, used, supported = int(mem.total), int(mem.used), True
+    except nvml_error as exc:
+        # NOT_SUPPORTED is GB10's normal answer; anything else is a note.
+        supported = False if _is_not_supported(nvml, exc) else None
+        if supported is None:
+            notes.append(f"memory: {exc}")
+    return GpuReading(
+        index=index,
+        name=None if name is None else _text(name),
+        driver_version=driver,
+        utilization_pct=None if util is None else float(util.gpu),
+        temperature_c=None if temp is None else float(temp),
+        power_w=None if power_mw is None else power_mw / 1000.0,
+        memory_total_bytes=total,
+        memory_used_bytes=used,
+        memory_supported=supported,
+        notes=tuple(notes),
+    )
+
+
+class GpuSampler:
+    """Calls NVML at most every ``interval_s`` seconds and logs each condition once.
+
+    ``sample()`` returns the cached readings between calls. "memory Not
+    Supported" (GB10) and "NVML unavailable" are logged once at INFO, not per
+    sample; a condition that clears and comes back is logged again.
+
+    Args:
+        interval_s: minimum seconds between NVML calls (10 s: readings are
+            dashboard context, never a stop trigger).
+        reader: ``read_gpu`` or a fake.
+        clock: monotonic seconds (``time.monotonic``); injectable for tests.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = 10.0,
+        *,
+        reader: Callable[[], list[GpuReading]] = read_gpu,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.interval_s = interval_s
+        self._reader = reader
+        self._clock = clock
+        self._log = logger
+        self._last_at: float | None = None
+        self._last: list[GpuReading] = []
+        self._logged: set[str] = set()
+
+    def sample(self) -> list[GpuReading]:
+        now = self._clock()
+        if self._last_at is not None and now - self._last_at < self.interval_s:
+            return self._last
+        self._last_at = now
+        self._last = self._reader()
+        self._note(self._last)
+        return self._last
+
+    def _note(self, readings: list[GpuReading]) -> None:
+        current: dict[str, str] = {}
+        for r in readings:
+            if not r.available:
+                current["unavailable"] = f"GPU readings unavailable: {r.reason}"
+            elif r.memory_supported is False:
+                current[f"mem-ns-{r.index}"] = (
+                    f"GPU {r.index} ({r.name}): NVML memory is Not Supported "
+                    "(unified memory); /proc/meminfo is the ground truth"
+                )
+        for key, msg in current.items():
+            if key not in self._logged:
+                self._log.info(msg)
+        self._logged = set(current)
+
+
+# --- nvidia-smi text ---------------------------------------------------------
+
+_NA = {"[N/A]", "N/A", "[Not Supported]", "Not Supported", "[Unknown Error]", ""}
+_NUM = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([A-Za-z%]*)\s*$")
+_HEADER = re.compile(r"^\s*([^\[]+?)\s*(?:\[([^\]]+)\])?\s*$")
+
+
+def parse_nvidia_smi_query_csv(text: str) -> list[dict[str, float | str | None]]:
+    """Parse ``nvidia-smi --query-gpu=... --format=csv[,nounits]`` output (header required).
+
+    Keys are the query field names without unit (``"memory.total"``). Values:
+    ``[N/A]``/``[Not Supported]`` → ``None``; a ``MiB`` field → bytes (``int``);
+    other numbers (``%``, ``W``, °C) → ``float``;
+    anything else stays a string (``"NVIDIA GB10"``).
+    """
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    fields: list[tuple[str, str | None]] = []
+    for h in lines[0].split(","):
+        m = _HEADER.match(h)
+        fields.append((m.group(1), m.group(2)) if m else (h.strip(), None))
+    rows: list[dict[str, float | str | None]] = []
+    for line in lines[1:]:
+        row: dict[str, float | str | None] = {}
+        for (name, unit), raw in zip(fields, line.split(","), strict=False):
+            row[name] = _value(raw.strip(), unit)
+        rows.append(row)
+    return rows
+
+
+def _value(raw: str, unit: str | None) -> float | str | None:
+    if raw in _NA:
+        return None
+    m = _NUM.match(raw)
+    if not m:
+        return raw
+    number = float(m.group(1))
+    if (unit or m.group(2)) == "MiB":
+        return int(number * MiB)
+    return number
+
+
+@dataclass(slots=True, frozen=True)
+class SmiGpu:
+    """One GPU row of the nvidia-smi table. ``memory_supported`` False on GB10."""
+
+    index: int
+    name: str
+    memory_supported: bool
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class SmiTable:
+    """What sparkd needs from the default ``nvidia-smi`` table."""
+
+    driver_version: str | None
+    cuda_version: str | None
+    gpus: tuple[SmiGpu, ...]
+
+    @property
+    def memory_not_supported(self) -> bool:
+        """True when any GPU prints ``Not Supported`` under Memory-Usage (GB10)."""
+        return any(not g.memory_supported for g in self.gpus)
+
+
+_DRIVER = re.compile(r"Driver Version:\s*(\S+)")
+_CUDA = re.compile(r"CUDA Version:\s*(\S+)")
+_GPU_ROW = re.compile(r"^\|\s+(\d+)\s+(.+?)\s+(?:On|Off)\s+\|")
+_MEM = re.compile(r"(\d+)\s*MiB\s*/\s*(\d+)\s*MiB")
+
+
+def parse_nvidia_smi_table(text: str) -> SmiTable:
+    """Parse the default ``nvidia-smi`` table: driver, CUDA, and per GPU name and Memory-Usage.
+
+    The GPU row (``|   0  NVIDIA GB10   On  |``) is followed by a row whose
+    middle column is either ``123MiB / 81559MiB`` or ``Not Supported``.
+    """
+    lines = text.splitlines()
+    driver = _DRIVER.search(text)
+    cuda = _CUDA.search(text)
+    gpus = []
+    for i, line in enumerate(lines):
+        m = _GPU_ROW.match(line)
+        if not m:
+            continue
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        cols = nxt.split("|")
+        mem_col = cols[2] if len(cols) > 2 else ""
+        mm = _MEM.search(mem_col)
+        if mm:
+            used, total = int(mm.group(1)) * MiB, int(mm.group(2)) * MiB
+            gpus.append(SmiGpu(int(m.group(1)), m.group(2), True, used, total))
+        else:
+            gpus.append(SmiGpu(int(m.group(1)), m.group(2), "Not Supported" not in mem_col))
+    return SmiTable(driver.group(1) if driver else None, cuda.group(1) if cuda else None, tuple(gpus))
+
+
+def main() -> int:
+    """``python -m sparkd.sense.gpu``: print NVML readings as JSON (for checks on a GPU host)."""
+    readings = read_gpu()
+    print(json.dumps([r.to_json() for r in readings], indent=2))
+    return 0 if all(r.available for r in readings) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

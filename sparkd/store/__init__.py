@@ -1,0 +1,1 @@
+"""SQLite through SQLAlchemy and Alembic; the only layer that imports them."""

@@ -1,0 +1,562 @@
+"""SQLite store (SQLAlchemy 2, WAL) and the batched writer the guard feeds.
+
+The guard loop never waits on the database: it ``submit``s items to a bounded
+queue; ``Writer.run`` drains it in batches and writes each batch in one
+transaction in a worker thread. If the database is slow, locked or full, items
+are dropped *after* the rules saw them, and that is logged once per episode.
+
+Query functions are keyword-only and return plain dicts (times UTC epoch s,
+sizes bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from sparkd.errors import StoreError
+from sparkd.resources import migrations_dir
+from sparkd.store.schema import (
+    AGGREGATE_FIELDS,
+    SAMPLE_COLUMNS,
+    ConfigRevision,
+    DaemonRun,
+    Event,
+    GpuSample,
+    KernelCount,
+    Launch,
+    NvrmWindow,
+    SampleMinute,
+    SampleRow,
+    StatusSnapshot,
+)
+
+log = logging.getLogger("sparkd.store.store")
+
+CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
+
+
+def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA auto_vacuum=INCREMENTAL")  # only takes effect on a new file: freed pages return
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=2000")
+    cur.close()
+
+
+class Store:
+    """Owns the engine. ``Store.open(path)`` creates the directory and migrates.
+
+    Raises:
+        StoreError: the path cannot be created, opened or migrated; the message
+            names the path and the OS error.
+    """
+
+    def __init__(self, engine: Engine, path: Path) -> None:
+        self.engine = engine
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | Path, *, migrate: bool = True) -> Store:
+        p = Path(path)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(p.parent, os.W_OK):
+                raise PermissionError(f"directory {p.parent} is not writable")
+            if p.exists() and not os.access(p, os.W_OK):
+                raise PermissionError(f"database file {p} is not writable")
+        except OSError as e:
+            raise StoreError(f"cannot use database path {p}: {e}") from None
+        engine = create_engine(f"sqlite:///{p}", connect_args={"check_same_thread": False, "timeout": 2.0})
+        event.listen(engine, "connect", _on_connect)
+        store = cls(engine, p)
+        if migrate:
+            store.upgrade()
+        return store
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Run Alembic migrations up to ``revision``."""
+        cfg = Config()
+        cfg.set_main_option("script_location", str(migrations_dir()))
+        cfg.set_main_option("sqlalchemy.url", str(self.engine.url))
+        try:
+            with self.engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, revision)
+        except (SQLAlchemyError, OSError) as e:
+            raise StoreError(f"cannot migrate database {self.path}: {e}") from None
+
+    def current_revision(self) -> str | None:
+        with Session(self.engine) as conn:
+            try:
+                return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+            except SQLAlchemyError:
+                return None
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ------------------------------------------------------------------ writes
+    def write_batch(self, items: list[tuple[str, Any]]) -> None:
+        """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
+        ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
+        ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
+        ``run_end`` (dict).
+        """
+        samples = [p for k, p in items if k == "sample"]
+        events = [p for k, p in items if k == "event"]
+        gpu = [p for k, p in items if k == "gpu"]
+        with self.engine.begin() as conn:
+            if samples:
+                conn.execute(insert(SampleRow), samples)
+            if gpu:
+                conn.execute(insert(GpuSample), gpu)
+            if events:
+                conn.execute(insert(Event), events)
+            for kind, p in items:
+                if kind == "status":
+                    stmt = sqlite_insert(StatusSnapshot).values(id=1, ts=p["ts"], data=p)
+                    conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={"ts": p["ts"], "data": p}))
+                elif kind == "kcount":
+                    minute, k, n = p
+                    stmt2 = sqlite_insert(KernelCount).values(minute_ts=minute, kind=k, count=n)
+                    conn.execute(
+                        stmt2.on_conflict_do_update(
+                            index_elements=["minute_ts", "kind"], set_={"count": KernelCount.count + n}
+                        )
+                    )
+                elif kind == "nvrm_window":
+                    start, w, n = p
+                    stmt3 = sqlite_insert(NvrmWindow).values(window_start=start, window_s=w, count=n)
+                    conn.execute(
+                        stmt3.on_conflict_do_update(
+                            index_elements=["window_start"], set_={"count": NvrmWindow.count + n}
+                        )
+                    )
+                elif kind == "launch":
+                    cols = {k: v for k, v in p.items() if k != "id"}  # only what this item sets
+                    stmt4 = sqlite_insert(Launch).values(**{"status": "starting", **p})  # a row not yet written
+                    conn.execute(stmt4.on_conflict_do_update(index_elements=["id"], set_=cols) if cols else stmt4)
+                elif kind == "run_end":
+                    conn.execute(update(DaemonRun).where(DaemonRun.id == p.pop("id")).values(**p))
+
+    def start_run(self, *, pid: int, version: str, hostname: str, config: dict[str, Any]) -> int:
+        with self.engine.begin() as conn:
+            r = conn.execute(
+                insert(DaemonRun).values(
+                    started_at=time.time(), pid=pid, version=version, hostname=hostname, config=config, samples=0
+                )
+            )
+            return int(r.inserted_primary_key[0])  # type: ignore[index]
+
+    def add_event(
+        self,
+        *,
+        kind: str,
+        message: str,
+        severity: str = "info",
+        details: dict[str, Any] | None = None,
+        launch_id: str | None = None,
+        ts: float | None = None,
+    ) -> None:
+        """Write one event now (for CLI processes; the daemon goes through the queue)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                insert(Event).values(
+                    ts=ts or time.time(),
+                    kind=kind,
+                    severity=severity,
+                    message=message,
+                    details=details,
+                    launch_id=launch_id,
+                )
+            )
+
+    # ------------------------------------------------------------------ reads
+    def latest_sample(self) -> dict[str, Any] | None:
+        with Session(self.engine) as conn:
+            row = conn.execute(select(SampleRow).order_by(SampleRow.id.desc()).limit(1)).first()
+        return _sample_dict(row[0]) if row else None
+
+    def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        q = select(SampleRow).where(SampleRow.ts >= since).order_by(SampleRow.ts)
+        if until is not None:
+            q = q.where(SampleRow.ts <= until)
+        if limit:
+            q = q.limit(limit)
+        with Session(self.engine) as conn:
+            return [_sample_dict(r[0]) for r in conn.execute(q)]
+
+    def count_samples(self) -> int:
+        with Session(self.engine) as conn:
+            return int(conn.execute(select(func.count()).select_from(SampleRow)).scalar_one())
+
+    def downsampled(
+        self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
+    ) -> list[dict[str, Any]]:
+        """min/avg/max of ``fields`` per ``step_s`` bucket, from raw samples and, where raw
+        samples have expired, from the per-minute aggregates. Shape: ``[{"ts": bucket_start,
+        "n": k, "<f>_min": .., "<f>_avg": .., "<f>_max": ..}, ...]`` sorted by ts.
+        """
+        fields = list(fields)
+        step_s = max(step_s, 0.001)
+        bucket = func.cast((SampleRow.ts - since) / step_s, Integer_())
+        cols = [bucket.label("b"), func.count().label("n")]
+        for f in fields:
+            c = getattr(SampleRow, f)
+            cols += [func.min(c).label(f"{f}_min"), func.avg(c).label(f"{f}_avg"), func.max(c).label(f"{f}_max")]
+        q = select(*cols).where(SampleRow.ts >= since, SampleRow.ts <= until).group_by("b").order_by("b")
+        out: dict[int, dict[str, Any]] = {}
+        with Session(self.engine) as conn:
+            for r in conn.execute(q):
+                d = dict(r._mapping)
+                b = d.pop("b")
+                d["ts"] = since + b * step_s
+                out[b] = d
+            agg_fields = [f for f in fields if f in AGGREGATE_FIELDS]
+            first_raw = conn.execute(select(func.min(SampleRow.ts))).scalar()
+            agg_until = min(until, first_raw) if first_raw is not None else until
+            if agg_fields and agg_until > since:
+                mb = func.cast((SampleMinute.minute_ts - since) / step_s, Integer_())
+                acols = [mb.label("b"), func.sum(SampleMinute.n).label("n")]
+                for f in agg_fields:
+                    acols += [
+                        func.min(getattr(SampleMinute, f"{f}_min")).label(f"{f}_min"),
+                        func.avg(getattr(SampleMinute, f"{f}_avg")).label(f"{f}_avg"),
+                        func.max(getattr(SampleMinute, f"{f}_max")).label(f"{f}_max"),
+                    ]
+                aq = (
+                    select(*acols)
+                    .where(SampleMinute.minute_ts >= since, SampleMinute.minute_ts < agg_until)
+                    .group_by("b")
+                )
+                for r in conn.execute(aq):
+                    d = dict(r._mapping)
+                    b = d.pop("b")
+                    if b not in out:
+                        d["ts"] = since + b * step_s
+                        out[b] = d
+        return [out[b] for b in sorted(out)]
+
+    def events(
+        self, *, since: float | None = None, kinds: Iterable[str] | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        q = select(Event).order_by(Event.ts.desc(), Event.id.desc()).limit(limit)
+        if since is not None:
+            q = q.where(Event.ts >= since)
+        if kinds:
+            q = q.where(Event.kind.in_(list(kinds)))
+        with Session(self.engine) as conn:
+            rows = [r[0] for r in conn.execute(q)]
+        return [
+            {
+                "id": e.id,
+                "ts": e.ts,
+                "kind": e.kind,
+                "severity": e.severity,
+                "message": e.message,
+                "details": e.details,
+                "launch_id": e.launch_id,
+            }
+            for e in rows
+        ]
+
+    def status_snapshot(self) -> dict[str, Any] | None:
+        with Session(self.engine) as conn:
+            row = conn.execute(select(StatusSnapshot.data).where(StatusSnapshot.id == 1)).first()
+        return dict(row[0]) if row else None
+
+    def kernel_counts(self, *, since: float) -> list[dict[str, Any]]:
+        q = select(KernelCount).where(KernelCount.minute_ts >= since).order_by(KernelCount.minute_ts)
+        with Session(self.engine) as conn:
+            return [{"minute_ts": r[0].minute_ts, "kind": r[0].kind, "count": r[0].count} for r in conn.execute(q)]
+
+    def nvrm_windows(self) -> list[dict[str, Any]]:
+        q = select(NvrmWindow).order_by(NvrmWindow.window_start)
+        with Session(self.engine) as conn:
+            return [
+                {"window_start": r[0].window_start, "window_s": r[0].window_s, "count": r[0].count}
+                for r in conn.execute(q)
+            ]
+
+    def gpu_samples(self, *, since: float, limit: int = 10000) -> list[dict[str, Any]]:
+        q = select(GpuSample).where(GpuSample.ts >= since).order_by(GpuSample.ts).limit(limit)
+        cols = (
+            "ts",
+            "gpu_index",
+            "name",
+            "utilization_pct",
+            "temperature_c",
+            "power_w",
+            "memory_total_bytes",
+            "memory_used_bytes",
+            "memory_supported",
+        )
+        with Session(self.engine) as conn:
+            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+
+    def runs(self, *, limit: int = 20) -> list[dict[str, Any]]:
+        q = select(DaemonRun).order_by(DaemonRun.id.desc()).limit(limit)
+        with Session(self.engine) as conn:
+            return [
+                {
+                    "id": r.id,
+                    "started_at": r.started_at,
+                    "stopped_at": r.stopped_at,
+                    "pid": r.pid,
+                    "version": r.version,
+                    "exit_reason": r.exit_reason,
+                    "samples": r.samples,
+                }
+                for (r,) in conn.execute(q)
+            ]
+
+    def launches(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        q = select(Launch).order_by(Launch.started_at.desc()).limit(limit)
+        with Session(self.engine) as conn:
+            return [_launch_dict(r) for (r,) in conn.execute(q)]
+
+    def launch(self, launch_id: str) -> dict[str, Any] | None:
+        with Session(self.engine) as conn:
+            row = conn.execute(select(Launch).where(Launch.id == launch_id)).first()
+        return _launch_dict(row[0]) if row else None
+
+    def save_launch(self, data: dict[str, Any]) -> None:
+        self.write_batch([("launch", dict(data))])
+
+    # ------------------------------------------------------------------ revisions
+    def add_revision(self, *, who: str, reason: str, data: dict[str, Any], diff: dict[str, Any] | None) -> int:
+        with self.engine.begin() as conn:
+            r = conn.execute(
+                insert(ConfigRevision).values(ts=time.time(), who=who, reason=reason, data=data, diff=diff)
+            )
+            return int(r.inserted_primary_key[0])  # type: ignore[index]
+
+    def revisions(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        q = select(ConfigRevision).order_by(ConfigRevision.id.desc()).limit(limit)
+        with Session(self.engine) as conn:
+            return [
+                {"id": r.id, "ts": r.ts, "who": r.who, "reason": r.reason, "data": r.data, "diff": r.diff}
+                for (r,) in conn.execute(q)
+            ]
+
+    # ------------------------------------------------------------------ retention
+    def prune(
+        self, *, now: float, raw_keep_s: float, minutes_keep_s: float, events_keep_s: float, batch: int = 5000
+    ) -> dict[str, int]:
+        """Aggregate expiring raw samples into ``sample_minutes`` then delete them, in small
+        transactions (``batch`` rows) so the writer is never blocked for long.
+        Returns counts of rows removed per table.
+        """
+        cutoff = now - raw_keep_s
+        removed = {"samples": 0, "sample_minutes": 0, "events": 0, "launches": 0, "kernel_counts": 0}
+        while True:
+            with self.engine.begin() as conn:
+                first = conn.execute(select(func.min(SampleRow.ts)).where(SampleRow.ts < cutoff)).scalar()
+                if first is None:
+                    break
+                m0 = first - first % 60
+                m1 = min(m0 + 60 * max(1, batch // 60), cutoff)
+                mb = (func.cast(SampleRow.ts / 60, Integer_()) * 60).label("m")
+                cols: list[Any] = [mb, func.count().label("n")]
+                for f in AGGREGATE_FIELDS:
+                    c = getattr(SampleRow, f)
+                    cols += [func.min(c), func.avg(c), func.max(c)]
+                rows = conn.execute(select(*cols).where(SampleRow.ts >= m0, SampleRow.ts < m1).group_by("m")).all()
+                for r in rows:
+                    vals: dict[str, Any] = {"minute_ts": float(r[0]), "n": r[1]}
+                    for i, f in enumerate(AGGREGATE_FIELDS):
+                        vals[f"{f}_min"], vals[f"{f}_avg"], vals[f"{f}_max"] = r[2 + 3 * i : 5 + 3 * i]
+                    stmt = sqlite_insert(SampleMinute).values(**vals)
+                    # a minute split across two prune passes: widen the envelope, weight the mean
+                    n_old, n_new = SampleMinute.n, vals["n"]
+                    merged: dict[str, Any] = {"n": n_old + n_new}
+                    for f in AGGREGATE_FIELDS:
+                        if vals[f"{f}_avg"] is None:
+                            continue
+                        merged[f"{f}_min"] = func.min(
+                            func.coalesce(getattr(SampleMinute, f"{f}_min"), vals[f"{f}_min"]), vals[f"{f}_min"]
+                        )
+                        merged[f"{f}_max"] = func.max(
+                            func.coalesce(getattr(SampleMinute, f"{f}_max"), vals[f"{f}_max"]), vals[f"{f}_max"]
+                        )
+                        merged[f"{f}_avg"] = (
+                            func.coalesce(getattr(SampleMinute, f"{f}_avg"), vals[f"{f}_avg"]) * n_old
+                            + vals[f"{f}_avg"] * n_new
+                        ) / (n_old + n_new)
+                    conn.execute(stmt.on_conflict_do_update(index_elements=["minute_ts"], set_=merged))
+                res = conn.execute(delete(SampleRow).where(SampleRow.ts >= m0, SampleRow.ts < m1))
+                removed["samples"] += res.rowcount or 0
+        with self.engine.begin() as conn:
+            removed["sample_minutes"] = (
+                conn.execute(delete(SampleMinute).where(SampleMinute.minute_ts < now - minutes_keep_s)).rowcount or 0
+            )
+            removed["events"] = conn.execute(delete(Event).where(Event.ts < now - events_keep_s)).rowcount or 0
+            removed["launches"] = (
+                conn.execute(delete(Launch).where(Launch.started_at < now - events_keep_s)).rowcount or 0
+            )
+            removed["kernel_counts"] = (
+                conn.execute(delete(KernelCount).where(KernelCount.minute_ts < now - minutes_keep_s)).rowcount or 0
+            )
+            removed["gpu_samples"] = (
+                conn.execute(delete(GpuSample).where(GpuSample.ts < now - raw_keep_s)).rowcount or 0
+            )
+            removed["nvrm_windows"] = (
+                conn.execute(delete(NvrmWindow).where(NvrmWindow.window_start < now - minutes_keep_s)).rowcount or 0
+            )
+        return removed
+
+    def vacuum(self) -> None:
+        """Return freed pages to the file system (auto_vacuum=INCREMENTAL) and truncate the WAL."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("PRAGMA incremental_vacuum")
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def _short(e: BaseException) -> str:
+    """An error in one line, without the SQL statement and its parameters."""
+    orig = getattr(e, "orig", None)
+    text = f"{type(orig or e).__name__}: {orig or e}"
+    return text.splitlines()[0][:200]
+
+
+def Integer_() -> Any:
+    from sqlalchemy import Integer
+
+    return Integer()
+
+
+def _sample_dict(r: SampleRow) -> dict[str, Any]:
+    return {c: getattr(r, c) for c in SAMPLE_COLUMNS}
+
+
+def _launch_dict(r: Launch) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "revision": r.revision,
+        "started_at": r.started_at,
+        "ready_at": r.ready_at,
+        "stopped_at": r.stopped_at,
+        "container_id": r.container_id,
+        "image": r.image,
+        "status": r.status,
+        "plan": r.plan,
+        "actual": r.actual,
+        "trough_bytes": r.trough_bytes,
+        "driver_baseline_bytes": r.driver_baseline_bytes,
+        "forced": r.forced,
+    }
+
+
+class Writer:
+    """Bounded queue → batched writes in a worker thread.
+
+    ``submit`` never blocks and never raises: when the queue is full the item is
+    dropped and that is logged once until the queue drains again.
+    """
+
+    def __init__(self, store: Store | None, maxsize: int = 10000, batch_max: int = 1000) -> None:
+        self.store = store
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=maxsize)
+        self.batch_max = batch_max
+        self.dropped = 0
+        self.written = 0
+        self.failures = 0
+        self._drop_logged = False
+        self._fail_logged = False
+        self._pending: list[tuple[str, Any]] = []
+
+    def submit(self, kind: str, payload: Any) -> bool:
+        try:
+            self.queue.put_nowait((kind, payload))
+            return True
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if not self._drop_logged:
+                log.warning(
+                    "database writer is behind: queue full (%d items); dropping records after the rules saw them",
+                    self.queue.maxsize,
+                )
+                self._drop_logged = True
+            return False
+
+    def _take_batch(self, first: tuple[str, Any] | None = None) -> list[tuple[str, Any]]:
+        batch = [first] if first else []
+        while len(batch) < self.batch_max:
+            try:
+                batch.append(self.queue.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        return batch
+
+    def _write(self, batch: list[tuple[str, Any]]) -> bool:
+        """Write one batch; False (and logged once per episode) when the database refused it."""
+        if self.store is None:
+            self.dropped += len(batch)
+            return True
+        try:
+            self.store.write_batch(batch)
+        except Exception as e:
+            self.failures += 1
+            if not self._fail_logged:
+                log.error(
+                    "database write failed (%s); the guard goes on, records wait in the queue (%d max) "
+                    "and are written when the database recovers",
+                    _short(e),
+                    self.queue.maxsize,
+                )
+                self._fail_logged = True
+            return False
+        self.written += len(batch)
+        if self._fail_logged:
+            log.info("database writes recovered")
+        self._fail_logged = False
+        if self.queue.qsize() < self.queue.maxsize // 2:
+            self._drop_logged = False
+        return True
+
+    async def run(self) -> None:
+        backoff = 0.25
+        pending: list[tuple[str, Any]] = []
+        while True:
+            if not pending:
+                first = await self.queue.get()
+                pending = self._take_batch(first)
+            if await asyncio.to_thread(self._write, pending):
+                pending, backoff, self._pending = [], 0.25, []
+            else:  # keep the batch (a locked or full database is usually temporary) and retry
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                self._pending = pending
+
+    def flush(self, attempts: int = 3) -> int:
+        """Write everything still queued (synchronously, at shutdown). Returns items written;
+        a batch the database keeps refusing after ``attempts`` tries is dropped and counted."""
+        n = 0
+        batches = [self._pending] if self._pending else []
+        self._pending = []
+        while not self.queue.empty():
+            batches.append(self._take_batch())
+        for batch in batches:
+            for i in range(attempts):
+                if self._write(batch):
+                    n += len(batch)
+                    break
+                time.sleep(0.2 * (i + 1))
+            else:
+                self.dropped += len(batch)
+        return n
