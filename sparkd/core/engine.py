@@ -1,0 +1,164 @@
+"""``RuleEngine``: the one place a sample becomes decisions.
+
+The live guard (``loop.guard``), ``sparkd replay`` (``ops.replay``) and the re-check
+before a stop (``loop.daemon``) all call it, so one trace gives the same decisions
+everywhere (``tests/test_same_decisions.py`` records a live run and replays it).
+
+Pure: no I/O, no clock reads — every sample carries its own monotonic time (``mono``).
+
+Shapes:
+    ``RuleEngine(specs, cooldown_s=, horizon_s=)``; ``specs`` are ``RuleSpec``s
+    (``config.RuleConfig`` or anything with the same attributes).
+    ``step(sample) -> list[Decision]`` — compile on first use (``%`` thresholds need MemTotal),
+    feed the slope window, advance every rule.
+    ``recheck(rule, sample) -> bool`` — before acting: does the rule still hold on a fresh sample?
+    ``demote(rule, reason)`` — the rule keeps counting but acts as ``warn`` from now on.
+    ``blind() -> {rule: why}`` — rules that could not evaluate on the last sample.
+    ``horizon_s`` — the time a stop takes: the longest of the last ``STOP_MEMORY`` measured stops
+    (``note_stop_duration``), or the configured grace (``container.stop_timeout_s``) before any.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sparkd.core.floors import demote as demote_rules
+from sparkd.core.rules import (
+    DEFAULT_HORIZON_S,
+    Decision,
+    Rule,
+    RuleSpec,
+    RuleState,
+    SlopeWindow,
+    compile_rules,
+    evaluate,
+    still_holds,
+    usable_bytes,
+)
+from sparkd.core.sample import Sample
+
+#: How many measured stop durations the horizon remembers.
+STOP_MEMORY = 5
+
+#: The slope window always keeps at least this much history (s), whatever the rules ask.
+MIN_SLOPE_HISTORY_S = 64.0
+
+
+class RuleEngine:
+    """Rule states, the slope window and the demotions of one guard or one replay.
+
+    Args:
+        specs: rule configurations (``RuleSpec``); compiled against MemTotal on the first step.
+        cooldown_s: a rule that tripped is reported as ``cooldown`` for this long.
+        horizon_s: the configured stop grace (s), the predictive rules' default horizon.
+
+    Raises (from ``step``/``compile``):
+        ValueError: a rule cannot be compiled (a ``%`` threshold with MemTotal unknown).
+    """
+
+    def __init__(
+        self, specs: Iterable[RuleSpec], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S
+    ) -> None:
+        self.specs = list(specs)
+        self.cooldown_s = cooldown_s
+        self.configured_horizon_s = horizon_s
+        self.stop_durations: deque[float] = deque(maxlen=STOP_MEMORY)
+        self.rules: list[Rule] = []
+        self.states: dict[str, RuleState] = {}
+        self.demoted: dict[str, str] = {}
+        self.slope = SlopeWindow(max_window_s=MIN_SLOPE_HISTORY_S)
+        self.mem_total: int | None = None
+        self._compiled = False
+        self._fixed = False
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def horizon_s(self) -> float:
+        """The time a stop takes (s): the longest recent measured stop, else the configured grace."""
+        return max(self.stop_durations) if self.stop_durations else self.configured_horizon_s
+
+    def note_stop_duration(self, seconds: float) -> None:
+        """Remember how long a stop took (SIGTERM to exit, s); ignored unless finite and > 0."""
+        if seconds > 0 and seconds == seconds and seconds != float("inf"):
+            self.stop_durations.append(float(seconds))
+            self._size_slope()
+
+    def compile(self, mem_total_bytes: int | None, *, fixed: bool = False) -> None:
+        """(Re)compile the rules against MemTotal; counters of rules that remain are kept.
+        ``fixed``: keep this MemTotal whatever the samples say (replay's ``--mem-total-gib``)."""
+        self._fixed = fixed
+        self.rules = demote_rules(compile_rules(self.specs, mem_total_bytes), self.demoted)
+        self.mem_total = mem_total_bytes
+        self._compiled = True
+        for r in self.rules:
+            self.states.setdefault(r.name, RuleState())
+        self._size_slope()
+
+    def _size_slope(self) -> None:
+        longest = max(
+            (w for r in self.rules if r.kind == "predictive" for w, _ in r.fit_windows(self.horizon_s)),
+            default=0.0,
+        )
+        self.slope.max_window_s = max(MIN_SLOPE_HISTORY_S, longest)
+
+    def ensure(self, sample: Sample) -> None:
+        """Compile once MemTotal is known, and again if it changes."""
+        changed = sample.mem_total is not None and sample.mem_total != self.mem_total
+        if not self._compiled or (changed and not self._fixed):
+            self.compile(sample.mem_total if sample.mem_total is not None else self.mem_total)
+
+    # ------------------------------------------------------------------ decisions
+    def step(self, sample: Sample) -> list[Decision]:
+        """Advance every rule on ``sample`` (its ``mono`` is "now"); trips, near misses, cooldowns."""
+        self.ensure(sample)
+        self.slope.add(sample.mono, usable_bytes(sample))
+        return evaluate(
+            sample,
+            self.rules,
+            self.states,
+            sample.mono,
+            cooldown_s=self.cooldown_s,
+            slope=self.slope,
+            horizon_s=self.horizon_s,
+        )
+
+    def recheck(self, rule_name: str, sample: Sample) -> bool:
+        """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
+
+        The sample joins the slope window (once: the next ``step`` on the same sample does not
+        add it again). An unknown rule does not hold."""
+        rule = self.rule(rule_name)
+        if rule is None:
+            return False
+        self.slope.add(sample.mono, usable_bytes(sample))
+        return still_holds(rule, sample, self.slope, sample.mono, self.horizon_s)
+
+    def demote(self, rule_name: str, reason: str) -> None:
+        """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""
+        self.demoted[rule_name] = reason
+        self.rules = demote_rules(self.rules, self.demoted)
+
+    # ------------------------------------------------------------------ reading
+    def rule(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.name == name), None)
+
+    def blind(self) -> dict[str, str]:
+        """``{rule: why}`` for each rule whose inputs were missing on the last sample."""
+        return {r.name: why for r in self.rules if (why := self.states[r.name].blind) is not None}
+
+    def counting(self) -> bool:
+        return any(st.counter > 0 for st in self.states.values())
+
+    def rules_json(self) -> list[dict[str, Any]]:
+        """Each rule as configured, with its counters, whether it was demoted, and why it is blind."""
+        return [
+            {**r.to_json(), "demoted": self.demoted.get(r.name), **self.states.get(r.name, RuleState()).to_json()}
+            for r in self.rules
+        ]
+
+
+def replay_samples(engine: RuleEngine, samples: Sequence[Sample]) -> list[list[Decision]]:
+    """``engine.step`` over each sample in order (a convenience for tests and tools)."""
+    return [engine.step(s) for s in samples]
