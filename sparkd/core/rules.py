@@ -315,8 +315,10 @@ class SlopeWindow:
         while self.points and mono - self.points[0][0] > self.max_window_s:
             self.points.popleft()
 
-    def count(self, now: float, window_s: float) -> int:
-        return sum(1 for p in self.points if now - p[0] <= window_s + 1e-9)
+    def span(self, now: float, window_s: float) -> float:
+        """Seconds between the oldest point within ``window_s`` of ``now`` and the newest."""
+        pts = [p[0] for p in self.points if now - p[0] <= window_s + 1e-9]
+        return pts[-1] - pts[0] if pts else 0.0
 
     def slope(
         self, now: float, window_s: float, min_points: int = FIT_MIN_POINTS, max_points: int = FIT_MAX_POINTS
@@ -367,6 +369,8 @@ def _projection(
             first_slope = slope
         if slope >= 0:
             continue
+        # the projection reaches as far as the points reach back, not as far as the window could
+        h = min(h, HORIZON_PER_WINDOW * window.span(now, w))
         eta = (avail - rule.floor_bytes) / -slope
         if eta <= h:
             best = (eta, slope, w, h)

@@ -144,6 +144,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         for key, label in (
             ("mem_total", "MemTotal"),
             ("mem_available", "MemAvailable"),
+            ("mem_available_minus_cma", "usable"),
             ("mem_free", "MemFree"),
             ("cached", "Cached"),
             ("anon_pages", "AnonPages"),
@@ -166,10 +167,18 @@ def status(ctx: click.Context, as_json: bool) -> None:
             extra = f", near misses {r['near_misses']}" if r.get("evidence") else ""
             if r.get("demoted"):
                 extra += f"  DEMOTED to warn: {r['demoted']}"
+            need = f"{r['counter']}/{r['samples']}" + (f" ({r['for_s']:g} s)" if r.get("for_s") else "")
+            if r.get("blind"):  # a rule whose input is missing is never shown as a quiet 0/N
+                need = f"BLIND ({r['blind']})"
             click.echo(
-                f"  {r['name']:<26} {r['counter']}/{r['samples']}  trips {r['trips']}{extra}  "
-                f"[{r['action']}: {' and '.join(r['when'])}]"
+                f"  {r['name']:<26} {need}  trips {r['trips']}{extra}  [{r['action']}: {' and '.join(r['when'])}]"
             )
+    blind = (data.get("blind") or {}).get("sensors") or {}
+    for name, why in blind.items():
+        click.echo(f"BLIND: {name}: {why}")
+    lost = (data.get("kernel_log") or {}).get("lost_lines")
+    if lost:
+        click.echo(f"kernel log: {lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     wm = data["watermark"] or {}
     for w in wm.get("warnings") or []:
         click.echo(f"WATERMARK WARNING: {w}")

@@ -157,6 +157,10 @@ class Guard:
     def demoted(self) -> dict[str, str]:
         return self.engine.demoted
 
+    def ensure_rules(self, sample: Sample) -> None:
+        """Compile the rules once MemTotal is known (``%`` thresholds need it)."""
+        self.engine.ensure(sample)
+
     def evaluate(self, sample: Sample) -> list[Decision]:
         return self.engine.step(sample)
 
@@ -229,7 +233,8 @@ class Guard:
             for attr, floor in r.floors():
                 v = getattr(sample, attr)
                 if v is not None and v - floor < margin:
-                    return f"{attr} within {self.settings.fast_margin} of {r.name}'s floor"
+                    name = "usable" if attr == "mem_available_minus_cma" else attr
+                    return f"{name} within {self.settings.fast_margin} of {r.name}'s floor"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
         s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)

@@ -10,7 +10,7 @@ from typing import Any
 from sparkd.config import RuleConfig
 from sparkd.core.engine import RuleEngine
 from sparkd.core.rules import DEFAULT_HORIZON_S, FIT_MIN_POINTS, Rule
-from sparkd.core.sample import Sample
+from sparkd.core.sample import Sample, derive
 from sparkd.ops.replay.interpolate import _round_down
 from sparkd.ops.replay.traces import Trace
 from sparkd.units import fmt_gib
@@ -187,6 +187,8 @@ def replay(
     max_counter = {r.name: 0 for r in rules}
     pending: list[ReplayDecision] = []
     for i, s in enumerate(trace.samples):
+        if s.mem_available_minus_cma is None:
+            derive(s)  # samples built by hand: usable as build_sample derives it (the loaders already did)
         for p in pending:  # re-check the previous sample's stop trips on this one
             p.recheck = engine.recheck(p.rule, s)
         pending = []
