@@ -118,7 +118,7 @@ def test_fast_reason_a_predictive_rules_floor_counts(tmp_path: Path) -> None:
     g = _guard(tmp_path, rules=[{**rule, "when": ["MemAvailable < 16GiB"]}])
     assert g.fast_reason(_steady(g, 17.5)) is None
     assert g.fast_reason(_steady(g, 16.5)) == "mem_available within 1GiB of collapse's floor"
-    assert g.fast_reason(_steady(g, 10.0)) == "usable within 1GiB of collapse's floor"
+    assert g.fast_reason(_steady(g, 10.0)) == "mem_available within 1GiB of collapse's floor"
 
 
 def test_fast_reason_falling_faster_than_the_rate_means_fast(tmp_path: Path) -> None:
