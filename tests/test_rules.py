@@ -138,7 +138,14 @@ def test_seed_and_default_rules_compile() -> None:
     }
     assert default[2].floor_bytes == 4 * GiB
     assert (default[2].within_s, default[2].window_s) == (None, 2.0)  # horizon: the time a stop takes
-    assert default[2].fit_windows(30.0) == [(2.0, 3.0), (4.0, 6.0), (8.0, 12.0), (16.0, 24.0), (32.0, 30.0), (64.0, 30.0)]
+    assert default[2].fit_windows(30.0) == [
+        (2.0, 3.0),
+        (4.0, 6.0),
+        (8.0, 12.0),
+        (16.0, 24.0),
+        (32.0, 30.0),
+        (64.0, 30.0),
+    ]
 
 
 # ----------------------------------------------------------------- counters

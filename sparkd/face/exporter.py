@@ -90,6 +90,13 @@ class SparkdCollector(Collector):
             )
             g.add_metric([], float(sample["driver_bytes"]))
             yield g
+        if sample.get("mem_available_minus_cma") is not None:
+            g = GaugeMetricFamily(
+                "sparkd_memory_usable_bytes",
+                "Usable memory the default rules judge: MemAvailable - CmaFree (MemAvailable without CMA)",
+            )
+            g.add_metric([], float(sample["mem_available_minus_cma"]))
+            yield g
         if sample.get("shm_bytes") is not None:
             g = GaugeMetricFamily("sparkd_dev_shm_bytes", "Bytes in /dev/shm")
             g.add_metric([], float(sample["shm_bytes"]))
@@ -117,6 +124,34 @@ class SparkdCollector(Collector):
             trips.add_metric([name], float(r.get("trips") or 0))
             near.add_metric([name], float(r.get("near_misses") or 0))
         yield from (counter, need, trips, near)
+        blind = GaugeMetricFamily(
+            "sparkd_rule_blind",
+            "1 when the rule cannot evaluate because an input it needs was not read (reason says which)",
+            labels=["rule", "reason"],
+        )
+        for r in rules:
+            why = r.get("blind")
+            blind.add_metric([str(r.get("name")), str(why or "")], 1.0 if why else 0.0)
+        yield blind
+        sensors = GaugeMetricFamily(
+            "sparkd_input_blind",
+            "1 for each input a rule needs that cannot be read (MemAvailable, MemFree, PSI, kernel log, /dev/shm)",
+            labels=["input", "reason"],
+        )
+        for name, why in ((st.get("blind") or {}).get("sensors") or {}).items():
+            sensors.add_metric([str(name), str(why)], 1.0)
+        yield sensors
+        kl = st.get("kernel_log") or {}
+        lost = CounterMetricFamily(
+            "sparkd_kernel_log_lost_lines", "Kernel-log records the ring buffer overwrote before sparkd read them"
+        )
+        lost.add_metric([], float(kl.get("lost_lines") or 0))
+        yield lost
+        bursts = CounterMetricFamily(
+            "sparkd_nvrm_bursts", "NV_ERR_NO_MEMORY bursts (nvrm_burst lines within nvrm_window_s), one per window"
+        )
+        bursts.add_metric([], float(kl.get("nvrm_bursts") or 0))
+        yield bursts
 
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
         nvrm.add_metric([], float((st.get("kernel_log") or {}).get("nvrm_lines") or 0))
