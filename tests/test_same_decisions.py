@@ -11,6 +11,7 @@ replay re-checks on the next stored sample instead), so both see the same sample
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -42,7 +43,7 @@ SCRIPT: list[tuple[float, float, float, float]] = [
 
 
 def _at(t: float) -> tuple[float, float, float]:
-    for (t0, *a), (t1, *b) in zip(SCRIPT, SCRIPT[1:], strict=False):
+    for (t0, *a), (t1, *b) in itertools.pairwise(SCRIPT):
         if t0 <= t <= t1:
             f = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
             return tuple(x + (y - x) * f for x, y in zip(a, b, strict=True))  # type: ignore[return-value]
