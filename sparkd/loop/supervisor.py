@@ -570,6 +570,7 @@ class Supervisor:
             proc_root=s.proc_root,
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            model_dir=s.container.model_dir,
         )
         if not pf.ok and not force:
             self._event(
