@@ -256,3 +256,19 @@ def test_max_model_len_beyond_the_model_context_or_defaulted_is_a_warning(tmp_pa
     assert any("262144 (default) exceeds" in w for w in p["warnings"])
     p = _json(tmp_path, "--model-dir", d, "--max-model-len", "131072")
     assert not any("max_model_len" in w for w in p["warnings"])
+
+
+def test_sources_of_a_stored_revision_are_judged_against_the_config() -> None:
+    from sparkd.config import BudgetSettings
+    from sparkd.loop.launch import apply_resize, setting_sources
+
+    config = BudgetSettings(enabled=True, overhead_gib=5.6, kv_bytes_per_token=29482)
+    revision = apply_resize(config, {"kv_target_gib": 16.0})  # every field set, as a stored revision is
+    src = setting_sources(revision, base=config)
+    # set in the file (even at the default's value), changed by the resize, and never set
+    assert src["overhead_gib"] == "config file"
+    assert src["kv_target_gib"] == "config file"
+    assert src["host_reserve_gib"] == "default"
+    # without a base every field of the revision looks set
+    assert setting_sources(revision)["host_reserve_gib"] == "config file"
+    assert setting_sources(config, flags={"max_model_len"})["max_model_len"] == "flag"

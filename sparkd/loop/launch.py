@@ -40,14 +40,23 @@ RESIZE_FIELDS: tuple[str, ...] = (
 )
 
 
-def setting_sources(b: BudgetSettings, flags: Iterable[str] = ()) -> dict[str, str]:
-    """Where each budget setting came from: ``"flag"`` (named in ``flags``), ``"config file"``
-    (set in ``b``: the config file, a ``SPARKD_BUDGET__*`` variable or a resize), else ``"default"``."""
-    flagged = set(flags)
-    return {
-        name: "flag" if name in flagged else "config file" if name in b.model_fields_set else "default"
-        for name in type(b).model_fields
-    }
+def setting_sources(
+    b: BudgetSettings, flags: Iterable[str] = (), *, base: BudgetSettings | None = None
+) -> dict[str, str]:
+    """Where each budget setting of ``b`` came from: ``"flag"`` (named in ``flags``), ``"config file"``
+    (set in ``base``, i.e. the config file or a ``SPARKD_BUDGET__*`` variable, or changed from it by a
+    resize), else ``"default"``. ``base`` defaults to ``b`` (pass the configuration's budget when ``b``
+    is a stored revision, which has every field set)."""
+    flagged, ref = set(flags), base or b
+
+    def source(name: str) -> str:
+        if name in flagged:
+            return "flag"
+        if name in ref.model_fields_set or getattr(b, name) != getattr(ref, name):
+            return "config file"
+        return "default"
+
+    return {name: source(name) for name in type(b).model_fields}
 
 
 def budget_inputs(
@@ -174,12 +183,13 @@ def budget_inputs(
     )
 
 
-def plan_for(settings: Settings, mem_total_bytes: int) -> Plan | None:
-    """The plan when the budget is enabled, else ``None``. Raises ``InvalidInput`` / ``Refused``."""
+def plan_for(settings: Settings, mem_total_bytes: int, *, base: BudgetSettings | None = None) -> Plan | None:
+    """The plan when the budget is enabled, else ``None``. ``base``: the configuration's budget
+    when ``settings.budget`` is a revision (for the sources). Raises ``InvalidInput`` / ``Refused``."""
     if not settings.budget.enabled:
         return None
     b = settings.budget
-    return make_plan(budget_inputs(b, settings.container, mem_total_bytes, sources=setting_sources(b)))
+    return make_plan(budget_inputs(b, settings.container, mem_total_bytes, sources=setting_sources(b, base=base)))
 
 
 def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:
