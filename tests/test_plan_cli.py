@@ -272,3 +272,17 @@ def test_sources_of_a_stored_revision_are_judged_against_the_config() -> None:
     # without a base every field of the revision looks set
     assert setting_sources(revision)["host_reserve_gib"] == "config file"
     assert setting_sources(config, flags={"max_model_len"})["max_model_len"] == "flag"
+
+
+def test_the_notes_figure_from_the_config_file_keeps_0_58_and_says_config_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[budget]\nkv_bytes_per_token = 29482\noverhead_gib = 5.6\n')
+    args = ["--mem-total-gib", "121.69", "--weights-gib", "71.75", "--json"]
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", *args])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.output)
+    assert p["kv_mult"] == 0.58
+    assert p["provenance"]["kv_bytes_per_token"]["source"] == "config file"
+    assert p["provenance"]["overhead_gib"]["source"] == "config file"
+    assert p["provenance"]["weights_gib"]["source"] == "flag"
+    assert not any("overhead_gib" in w for w in p["warnings"])
