@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from checkpoints import gib, make_checkpoint
 from click.testing import CliRunner
-from test_kvcache import GEMMA3_27B, LLAMA_31_8B, LLAMA_31_70B, QWEN3_NEXT_80B
+from test_kvcache import DEEPSEEK_V3, GEMMA3_27B, GPT_OSS_20B, LLAMA_31_8B, LLAMA_31_70B, QWEN3_NEXT_80B
 
 from sparkd.face.cli import main
 
@@ -286,3 +286,24 @@ def test_the_notes_figure_from_the_config_file_keeps_0_58_and_says_config_file(t
     assert p["provenance"]["overhead_gib"]["source"] == "config file"
     assert p["provenance"]["weights_gib"]["source"] == "flag"
     assert not any("overhead_gib" in w for w in p["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("config", "per_token", "windows", "state"),
+    [
+        (LLAMA_31_8B, 131_072, [], 0),  # 2 × 32 × 8 × 128 × 2
+        (DEEPSEEK_V3, 70_272, [], 0),  # 61 × (512 + 64) × 2
+        (QWEN3_NEXT_80B, 24_576, [], 39_518_208),  # 2 × 12 × 2 × 256 × 2; 36 × 1,097,728 B state
+        (GPT_OSS_20B, 24_576, [[128, 24_576]], 0),  # 12 full + 12 sliding layers of 2 × 8 × 64 × 2
+        (GEMMA3_27B, 81_920, [[1024, 425_984]], 0),  # 10 global + 52 sliding layers of 2 × 16 × 128 × 2
+    ],
+)
+def test_every_family_goes_from_a_checkpoint_dir_into_the_plan(
+    tmp_path: Path, config: dict[str, Any], per_token: int, windows: list[list[int]], state: int
+) -> None:
+    d = _ckpt(tmp_path, config, 8)
+    p = _json(tmp_path, "--model-dir", d, "--max-model-len", "4096", "--kv-cache-dtype", "bf16")
+    i = p["inputs"]
+    assert (i["kv_bytes_per_token"], i["kv_window_groups"], i["state_bytes_per_seq"]) == (per_token, windows, state)
+    # kv_need: 4096 tokens of the full layers + min(4096, window) of the sliding ones, 16-bit
+    assert p["kv_need_gib"] == (4096 * per_token + sum(min(4096, w) * b for w, b in windows)) / 2**30
