@@ -18,8 +18,8 @@ from sparkd.core.budget import (
     Plan,
     floor_gmu,
     make_plan,
-    render_plan_table,
 )
+from sparkd.core.plan_table import render_plan_table
 from sparkd.errors import InvalidInput, Refused
 from sparkd.sense.checkpoint import checkpoint_weight_bytes
 from sparkd.units import GiB, MiB

@@ -572,7 +572,8 @@ def plan(
     """The memory budget without launching (the seed's --no-launch): inputs with their sources,
     intermediate values, results. An incomplete checkpoint (a shard of the index missing or
     short) is refused (exit 1)."""
-    from sparkd.core.budget import make_plan, render_plan_table
+    from sparkd.core.budget import make_plan
+    from sparkd.core.plan_table import render_plan_table
     from sparkd.errors import Refused
     from sparkd.loop.launch import budget_inputs, setting_sources
     from sparkd.sense.checkpoint import check_checkpoint
