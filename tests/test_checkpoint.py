@@ -151,3 +151,12 @@ def test_the_preflight_refuses_a_model_dir_that_is_not_there(tmp_path: Path) -> 
     assert not pf.ok and "checkpoint not readable" in pf.failures[0]
     # no model_dir configured: nothing to check
     assert _preflight(tmp_path, None).ok
+
+
+def test_a_header_without_offsets_is_not_readable(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    raw = b'{"w": {"dtype": "BF16", "shape": [2]}}'
+    (d / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+    c = check_checkpoint(d)
+    assert not c.ok and "tensor 'w' has no [begin, end] data_offsets" in c.describe()

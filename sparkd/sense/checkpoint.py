@@ -215,6 +215,8 @@ def _safetensors_data_bytes(f: Path) -> tuple[int, int]:
     for k, v in header.items():
         if k == "__metadata__":
             continue
-        end = v.get("data_offsets", [0, 0])[1] if isinstance(v, dict) else 0
-        want = max(want, int(end))
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+            raise ValueError(f"tensor {k!r} has no [begin, end] data_offsets")
+        want = max(want, offsets[1])
     return size - 8 - n, want
