@@ -7,7 +7,9 @@ as in the notes; sizes read from the machine come in as bytes::
     w       = WEIGHT_BYTES / 2**30 - PLE_GIB            # GPU-resident weights
     w      -= min(MTP_OFF_CREDIT, max(w, 0))            # only when MTP is off
     fixed   = w + OVERHEAD_GIB + MTP_GIB                # MTP_GIB counts only when MTP is on
-    kv_need = MAX_MODEL_LEN * KV_BYTES_PER_TOKEN * KV_MULT / 2**30
+            + MAX_NUM_SEQS * STATE_BYTES_PER_SEQ / 2**30 # linear-attention state (issue 19; 0 for most)
+    kv_need = KV_BYTES(MAX_MODEL_LEN) * KV_MULT / 2**30 # one max-length request
+    KV_BYTES(L) = L * KV_BYTES_PER_TOKEN + sum(min(L, window) * bytes for each sliding-window group)
     wish    = fixed + max(kv_need, KV_TARGET_GIB)
     cap     = MEM_TOTAL_GIB - HOST_RESERVE_GIB
     budget  = min(wish, cap)
@@ -15,8 +17,12 @@ as in the notes; sizes read from the machine come in as bytes::
     budget  = gmu * MEM_TOTAL_GIB
     kv_exp  = budget - fixed                            # an estimate; vLLM's profiling decides
 
-Everything here is pure; the checkpoint's size on disk (``weight_bytes``)
-comes from ``sparkd.sense.checkpoint.checkpoint_weight_bytes`` at the edge.
+With no state and no sliding window, ``KV_BYTES(L)`` is the notes'
+``MAX_MODEL_LEN * KV_BYTES_PER_TOKEN``. Everything here is pure; the
+checkpoint's size on disk (``weight_bytes``) comes from
+``sparkd.sense.checkpoint.checkpoint_weight_bytes`` at the edge, the KV layout
+from its ``config.json`` via ``sparkd.core.kvcache``. KV_MULT for fp8 is the
+notes' 0.58 only for the notes' model; see ``NOTES_FP8_KV_MULT``.
 
 Decisions beyond the notes (documented here, tested in tests/test_budget.py):
 
@@ -104,11 +110,12 @@ class BudgetInputs:
     fixed linear-attention state of one sequence: fixed += max_num_seqs × it
     (see ``sparkd.core.kvcache``). ``model_max_len`` is the checkpoint's
     ``max_position_embeddings`` when known (a warning, not a refusal, when
-    ``max_model_len`` exceeds it: rope scaling can extend it). ``sources`` maps an input name (a field, or
-    ``kv_mult``) to one of ``SOURCES``; ``explain`` maps it to how the value was
-    reached (a formula, a reason). Both are shown by the plan and drive its
-    provenance warnings. ``model`` (a path inside the container) and ``extra_vllm_args``
-    (e.g. a speculative config for MTP) are passed through to ``vllm_args()``.
+    ``max_model_len`` exceeds it: rope scaling can extend it). ``sources`` maps
+    an input name (a field, or ``kv_mult``) to one of ``SOURCES``; ``explain``
+    maps it to how the value was reached (a formula, a reason). Both are shown
+    by the plan and drive its provenance warnings. ``model`` (a path inside the
+    container) and ``extra_vllm_args`` (e.g. a speculative config for MTP) are
+    passed through to ``vllm_args()``.
 
     Defaults are the notes' seed values. ``make_plan`` validates every field.
     """
