@@ -307,3 +307,15 @@ def test_every_family_goes_from_a_checkpoint_dir_into_the_plan(
     assert (i["kv_bytes_per_token"], i["kv_window_groups"], i["state_bytes_per_seq"]) == (per_token, windows, state)
     # kv_need: 4096 tokens of the full layers + min(4096, window) of the sliding ones, 16-bit
     assert p["kv_need_gib"] == (4096 * per_token + sum(min(4096, w) * b for w, b in windows)) / 2**30
+
+
+def test_the_dashboard_budget_bar_shows_the_linear_attention_state(tmp_path: Path) -> None:
+    from sparkd.face.presenters import budget_from_status
+
+    d = _ckpt(tmp_path, QWEN3_NEXT_80B, 40)
+    p = _json(tmp_path, "--model-dir", d, "--max-model-len", "262144", "--max-num-seqs", "8")
+    seg = {s["key"]: s["gib"] for s in budget_from_status(p, {})["segments"]}  # type: ignore[index]
+    # 8 sequences × 39,518,208 B
+    assert seg["state"] == 8 * 39_518_208 / 2**30
+    # the fixed part is drawn whole: weights + overhead + state
+    assert seg["weights"] + seg["overhead"] + seg["state"] == pytest.approx(p["fixed_gib"])
