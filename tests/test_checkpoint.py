@@ -160,3 +160,19 @@ def test_a_header_without_offsets_is_not_readable(tmp_path: Path) -> None:
     (d / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
     c = check_checkpoint(d)
     assert not c.ok and "tensor 'w' has no [begin, end] data_offsets" in c.describe()
+
+
+def test_a_pytorch_bin_index_is_checked_for_its_shards(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "pytorch_model-00001-of-00002.bin").write_bytes(b"\0" * 64)
+    doc = {
+        "metadata": {"total_size": 10**9},
+        "weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"},
+    }
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(doc))
+    c = check_checkpoint(d)
+    # the missing shard is named; pickle files have no header to size, so total_size is not compared
+    assert c.missing == ("pytorch_model-00002-of-00002.bin",) and c.data_bytes is None
+    (d / "pytorch_model-00002-of-00002.bin").write_bytes(b"\0" * 64)
+    assert check_checkpoint(d).ok
