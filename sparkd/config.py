@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.errors import ConfigError
 from sparkd.hostport import parse_host
@@ -42,8 +43,8 @@ class RuleConfig(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     samples: int = Field(default=5, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
-    action: Literal["stop", "warn"] = "stop"
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction = "stop"
+    kind: RuleKind = "threshold"
     floor: str | None = None
     within_s: float = Field(default=3.0, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
@@ -187,7 +188,7 @@ class BudgetSettings(BaseModel):
     host_reserve_gib: float = Field(default=28.0, ge=0)
     max_model_len: int = Field(default=262144, ge=1)
     kv_bytes_per_token: int = Field(default=29482, ge=1)
-    kv_cache_dtype: str = "fp8"
+    kv_cache_dtype: KvCacheDtype = "fp8"
     max_num_seqs: int = Field(default=4, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     gmu_override: float | None = Field(default=None, gt=0, le=1)

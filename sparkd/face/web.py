@@ -26,6 +26,8 @@ from sparkd import __version__
 from sparkd.errors import SparkdError
 from sparkd.face import presenters as views
 from sparkd.face.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Auth
+from sparkd.face.replies import validation_detail
+from sparkd.face.schemas import ResizeRequest, form_to_resize
 from sparkd.resources import web_dir
 from sparkd.units import GiB
 
@@ -152,7 +154,7 @@ def _status_parts(daemon: Daemon) -> dict[str, Any]:
         "summary": views.summary_from_status(status),
         "rules": views.rules_from_status(status),
         "container": views.container_from_status(status),
-        "budget": views.budget_from_status(status.get("plan"), status),
+        "budget": views.budget_from_status(status),
         "chart": views.chart_config(status),
     }
 
@@ -275,7 +277,6 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
 
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
     async def ui_resize(request: Request) -> HTMLResponse:
-        from sparkd.face.api import ResizeRequest, _validation_detail, form_to_resize
 
         who = await app.state.require_auth(request)
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
@@ -285,7 +286,7 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
         except ValidationError as e:
             from fastapi.exceptions import RequestValidationError
 
-            detail = _validation_detail(RequestValidationError(e.errors()))
+            detail = validation_detail(RequestValidationError(e.errors()))
             msg = detail["message"]
             return _fragment(
                 request, "partials/_message.html", 422, level="critical", title="invalid input", message=msg
@@ -296,4 +297,10 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
             return _error_fragment(request, e)
         # echo what was typed (``28``, not ``28.0``) into the Apply form
         changes = {k: form[k].strip() for k in values if k != "dry_run"}
-        return _fragment(request, "partials/_resize_result.html", result=result, changes=changes, dry_run=req.dry_run)
+        return _fragment(
+            request,
+            "partials/_resize_result.html",
+            result=result.model_dump(mode="json"),
+            changes=changes,
+            dry_run=req.dry_run,
+        )
