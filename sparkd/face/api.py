@@ -33,7 +33,7 @@ from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import CHART_FIELDS
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 MAX_WINDOW_S = 31 * 86400
 MAX_POINTS = 20000
@@ -51,7 +51,7 @@ class StatusCache:
     Call on the event loop only (``status_json`` reads loop-owned state).
     """
 
-    def __init__(self, daemon: Daemon, max_age_s: float = 0.1) -> None:
+    def __init__(self, daemon: DaemonView, max_age_s: float = 0.1) -> None:
         self.daemon = daemon
         self.max_age_s = max_age_s
         self._key: tuple[Any, ...] | None = None
@@ -96,7 +96,7 @@ Reader = Annotated[str, Depends(require_reader)]
 
 
 def samples_query(
-    daemon: Daemon, since: float | None, until: float | None, step: float | None, fields: str | None
+    daemon: DaemonView, since: float | None, until: float | None, step: float | None, fields: str | None
 ) -> dict[str, Any]:
     """``GET /api/samples``: min/avg/max per bucket, columnar. Blocking (SQLite): a worker thread.
 
@@ -133,7 +133,7 @@ def samples_query(
     return out
 
 
-def install_read_routes(app: FastAPI, daemon: Daemon) -> None:
+def install_read_routes(app: FastAPI, daemon: DaemonView) -> None:
     """Health, ``/api/status`` (cached, typed), samples, events, launches, archives and ``/metrics``."""
     settings = daemon.settings
     status_cache = StatusCache(daemon)
@@ -210,7 +210,7 @@ def install_read_routes(app: FastAPI, daemon: Daemon) -> None:
         return await metrics_response(app, daemon)
 
 
-def make_control(daemon: Daemon) -> Control:
+def make_control(daemon: DaemonView) -> Control:
     """``control(action, source, force=False)``: hand start/stop/restart to the supervisor.
 
     Raises:
@@ -232,7 +232,7 @@ def make_control(daemon: Daemon) -> Control:
     return control
 
 
-def make_resize(daemon: Daemon) -> Resize:
+def make_resize(daemon: DaemonView) -> Resize:
     """``resize(request, source)``: re-plan (dry run) or apply through the supervisor.
 
     Raises:

@@ -20,10 +20,10 @@ from sparkd.face.web import error_page, install_web
 from sparkd.resources import web_dir
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 
-def create_app(daemon: Daemon) -> FastAPI:
+def create_app(daemon: DaemonView) -> FastAPI:
     """The ASGI app: JSON API, dashboard (``sparkd.face.web``), ``/metrics``, ``/healthz``.
 
     Creates the API token file on first use (``settings.token_file``, mode 0600).

@@ -33,7 +33,7 @@ from sparkd.loop.status import Status
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 #: sample column → meminfo name (gauge ``sparkd_memory_<name>_bytes``)
 MEMINFO_GAUGES = {
@@ -64,7 +64,7 @@ class Snapshot:
 _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("sparkd_metrics_snapshot", default=None)
 
 
-def take_snapshot(daemon: Daemon) -> Snapshot:
+def take_snapshot(daemon: DaemonView) -> Snapshot:
     """In-memory state only; call on the event loop."""
     return Snapshot(status=views.status_view(daemon), ticks=sorted(daemon.tick_durations))
 
@@ -72,7 +72,7 @@ def take_snapshot(daemon: Daemon) -> Snapshot:
 class SparkdCollector(Collector):
     """Reads the snapshot set for this scrape (or ``take_snapshot`` when called directly)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
@@ -162,7 +162,7 @@ class SparkdCollector(Collector):
         yield interval
 
 
-def build_registry(daemon: Daemon) -> CollectorRegistry:
+def build_registry(daemon: DaemonView) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SparkdCollector(daemon))
     return reg
@@ -175,7 +175,7 @@ def _archive_totals(archive_dir: Any) -> tuple[int, int]:
     return len(items), sum(a.size_bytes for a in items)
 
 
-async def metrics_response(app: FastAPI, daemon: Daemon) -> Response:
+async def metrics_response(app: FastAPI, daemon: DaemonView) -> Response:
     reg = getattr(app.state, "metrics_registry", None)
     if reg is None:
         reg = app.state.metrics_registry = build_registry(daemon)

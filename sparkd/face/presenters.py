@@ -23,7 +23,7 @@ from sparkd.loop.status import Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
     from sparkd.store.store import Store
 
 #: Chart series: sample column → label (node_exporter/meminfo words).
@@ -55,12 +55,12 @@ def gib(v: float | None) -> float | None:
     return None if v is None else v / GiB
 
 
-def status_view(daemon: Daemon) -> Status:
+def status_view(daemon: DaemonView) -> Status:
     """``/api/status``: ``Daemon.status_json()`` (its ``plan`` is the container's, or None). Loop only."""
     return daemon.status_json()
 
 
-def guard_age_s(daemon: Daemon) -> float | None:
+def guard_age_s(daemon: DaemonView) -> float | None:
     """Seconds since the guard's last sample (monotonic), None before the first."""
     g = daemon.guard
     if g is None or g.last is None:
@@ -68,7 +68,7 @@ def guard_age_s(daemon: Daemon) -> float | None:
     return max(0.0, g.mono() - g.last.mono)
 
 
-def health(daemon: Daemon) -> dict[str, Any]:
+def health(daemon: DaemonView) -> dict[str, Any]:
     """``/healthz``: ok when the daemon runs and the guard sampled within 3 intervals (≥ 3 s)."""
     age = guard_age_s(daemon)
     limit = max(3.0, 3 * daemon.settings.interval_s)

@@ -32,7 +32,7 @@ from sparkd.resources import web_dir
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 STATUS_PARTS = ("summary", "rules", "container", "budget")
 STORE_PARTS = ("events", "launches", "archives")
@@ -148,7 +148,7 @@ def error_page(request: Request, status: int, body: dict[str, Any]) -> Response:
     return render(request, name, status, level="critical", title=body.get("error"), message=message, body=body)
 
 
-def _status_parts(daemon: Daemon) -> dict[str, Any]:
+def _status_parts(daemon: DaemonView) -> dict[str, Any]:
     status = views.status_view(daemon)
     return {
         "summary": views.summary_from_status(status),
@@ -159,7 +159,7 @@ def _status_parts(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
+def _store_parts(daemon: DaemonView, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
         out["events"] = views.events_view(daemon.store, limit=30)
@@ -171,7 +171,7 @@ def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[s
     return out
 
 
-async def view_data(daemon: Daemon, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
+async def view_data(daemon: DaemonView, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
     """Data of the named parts: status parts on the loop, store parts in a worker thread.
 
     ``reader``: the request carries the token or a session; without it ``archives`` is None.
@@ -190,7 +190,7 @@ def _is_reader(request: Request) -> bool:
     return auth is not None and auth.reader(request.headers, request.cookies) is not None
 
 
-def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
+def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
         data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))

@@ -17,6 +17,10 @@ Units: sizes are bytes (``*_bytes`` or the meminfo column names of ``SampleRow``
 times are UTC epoch seconds (``ts``, ``*_at``, ``*_t``) or seconds (``*_s``);
 the budget plan keeps the formula's GiB floats (``*_gib``, CONTEXT.md "memory budget").
 
+``DaemonView`` is what the face reads of the running daemon: the HTTP side is typed
+against this Protocol, not the concrete ``Daemon`` (which satisfies it: ``sparkd run``
+passes ``create_app`` as the daemon's ``app_factory``, and mypy checks that).
+
 The resize result (``ResizeResult``, with its one diff shape ``PlanChange``) lives
 here too: the supervisor returns it, ``POST /api/resize`` declares it, the dashboard
 and ``sparkd resize`` read it.
@@ -24,13 +28,20 @@ and ``sparkd resize`` read it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
 from sparkd.core.choices import ContainerMode, RuleAction, RuleKind, SamplingMode, Severity
 from sparkd.core.lifecycle import ContainerState
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from sparkd.config import Settings
+    from sparkd.loop.guard import Guard
+    from sparkd.store.store import Store
 
 
 class _Model(BaseModel):
@@ -360,3 +371,33 @@ class ResizeResult(_Model):
     error: str | None = None
     rollback_ok: bool | None = None
     rollback_error: str | None = None
+
+
+# --------------------------------------------------------------------------- what the face reads
+class DaemonView(Protocol):
+    """The running daemon as the face sees it (``sparkd.loop.daemon.Daemon`` satisfies it).
+
+    Read on the event loop only: ``status_json()`` and the counters are loop-owned state.
+    ``actions`` is duck-typed by the face (``request``/``resize`` exist unless monitor-only).
+    """
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def actions(self) -> object: ...
+    @property
+    def guard(self) -> Guard | None: ...
+    @property
+    def samples_taken(self) -> int: ...
+    @property
+    def recent_events(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def should_exit(self) -> asyncio.Event: ...
+    @property
+    def tick_durations(self) -> Iterable[float]: ...
+
+    def status_json(self) -> Status: ...
