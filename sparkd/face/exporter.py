@@ -77,9 +77,14 @@ class SparkdCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = _SNAPSHOT.get() or take_snapshot(self.daemon)
-        st = snap.status
-        sample = st.sample.model_dump() if st.sample else {}
+        yield from self._memory(snap.status)
+        yield from self._rules(snap.status)
+        yield from self._daemon(snap)
 
+    @staticmethod
+    def _memory(st: Status) -> Iterator[Metric]:
+        """meminfo gauges (node_exporter names), driver memory, /dev/shm, PSI."""
+        sample = st.sample.model_dump() if st.sample else {}
         for col, name in MEMINFO_GAUGES.items():
             if sample.get(col) is not None:
                 g = GaugeMetricFamily(f"sparkd_memory_{name}_bytes", f"/proc/meminfo {name} in bytes")
@@ -104,6 +109,9 @@ class SparkdCollector(Collector):
                 g.add_metric([], float(v))
                 yield g
 
+    @staticmethod
+    def _rules(st: Status) -> Iterator[Metric]:
+        """Per-rule counters, samples required, trips and near misses; NVRM lines."""
         rules = st.rules
         counter = GaugeMetricFamily(
             "sparkd_rule_counter", "Consecutive samples the rule's condition held", labels=["rule"]
@@ -124,6 +132,10 @@ class SparkdCollector(Collector):
         nvrm.add_metric([], float(st.kernel_log.nvrm_lines))
         yield nvrm
 
+    @staticmethod
+    def _daemon(snap: Snapshot) -> Iterator[Metric]:
+        """Container state and stops, archives, tick quantiles, samples, writer drops, interval."""
+        st = snap.status
         c = st.container
         current = "monitor-only" if c.mode == "monitor-only" else c.state.value
         cs = GaugeMetricFamily("sparkd_container_state", "1 for the container's current state", labels=["state"])
