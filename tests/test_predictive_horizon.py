@@ -9,6 +9,7 @@ start-ups, noisy plateaus and page-cache floods stay clean.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -112,7 +113,7 @@ def test_a_healthy_start_up_stays_clean(interval: float) -> None:
     values = []
     for i in range(round(652 / interval) + 1):
         t = i * interval
-        for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False):
+        for (t0, v0), (t1, v1) in itertools.pairwise(pts):
             if t0 <= t <= t1:
                 values.append(v0 + (v1 - v0) * (t - t0) / (t1 - t0))
                 break
