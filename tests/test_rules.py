@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES, RuleConfig
+from sparkd.core.engine import RuleEngine
 from sparkd.core.rules import (
     Decision,
     Rule,
@@ -48,15 +49,13 @@ def rules_of(*configs: dict[str, Any]) -> list[Rule]:
 def run(
     rules: list[Rule], samples: list[Sample], cooldown_s: float = 0.0
 ) -> tuple[list[list[Decision]], list[dict[str, int]], dict[str, RuleState]]:
-    """Feed samples as the guard does (slope first); return decisions and counters per sample."""
-    states: dict[str, RuleState] = {}
-    slope = SlopeWindow(max_window_s=30.0)
+    """Feed samples through the guard's own engine; return decisions and counters per sample."""
+    engine = RuleEngine.of(rules, cooldown_s=cooldown_s)
     decisions, counters = [], []
     for s in samples:
-        slope.add(s.mono, s.mem_available_minus_cma)
-        decisions.append(evaluate(s, rules, states, s.mono, cooldown_s=cooldown_s, slope=slope))
-        counters.append({r.name: states[r.name].counter for r in rules})
-    return decisions, counters, states
+        decisions.append(engine.step(s))
+        counters.append({r.name: engine.states[r.name].counter for r in rules})
+    return decisions, counters, engine.states
 
 
 LOW = {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5}

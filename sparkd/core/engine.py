@@ -73,6 +73,18 @@ class RuleEngine:
         self._compiled = False
         self._fixed = False
 
+    @classmethod
+    def of(
+        cls, rules: Sequence[Rule], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S
+    ) -> RuleEngine:
+        """An engine over rules already compiled (tests, tools); MemTotal changes do not recompile."""
+        engine = cls([], cooldown_s=cooldown_s, horizon_s=horizon_s)
+        engine.rules = list(rules)
+        engine.states = {r.name: RuleState() for r in rules}
+        engine._compiled = engine._fixed = True
+        engine._size_slope()
+        return engine
+
     # ------------------------------------------------------------------ set-up
     @property
     def horizon_s(self) -> float:
