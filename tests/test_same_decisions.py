@@ -5,8 +5,10 @@ The live run reads a scripted /proc tree (``proc_root``): a thread rewrites ``me
 (in place, one ``pwrite`` of a fixed-length text) through a fast fall, a stretch under the 6 GiB floor, and a
 CMA phase where MemAvailable is 11 GiB but usable memory (MemAvailable − CmaFree) is 2.5 GiB.
 The daemon samples it with its adaptive cadence and stores every sample; the replay sees
-exactly those samples. ``dry_run`` keeps the daemon from re-reading /proc before a stop (the
-replay re-checks on the next stored sample instead), so both see the same sample sequence.
+exactly those samples. No container is configured (monitor-only), so each stop trip is
+re-checked on a fresh read of /proc and then recorded as ``stop_not_executed``: the re-check
+judges the fresh sample without changing the engine's state, so the engine's state stays a
+function of the stored samples, which the replay steps through.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     script = Script(proc)
     db = tmp_path / "sparkd.db"
     cfg = (
-        f'proc_root = "{proc}"\nkernlog_source = "off"\ndry_run = true\ncooldown_s = 0\n'
+        f'proc_root = "{proc}"\nkernlog_source = "off"\ncooldown_s = 0\n'
         "interval_s = 0.5\nfast_interval_s = 0.25\n"
     )
     start = time.time()
@@ -135,6 +137,9 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     assert sum(1 for r, _ in live if r == "low_available") >= 2, live  # the floor phase and the CMA phase
     # the same decisions at the same samples (sample timestamps are the stored ones)
     assert replayed == live
+    # the live re-check read fresh samples before each stop (monitor-only: recorded, not executed)
+    acted = db_query(db, "SELECT count(*) FROM events WHERE kind IN ('stop_not_executed', 'recovered_before_stop')")
+    assert acted[0][0] >= 1
     # the CMA phase tripped on usable memory (MemAvailable stayed at 11 GiB there)
     floor_trips = [d for d in run["decisions"] if d["kind"] == "trip" and d["rule"] != "collapse_projected"]
     cma_trips = [d for d in floor_trips if d["mem_available"] > 10 * 2**30]

@@ -21,8 +21,9 @@ Shapes:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from sparkd.core.floors import demote as demote_rules
 from sparkd.core.rules import (
@@ -38,6 +39,39 @@ from sparkd.core.rules import (
     usable_bytes,
 )
 from sparkd.core.sample import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChange:
+    """Something the daemon tells the engine between samples, at ``ts`` (UTC epoch s): a measured
+    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``) or a
+    restart (``reset``). The daemon records each as an event; ``engine_changes`` reads them
+    back so a replay of stored samples applies them where the guard did."""
+
+    ts: float
+    kind: Literal["stop_duration", "demote", "reset"]
+    seconds: float | None = None
+    rule: str | None = None
+    reason: str | None = None
+
+
+def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[float] = ()) -> list[EngineChange]:
+    """``EngineChange``s, oldest first, from stored events (``ts``, ``kind``, ``details``) and the
+    start times of daemon runs (UTC epoch s, taken before a run's first sample): a run start →
+    reset, ``stopped``/``killed`` with ``durations_s.stop`` → a measured stop, ``watermark``
+    with ``action = "demoted to warn"`` → a demotion."""
+    out = [EngineChange(float(t), "reset") for t in run_starts]
+    for e in events:
+        d = e.get("details") or {}
+        kind = e.get("kind")
+        if kind in ("stopped", "killed"):
+            took = (d.get("durations_s") or {}).get("stop")
+            if isinstance(took, int | float):
+                out.append(EngineChange(float(e["ts"]), "stop_duration", seconds=float(took)))
+        elif kind == "watermark" and d.get("action") == "demoted to warn" and d.get("rule"):
+            out.append(EngineChange(float(e["ts"]), "demote", rule=str(d["rule"]), reason=str(e.get("message"))))
+    return sorted(out, key=lambda c: c.ts)
+
 
 #: How many measured stop durations the horizon remembers.
 STOP_MEMORY = 5
@@ -72,14 +106,14 @@ class RuleEngine:
         self.mem_total: int | None = None
         self._compiled = False
         self._fixed = False
+        self._base: list[Rule] = []
 
     @classmethod
-    def of(
-        cls, rules: Sequence[Rule], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S
-    ) -> RuleEngine:
+    def of(cls, rules: Sequence[Rule], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S) -> RuleEngine:
         """An engine over rules already compiled (tests, tools); MemTotal changes do not recompile."""
         engine = cls([], cooldown_s=cooldown_s, horizon_s=horizon_s)
         engine.rules = list(rules)
+        engine._base = list(rules)
         engine.states = {r.name: RuleState() for r in rules}
         engine._compiled = engine._fixed = True
         engine._size_slope()
@@ -101,7 +135,8 @@ class RuleEngine:
         """(Re)compile the rules against MemTotal; counters of rules that remain are kept.
         ``fixed``: keep this MemTotal whatever the samples say (replay's ``--mem-total-gib``)."""
         self._fixed = fixed
-        self.rules = demote_rules(compile_rules(self.specs, mem_total_bytes), self.demoted)
+        self._base = compile_rules(self.specs, mem_total_bytes)
+        self.rules = demote_rules(self._base, self.demoted)
         self.mem_total = mem_total_bytes
         self._compiled = True
         for r in self.rules:
@@ -139,13 +174,34 @@ class RuleEngine:
     def recheck(self, rule_name: str, sample: Sample) -> bool:
         """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
 
-        The sample joins the slope window (once: the next ``step`` on the same sample does not
-        add it again). An unknown rule does not hold."""
+        Changes nothing: the sample is judged with a copy of the slope window that includes it,
+        so the engine's state stays a function of the samples it stepped (which the daemon
+        stores) — a replay of those samples reaches the same state. An unknown rule does not hold."""
         rule = self.rule(rule_name)
         if rule is None:
             return False
-        self.slope.add(sample.mono, usable_bytes(sample))
-        return still_holds(rule, sample, self.slope, sample.mono, self.horizon_s)
+        window = SlopeWindow(self.slope.max_window_s, self.slope.points.maxlen or len(self.slope.points) + 1)
+        window.points.extend(self.slope.points)
+        window.add(sample.mono, usable_bytes(sample))
+        return still_holds(rule, sample, window, sample.mono, self.horizon_s)
+
+    def reset(self) -> None:
+        """Forget counters, the slope window, demotions and measured stops (a daemon restart)."""
+        self.demoted.clear()
+        self.stop_durations.clear()
+        self.rules = list(self._base)
+        self.states = {r.name: RuleState() for r in self.rules}
+        self.slope = SlopeWindow(max_window_s=MIN_SLOPE_HISTORY_S)
+        self._size_slope()
+
+    def apply(self, change: EngineChange) -> None:
+        """Apply what the daemon told the engine between samples (a recorded ``EngineChange``)."""
+        if change.kind == "stop_duration" and change.seconds is not None:
+            self.note_stop_duration(change.seconds)
+        elif change.kind == "demote" and change.rule is not None:
+            self.demote(change.rule, change.reason or "demoted")
+        elif change.kind == "reset":
+            self.reset()
 
     def demote(self, rule_name: str, reason: str) -> None:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""

@@ -12,12 +12,13 @@ from typing import Any
 import click
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES, RuleConfig, Settings, load_settings
+from sparkd.core.engine import EngineChange, engine_changes
 from sparkd.errors import ConfigError, SparkdError
 from sparkd.ops.replay.columns import TraceError, parse_column_options
 from sparkd.ops.replay.interpolate import interpolate
 from sparkd.ops.replay.report import compare_text, render
 from sparkd.ops.replay.run import ReplayResult, replay, rule_configs
-from sparkd.ops.replay.traces import _parse_time, load_csv, load_db
+from sparkd.ops.replay.traces import Trace, _parse_time, load_csv, load_db
 from sparkd.units import GiB, parse_duration_s
 
 # --------------------------------------------------------------------------- CLI
@@ -49,6 +50,18 @@ def load_rule_set(spec: str, settings: Settings) -> tuple[str, list[RuleConfig]]
         return p.name, rule_configs(rules)
     except ValueError as e:
         raise ConfigError(f"rules file {p}: {e}") from None
+
+
+def db_engine_changes(store: Any, trace: Trace) -> list[EngineChange]:
+    """What the daemon told its engine during the runs this trace covers (measured stops,
+    demotions, restarts), from the stored events and runs; empty for an empty trace."""
+    if not trace.samples:
+        return []
+    first = trace.samples[0].ts
+    starts = sorted(float(r["started_at"]) for r in store.runs(limit=10_000))
+    since = max((t for t in starts if t <= first), default=first)
+    events = store.events(since=since, kinds=["stopped", "killed", "watermark"], limit=100_000)
+    return engine_changes(events, [t for t in starts if t >= since])
 
 
 def _when(text: str, option: str, now: float) -> float:
@@ -132,6 +145,7 @@ def _replay_cli(
     cfg = config_path or (parent.get("config") if isinstance(parent, dict) else None)
     settings = load_settings(cfg)
     now = time.time()
+    changes: list[EngineChange]
     if use_db:
         if since is None:
             raise click.UsageError("--db needs --since (e.g. --since 2h)")
@@ -145,6 +159,7 @@ def _replay_cli(
             trace = load_db(
                 store, since=_when(since, "--since", now), until=None if until is None else _when(until, "--until", now)
             )
+            changes = db_engine_changes(store, trace)
         finally:
             store.close()
     else:
@@ -154,6 +169,7 @@ def _replay_cli(
         trace = load_csv(
             trace_path, row_interval_s=interval or settings.interval_s, columns_map=parse_column_options(columns)
         )
+        changes = []
     if interpolate_:
         trace = interpolate(trace, interval or settings.fast_interval_s)
     elif interval is not None and not any(trace.labels):
@@ -173,6 +189,7 @@ def _replay_cli(
                 fast_interval_s=settings.fast_interval_s,
                 cooldown_s=cd,
                 horizon_s=settings.container.stop_timeout_s,
+                changes=changes if rs is rules else [],  # the daemon's changes belong to its own rules
             )
         except ValueError as e:
             raise ConfigError(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkd.config import RuleConfig
-from sparkd.core.engine import RuleEngine
+from sparkd.core.engine import EngineChange, RuleEngine
 from sparkd.core.rules import DEFAULT_HORIZON_S, FIT_MIN_POINTS, Rule
 from sparkd.core.sample import Sample, derive
 from sparkd.ops.replay.interpolate import _round_down
@@ -162,6 +162,7 @@ def replay(
     fast_interval_s: float = 0.25,
     cooldown_s: float = 60.0,
     horizon_s: float = DEFAULT_HORIZON_S,
+    changes: Sequence[EngineChange] = (),
 ) -> ReplayResult:
     """Run the rules over the samples through ``core.engine.RuleEngine`` — the guard's own
     engine: one ``step`` per sample, and each stop trip re-checked (``recheck``) on the next
@@ -170,6 +171,9 @@ def replay(
     ``mem_total_bytes``: for ``%`` thresholds; ``None`` takes MemTotal from the trace.
     ``fast_interval_s``: the guard's fast interval (only for the suggestions printed).
     ``horizon_s``: the time a stop takes (``container.stop_timeout_s``), the predictive horizon.
+    ``changes``: what the daemon told its engine between samples (``core.engine.engine_changes``
+    of the stored events: measured stops, demotions, restarts), applied before the first sample
+    after each (sample ``ts`` and change ``ts`` on one clock: a database trace's epoch seconds).
 
     Raises:
         ValueError: a ``%`` threshold with MemTotal unknown, or an invalid rule.
@@ -181,12 +185,16 @@ def replay(
     engine = RuleEngine(rule_configs(rule_configs_), cooldown_s=cooldown_s, horizon_s=horizon_s)
     engine.compile(mem_total_bytes, fixed=fixed)
     rules = engine.rules
-    states = engine.states
     steps: list[ReplayStep] = []
     first: dict[str, ReplayDecision | None] = {r.name: None for r in rules}
     max_counter = {r.name: 0 for r in rules}
     pending: list[ReplayDecision] = []
+    todo = sorted(changes, key=lambda c: c.ts)
+    k = 0
     for i, s in enumerate(trace.samples):
+        while k < len(todo) and todo[k].ts < s.ts:
+            engine.apply(todo[k])
+            k += 1
         if s.mem_available_minus_cma is None:
             derive(s)  # samples built by hand: usable as build_sample derives it (the loaders already did)
         for p in pending:  # re-check the previous sample's stop trips on this one
@@ -228,15 +236,15 @@ def replay(
             if d.kind in ("trip", "cooldown"):
                 max_counter[d.rule] = max(max_counter[d.rule], d.counter)
         for r in rules:
-            step.counters[r.name] = states[r.name].counter
-            max_counter[r.name] = max(max_counter[r.name], states[r.name].counter)
+            step.counters[r.name] = engine.states[r.name].counter
+            max_counter[r.name] = max(max_counter[r.name], engine.states[r.name].counter)
         steps.append(step)
     return ReplayResult(
         rules=rules,
         steps=steps,
         first_trip=first,
         max_counter=max_counter,
-        near_misses={r.name: states[r.name].near_misses for r in rules},
+        near_misses={r.name: engine.states[r.name].near_misses for r in rules},
         cooldown_s=cooldown_s,
         fast_interval_s=fast_interval_s,
         mem_total_bytes=mem_total_bytes,
