@@ -156,3 +156,31 @@ def test_kernel_lines_lost_to_the_ring_buffer_are_counted_in_status(tmp_path: Pa
 
     st = asyncio.run(go())
     assert st.kernel_log.lost_lines == 27_000
+
+
+def test_sparkd_run_on_a_proc_without_memavailable_says_so_and_status_shows_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from sparkdproc import db_query, sparkd_run, wait_for
+
+    proc = fixture("field-2", "proc-no-memavailable")
+    db = tmp_path / "sparkd.db"
+    cfg = f'proc_root = "{proc}"\nkernlog_source = "off"\ninterval_s = 0.25\nfast_interval_s = 0.25\n'
+    with sparkd_run(tmp_path, config=cfg):
+        rows = wait_for(lambda: db_query(db, "SELECT severity, message FROM events WHERE kind = 'sensor_blind'"), 10.0)
+        assert rows, "no sensor_blind event at start"
+        assert rows[0][0] == "critical" and rows[0][1].startswith("blind: MemAvailable: no MemAvailable line in ")
+        assert wait_for(lambda: db_query(db, "SELECT 1 FROM status"), 10.0)
+        human = subprocess.run(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "status"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    assert "low_available              BLIND (cannot evaluate: MemAvailable not read)" in human
+    assert "collapse_projected         BLIND (cannot evaluate: MemAvailable not read)" in human
+    assert f"BLIND: MemAvailable: no MemAvailable line in {proc}/meminfo; needed by low_available" in human
+    assert " 0/3" not in human  # a blind rule is never a quiet 0/N
+    # once, at start: the input stays missing, so no second event
+    assert len(db_query(db, "SELECT 1 FROM events WHERE kind = 'sensor_blind'")) == 1
