@@ -330,6 +330,7 @@ async def test_a_blind_guard_names_each_rule_that_cannot_evaluate(tmp_path: Path
         async with _client(d) as c:
             text = (await c.get("/metrics")).text
             status = (await c.get("/api/status")).json()
+            rules_html = (await c.get("/ui/rules")).text
     finally:
         await d.shutdown("test")
     why = "cannot evaluate: MemAvailable not read"
@@ -342,6 +343,10 @@ async def test_a_blind_guard_names_each_rule_that_cannot_evaluate(tmp_path: Path
     sensor = status["blind"]["sensors"]["MemAvailable"]
     assert sensor.startswith("no MemAvailable line in ") and "needed by low_available" in sensor
     assert 'sparkd_input_blind{input="MemAvailable"' in text
+    # the dashboard's rule cards say BLIND and why, with no counter
+    assert rules_html.count(">BLIND</span>") == 3
+    assert rules_html.count(f'<p class="reason small critical-text rule-blind">{why}</p>') == 3
+    assert '<span class="of">' not in rules_html
     # one event at start, not one per sample
     blind_events = [e for e in d.recent_events if e["kind"] == "sensor_blind"]
     assert len(blind_events) == 1 and blind_events[0]["severity"] == "critical"
