@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from fvhelpers import wait_for
 from sparkdapi import SparkdUnderTest
 
@@ -25,21 +24,6 @@ from sparkd.sense import procfs
 from sparkd.units import GiB
 
 pytest_plugins = ["dockerkit"]
-
-
-@pytest.fixture
-def sparkd_factory(tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any, launcher: Any):
-    made: list[SparkdUnderTest] = []
-
-    def make(**kw: Any) -> SparkdUnderTest:
-        (tmp_path / f"s{len(made)}").mkdir(exist_ok=True)
-        s = SparkdUnderTest(tmp_path / f"s{len(made)}", image, case_labels, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.stop()
 
 
 def _inspect(docker_client: Any, cid: str) -> dict[str, Any]:

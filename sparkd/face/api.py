@@ -413,7 +413,9 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
         return await resize(req, f"api:{who}")
 
+    from sparkd.face.alertmanager import install_alertmanager
     from sparkd.face.web import install_web
 
+    install_alertmanager(app, daemon)
     install_web(app, daemon, auth)
     return app
