@@ -19,7 +19,7 @@ DASHBOARD = REPO / "contrib" / "grafana-dashboard.json"
 
 def _real_metric_names(tmp_path: Path) -> set[str]:
     port = free_port()
-    with sparkd_run(tmp_path, config=f"kernlog_source = \"off\"\n[api]\nport = {port}\n", args=()) as p:
+    with sparkd_run(tmp_path, config=f'kernlog_source = "off"\n[api]\nport = {port}\n', args=()) as p:
 
         def scrape() -> str | None:
             try:

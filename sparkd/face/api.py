@@ -262,7 +262,8 @@ def create_app(daemon: Daemon) -> FastAPI:
     app.state.daemon = daemon
     app.state.auth = auth
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
+    # the link-network addresses of [cluster] are hosts of this API too (peer calls; face/peer.py)
+    app.add_middleware(GuardMiddleware, allowed_hosts=[*settings.api.allowed_hosts, *settings.cluster.listen])
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     app.state.require_auth = require_auth
@@ -417,5 +418,9 @@ def create_app(daemon: Daemon) -> FastAPI:
     from sparkd.face.web import install_web
 
     install_alertmanager(app, daemon)
+    if getattr(daemon, "cluster", None) is not None:
+        from sparkd.face.peer import install_peer
+
+        install_peer(app, daemon, daemon.cluster)
     install_web(app, daemon, auth)
     return app

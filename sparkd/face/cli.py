@@ -90,9 +90,14 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.supervisor import make_actions
 
     setup_logging(settings.logs_path)
+    from sparkd.loop.cluster import Cluster
+
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
+    if settings.cluster.peers:
+        daemon.cluster = Cluster(settings.cluster)
+        daemon.cluster.attach(daemon)
     try:
         asyncio.run(daemon.serve())
     except SparkdError as e:

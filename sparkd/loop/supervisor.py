@@ -77,7 +77,8 @@ class Supervisor:
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
-        self.autostart_pending = self.mode == "managed" and settings.container.autostart
+        # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
+        self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
         self._cooldown_logged: dict[str, float] = {}
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
