@@ -19,12 +19,12 @@ from sparkd.errors import InvalidInput, Refused
 from sparkd.face.api import Who
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 MAX_BODY_BYTES = 1 << 20  # Alertmanager truncates large groups (truncatedAlerts); 1 MiB is ample
 
 
-def install_alertmanager(app: FastAPI, daemon: Daemon) -> None:
+def install_alertmanager(app: FastAPI, daemon: DaemonView) -> None:
     """Register the route on ``app`` (called by ``create_app``)."""
 
     @app.post("/api/alertmanager", tags=["control"])

@@ -26,7 +26,7 @@ from sparkd.face.api import Who
 
 if TYPE_CHECKING:
     from sparkd.loop.cluster import Cluster
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 
 class PeerStop(BaseModel):
@@ -67,7 +67,7 @@ class PeerOnlyMiddleware:
         await self.app(scope, receive, send)
 
 
-def install_peer(app: FastAPI, daemon: Daemon, cluster: Cluster) -> None:
+def install_peer(app: FastAPI, daemon: DaemonView, cluster: Cluster) -> None:
     """Register the peer routes and the link-network middleware (called by ``create_app``)."""
     app.add_middleware(PeerOnlyMiddleware, cluster=cluster)
     tasks: set[asyncio.Task[Any]] = set()
