@@ -8,6 +8,8 @@ link network would give; each calls its peer from its link address.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,17 @@ def test_a_trip_on_the_worker_stops_both_gracefully_at_once(pair: Any, docker_cl
     assert view["node"] == "spark-h" and view["peers"][0]["node"] == "spark-w"
     assert view["peers"][0]["reachable"] is True
     assert view["peers"][0]["status"]["container"]["state"] == "stopped"
+    # the same from the command line, on the worker
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(worker.config), "status", "--cluster"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln for ln in out.stdout.splitlines()[1:]}
+    assert set(rows) == {"spark-w", "spark-h"}
+    assert "stopped" in rows["spark-h"] and "yes" in rows["spark-h"]
 
 
 def test_a_trip_with_the_peer_daemon_dead_stops_locally_on_time(pair: Any, docker_client: Any) -> None:

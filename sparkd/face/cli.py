@@ -156,10 +156,14 @@ def _echo_snapshot(st: Status) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--cluster", "cluster", is_flag=True, help="Every node of the cluster side by side (asks the daemon).")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     """Latest sample, each rule's counter, container state and recent events."""
     settings = _settings(ctx)
+    if cluster:
+        _cluster_status(settings, as_json)
+        return
     store = _store(settings)
     st = _snapshot(store)
     latest = store.latest_sample()
@@ -638,6 +642,35 @@ def plan(
         )
         if check is not None:
             click.echo(check.describe())
+
+
+def _cluster_status(settings: Any, as_json: bool) -> None:
+    """``sparkd status --cluster``: this node and its peers, through the running daemon's ``/api/cluster``."""
+    import httpx
+
+    base = f"http://127.0.0.1:{settings.api.port}"
+    try:
+        local = httpx.get(base + "/api/status", timeout=5).json()
+        view = httpx.get(base + "/api/cluster", timeout=15)
+    except httpx.HTTPError as e:
+        raise SparkdError(f"the daemon's API at {base} does not answer ({e}); is `sparkd run` running?") from None
+    if view.status_code == 404:
+        raise SparkdError("no cluster: [cluster] has no peers in this node's configuration")
+    nodes = [{"node": view.json()["node"], "reachable": True, "age_s": 0.0, "status": local}, *view.json()["peers"]]
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2, default=str))
+        return
+    click.echo(f"{'node':<16} {'reachable':<10} {'MemAvailable':>13} {'container':<12} last stop")
+    for n in nodes:
+        st = n.get("status") or {}
+        sample = st.get("sample") or {}
+        cont = st.get("container") or {}
+        seen = "yes" if n["reachable"] else f"no ({_age(n.get('age_s'))} old)" if n.get("age_s") is not None else "no"
+        last = next((e for e in st.get("events", []) if e.get("kind") in ("stopped", "killed")), None)
+        click.echo(
+            f"{n['node']:<16} {seen:<10} {fmt_gib(sample.get('mem_available')):>13} "
+            f"{cont.get('state', 'n/a')!s:<12} {last['message'][:60] if last else '-'}"
+        )
 
 
 def _f(v: Any) -> str:
