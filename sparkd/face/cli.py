@@ -603,6 +603,43 @@ def plan(
         )
 
 
+@main.command("vllm-log")
+@click.argument("file", type=click.File("rb"))
+@click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
+def vllm_log(file: Any, as_json: bool) -> None:
+    """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
+    into the launch record: state, phase reached, figures, root cause and warnings."""
+    from sparkd.sense.vllm_log import LaunchLogParser
+
+    parser = LaunchLogParser()
+    for raw in file:
+        parser.feed(raw)
+    rec = parser.record
+    if as_json:
+        click.echo(json.dumps(rec.to_json(), indent=2))
+        return
+    if rec.lines_seen == 0:
+        click.echo("sparkd: the log is empty", err=True)
+        sys.exit(1)
+    state = rec.state + (" (the log ends before 'Application startup complete')" if rec.state == "starting" else "")
+    out = [f"state:   {state}", f"phase:   {rec.phase} (last start-up step the log shows)"]
+    if rec.failed:
+        out.append(f"cause:   {rec.failure_summary()}")
+        if rec.failure_message:
+            out.append(f"root cause line: {rec.failure_message}")
+        if rec.failure_generic:
+            out.append(f"generic line (not the reason): {rec.failure_generic}")
+    skip = {"state", "phase", "failed", "failure_message", "failure_generic", "failure_summary", "warnings"}
+    figures = {k: v for k, v in rec.to_json().items() if k not in skip and v not in (None, False)}
+    if figures:
+        out.append("figures:")
+        width = max(len(k) for k in figures) + 2
+        out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
+    for text in rec.warnings().values():
+        out.append(f"WARNING: {text}")
+    click.echo("\n".join(out))
+
+
 def _f(v: Any) -> str:
     return "-" if v is None else f"{v:.2f}"
 

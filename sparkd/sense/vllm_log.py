@@ -4,8 +4,21 @@ The figures an operator keeps per launch (CONTEXT.md, "How operators verify a
 configuration", step 2; fixtures/vllm/README.md): model load size and time,
 the KV cache memory and size in tokens after profiling, the maximum
 concurrency, the graph-capture time and memory, the engine init time, the
-moment of ``Application startup complete`` and, when vLLM refuses to start,
-the free-memory figures of its refusal.
+moment of ``Application startup complete``, the CUDA graph memory figures
+(``Estimated CUDA graph memory``, the graph pool's actual / estimated line),
+the start-up *phase* reached and, when vLLM fails to start, the root cause and
+the figures it carries.
+
+Root cause, not the first generic line (field-2 reports): vLLM prints
+``EngineCore failed to start.`` (and later ``Engine core initialization
+failed. See root cause above``) *before or around* the real exception. Those
+generic lines mark the launch failed but are never the reason; the reason is
+the first known cause (free-memory refusal, max-seq-len refusal, no memory for
+the KV cache blocks, CUDA out of memory) or else the first other exception
+line (``SomethingError: …``). A known cause marks the launch failed on its own
+(older vLLM raises the max-seq-len ``ValueError`` with no generic line).
+Causes are only taken before ``Application startup complete``: a request's
+error after that is not a start failure.
 
 Tolerance: each figure has its own pattern, searched anywhere in a line, so
 prefixes (``(EngineCore_DP0 pid=…)``, Docker's ``--timestamps`` prefix, ANSI
@@ -36,14 +49,53 @@ _NUM = r"\d[\d,]*(?:\.\d+)?"
 MAX_LINE_CHARS = 65536  # longer lines are cut before matching (non-default args can be long)
 
 
+# Start-up phases in the order vLLM (v1 engine) goes through them. ``kv_cache``
+# means the KV pool was sized; what follows it is warm-up and CUDA graph capture.
+PHASES: tuple[str, ...] = (
+    "starting",  # nothing recognised yet
+    "init",  # version / non-default args printed
+    "model_load",  # loading weights ("Model loading took …" ends it)
+    "profiling",  # memory profiling, torch.compile, CUDA graph memory estimate
+    "kv_cache",  # "Available KV cache memory" / "GPU KV cache size"
+    "graph_capture",  # "Capturing CUDA graphs" … "Graph capturing finished"
+    "api_server",  # engine up, API server starting
+    "ready",  # "Application startup complete"
+)
+# What a failure in each phase was doing (for the one-line reason).
+_DURING = {
+    "starting": "start-up",
+    "init": "start-up",
+    "model_load": "model loading",
+    "profiling": "memory profiling",
+    "kv_cache": "CUDA graph capture",  # the step after sizing the KV pool
+    "graph_capture": "CUDA graph capture",
+    "api_server": "API server start",
+    "ready": "serving",
+}
+
+
 @dataclass
 class LaunchRecord:
-    """What one vLLM launch reported. Every figure is ``None`` until seen."""
+    """What one vLLM launch reported. Every figure is ``None`` until seen.
+
+    ``phase``: the last of :data:`PHASES` that a line showed. ``failure_kind``:
+    ``free_memory`` | ``max_model_len`` | ``no_kv_memory`` | ``cuda_oom`` |
+    ``error`` (another exception) | ``None``; ``failure_phase`` is ``phase``
+    when the failure was seen. Figures of the causes (GiB as printed):
+    ``failure_kv_needed_gib`` / ``failure_kv_available_gib`` /
+    ``failure_estimated_max_model_len`` (max-seq-len refusal),
+    ``failure_oom_request_bytes`` (what CUDA tried to allocate).
+    ``cudagraph_estimate_gib`` may be negative (a vLLM bug: see ``warnings``).
+    """
 
     vllm_version: str | None = None
     non_default_args: dict[str, Any] | None = None
+    phase: str = "starting"
     model_load_gib: float | None = None
     model_load_s: float | None = None
+    cudagraph_estimate_gib: float | None = None  # "Estimated CUDA graph memory: X GiB total"
+    cudagraph_pool_actual_gib: float | None = None  # "CUDA graph pool memory: X GiB (actual), …"
+    cudagraph_pool_estimated_gib: float | None = None  # "… Y GiB (estimated)"
     kv_cache_available_gib: float | None = None
     kv_cache_tokens: int | None = None
     kv_cache_blocks: int | None = None  # "# GPU blocks: N" (older releases)
@@ -55,12 +107,21 @@ class LaunchRecord:
     startup_complete: bool = False
     startup_complete_ts: float | None = None
     failed: bool = False
-    failure_message: str | None = None
+    failure_kind: str | None = None
+    failure_phase: str | None = None
+    failure_message: str | None = None  # the root cause line (never the generic one)
+    failure_generic: str | None = None  # "EngineCore failed to start." and the like
     failure_device: str | None = None
     failure_free_gib: float | None = None
     failure_total_gib: float | None = None
     failure_requested_gmu: float | None = None
     failure_requested_gib: float | None = None
+    failure_max_model_len: int | None = None
+    failure_kv_needed_gib: float | None = None
+    failure_kv_available_gib: float | None = None
+    failure_kv_capacity_tokens: int | None = None  # older wording: tokens the KV cache can hold
+    failure_estimated_max_model_len: int | None = None
+    failure_oom_request_bytes: int | None = None
     first_ts: float | None = None
     last_ts: float | None = None
     lines_seen: int = 0
@@ -72,10 +133,99 @@ class LaunchRecord:
             return "failed"
         return "ready" if self.startup_complete else "starting"
 
+    def failure_summary(self) -> str | None:
+        """One short sentence for the ``vllm_start_failed`` event, or ``None`` when not failed.
+
+        E.g. ``"vLLM refused to start: free memory 55.87 of 119.56 GiB < wanted
+        95.65 GiB (gpu_memory_utilization 0.8)"`` (field-2/vllm-free-memory-refusal.log).
+        """
+        if not self.failed:
+            return None
+        k = self.failure_kind
+        free, total, want, gmu = (
+            self.failure_free_gib,
+            self.failure_total_gib,
+            self.failure_requested_gib,
+            self.failure_requested_gmu,
+        )
+        if k == "free_memory" and free is not None and total is not None and want is not None and gmu is not None:
+            return (
+                f"vLLM refused to start: free memory {_gib(free)} of {_gib(total)} GiB "
+                f"< wanted {_gib(want)} GiB (gpu_memory_utilization {gmu:g})"
+            )
+        if k == "max_model_len":
+            head = f"vLLM refused to start: max_model_len {_opt(self.failure_max_model_len)}"
+            if self.failure_kv_needed_gib is not None:
+                text = f"{head} needs {_gib(self.failure_kv_needed_gib)} GiB of KV cache"
+                if self.failure_kv_available_gib is not None:
+                    text += f", only {_gib(self.failure_kv_available_gib)} GiB available"
+            elif self.failure_kv_capacity_tokens is not None:
+                text = f"{head} exceeds the KV cache capacity of {self.failure_kv_capacity_tokens} tokens"
+            else:
+                text = f"{head} does not fit the KV cache"
+            if self.failure_estimated_max_model_len is not None:
+                text += f" (estimated maximum model length {self.failure_estimated_max_model_len})"
+            return text
+        if k == "no_kv_memory":
+            return "vLLM refused to start: no memory left for the KV cache blocks after the weights and profiling"
+        during = _DURING.get(self.failure_phase or "starting", "start-up")
+        if k == "cuda_oom":
+            text = f"vLLM failed to start: CUDA out of memory during {during}"
+            if self.failure_oom_request_bytes is not None:
+                text += f" (tried to allocate {_fmt_bytes(self.failure_oom_request_bytes)})"
+            return text
+        if self.failure_message:
+            return f"vLLM failed to start during {during}: {_clip(self.failure_message)}"
+        return f"vLLM failed to start during {during} (no root cause in the log: {_clip(self.failure_generic or '?')})"
+
+    def warnings(self) -> dict[str, str]:
+        """Warnings the figures raise, ``{key: one sentence}`` (a key is stable: emit each once).
+
+        ``negative_cudagraph_estimate``: vLLM estimated CUDA graph memory below
+        zero (field-2/vllm-negative-cudagraph-estimate.log, a known vLLM bug
+        fixed upstream); the estimate is subtracted from the budget, so the KV
+        pool grows by its size and the real start-up peak exceeds the plan.
+        """
+        out: dict[str, str] = {}
+        est = self.cudagraph_estimate_gib
+        if est is not None and est < 0:
+            pool = "the KV cache pool"
+            if self.kv_cache_available_gib is not None:
+                pool += f" ({_gib(self.kv_cache_available_gib)} GiB"
+                pool += f", {self.kv_cache_tokens:,} tokens)" if self.kv_cache_tokens is not None else ")"
+            out["negative_cudagraph_estimate"] = (
+                f"vLLM estimated CUDA graph memory at {est:.2f} GiB (negative: a known vLLM bug); {pool} is "
+                f"inflated by {-est:.2f} GiB, so the real start-up peak will be higher than planned"
+            )
+        return out
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["state"] = self.state
+        d["failure_summary"] = self.failure_summary()
+        d["warnings"] = self.warnings()
         return d
+
+
+def _gib(v: float) -> str:
+    """A GiB figure as vLLM prints it: 24.0, 3.18, 90.6 (at least one decimal, at most two)."""
+    text = f"{v:.2f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
+def _opt(v: object) -> str:
+    return "?" if v is None else str(v)
+
+
+def _clip(text: str, n: int = 160) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _num(text: str) -> float:
@@ -116,27 +266,7 @@ def _set_args(rec: LaunchRecord, m: re.Match[str]) -> list[str]:
     return ["non_default_args"]
 
 
-def _set_failed(rec: LaunchRecord, m: re.Match[str]) -> list[str]:
-    rec.failed = True
-    if rec.failure_message is None:
-        rec.failure_message = m.group(0).strip()
-    return ["failed", "failure_message"]
-
-
-def _set_free_memory(rec: LaunchRecord, m: re.Match[str]) -> list[str]:
-    rec.failure_message = m.group(0).strip()
-    return [
-        *_set(
-            failure_device=str,
-            failure_free_gib=_num,
-            failure_total_gib=_num,
-            failure_requested_gmu=_num,
-            failure_requested_gib=_num,
-        )(rec, m),
-        *_set_failed(rec, m),
-    ]
-
-
+_NUMS = rf"-?{_NUM}"
 _PATTERNS: list[tuple[re.Pattern[str], _Setter]] = [
     (re.compile(r"vLLM (?:API )?server version:?\s*v?(?P<vllm_version>\d[\w.+-]*)"), _set(vllm_version=str)),
     (re.compile(r"non-default args:\s*(\{.*\})\s*$"), _set_args),
@@ -146,6 +276,17 @@ _PATTERNS: list[tuple[re.Pattern[str], _Setter]] = [
             rf"(?:\s+and\s+(?P<model_load_s>{_NUM})\s*s)?"
         ),
         _set(model_load_gib=_num, model_load_s=_num),
+    ),
+    (
+        re.compile(rf"Estimated CUDA graph memory:\s*(?P<cudagraph_estimate_gib>{_NUMS})\s*GiB"),
+        _set(cudagraph_estimate_gib=_num),
+    ),
+    (
+        re.compile(
+            rf"CUDA graph pool memory:\s*(?P<cudagraph_pool_actual_gib>{_NUMS})\s*GiB\s*\(actual\)"
+            rf"(?:,\s*(?P<cudagraph_pool_estimated_gib>{_NUMS})\s*GiB\s*\(estimated\))?"
+        ),
+        _set(cudagraph_pool_actual_gib=_num, cudagraph_pool_estimated_gib=_num),
     ),
     (
         re.compile(rf"Available KV cache memory:\s*(?P<kv_cache_available_gib>{_NUM})\s*GiB"),
@@ -163,24 +304,97 @@ _PATTERNS: list[tuple[re.Pattern[str], _Setter]] = [
     (
         re.compile(
             rf"Graph capturing finished in\s+(?P<graph_capture_s>{_NUM})\s*s\w*"
-            rf"(?:,\s*took\s+(?P<graph_capture_gib>{_NUM})\s*GiB)?"
+            rf"(?:,\s*took\s+(?P<graph_capture_gib>{_NUMS})\s*GiB)?"
         ),
         _set(graph_capture_s=_num, graph_capture_gib=_num),
     ),
     (re.compile(rf"init engine \(.*?\) took\s+(?P<engine_init_s>{_NUM})\s*s"), _set(engine_init_s=_num)),
+]
+
+# Phase evidence: (regex, phase). The phase only moves forward.
+_PHASE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"vLLM (?:API )?server version|non-default args:|Initializing a V\d LLM engine"), "init"),
+    (re.compile(r"Starting to load model|Loading weights|Loading safetensors|Model loading took"), "model_load"),
     (
         re.compile(
-            rf"Free memory on device\s+(?P<failure_device>\S+)\s+\("
-            rf"(?P<failure_free_gib>{_NUM})\s*/\s*(?P<failure_total_gib>{_NUM})\s*GiB\)"
-            rf" on startup is less than desired GPU memory utilization\s+\("
-            rf"(?P<failure_requested_gmu>{_NUM}),\s*(?P<failure_requested_gib>{_NUM})\s*GiB\)"
-            r".*"
+            r"Memory profiling takes|Initial profiling/warmup run|torch\.compile took|Profiling CUDA graph memory"
+            r"|Estimated CUDA graph memory|Dynamo bytecode transform"
         ),
-        _set_free_memory,
+        "profiling",
     ),
-    (re.compile(r"EngineCore failed to start.*|Engine core initialization failed.*"), _set_failed),
+    (re.compile(r"Available KV cache memory|GPU KV cache size|# GPU blocks"), "kv_cache"),
+    (
+        re.compile(r"Capturing CUDA graphs?|Capturing cudagraphs|Graph capturing finished|CUDA graph pool memory"),
+        "graph_capture",
+    ),
+    (re.compile(r"init engine \(.*?\) took|Starting vLLM API server|Started server process"), "api_server"),
 ]
+
+# Causes. Searched anywhere in a line (a traceback's last line, an ERROR log line, …).
+_FREE_MEMORY_RE = re.compile(
+    rf"Free memory on device\s*(?P<failure_device>[^\s(]+)?\s*\("
+    rf"(?P<failure_free_gib>{_NUM})\s*/\s*(?P<failure_total_gib>{_NUM})\s*GiB\)"
+    rf" on startup is less than desired GPU memory utilization\s*\("
+    rf"(?P<failure_requested_gmu>{_NUM}),\s*(?P<failure_requested_gib>{_NUM})\s*GiB\)"
+)
+_MAXLEN_RE = re.compile(rf"max seq len\s*\((?P<len>{_NUM})\)", re.IGNORECASE)
+_MAXLEN_FIGURES: tuple[tuple[str, re.Pattern[str], Callable[[str], Any]], ...] = (
+    ("failure_kv_needed_gib", re.compile(rf"(?P<v>{_NUM})\s*GiB KV cache is needed"), _num),
+    ("failure_kv_available_gib", re.compile(rf"available KV cache memory\s*\((?P<v>{_NUM})\s*GiB\)"), _num),
+    (
+        "failure_kv_capacity_tokens",
+        re.compile(rf"maximum number of tokens that can be stored in KV cache\s*\((?P<v>{_NUM})\)"),
+        _int,
+    ),
+    ("failure_estimated_max_model_len", re.compile(rf"estimated maximum model length is\s*(?P<v>{_NUM})"), _int),
+)
+_NO_KV_RE = re.compile(r"No available memory for the cache blocks")
+_OOM_RE = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory", re.IGNORECASE)
+_OOM_TRIED_RE = re.compile(rf"Tried to allocate\s+(?P<v>{_NUM})\s*(?P<unit>[KMGT]i?B)")
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_GENERIC_RE = re.compile(
+    r"EngineCore failed to start.*|Engine core initialization failed.*|Engine process failed to start.*"
+)
+_EXCEPTION_RE = re.compile(r"(?:^|\]\s*|\s)(?P<msg>(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception):\s.*)$")
+_GRAPH_FRAME_RE = re.compile(r"capture_model|cuda_?graph|CUDAGraph", re.IGNORECASE)
 _COMPLETE_RE = re.compile(r"Application startup complete")
+_LEVEL_PREFIX_RE = re.compile(r"^\s*(?:[A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+)?(?:\[[^\]]*\]\s*)?")
+
+
+def _cause(msg: str) -> tuple[str, re.Match[str] | None] | None:
+    """The known cause in a line, ``(kind, match)``, or ``None``."""
+    if m := _FREE_MEMORY_RE.search(msg):
+        return "free_memory", m
+    if m := _MAXLEN_RE.search(msg):
+        return "max_model_len", m
+    if _NO_KV_RE.search(msg):
+        return "no_kv_memory", None
+    if _OOM_RE.search(msg):
+        return "cuda_oom", None
+    return None
+
+
+def _cause_figures(rec: LaunchRecord, kind: str, msg: str, m: re.Match[str] | None) -> list[str]:
+    done: list[str] = []
+    if kind == "free_memory" and m is not None:
+        done += _set(
+            failure_device=str,
+            failure_free_gib=_num,
+            failure_total_gib=_num,
+            failure_requested_gmu=_num,
+            failure_requested_gib=_num,
+        )(rec, m)
+    elif kind == "max_model_len" and m is not None:
+        rec.failure_max_model_len = _int(m.group("len"))
+        done.append("failure_max_model_len")
+        for name, pattern, conv in _MAXLEN_FIGURES:
+            if fm := pattern.search(msg):
+                setattr(rec, name, conv(fm.group("v")))
+                done.append(name)
+    elif kind == "cuda_oom" and (tm := _OOM_TRIED_RE.search(msg)):
+        rec.failure_oom_request_bytes = int(_num(tm.group("v")) * _UNITS[tm.group("unit")[0]])
+        done.append("failure_oom_request_bytes")
+    return done
 
 
 def strip_prefixes(line: str) -> tuple[str, float | None]:
@@ -208,6 +422,8 @@ class LaunchLogParser:
 
     def __init__(self) -> None:
         self.record = LaunchRecord()
+        self._candidate: str | None = None  # an exception line seen before any failure marker
+        self._graph_frames = False  # a traceback frame named CUDA graph capture
 
     def feed(self, line: str | bytes, *, received_at: float | None = None) -> list[str]:
         """Take one log line; return the names of the record fields it just set.
@@ -235,16 +451,84 @@ class LaunchLogParser:
                 done += setter(rec, m)
             except (ValueError, OverflowError):
                 continue  # a figure that does not parse is left as it was
+        for pattern, phase in _PHASE_PATTERNS:
+            if pattern.search(msg):
+                done += self._advance(phase)
+        if not rec.startup_complete:
+            done += self._failure(msg)
         if _COMPLETE_RE.search(msg):
             rec.startup_complete = True
             rec.startup_complete_ts = ts
             done.append("startup_complete")
+            done += self._advance("ready")
         return list(dict.fromkeys(done))
+
+    def _advance(self, phase: str) -> list[str]:
+        rec = self.record
+        if rec.failed or PHASES.index(phase) <= PHASES.index(rec.phase):
+            return []
+        rec.phase = phase
+        return ["phase"]
+
+    def _mark_failed(self) -> list[str]:
+        rec = self.record
+        if rec.failed:
+            return []
+        rec.failed = True
+        phase = rec.phase
+        if phase == "kv_cache" and self._graph_frames:
+            phase = "graph_capture"
+        rec.failure_phase = phase
+        return ["failed", "failure_phase"]
+
+    def _failure(self, msg: str) -> list[str]:
+        rec = self.record
+        done: list[str] = []
+        if _GRAPH_FRAME_RE.search(msg):
+            self._graph_frames = True
+        if g := _GENERIC_RE.search(msg):
+            if rec.failure_generic is None:
+                rec.failure_generic = g.group(0).strip()
+                done.append("failure_generic")
+            done += self._mark_failed()
+            if rec.failure_message is None and self._candidate is not None:
+                rec.failure_message, rec.failure_kind = self._candidate, "error"
+                done += ["failure_message", "failure_kind"]
+            return done
+        found = _cause(msg)
+        if found is not None:
+            kind, m = found
+            if rec.failure_kind in (None, "error"):  # the first known cause wins; it beats a generic error
+                try:
+                    figures = _cause_figures(rec, kind, msg, m)
+                except (ValueError, OverflowError):
+                    return done  # figures that do not parse: not a cause we can state
+                rec.failure_kind = kind
+                rec.failure_message = _exception_text(msg)
+                done += [*self._mark_failed(), "failure_kind", "failure_message", *figures]
+            return done
+        e = _EXCEPTION_RE.search(msg)
+        if e is None:
+            return done
+        text = e.group("msg").strip()
+        if rec.failed and rec.failure_message is None:
+            rec.failure_message, rec.failure_kind = text, "error"
+            done += ["failure_message", "failure_kind"]
+        elif not rec.failed and self._candidate is None:
+            self._candidate = text
+        return done
 
     def feed_many(self, lines: Iterable[str | bytes]) -> LaunchRecord:
         for line in lines:
             self.feed(line)
         return self.record
+
+
+def _exception_text(msg: str) -> str:
+    """The exception part of a line (``ValueError: …``), else the line without its log-level prefix."""
+    if e := _EXCEPTION_RE.search(msg):
+        return e.group("msg").strip()
+    return _LEVEL_PREFIX_RE.sub("", msg, count=1).strip()
 
 
 def parse_lines(lines: Iterable[str | bytes]) -> LaunchRecord:
