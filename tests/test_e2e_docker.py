@@ -61,9 +61,14 @@ def test_it_launches_the_container_and_it_becomes_ready(sparkd_factory: Any, doc
     assert ins["HostConfig"]["IpcMode"] == "host" and ins["HostConfig"]["NetworkMode"] == "host"
     assert ins["HostConfig"]["RestartPolicy"]["Name"] == "no"
     assert ins["HostConfig"]["Memory"] == 3 * GiB
-    # exec form: the container's PID 1 is the server itself, not a shell
-    rc, out = docker_client.containers.get(c["container_id"]).exec_run(["cat", "/proc/1/cmdline"])
-    assert rc == 0 and not out.startswith(b"/bin/sh")
+    # the launch flags from the field: --init and a positive --oom-score-adj (settings' defaults)
+    assert ins["HostConfig"]["Init"] is True and ins["HostConfig"]["OomScoreAdj"] == 500
+    # PID 1 is Docker's init; exec form: its child is the server itself, not a shell
+    cont = docker_client.containers.get(c["container_id"])
+    rc, out = cont.exec_run(["cat", "/proc/1/cmdline"])
+    assert rc == 0 and out.startswith(b"/sbin/docker-init")
+    rc, out = cont.exec_run(["sh", "-c", "cat /proc/$(cut -d' ' -f1 /proc/1/task/1/children)/cmdline"])
+    assert rc == 0 and out.startswith(b"/usr/bin/python3") and not out.startswith(b"/bin/sh")
     assert s.wait_event("ready")["details"]["time_to_ready_s"] > 0
 
 

@@ -598,7 +598,11 @@ def plan(
     else:
         click.echo(
             render_plan_table(
-                p, image=settings.container.image or "vllm/vllm-openai:latest", gpus=settings.container.gpu != "off"
+                p,
+                image=settings.container.image or "vllm/vllm-openai:latest",
+                gpus=settings.container.gpu != "off",
+                init=settings.container.init,
+                oom_score_adj=settings.container.oom_score_adj,
             )
         )
 
