@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from sparkd.act import archive, shm
@@ -111,40 +110,77 @@ def _redact_inspect(inspect: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def _gather(missing: dict[str, str], part: str, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` in a thread; a failure is recorded under ``part`` (``what`` failed: …) → None."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw)
+    except Exception as e:
+        missing[part] = f"{what} failed: {e}"
+        log.warning("postmortem: %s missing (%s failed: %s)", part, what, e)
+        return None
+
+
 async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | None:
-    """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on)."""
+    """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on).
+
+    A partial postmortem beats none: each part is gathered on its own, and a
+    part whose call fails (``docker logs`` or ``inspect`` while dockerd shuts
+    down, a database read) becomes ``NAME.missing`` with the reason; the
+    summary lists what is missing and ``rep.errors`` says so. Only a failure to
+    write the archive file itself leaves no archive.
+    """
     d = sup.daemon
     assert d is not None
     s = sup.settings
     now = time.time()
-    try:
-        if d.writer is not None:
-            await asyncio.to_thread(d.writer.flush)
-        inspect = await asyncio.to_thread(sup.manager.inspect, cid)
-        since = sup.launch_started_at or (now - s.container.archive_window_s)
-        logs = await asyncio.to_thread(sup.manager.logs, cid, since)
-        store = d.store
-        assert store is not None
-        rows = await asyncio.to_thread(store.samples, since=now - s.container.archive_window_s)
-        kern = await asyncio.to_thread(store.events, since=since, kinds=KERNEL_KINDS, limit=10000)
-        events = await asyncio.to_thread(store.events, since=since, limit=500)
-        parts: dict[str, bytes | str | Path] = {
-            "container.log": logs,
-            "sparkd.log": s.logs_path / "sparkd.log",
-            "samples.csv": archive.samples_to_csv(rows),
-            "kernel.log": "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(kern)) + "\n",
-            "inspect.json": json.dumps(_redact_inspect(inspect), indent=2, default=str),
-            "config.json": json.dumps(effective_config(s), indent=2),
-            "plan.json": json.dumps(sup.plan_json, indent=2),
-            "events.json": json.dumps(list(reversed(events)), indent=2, default=str),
-        }
-        info = await asyncio.to_thread(
-            archive.write_archive,
-            s.archives_path,
-            f"{inspect.get('Name', 'vllm').lstrip('/')}-{rep.source}",
-            parts,
-            _summary(sup, rep, cid, inspect),
+    missing: dict[str, str] = {}
+    if d.writer is not None:
+        await _gather(missing, "samples.csv", "flushing the database queue", d.writer.flush)
+        missing.pop("samples.csv", None)  # what reached the database is still read below
+    inspect = await _gather(missing, "inspect.json", "docker inspect", sup.manager.inspect, cid)
+    since = sup.launch_started_at or (now - s.container.archive_window_s)
+    logs = await _gather(missing, "container.log", "docker logs", sup.manager.logs, cid, since)
+    store = d.store
+    rows = kern = events = None
+    if store is None:
+        for name in ("samples.csv", "kernel.log", "events.json"):
+            missing[name] = "no database open"
+    else:
+        rows = await _gather(
+            missing, "samples.csv", "reading samples", store.samples, since=now - s.container.archive_window_s
         )
+        kern = await _gather(
+            missing, "kernel.log", "reading kernel lines", store.events, since=since, kinds=KERNEL_KINDS, limit=10000
+        )
+        events = await _gather(missing, "events.json", "reading events", store.events, since=since, limit=500)
+
+    def part(name: str, value: Any, make: Any) -> archive.Part:
+        return archive.Missing(missing[name]) if value is None else make(value)
+
+    parts: dict[str, archive.Part] = {
+        "container.log": part("container.log", logs, lambda v: v),
+        "sparkd.log": s.logs_path / "sparkd.log",
+        "samples.csv": part("samples.csv", rows, archive.samples_to_csv),
+        "kernel.log": part(
+            "kernel.log",
+            kern,
+            lambda v: "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(v)) + "\n",
+        ),
+        "inspect.json": part("inspect.json", inspect, lambda v: json.dumps(_redact_inspect(v), indent=2, default=str)),
+        "config.json": json.dumps(effective_config(s), indent=2),
+        "plan.json": json.dumps(sup.plan_json, indent=2),
+        "events.json": part("events.json", events, lambda v: json.dumps(list(reversed(v)), indent=2, default=str)),
+    }
+    summary = _summary(sup, rep, cid, inspect or {})
+    if missing:
+        summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(
+            f"  {name}: {why}\n" for name, why in missing.items()
+        )
+        rep.errors.append("archive partial: " + "; ".join(f"{n} missing ({why})" for n, why in missing.items()))
+    name_hint = str((inspect or {}).get("Name") or sup.name or "vllm").lstrip("/")
+    try:
+        hint = f"{name_hint}-{rep.source}"
+        info = await asyncio.to_thread(archive.write_archive, s.archives_path, hint, parts, summary)
         return info.name
     except Exception as e:
         rep.errors.append(f"archive failed: {e}")
