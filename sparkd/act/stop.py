@@ -5,7 +5,9 @@ stop`` with a 30 s grace (CONTEXT.md: a 10 s grace still ended in exit 137);
 4. kill if the stop call fails or the container still runs — and at once if
 MemAvailable falls below the hard floor during the grace; 5. confirm with
 inspect (exit code, OOMKilled, step durations); 6. /dev/shm cleanup by
-evidence; 7. event ``stopped`` with the durations.
+the container's own evidence (what its processes were seen using — while it ran
+and right before the stop — or vLLM's own names created in its lifetime); 7.
+event ``stopped`` with the durations.
 """
 
 from __future__ import annotations
@@ -188,6 +190,21 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
         return None
 
 
+async def _witness_before_stop(sup: Supervisor, cid: str, rep: StopReport) -> shm.ShmWitness:
+    """The container's /dev/shm evidence: what the supervisor saw while it ran (``sup.shm_witness`` when
+    it is this container's), plus one scan of its processes now, before they stop. Never raises: without
+    the scan the cleanup keeps every entry that only the witness could tie to the container."""
+    w = getattr(sup, "shm_witness", None)
+    if not isinstance(w, shm.ShmWitness) or w.container_id != cid:
+        w = shm.ShmWitness(cid, shm_dir=sup.settings.shm_dir, proc_root=sup.settings.proc_root)
+    try:
+        st = await asyncio.to_thread(sup.manager.state, cid)
+        await asyncio.to_thread(w.observe, st.pid)
+    except Exception as e:
+        rep.errors.append(f"/dev/shm witness before the stop failed: {e}")
+    return w
+
+
 async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
     """Steps 1–7 for the current container. The caller holds the action lock."""
     d = sup.daemon
@@ -207,6 +224,7 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
     if archive_first:
         rep.archive = await write_postmortem(sup, rep, cid)
         rep.durations_s["archive"] = time.monotonic() - t0
+    witness = await _witness_before_stop(sup, cid, rep)
     t1 = time.monotonic()
     floor = parse_size(s.container.hard_floor)
     stop_task = asyncio.create_task(asyncio.to_thread(sup.manager.stop, cid, s.container.stop_timeout_s))
@@ -249,8 +267,10 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
             st = await asyncio.to_thread(sup.manager.state, cid)
             rep.outcome = "killed (still running after stop)"
         rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
+        stopped_at = st.finished_at
     except Exception as e:
         rep.errors.append(f"inspect failed: {e}")
+        stopped_at = None
     t2 = time.monotonic()
     try:
         res = await asyncio.to_thread(
@@ -259,6 +279,8 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
             shm_dir=s.shm_dir,
             proc_root=s.proc_root,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            witness=witness,
+            container_stopped_at=stopped_at or time.time(),
         )
         rep.shm_removed = [n for n, _b in res.removed]
         rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]

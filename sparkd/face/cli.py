@@ -309,6 +309,7 @@ def doctor(ctx: click.Context) -> None:
             proc_root=Path(settings.proc_root),
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
+            shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
         )
     )
     click.echo(doc.format_report(checks))

@@ -23,6 +23,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.shm import ShmWitness
 from sparkd.act.stop import run_stop
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.rules import Decision
@@ -44,6 +45,9 @@ NVML_LOST = "Failed to initialize NVML: Unknown Error"
 # After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
 # field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
 START_FAILED_CAUSE_WAIT_S = 5.0
+# How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
+# the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
+SHM_WITNESS_INTERVAL_S = 30.0
 
 
 def make_actions(settings: Settings) -> Actions:
@@ -92,6 +96,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._last_nvml_check = 0.0
         self._figures_saved: set[str] = set()
+        self.shm_witness: ShmWitness | None = None
+        self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None
         self.stops_total = 0
         self.kills_total = 0
@@ -432,8 +438,23 @@ class Supervisor:
             )
         self._follow_logs()
 
+    async def _observe_shm(self) -> None:
+        cid = self.container_id
+        if not cid or time.monotonic() - self._last_shm_observe < SHM_WITNESS_INTERVAL_S:
+            return
+        self._last_shm_observe = time.monotonic()
+        if self.shm_witness is None or self.shm_witness.container_id != cid:
+            self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
+        try:
+            st = await asyncio.to_thread(self.manager.state, cid)
+        except SparkdError as e:
+            log.debug("/dev/shm witness skipped: %s", e)
+            return
+        await asyncio.to_thread(self.shm_witness.observe, st.pid)
+
     async def _health(self) -> None:
         assert self.container_id is not None
+        await self._observe_shm()
         c = self.settings.container
         h = await asyncio.to_thread(health_check, c.port, "127.0.0.1", 2.0)
         now = time.time()
