@@ -6,6 +6,7 @@ entry created by someone else after the container started must be kept, with the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -227,3 +229,29 @@ def test_doctor_on_the_real_proc_matches_what_the_cleanup_sees() -> None:
     else:
         assert c.status == "OK"
     assert {p for p, _c, _w in shm.unreadable_pids("/proc")} >= hidden
+
+
+# ---------------------------------------------------------------- the supervisor's witness on a real container
+
+pytest_plugins = ["dockerkit"]
+
+
+@pytest.mark.docker
+def test_the_supervisor_witnesses_what_a_real_container_uses(tmp_path: Path, launcher: Any, mgr: Any) -> None:
+    from sparkd.config import Settings
+    from sparkd.loop.supervisor import Supervisor
+
+    fv = launcher(env={"FAKEVLLM_SHM_CLEANUP": "1"})  # it removes its entries on a graceful exit
+    assert fv.wait_healthy()
+    names = fv.post("/shm?n=5&kib=64")["names"]  # --ipc host: in the host's /dev/shm, held open by the server
+    try:
+        settings = Settings(state_dir=str(tmp_path), container={"image": "sparkd-test-vllm:latest"})
+        sup = Supervisor(settings, manager=mgr)
+        sup.container_id = fv.id
+        asyncio.run(sup._observe_shm())
+        w = sup.shm_witness
+        assert w is not None and w.container_id == fv.id and w.observations == 1
+        assert {name for _d, _i, name in w.seen} >= set(names)
+    finally:
+        assert mgr.stop(fv.id, timeout_s=10).outcome == "exited"
+    assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
