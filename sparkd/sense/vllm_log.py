@@ -42,10 +42,12 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from sparkd.sense.vllm_causes import EXCEPTION_RE, GENERIC_RE, GRAPH_FRAME_RE, NUM, find_cause
+
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _DOCKER_TS_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:?\d{2})\s")
 _PROC_PREFIX_RE = re.compile(r"^\s*\((?:[A-Za-z_][\w.-]*\s+)?pid=\d+\)\s*")
-_NUM = r"\d[\d,]*(?:\.\d+)?"
+_NUM = NUM
 MAX_LINE_CHARS = 65536  # longer lines are cut before matching (non-default args can be long)
 
 
@@ -330,71 +332,7 @@ _PHASE_PATTERNS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"init engine \(.*?\) took|Starting vLLM API server|Started server process"), "api_server"),
 ]
 
-# Causes. Searched anywhere in a line (a traceback's last line, an ERROR log line, …).
-_FREE_MEMORY_RE = re.compile(
-    rf"Free memory on device\s*(?P<failure_device>[^\s(]+)?\s*\("
-    rf"(?P<failure_free_gib>{_NUM})\s*/\s*(?P<failure_total_gib>{_NUM})\s*GiB\)"
-    rf" on startup is less than desired GPU memory utilization\s*\("
-    rf"(?P<failure_requested_gmu>{_NUM}),\s*(?P<failure_requested_gib>{_NUM})\s*GiB\)"
-)
-_MAXLEN_RE = re.compile(rf"max seq len\s*\((?P<len>{_NUM})\)", re.IGNORECASE)
-_MAXLEN_FIGURES: tuple[tuple[str, re.Pattern[str], Callable[[str], Any]], ...] = (
-    ("failure_kv_needed_gib", re.compile(rf"(?P<v>{_NUM})\s*GiB KV cache is needed"), _num),
-    ("failure_kv_available_gib", re.compile(rf"available KV cache memory\s*\((?P<v>{_NUM})\s*GiB\)"), _num),
-    (
-        "failure_kv_capacity_tokens",
-        re.compile(rf"maximum number of tokens that can be stored in KV cache\s*\((?P<v>{_NUM})\)"),
-        _int,
-    ),
-    ("failure_estimated_max_model_len", re.compile(rf"estimated maximum model length is\s*(?P<v>{_NUM})"), _int),
-)
-_NO_KV_RE = re.compile(r"No available memory for the cache blocks")
-_OOM_RE = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory", re.IGNORECASE)
-_OOM_TRIED_RE = re.compile(rf"Tried to allocate\s+(?P<v>{_NUM})\s*(?P<unit>[KMGT]i?B)")
-_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_GENERIC_RE = re.compile(
-    r"EngineCore failed to start.*|Engine core initialization failed.*|Engine process failed to start.*"
-)
-_EXCEPTION_RE = re.compile(r"(?:^|\]\s*|\s)(?P<msg>(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception):\s.*)$")
-_GRAPH_FRAME_RE = re.compile(r"capture_model|cuda_?graph|CUDAGraph", re.IGNORECASE)
 _COMPLETE_RE = re.compile(r"Application startup complete")
-_LEVEL_PREFIX_RE = re.compile(r"^\s*(?:[A-Z]+\s+\d\d-\d\d \d\d:\d\d:\d\d\s+)?(?:\[[^\]]*\]\s*)?")
-
-
-def _cause(msg: str) -> tuple[str, re.Match[str] | None] | None:
-    """The known cause in a line, ``(kind, match)``, or ``None``."""
-    if m := _FREE_MEMORY_RE.search(msg):
-        return "free_memory", m
-    if m := _MAXLEN_RE.search(msg):
-        return "max_model_len", m
-    if _NO_KV_RE.search(msg):
-        return "no_kv_memory", None
-    if _OOM_RE.search(msg):
-        return "cuda_oom", None
-    return None
-
-
-def _cause_figures(rec: LaunchRecord, kind: str, msg: str, m: re.Match[str] | None) -> list[str]:
-    done: list[str] = []
-    if kind == "free_memory" and m is not None:
-        done += _set(
-            failure_device=str,
-            failure_free_gib=_num,
-            failure_total_gib=_num,
-            failure_requested_gmu=_num,
-            failure_requested_gib=_num,
-        )(rec, m)
-    elif kind == "max_model_len" and m is not None:
-        rec.failure_max_model_len = _int(m.group("len"))
-        done.append("failure_max_model_len")
-        for name, pattern, conv in _MAXLEN_FIGURES:
-            if fm := pattern.search(msg):
-                setattr(rec, name, conv(fm.group("v")))
-                done.append(name)
-    elif kind == "cuda_oom" and (tm := _OOM_TRIED_RE.search(msg)):
-        rec.failure_oom_request_bytes = int(_num(tm.group("v")) * _UNITS[tm.group("unit")[0]])
-        done.append("failure_oom_request_bytes")
-    return done
 
 
 def strip_prefixes(line: str) -> tuple[str, float | None]:
@@ -484,9 +422,9 @@ class LaunchLogParser:
     def _failure(self, msg: str) -> list[str]:
         rec = self.record
         done: list[str] = []
-        if _GRAPH_FRAME_RE.search(msg):
+        if GRAPH_FRAME_RE.search(msg):
             self._graph_frames = True
-        if g := _GENERIC_RE.search(msg):
+        if g := GENERIC_RE.search(msg):
             if rec.failure_generic is None:
                 rec.failure_generic = g.group(0).strip()
                 done.append("failure_generic")
@@ -495,19 +433,15 @@ class LaunchLogParser:
                 rec.failure_message, rec.failure_kind = self._candidate, "error"
                 done += ["failure_message", "failure_kind"]
             return done
-        found = _cause(msg)
-        if found is not None:
-            kind, m = found
+        cause = find_cause(msg)
+        if cause is not None:
             if rec.failure_kind in (None, "error"):  # the first known cause wins; it beats a generic error
-                try:
-                    figures = _cause_figures(rec, kind, msg, m)
-                except (ValueError, OverflowError):
-                    return done  # figures that do not parse: not a cause we can state
-                rec.failure_kind = kind
-                rec.failure_message = _exception_text(msg)
-                done += [*self._mark_failed(), "failure_kind", "failure_message", *figures]
+                for name, value in cause.figures.items():
+                    setattr(rec, name, value)
+                rec.failure_kind, rec.failure_message = cause.kind, cause.message
+                done += [*self._mark_failed(), "failure_kind", "failure_message", *cause.figures]
             return done
-        e = _EXCEPTION_RE.search(msg)
+        e = EXCEPTION_RE.search(msg)
         if e is None:
             return done
         text = e.group("msg").strip()
@@ -522,13 +456,6 @@ class LaunchLogParser:
         for line in lines:
             self.feed(line)
         return self.record
-
-
-def _exception_text(msg: str) -> str:
-    """The exception part of a line (``ValueError: …``), else the line without its log-level prefix."""
-    if e := _EXCEPTION_RE.search(msg):
-        return e.group("msg").strip()
-    return _LEVEL_PREFIX_RE.sub("", msg, count=1).strip()
 
 
 def parse_lines(lines: Iterable[str | bytes]) -> LaunchRecord:
