@@ -321,3 +321,20 @@ def test_vllm_log_refuses_a_missing_file(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["vllm-log", str(tmp_path / "nope.log")])
     assert res.exit_code == 2
     assert "nope.log" in res.output
+
+
+def test_sparkd_launches_shows_the_cause_and_the_warning(tmp_path: Path) -> None:
+    from sparkd.store.store import Store
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    settings = Settings(state_dir=str(tmp_path))
+    store = Store.open(settings.db_file, migrate=True)
+    for i, name in enumerate(("vllm-free-memory-refusal.log", "vllm-negative-cudagraph-estimate.log")):
+        actual = parse_lines(_field(name)).to_json()
+        store.save_launch({"id": f"l{i}", "status": "failed", "started_at": 1000.0 + i, "actual": actual})
+    store.close()
+    res = CliRunner().invoke(main, ["--config", str(cfg), "launches"])
+    assert res.exit_code == 0, res.output
+    assert f"failed:   {FREE_SENTENCE}" in res.output
+    assert "warning:  vLLM estimated CUDA graph memory at -20.50 GiB" in res.output

@@ -528,6 +528,10 @@ def launches(ctx: click.Context, as_json: bool, limit: int) -> None:
             f"KV {_f(act.get('kv_cache_available_gib'))} GiB = {act.get('kv_cache_tokens', '-')} tokens, concurrency "
             f"{_f(act.get('max_concurrency'))}x, graphs {_f(act.get('graph_capture_gib'))} GiB"
         )
+        if act.get("failure_summary"):
+            click.echo(f"    failed:   {act['failure_summary']}")
+        for text in (act.get("warnings") or {}).values():
+            click.echo(f"    warning:  {text}")
 
 
 _PLAN_OPTS = [
