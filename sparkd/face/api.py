@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparkd import __version__
 from sparkd.act.archive import open_archive
+from sparkd.core.budget import KvCacheDtype
 from sparkd.errors import InvalidInput, Refused, SparkdError
 from sparkd.face import presenters as views
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
@@ -60,7 +61,7 @@ class ResizeRequest(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1, le=16_777_216, strict=True)
     max_num_seqs: int | None = Field(default=None, ge=1, le=4096, strict=True)
     host_reserve_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
-    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    kv_cache_dtype: KvCacheDtype | None = None
     gmu_override: float | None = Field(default=None, gt=0, le=1, strict=True)
     docker_headroom_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
     dry_run: bool = True

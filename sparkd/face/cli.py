@@ -543,8 +543,9 @@ _PLAN_OPTS = [
     ("--kv-target-gib", "kv_target_gib", float, "KV cache wanted"),
     ("--host-reserve-gib", "host_reserve_gib", float, "left to the host"),
     ("--max-model-len", "max_model_len", int, "vLLM --max-model-len"),
-    ("--kv-bytes-per-token", "kv_bytes_per_token", int, "BF16 KV bytes per token"),
+    ("--kv-bytes-per-token", "kv_bytes_per_token", int, "16-bit KV bytes per token; default: from config.json"),
     ("--kv-cache-dtype", "kv_cache_dtype", str, "auto|bf16|fp16|fp8|fp8_e4m3|fp8_e5m2"),
+    ("--kv-fp8-mult", "kv_fp8_mult", float, "KV_MULT of an fp8 KV cache; default 0.5 (0.58 for the notes' model)"),
     ("--max-num-seqs", "max_num_seqs", int, "vLLM --max-num-seqs"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "vLLM --max-num-batched-tokens"),
     ("--gmu-override", "gmu_override", float, "explicit --gpu-memory-utilization"),
@@ -573,9 +574,14 @@ def plan(
     as_json: bool,
     **inputs: Any,
 ) -> None:
-    """The memory budget without launching (the seed's --no-launch): inputs, intermediate values, results."""
-    from sparkd.core.budget import make_plan, render_plan_table
-    from sparkd.loop.launch import budget_inputs
+    """The memory budget without launching (the seed's --no-launch): inputs with their sources,
+    intermediate values, results. An incomplete checkpoint (a shard of the index missing or
+    short) is refused (exit 1)."""
+    from sparkd.core.budget import make_plan
+    from sparkd.core.plan_table import render_plan_table
+    from sparkd.errors import Refused
+    from sparkd.loop.launch import budget_inputs, setting_sources
+    from sparkd.sense.checkpoint import check_checkpoint
 
     settings = _settings(ctx)
     changes = {k: v for k, v in inputs.items() if v is not None}
@@ -597,9 +603,19 @@ def plan(
         from sparkd.sense.procfs import read_meminfo
 
         mem_total = read_meminfo(settings.proc_root).fields["MemTotal"]
-    p = make_plan(budget_inputs(b, c, mem_total))
+    check = check_checkpoint(c.model_dir) if c.model_dir else None
+    if check is not None and not check.ok:
+        raise Refused(
+            check.describe() + ": vLLM would fail on it after loading the rest; complete the download",
+            detail={"missing": list(check.missing), "problems": list(check.problems)},
+        )
+    sources = setting_sources(settings.budget, flags=changes)
+    mem_src = "flag" if mem_total_gib is not None else "measured"
+    p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
     if as_json:
-        click.echo(json.dumps(p.to_json(), indent=2))
+        out = p.to_json()
+        out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
+        click.echo(json.dumps(out, indent=2))
     else:
         click.echo(
             render_plan_table(
@@ -610,6 +626,8 @@ def plan(
                 oom_score_adj=settings.container.oom_score_adj,
             )
         )
+        if check is not None:
+            click.echo(check.describe())
 
 
 @main.command("vllm-log")

@@ -215,6 +215,7 @@ def budget_from_status(plan: dict[str, Any] | None, status: dict[str, Any]) -> d
         ("weights", "Weights", float(plan.get("weights_gib") or 0.0)),
         ("overhead", "Overhead", float(overhead)),
         ("mtp", "MTP", float(plan.get("mtp_gib") or 0.0)),
+        ("state", "Linear-attention state", float(plan.get("state_gib") or 0.0)),
         ("kv", "KV cache (exp.)", max(0.0, float(plan.get("kv_exp_gib") or 0.0))),
         ("slack", "Unallocated", max(0.0, cap - budget)),
         ("reserve", "Host reserve", max(0.0, total - cap)),

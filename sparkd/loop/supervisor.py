@@ -29,7 +29,7 @@ from sparkd.config import BudgetSettings, Settings
 from sparkd.core.rules import Decision
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
-from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_diff, plan_for
+from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_diff, plan_for, setting_sources
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -240,7 +240,8 @@ class Supervisor:
         mem_total = self._mem_total()
         from sparkd.core.budget import make_plan
 
-        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total)).to_json()
+        sources = setting_sources(new_budget, base=self.settings.budget)
+        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)).to_json()
         out: dict[str, Any] = {
             "plan": new_plan,
             "previous": self.plan_json,
@@ -582,7 +583,7 @@ class Supervisor:
         d = self.daemon
         assert d is not None
         s = self.settings.model_copy(update={"budget": self.budget})
-        plan = plan_for(s, self._mem_total())
+        plan = plan_for(s, self._mem_total(), base=self.settings.budget)
         spec = launch_spec(s, plan)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
@@ -594,6 +595,7 @@ class Supervisor:
             proc_root=s.proc_root,
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            model_dir=s.container.model_dir,
         )
         if not pf.ok and not force:
             self._event(
