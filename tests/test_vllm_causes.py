@@ -338,3 +338,18 @@ def test_sparkd_launches_shows_the_cause_and_the_warning(tmp_path: Path) -> None
     assert res.exit_code == 0, res.output
     assert f"failed:   {FREE_SENTENCE}" in res.output
     assert "warning:  vLLM estimated CUDA graph memory at -20.50 GiB" in res.output
+
+
+def test_oom_while_profiling_cuda_graph_memory_is_graph_capture() -> None:
+    lines = [
+        "(EngineCore pid=75) INFO Initial profiling/warmup run took 100.46 s",
+        "(EngineCore pid=75) INFO Profiling CUDA graph memory: PIECEWISE=51, FULL=35",
+        "(EngineCore pid=75) ERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB.",
+    ]
+    rec = parse_lines(lines)
+    assert rec.phase == "profiling" and rec.failure_phase == "graph_capture"
+    assert "during CUDA graph capture" in (rec.failure_summary() or "")
+    # after the estimate is printed, an OOM in profiling is not the graphs' any more
+    rec = parse_lines([lines[0], lines[1], "INFO Estimated CUDA graph memory: 1.58 GiB total", lines[2]])
+    assert rec.failure_phase == "profiling"
+    assert "during memory profiling" in (rec.failure_summary() or "")

@@ -362,6 +362,7 @@ class LaunchLogParser:
         self.record = LaunchRecord()
         self._candidate: str | None = None  # an exception line seen before any failure marker
         self._graph_frames = False  # a traceback frame named CUDA graph capture
+        self._profiling_graphs = False  # "Profiling CUDA graph memory" (captures graphs) without its result yet
 
     def feed(self, line: str | bytes, *, received_at: float | None = None) -> list[str]:
         """Take one log line; return the names of the record fields it just set.
@@ -414,7 +415,7 @@ class LaunchLogParser:
             return []
         rec.failed = True
         phase = rec.phase
-        if phase == "kv_cache" and self._graph_frames:
+        if (phase == "kv_cache" and self._graph_frames) or (phase == "profiling" and self._profiling_graphs):
             phase = "graph_capture"
         rec.failure_phase = phase
         return ["failed", "failure_phase"]
@@ -424,6 +425,10 @@ class LaunchLogParser:
         done: list[str] = []
         if GRAPH_FRAME_RE.search(msg):
             self._graph_frames = True
+        if "Profiling CUDA graph memory" in msg:
+            self._profiling_graphs = True
+        elif "Estimated CUDA graph memory" in msg:
+            self._profiling_graphs = False
         if g := GENERIC_RE.search(msg):
             if rec.failure_generic is None:
                 rec.failure_generic = g.group(0).strip()
