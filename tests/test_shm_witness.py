@@ -248,7 +248,7 @@ def test_the_supervisor_witnesses_what_a_real_container_uses(tmp_path: Path, lau
         settings = Settings(state_dir=str(tmp_path), container={"image": "sparkd-test-vllm:latest"})
         sup = Supervisor(settings, manager=mgr)
         sup.container_id = fv.id
-        asyncio.run(sup._observe_shm())
+        asyncio.run(sup._observe_shm(mgr.state(fv.id).pid))
         w = sup.shm_witness
         assert w is not None and w.container_id == fv.id and w.observations == 1
         assert {name for _d, _i, name in w.seen} >= set(names)

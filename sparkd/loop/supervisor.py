@@ -395,6 +395,7 @@ class Supervisor:
             if self.state not in ("stopping", "stopped", "exited", "failed"):
                 await self._exited(st)
             return
+        await self._observe_shm(st.pid)
         await self._health()
 
     async def _attach(self) -> None:
@@ -439,23 +440,19 @@ class Supervisor:
             )
         self._follow_logs()
 
-    async def _observe_shm(self) -> None:
+    async def _observe_shm(self, pid: int | None) -> None:
+        """Every SHM_WITNESS_INTERVAL_S, what the running container's processes (``pid``: its PID 1 on the
+        host) map or hold open in /dev/shm: the evidence of the cleanup after a stop (act/shm.ShmWitness)."""
         cid = self.container_id
         if not cid or time.monotonic() - self._last_shm_observe < SHM_WITNESS_INTERVAL_S:
             return
         self._last_shm_observe = time.monotonic()
         if self.shm_witness is None or self.shm_witness.container_id != cid:
             self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
-        try:
-            st = await asyncio.to_thread(self.manager.state, cid)
-        except SparkdError as e:
-            log.debug("/dev/shm witness skipped: %s", e)
-            return
-        await asyncio.to_thread(self.shm_witness.observe, st.pid)
+        await asyncio.to_thread(self.shm_witness.observe, pid)
 
     async def _health(self) -> None:
         assert self.container_id is not None
-        await self._observe_shm()
         c = self.settings.container
         h = await asyncio.to_thread(health_check, c.port, "127.0.0.1", 2.0)
         now = time.time()
