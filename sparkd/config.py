@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from sparkd.core.budget import KvCacheDtype
+from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.errors import ConfigError
 from sparkd.hostport import parse_host
@@ -43,8 +43,8 @@ class RuleConfig(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     samples: int = Field(default=5, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
-    action: Literal["stop", "warn"] = "stop"
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction = "stop"
+    kind: RuleKind = "threshold"
     floor: str | None = None
     within_s: float = Field(default=3.0, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)

@@ -335,11 +335,17 @@ def test_every_family_goes_from_a_checkpoint_dir_into_the_plan(
 
 
 def test_the_dashboard_budget_bar_shows_the_linear_attention_state(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
     from sparkd.face.presenters import budget_from_status
+    from sparkd.loop.status import PlanFigures
 
     d = _ckpt(tmp_path, QWEN3_NEXT_80B, 40)
     p = _json(tmp_path, "--model-dir", d, "--max-model-len", "262144", "--max-num-seqs", "8")
-    seg = {s["key"]: s["gib"] for s in budget_from_status(p, {})["segments"]}  # type: ignore[index]
+    figures = PlanFigures.model_validate({k: v for k, v in p.items() if k != "checkpoint"})  # the CLI adds "checkpoint"
+    bar = budget_from_status(SimpleNamespace(plan=figures, sample=None))  # type: ignore[arg-type]
+    assert bar is not None
+    seg = {s["key"]: s["gib"] for s in bar["segments"]}
     # 8 sequences × 39,518,208 B
     assert seg["state"] == 8 * 39_518_208 / 2**30
     # the fixed part is drawn whole: weights + overhead + state

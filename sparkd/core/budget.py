@@ -43,14 +43,13 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, TypeGuard, get_args
+from typing import Any, TypeGuard
 
+from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.errors import InvalidInput, Refused
 from sparkd.units import GiB, MiB
 
 #: vLLM's ``--kv-cache-dtype`` choices sparkd plans for: the one definition (config, API, CLI).
-KvCacheDtype = Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"]
-KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 FP8_KV_DTYPES: tuple[str, ...] = tuple(d for d in KV_CACHE_DTYPES if d.startswith("fp8"))
 
 #: The launch notes' model (CONTEXT.md "The memory budget"): 29,482 B per token at

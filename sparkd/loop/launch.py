@@ -243,9 +243,3 @@ def apply_resize(b: BudgetSettings, changes: dict[str, Any]) -> BudgetSettings:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise InvalidInput(field, err.get("input"), err["msg"]) from None
-
-
-def plan_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """``{key: [old, new]}`` for the top-level plan figures that changed."""
-    old = old or {}
-    return {k: [old.get(k), v] for k, v in new.items() if not isinstance(v, dict | list) and old.get(k) != v}
