@@ -12,8 +12,19 @@ segment breaks someone else. So nothing is removed by name alone:
   (``/proc/PID/fd/*``). Matching is by device and inode, which is exact even
   for processes in other mount namespaces; a path match (not ``(deleted)``) is
   also counted, so an error in one method can only make sparkd keep more.
-* ``plan_cleanup()`` (pure) decides: remove only regular files that appeared
-  after the container started and that no live process maps or holds open.
+* ``ShmWitness`` (I/O) records, while the container runs and once more right
+  before it is stopped, which entries *the container's own processes* (its
+  PID 1 and every descendant) map or hold open.
+* ``plan_cleanup()`` (pure) decides: remove only regular files that no live
+  process maps or holds open now *and* that are tied to the stopped container
+  by its own evidence — seen used by its processes while it ran, or created
+  within its lifetime under a name only the engine itself creates
+  (:data:`ENGINE_OWN_KINDS`: ``VLLM_OBJECT_STORAGE_SHM_BUFFER_*``,
+  ``vllm_offload_*.mmap``). NCCL (``nccl-*``), Python multiprocessing
+  (``psm_*``) and loky (``sem.loky-*``) names are created by any program using
+  those libraries: without the witness they are kept, with the reason (field:
+  an unrelated stale ``nccl-*`` entry created by someone else after the
+  container started was deleted by the age rule alone).
 * ``execute()`` re-checks the evidence right before unlinking (a process may
   have opened an entry since the scan), never follows symlinks, never removes
   directories and only unlinks names directly inside the scanned directory.
@@ -86,6 +97,15 @@ _KIND_PATTERNS: tuple[tuple[ShmKind, re.Pattern[str]], ...] = (
 
 # The kinds a preflight cleanup (age unknown) may remove when explicitly asked.
 KNOWN_RUNTIME_KINDS = frozenset(k for k, _ in _KIND_PATTERNS)
+# Names only vLLM itself creates: created within the container's lifetime, they are its own even when no
+# process of it was seen using them. NCCL, multiprocessing and loky names need the witness.
+ENGINE_OWN_KINDS = frozenset({ShmKind.VLLM_OBJECT_STORAGE, ShmKind.VLLM_OFFLOAD})
+_PATTERN_TEXT = {
+    ShmKind.PSM: "psm_* (Python multiprocessing)",
+    ShmKind.NCCL: "nccl-* (NCCL)",
+    ShmKind.LOKY_SEM: "sem.loky-* (loky/joblib)",
+    ShmKind.OTHER: "an unknown name",
+}
 
 
 def classify(name: str) -> ShmKind:
@@ -236,8 +256,9 @@ def _collect_evidence(
     proc_root: str,
     shm_dir: str,
     targets: dict[tuple[int, int], str],
+    pids: Iterable[int] | None = None,
 ) -> _Evidence:
-    """Which live processes map or hold open the inodes in ``targets``.
+    """Which live processes (all, or only ``pids``) map or hold open the inodes in ``targets``.
 
     ``targets`` maps ``(dev, ino)`` to the entry's path. Processes that vanish
     mid-scan are skipped; processes that cannot be read are returned in
@@ -249,7 +270,7 @@ def _collect_evidence(
     ev = _Evidence(users={}, unreadable=set())
     if not targets:
         return ev
-    for pid in _pids(proc_root):
+    for pid in _pids(proc_root) if pids is None else sorted(pids):
         pid_dir = os.path.join(proc_root, str(pid))
         mapped: set[tuple[int, int]] = set()
         opened: set[tuple[int, int]] = set()
@@ -385,6 +406,115 @@ def _with_evidence(e: ShmEntry, users: Iterable[ShmUser], unreadable: tuple[int,
     return replace(e, users=tuple(sorted(users, key=lambda u: u.pid)), unreadable_pids=unreadable)
 
 
+# --------------------------------------------------------------------------- the container's own evidence
+
+
+def process_tree(root_pid: int, proc_root: str | Path = DEFAULT_PROC_ROOT) -> set[int]:
+    """``root_pid`` and every live descendant, from the parent PID in ``/proc/PID/stat``.
+
+    A container's processes are its PID 1 (Docker's ``State.Pid``) and its
+    descendants: an orphan inside the container is re-parented to that PID 1
+    (the namespace's init), so it stays in the tree. Returns ``set()`` when
+    ``root_pid`` does not exist (the container is gone).
+    """
+    proc_root = os.fspath(proc_root)
+    children: dict[int, list[int]] = {}
+    alive: set[int] = set()
+    for pid in _pids(proc_root):
+        try:
+            with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
+        rest = raw[raw.rfind(b")") + 2 :].split()
+        if len(rest) < 2:
+            continue
+        alive.add(pid)
+        children.setdefault(int(rest[1]), []).append(pid)
+    if root_pid not in alive:
+        return set()
+    tree, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, ()))
+    return tree
+
+
+def unreadable_pids(proc_root: str | Path = DEFAULT_PROC_ROOT) -> list[tuple[int, str, str]]:
+    """Processes whose maps or fds sparkd cannot read: ``[(pid, comm, why)]``, by pid.
+
+    Each one makes every /dev/shm entry "cannot prove unused" (see the module
+    doc); ``sparkd doctor`` lists them. Raises ``OSError`` when ``proc_root``
+    cannot be listed.
+    """
+    proc_root = os.fspath(proc_root)
+    out = []
+    for pid in _pids(proc_root):
+        pid_dir = os.path.join(proc_root, str(pid))
+        try:
+            with open(os.path.join(pid_dir, "maps"), "rb") as f:
+                f.read(1)
+            os.listdir(os.path.join(pid_dir, "fd"))
+        except OSError as e:
+            if e.errno in _GONE:
+                continue
+            out.append((pid, _read_comm(pid_dir), e.strerror or str(e)))
+    return out
+
+
+@dataclass(slots=True)
+class ShmWitness:
+    """What the container's own processes were seen using in the shm directory.
+
+    ``observe(root_pid)`` scans the maps and fds of ``root_pid`` and its
+    descendants (:func:`process_tree`) and adds each entry they map or hold
+    open to ``seen`` as ``(dev, ino, name)`` (name *and* inode, so a reused
+    inode number under another name is not taken for it). Call it while the
+    container runs and once more right before stopping it. ``observations``
+    counts scans that found the container; ``last_error`` keeps the last
+    failure (a scan never raises).
+    """
+
+    container_id: str
+    shm_dir: str = DEFAULT_SHM_DIR
+    proc_root: str = DEFAULT_PROC_ROOT
+    seen: set[tuple[int, int, str]] = field(default_factory=set)
+    observations: int = 0
+    last_error: str | None = None
+
+    def observe(self, root_pid: int | None) -> int:
+        """Scan the container's processes now; returns how many entries were newly seen."""
+        if not root_pid:
+            return 0
+        try:
+            pids = process_tree(root_pid, self.proc_root)
+            if not pids:
+                return 0
+            shm_dir = os.path.realpath(self.shm_dir)
+            dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                entries = [e for n in os.listdir(dir_fd) if (e := _lstat_entry(dir_fd, n, shm_dir))]
+            finally:
+                os.close(dir_fd)
+            targets = {(e.dev, e.ino): e.path for e in entries if e.file_type == "file"}
+            ev = _collect_evidence(self.proc_root, shm_dir, targets, pids)
+        except OSError as e:
+            self.last_error = str(e)
+            log.warning("/dev/shm witness: cannot observe container %s: %s", self.container_id[:12], e)
+            return 0
+        self.observations += 1
+        before = len(self.seen)
+        names = {(e.dev, e.ino): e.name for e in entries}
+        self.seen.update((dev, ino, names[(dev, ino)]) for dev, ino in ev.users)
+        return len(self.seen) - before
+
+    def saw(self, e: ShmEntry) -> bool:
+        return (e.dev, e.ino, e.name) in self.seen
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -412,6 +542,8 @@ def plan_cleanup(
     allow_unknown_age: bool = False,
     clock_slack_s: float = DEFAULT_CLOCK_SLACK_S,
     ignore_unreadable_pids: Collection[int] = (),
+    witness: ShmWitness | None = None,
+    container_stopped_at: float | None = None,
 ) -> CleanupPlan:
     """Decide which entries to remove; pure (no I/O, no clock).
 
@@ -420,11 +552,16 @@ def plan_cleanup(
     * it is a regular file (directories, symlinks, sockets: "not sparkd's to judge");
     * the scan could read every process (``unreadable_pids`` empty);
     * no live process maps it or holds it open;
-    * age: with ``container_started_at`` (UTC epoch s, e.g. Docker's
-      ``State.StartedAt``) it changed no earlier than ``started_at -
-      clock_slack_s``; with ``None`` (preflight leftovers report) its age is
-      unknown and it is kept, unless ``allow_unknown_age=True``, which allows
-      unused entries whose name matches a known vLLM/NCCL/loky pattern
+    * with ``container_started_at`` (UTC epoch s, e.g. Docker's
+      ``State.StartedAt``), it is tied to that container by its own evidence:
+      the ``witness`` saw the container's processes map or hold it open while
+      the container ran; or it changed within the container's lifetime
+      (``started_at - clock_slack_s`` .. ``container_stopped_at +
+      clock_slack_s``; no upper bound when ``None``) *and* its name is one
+      only the engine creates (:data:`ENGINE_OWN_KINDS`);
+    * with ``container_started_at=None`` (preflight leftovers report) its age
+      is unknown and it is kept, unless ``allow_unknown_age=True``, which
+      allows unused entries whose name matches a known vLLM/NCCL/loky pattern
       (:data:`KNOWN_RUNTIME_KINDS`).
 
     ``ignore_unreadable_pids``: processes known to be irrelevant although
@@ -439,8 +576,11 @@ def plan_cleanup(
     remove: list[ShmEntry] = []
     kept: list[Kept] = []
     threshold = None if container_started_at is None else container_started_at - clock_slack_s
+    until = None if container_stopped_at is None else container_stopped_at + clock_slack_s
     for e in entries:
         reason = _keep_reason(e, threshold, now, allow_unknown_age, ignored)
+        if reason is None and threshold is not None:
+            reason = _tie_reason(e, witness, until)
         if reason is None:
             remove.append(e)
         else:
@@ -472,6 +612,22 @@ def _keep_reason(
         age_s = max(0.0, now - e.changed_at)
         return f"older than the container (created {_utc(e.changed_at)}, {age_s:.0f} s ago)"
     return None
+
+
+def _tie_reason(e: ShmEntry, witness: ShmWitness | None, until: float | None) -> str | None:
+    """``None`` when ``e`` is tied to the stopped container; else why it is not (kept)."""
+    if witness is not None and witness.saw(e):
+        return None
+    if until is not None and e.changed_at > until:
+        return f"created after the container stopped ({_utc(e.changed_at)})"
+    if e.kind in ENGINE_OWN_KINDS:
+        return None
+    seen = (
+        "none of the container's processes was seen using it"
+        if witness is not None and witness.observations
+        else "the container's processes could not be observed"
+    )
+    return f"not tied to the container: {seen}, and {_PATTERN_TEXT[e.kind]} names are not the engine's own"
 
 
 # --------------------------------------------------------------------------- execute
@@ -623,6 +779,8 @@ def cleanup(
     allow_unknown_age: bool = False,
     now: float | None = None,
     ignore_unreadable_pids: Collection[int] = (),
+    witness: ShmWitness | None = None,
+    container_stopped_at: float | None = None,
 ) -> CleanupResult:
     """Convenience: ``scan`` → ``plan_cleanup`` → ``execute`` with one clock reading."""
     entries = scan(shm_dir, proc_root)
@@ -632,5 +790,7 @@ def cleanup(
         now=time.time() if now is None else now,
         allow_unknown_age=allow_unknown_age,
         ignore_unreadable_pids=ignore_unreadable_pids,
+        witness=witness,
+        container_stopped_at=container_stopped_at,
     )
     return execute(plan, dry_run=dry_run, proc_root=proc_root)
