@@ -28,6 +28,7 @@ import pytest
 
 from sparkd.act import shm
 from sparkd.act.shm import CleanupPlan, ShmEntry, ShmKind
+from sparkd.sense import shm_scan
 from tests.conftest import need
 
 SHM = "/dev/shm"
@@ -387,14 +388,14 @@ def test_it_removes_nothing_while_a_process_is_unreadable(
     proc = tmp_path / "proc"
     _fake_proc(proc, 100)
     _fake_proc(proc, 200)
-    real = shm._scan_maps
+    real = shm_scan._scan_maps
 
     def denied(pid_dir: str, *a: object) -> None:
         if pid_dir.endswith("/200"):
             raise PermissionError(13, "Permission denied")
         real(pid_dir, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(shm, "_scan_maps", denied)
+    monkeypatch.setattr(shm_scan, "_scan_maps", denied)  # the reading side (sense)
     (e,) = shm.scan(made_tmp.shm_dir, proc_root=proc)
     assert e.unreadable_pids == (200,)
     plan = shm.plan_cleanup([e], container_started_at=0.0, now=time.time())
