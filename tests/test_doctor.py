@@ -41,6 +41,7 @@ TITLES = [
     "MemTotal",
     "usable memory",
     "/dev/shm",
+    "/proc visibility",
     "daemon-reload GPU risk",
     "sparkd unit",
     "Last trip",
