@@ -64,10 +64,7 @@ def main() -> None:
             engine.step(s)
             times.append((time.process_time_ns() - t0) / 1000)
         times.sort()
-        print(
-            f"{kind:<48} median {statistics.median(times):8.1f} µs   "
-            f"p99 {times[int(0.99 * len(times))]:8.1f} µs"
-        )
+        print(f"{kind:<48} median {statistics.median(times):8.1f} µs   p99 {times[int(0.99 * len(times))]:8.1f} µs")
 
 
 if __name__ == "__main__":

@@ -93,10 +93,7 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     proc.mkdir()
     script = Script(proc)
     db = tmp_path / "sparkd.db"
-    cfg = (
-        f'proc_root = "{proc}"\nkernlog_source = "off"\ncooldown_s = 0\n'
-        "interval_s = 0.5\nfast_interval_s = 0.25\n"
-    )
+    cfg = f'proc_root = "{proc}"\nkernlog_source = "off"\ncooldown_s = 0\ninterval_s = 0.5\nfast_interval_s = 0.25\n'
     start = time.time()
     with sparkd_run(tmp_path, config=cfg):
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 1, 15.0)
