@@ -9,8 +9,9 @@ from typing import Any
 
 from sparkd.config import RuleConfig
 from sparkd.core.engine import EngineChange, RuleEngine
-from sparkd.core.rules import DEFAULT_HORIZON_S, FIT_MIN_POINTS, Rule
+from sparkd.core.rules import DEFAULT_HORIZON_S, Rule
 from sparkd.core.sample import Sample, derive
+from sparkd.core.slope import FIT_MIN_POINTS
 from sparkd.ops.replay.interpolate import _round_down
 from sparkd.ops.replay.traces import Trace
 from sparkd.units import fmt_gib
