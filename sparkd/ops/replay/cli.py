@@ -52,6 +52,33 @@ def load_rule_set(spec: str, settings: Settings) -> tuple[str, list[RuleConfig]]
         raise ConfigError(f"rules file {p}: {e}") from None
 
 
+def _db_trace(
+    settings: Settings, db_file: str | None, since: str | None, until: str | None
+) -> tuple[Trace, list[EngineChange]]:
+    """The stored samples in ``--since``/``--until`` and what the daemon told its engine meanwhile.
+
+    Raises:
+        click.UsageError: no ``--since``.
+        TraceError: no such database, no samples in the range, or too many.
+    """
+    if since is None:
+        raise click.UsageError("--db needs --since (e.g. --since 2h)")
+    from sparkd.store.store import Store
+
+    now = time.time()
+    path = Path(db_file) if db_file else settings.db_file
+    if not path.exists():
+        raise TraceError(f"database {path} does not exist")
+    store = Store.open(path, migrate=False)
+    try:
+        trace = load_db(
+            store, since=_when(since, "--since", now), until=None if until is None else _when(until, "--until", now)
+        )
+        return trace, db_engine_changes(store, trace)
+    finally:
+        store.close()
+
+
 def db_engine_changes(store: Any, trace: Trace) -> list[EngineChange]:
     """What the daemon told its engine during the runs this trace covers (measured stops,
     demotions, restarts), from the stored events and runs; empty for an empty trace."""
@@ -144,24 +171,9 @@ def _replay_cli(
     parent = ctx.find_root().obj if ctx.find_root().obj is not None else {}
     cfg = config_path or (parent.get("config") if isinstance(parent, dict) else None)
     settings = load_settings(cfg)
-    now = time.time()
-    changes: list[EngineChange]
+    changes: list[EngineChange] = []
     if use_db:
-        if since is None:
-            raise click.UsageError("--db needs --since (e.g. --since 2h)")
-        from sparkd.store.store import Store
-
-        path = Path(db_file) if db_file else settings.db_file
-        if not path.exists():
-            raise TraceError(f"database {path} does not exist")
-        store = Store.open(path, migrate=False)
-        try:
-            trace = load_db(
-                store, since=_when(since, "--since", now), until=None if until is None else _when(until, "--until", now)
-            )
-            changes = db_engine_changes(store, trace)
-        finally:
-            store.close()
+        trace, changes = _db_trace(settings, db_file, since, until)
     else:
         if since is not None or until is not None:
             raise click.UsageError("--since/--until apply to --db only")
@@ -169,7 +181,6 @@ def _replay_cli(
         trace = load_csv(
             trace_path, row_interval_s=interval or settings.interval_s, columns_map=parse_column_options(columns)
         )
-        changes = []
     if interpolate_:
         trace = interpolate(trace, interval or settings.fast_interval_s)
     elif interval is not None and not any(trace.labels):

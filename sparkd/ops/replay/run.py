@@ -9,7 +9,7 @@ from typing import Any
 
 from sparkd.config import RuleConfig
 from sparkd.core.engine import EngineChange, RuleEngine
-from sparkd.core.rules import DEFAULT_HORIZON_S, Rule
+from sparkd.core.rules import DEFAULT_HORIZON_S, Decision, Rule
 from sparkd.core.sample import Sample, derive
 from sparkd.core.slope import FIT_MIN_POINTS
 from sparkd.ops.replay.interpolate import _round_down
@@ -202,40 +202,7 @@ def replay(
             p.recheck = engine.recheck(p.rule, s)
         pending = []
         decisions = engine.step(s)
-        step = ReplayStep(
-            t=s.mono,
-            ts=s.ts,
-            mem_available=s.mem_available,
-            mem_free=s.mem_free,
-            nvrm_recent=s.nvrm_recent or 0,
-            synthetic=trace.synthetic[i],
-            label=trace.labels[i],
-            counters={},
-            usable=s.mem_available_minus_cma,
-        )
-        for d in decisions:
-            rd = ReplayDecision(
-                t=s.mono,
-                ts=s.ts,
-                rule=d.rule,
-                kind=d.kind,
-                action=d.action,
-                reason=d.reason,
-                counter=d.counter,
-                samples=d.samples,
-                mem_available=s.mem_available,
-                mem_free=s.mem_free,
-                synthetic=trace.synthetic[i],
-                usable=s.mem_available_minus_cma,
-            )
-            step.decisions.append(rd)
-            if d.kind == "trip":
-                if first[d.rule] is None:
-                    first[d.rule] = rd
-                if d.action == "stop":
-                    pending.append(rd)
-            if d.kind in ("trip", "cooldown"):
-                max_counter[d.rule] = max(max_counter[d.rule], d.counter)
+        step = _record(s, trace.synthetic[i], trace.labels[i], decisions, first, max_counter, pending)
         for r in rules:
             step.counters[r.name] = engine.states[r.name].counter
             max_counter[r.name] = max(max_counter[r.name], engine.states[r.name].counter)
@@ -257,6 +224,53 @@ def replay(
         trace_interval_s=trace.interval_s,
         horizon_s=engine.horizon_s,
     )
+
+
+def _record(
+    s: Sample,
+    synthetic: bool,
+    label: str | None,
+    decisions: Sequence[Decision],
+    first: dict[str, ReplayDecision | None],
+    max_counter: dict[str, int],
+    pending: list[ReplayDecision],
+) -> ReplayStep:
+    """One replayed sample's step; notes first trips, highest counts and stop trips to re-check."""
+    step = ReplayStep(
+        t=s.mono,
+        ts=s.ts,
+        mem_available=s.mem_available,
+        mem_free=s.mem_free,
+        nvrm_recent=s.nvrm_recent or 0,
+        synthetic=synthetic,
+        label=label,
+        counters={},
+        usable=s.mem_available_minus_cma,
+    )
+    for d in decisions:
+        rd = ReplayDecision(
+            t=s.mono,
+            ts=s.ts,
+            rule=d.rule,
+            kind=d.kind,
+            action=d.action,
+            reason=d.reason,
+            counter=d.counter,
+            samples=d.samples,
+            mem_available=s.mem_available,
+            mem_free=s.mem_free,
+            synthetic=synthetic,
+            usable=s.mem_available_minus_cma,
+        )
+        step.decisions.append(rd)
+        if d.kind == "trip":
+            if first[d.rule] is None:
+                first[d.rule] = rd
+            if d.action == "stop":
+                pending.append(rd)
+        if d.kind in ("trip", "cooldown"):
+            max_counter[d.rule] = max(max_counter[d.rule], d.counter)
+    return step
 
 
 def _most_in_window(samples: Sequence[Sample], window_s: float) -> int:

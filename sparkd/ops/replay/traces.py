@@ -127,6 +127,33 @@ def _parse_time(text: str, column: str, row: int, source: str = "") -> float:
     raise TraceError(f"{where}: {text.strip()!r} is not a number of seconds (or an ISO-8601 time)")
 
 
+def _layout(
+    columns: list[str], columns_map: Mapping[str, str] | None, source: str
+) -> tuple[str, str, dict[str, tuple[str, float]], list[str]]:
+    """``(time column, its kind, {column: (attribute, factor)}, ignored columns)`` of a header.
+
+    Raises:
+        TraceError: a ``--column`` names no column, or no time or memory column; the message
+            names the columns found, what is accepted and the ``--column`` flag.
+    """
+    unknown = [c for c in (columns_map or {}) if c not in columns]
+    if unknown:
+        raise TraceError(
+            f"{source}: --column names {', '.join(unknown)}, not a column of this trace. "
+            f"Columns found: {', '.join(columns) or '(none)'}"
+        )
+    time_col, time_kind = _time_column(columns, columns_map)
+    mapping, ignored = _column_map(columns, columns_map)
+    attrs = {a for a, _ in mapping.values()}
+    if time_col is None or time_kind is None or not attrs & {"mem_available", "mem_free", "mem_available_minus_cma"}:
+        missing = "time column" if time_col is None else "MemAvailable or MemFree column"
+        raise TraceError(
+            f"{source}: unknown trace layout: no {missing}. Columns found: {', '.join(columns) or '(none)'}. "
+            f"Accepted: {ACCEPTED_COLUMNS_TEXT}"
+        )
+    return time_col, time_kind, mapping, ignored
+
+
 def samples_from_rows(
     rows: Iterable[Mapping[str, Any]],
     *,
@@ -160,22 +187,8 @@ def samples_from_rows(
     first = next(it, None)
     if first is None:
         raise TraceError(f"{source}: no samples")
-    columns = list(first.keys())
-    unknown = [c for c in (columns_map or {}) if c not in columns]
-    if unknown:
-        raise TraceError(
-            f"{source}: --column names {', '.join(unknown)}, not a column of this trace. "
-            f"Columns found: {', '.join(columns) or '(none)'}"
-        )
-    time_col, time_kind = _time_column(columns, columns_map)
-    mapping, ignored = _column_map(columns, columns_map)
+    time_col, time_kind, mapping, ignored = _layout(list(first.keys()), columns_map, source)
     attrs = {a for a, _ in mapping.values()}
-    if time_col is None or not attrs & {"mem_available", "mem_free", "mem_available_minus_cma"}:
-        missing = "time column" if time_col is None else "MemAvailable or MemFree column"
-        raise TraceError(
-            f"{source}: unknown trace layout: no {missing}. Columns found: {', '.join(columns) or '(none)'}. "
-            f"Accepted: {ACCEPTED_COLUMNS_TEXT}"
-        )
     given_usable = "mem_available_minus_cma" in attrs
     usable_replaced = 0
     notes: list[str] = []
