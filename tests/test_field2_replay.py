@@ -136,6 +136,22 @@ def test_common_aliases_and_units(header: str, field: str, value_bytes: int) -> 
     assert getattr(trace.samples[0], field) == value_bytes
 
 
+@pytest.mark.parametrize(
+    ("header", "first", "second", "epoch"),
+    [
+        ("epoch_ms", "1790000000000", "1790000015000", True),  # milliseconds
+        ("unix_s", "1790000000", "1790000015", True),
+        ("time_s", "0", "15", False),  # seconds from the start
+        ("Timestamp", "2026-09-21T14:13:20", "2026-09-21T14:13:35", True),  # ISO-8601, any case
+    ],
+)
+def test_time_column_aliases(header: str, first: str, second: str, epoch: bool) -> None:
+    trace = loads_csv(f"{header},avail_mem_gib,free_mem_gib\n{first},26.25,0.87\n{second},22.40,0.95\n")
+    assert trace.duration_s == 15.0 and trace.epoch is epoch
+    assert [gib(s.mem_available) for s in trace.samples] == [26.25, 22.4]
+    assert [gib(s.mem_free) for s in trace.samples] == [0.87, 0.95]
+
+
 def test_column_maps_the_rest(tmp_path: Path) -> None:
     f = tmp_path / "odd.csv"
     f.write_text("when_s,avail_g,free_g,cma_g\n100,26.25,0.87,0.13\n115,22.40,0.95,0.40\n")

@@ -143,7 +143,7 @@ def test_unknown_layout_names_found_and_accepted_columns() -> None:
         loads_csv("when,avail\n0,5\n", source="odd.csv")
     msg = e.value.message
     assert "odd.csv: unknown trace layout: no time column. Columns found: when, avail" in msg
-    assert "t_s, ts, time, t, epoch, timestamp, unix, epoch_s, phase" in msg
+    assert "time: one of t_s, ts, time, t, time_s, elapsed_s, seconds, epoch, timestamp" in msg
     assert "--column NAME=FIELD" in msg  # the flag that maps a column sparkd does not know
     assert "mem_available_gib" in msg and "MemAvailable" in msg and "mem_available" in msg
 

@@ -20,8 +20,30 @@ class TraceError(SparkdError):
 
 # Accepted time columns, in order of preference. ``phase`` means "row order, no times";
 # ``epoch``/``timestamp``/``unix`` are epoch seconds (other watchdogs' CSV rings).
-TIME_COLUMNS = ("t_s", "ts", "time", "t", "epoch", "timestamp", "unix", "epoch_s", "phase")
-EPOCH_COLUMNS = frozenset({"ts", "epoch", "timestamp", "unix", "epoch_s"})
+TIME_COLUMNS = (
+    "t_s",
+    "ts",
+    "time",
+    "t",
+    "time_s",
+    "elapsed_s",
+    "seconds",
+    "epoch",
+    "timestamp",
+    "unix",
+    "epoch_s",
+    "unix_s",
+    "epoch_ms",
+    "timestamp_ms",
+    "unix_ms",
+    "ts_ms",
+    "phase",
+)
+EPOCH_COLUMNS = frozenset(
+    {"ts", "epoch", "timestamp", "unix", "epoch_s", "unix_s", *[c for c in TIME_COLUMNS if c.endswith("_ms")]}
+)
+# Time columns in milliseconds (divided by 1000).
+MS_COLUMNS = frozenset(c for c in TIME_COLUMNS if c.endswith("_ms"))
 
 # Other watchdogs' names for sparkd's fields (matched case-insensitively, before a unit suffix
 # _gib/_mib/_kb/_bytes): homelab rings write mem_avail_gib, usable_gib, anon_gib, ...
@@ -44,6 +66,12 @@ COLUMN_ALIASES: dict[str, str] = {
     "full_avg10": "psi_full_avg10",
     "memtotal": "mem_total",
     "total": "mem_total",
+    "avail_mem": "mem_available",
+    "available_mem": "mem_available",
+    "free_mem": "mem_free",
+    "usable_mem": "mem_available_minus_cma",
+    "usable_memory": "mem_available_minus_cma",
+    "cma_avail": "cma_free",
 }
 _UNIT_SUFFIXES: tuple[tuple[str, float], ...] = (
     ("_gib", float(GiB)),
@@ -65,7 +93,8 @@ _FLOAT_FIELDS = frozenset(f for f in _SAMPLE_FIELDS if "avg" in f)
 _HELD_FIELDS = frozenset({"nvrm_recent", "shm_entries"})
 
 ACCEPTED_COLUMNS_TEXT = (
-    f"time: one of {', '.join(TIME_COLUMNS)} (phase = row order; epoch, timestamp, unix = epoch seconds); "
+    f"time: one of {', '.join(TIME_COLUMNS)} (phase = row order; epoch, timestamp, unix = epoch seconds, "
+    "*_ms = epoch milliseconds); "
     "memory: mem_available_gib, mem_free_gib, cma_free_gib, cached_gib, ... (GiB; also _mib, _kb, _bytes), "
     "MemAvailable, MemFree, ... (bytes), mem_available, mem_free, ... (bytes, as 'sparkd samples --csv' "
     f"writes them), and the aliases {', '.join(sorted(COLUMN_ALIASES))}; at least MemAvailable or MemFree. "

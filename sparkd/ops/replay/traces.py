@@ -19,6 +19,7 @@ from sparkd.ops.replay.columns import (
     _FLOAT_FIELDS,
     ACCEPTED_COLUMNS_TEXT,
     EPOCH_COLUMNS,
+    MS_COLUMNS,
     TraceError,
     _column_map,
     _time_column,
@@ -212,6 +213,8 @@ def samples_from_rows(
             if raw is None or str(raw).strip() == "":
                 raise TraceError(f"{source}: row {n}, column {time_col}: empty")
             t = _parse_time(str(raw), time_kind or time_col, n, source)
+            if time_kind in MS_COLUMNS:
+                t /= 1000.0
             label = None
             if out:
                 t_prev = out[-1].ts
