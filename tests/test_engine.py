@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sparkd.config import DEFAULT_RULES, RuleConfig
 from sparkd.core.engine import EngineChange, RuleEngine, engine_changes
 from sparkd.core.sample import Sample, derive
@@ -100,3 +102,26 @@ def test_replay_applies_the_daemons_changes_where_the_guard_did() -> None:
     )
     assert demoted.first_stop is None or demoted.first_stop.rule != "collapse_projected"
     assert [d.action for d in demoted.trips("collapse_projected")][:1] == ["warn"]
+
+
+def test_the_daemon_hands_each_measured_stop_to_the_engine(tmp_path: Path) -> None:
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"enabled": False}})
+
+    async def go() -> tuple[float, float]:
+        d = Daemon(settings)
+        await d.startup()
+        assert d.guard is not None
+        before = d.guard.engine.horizon_s  # container.stop_timeout_s
+        # the stop procedure's event (act/stop.py: details = StopReport.to_json())
+        d.event("stopped", "sparkd-vllm stopped", details={"durations_s": {"stop": 12.5, "total": 14.0}})
+        after = d.guard.engine.horizon_s
+        d.should_exit.set()
+        await d.shutdown("test")
+        return before, after
+
+    assert asyncio.run(go()) == (30.0, 12.5)
