@@ -53,10 +53,14 @@ def sparkd_run(
     config: str = "",
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = ("--no-api",),
+    state_dir: Path | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Run ``python -m sparkd.face.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
+    """Run ``python -m sparkd.face.cli --config CFG run ARGS``; SIGTERM and wait on exit.
+
+    The config file is ``tmp_path/sparkd.toml``; the state directory ``state_dir`` (default ``tmp_path``)."""
     cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
+    state = state_dir or tmp_path
+    cfg.write_text(f'state_dir = "{state}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
     e = {
         k: v
         for k, v in os.environ.items()

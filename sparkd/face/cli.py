@@ -7,12 +7,15 @@ import csv
 import datetime as dt
 import io
 import json
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from sparkd import __version__
 from sparkd.config import Settings, effective_config, load_settings
@@ -89,6 +92,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.daemon import Daemon
     from sparkd.loop.supervisor import make_actions
 
+    os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
@@ -109,10 +113,17 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Latest sample, each rule's counter, container state and recent events."""
     settings = _settings(ctx)
-    store = _store(settings)
-    snap = store.status_snapshot() or {}
-    latest = store.latest_sample()
-    events = store.events(limit=10)
+    try:
+        store = _store(settings)
+        snap = store.status_snapshot() or {}
+        latest = store.latest_sample()
+        events = store.events(limit=10)
+    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
+        raise StoreError(
+            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
+            "memory: see `sparkd doctor` and /api/status"
+        ) from None
     running = (
         bool(snap) and snap.get("running", True) and time.time() - snap.get("ts", 0) < STALE_S + 2 * settings.interval_s
     )
@@ -309,6 +320,7 @@ def doctor(ctx: click.Context) -> None:
             proc_root=Path(settings.proc_root),
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
+            db_file=settings.db_file,
         )
     )
     click.echo(doc.format_report(checks))

@@ -21,6 +21,7 @@ from sparkd.units import GiB
 
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
+    from sparkd.loop.reads import Reads
     from sparkd.store.store import Store
 
 #: Chart series: sample column → label (node_exporter/meminfo words).
@@ -252,14 +253,14 @@ def chart_config(status: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- blocking views
-def events_view(store: Store | None, *, limit: int = 30) -> list[dict[str, Any]]:
+def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
     """Recent events, newest first. Blocking (SQLite): call in a thread."""
     if store is None:
         return []
     return store.events(limit=limit)
 
 
-def launches_view(store: Store | None, *, limit: int = 20) -> list[dict[str, Any]]:
+def launches_view(store: Store | Reads | None, *, limit: int = 20) -> list[dict[str, Any]]:
     """Launches with the plan's estimate beside what vLLM reported. Blocking."""
     if store is None:
         return []

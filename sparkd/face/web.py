@@ -160,9 +160,9 @@ def _status_parts(daemon: Daemon) -> dict[str, Any]:
 def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
-        out["events"] = views.events_view(daemon.store, limit=30)
+        out["events"] = views.events_view(daemon.reads, limit=30)
     if "launches" in names:
-        out["launches"] = views.launches_view(daemon.store, limit=10)
+        out["launches"] = views.launches_view(daemon.reads, limit=10)
     if "archives" in names:
         # bundles hold container logs and configuration: listed for the token or a session only
         out["archives"] = views.archives_view(daemon.settings.archives_path) if reader else None

@@ -1,0 +1,283 @@
+"""Never unguarded (issue 13): a real ``sparkd run`` under each fault keeps sampling and still stops.
+
+Each test starts the daemon (API on, a real socket) over a /proc tree the test owns, puts one fault
+in place (a full file system, a corrupt or locked or deleted SQLite file, a flood of idle
+connections, ...), then makes MemAvailable fall below the stop rule's floor. It checks
+
+* samples went on at the configured interval during the fault (max gap ≤ 2 × interval, read from
+  the daemon's own sample timestamps), and
+* the stop decided during the fault was carried out (monitor-only: the ``stop_not_executed`` event,
+  which is what this daemon does with a stop — as tests/test_daemon.py observes stops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import need
+from sparkdproc import db_query, free_port, sparkd_run, wait_for
+
+INTERVAL_S = 0.2
+HEALTHY = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+LOW = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+
+
+class Guarded:
+    """One daemon under test: its state dir, its /proc, its API."""
+
+    def __init__(self, state: Path, proc: Path, port: int, proc_handle: subprocess.Popen[str]) -> None:
+        self.state, self.proc, self.port, self.p = state, proc, port, proc_handle
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5.0)
+        self.up_at = time.time()
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.http.get(path, params=params)
+        assert r.status_code == 200, (path, r.status_code, r.text[:300])
+        return r.json()
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.get("/api/status")
+        return result
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.get("/api/events", kind=kind, limit=50)["events"]
+        return result
+
+    def sample_times(self, since: float, until: float) -> list[float]:
+        """Each sample's time, to 10 ms (one sample per 10 ms bucket at a 0.2 s interval)."""
+        body = self.get("/api/samples", since=since, until=until, step=0.01, fields="mem_available")
+        return [ts for ts, n in zip(body["ts"], body["n"], strict=True) if n]
+
+    def stop_during(self, t0: float) -> dict[str, Any]:
+        """Make memory low, wait for the rule's stop, make it healthy again; returns the stop event."""
+        (self.proc / "meminfo").write_text(LOW)
+        try:
+            got = wait_for(lambda: [e for e in self.events("stop_not_executed") if e["ts"] >= t0], 10.0, 0.1)
+        finally:
+            (self.proc / "meminfo").write_text(HEALTHY)
+        assert got, "no stop decided and carried out during the fault"
+        ev: dict[str, Any] = got[0]
+        assert "would stop: low_available: MemAvailable 2.00 GiB < 6.00 GiB" in ev["message"]
+        return ev
+
+    def assert_sampling(self, since: float, until: float | None = None) -> float:
+        """Samples between ``since`` (not before the API was up) and ``until`` (default now): the
+        largest gap, asserted ≤ 2 × the interval."""
+        until = time.time() if until is None else until
+        since = max(since, self.up_at)
+        ts = self.sample_times(since, until)
+        assert len(ts) >= (until - since) / INTERVAL_S * 0.7, (len(ts), until - since)
+        gap = max(b - a for a, b in itertools.pairwise([since, *ts]))
+        assert gap <= 2 * INTERVAL_S + 0.02, f"samples stopped for {gap:.2f} s during the fault"
+        return gap
+
+
+@contextlib.contextmanager
+def guarded(tmp_path: Path, state: Path | None = None, extra: str = "") -> Iterator[Guarded]:
+    state = state or tmp_path / "state"
+    proc = tmp_path / "proc"
+    proc.mkdir(exist_ok=True)
+    (proc / "meminfo").write_text(HEALTHY)
+    port = free_port()
+    cfg = (
+        f'interval_s = {INTERVAL_S}\nfast_interval_s = {INTERVAL_S}\nkernlog_source = "off"\nproc_root = "{proc}"\n'
+        f"{extra}[api]\nport = {port}\n"
+        '[[rules]]\nname = "low_available"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 2\n'
+    )
+    with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state) as p:
+        yield _started(state, proc, port, p)
+
+
+def _started(state: Path, proc: Path, port: int, p: subprocess.Popen[str]) -> Guarded:
+    g = Guarded(state, proc, port, p)
+
+    def up() -> bool:
+        if p.poll() is not None:
+            raise AssertionError(f"sparkd exited {p.returncode}: {p.stdout.read() if p.stdout else ''}")
+        with contextlib.suppress(httpx.HTTPError):
+            return g.http.get("/healthz").status_code == 200
+        return False
+
+    assert wait_for(up, 20.0, 0.1), "the daemon did not come up"
+    g.up_at = time.time()
+    return g
+
+
+def cli(g: Guarded, *args: str) -> subprocess.CompletedProcess[str]:
+    cfg = g.state.parent / "sparkd.toml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- fault 1
+def test_it_guards_when_the_database_header_is_corrupt_at_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    db = state / "sparkd.db"
+    good = sqlite3.connect(db)
+    good.execute("CREATE TABLE t (x)")
+    good.commit()
+    good.close()
+    with open(db, "r+b") as f:  # 100 random bytes over the header
+        f.write(os.urandom(100))
+    t0 = time.time()
+    with guarded(tmp_path, state) as g:
+        st = g.status()
+        # the corrupt file was kept aside, never deleted, and recording goes on in a new one
+        aside = list(state.glob("sparkd.db.corrupt-*"))
+        assert [p.name for p in aside if not p.name.endswith(("-wal", "-shm"))], list(state.iterdir())
+        assert st["database"]["state"] == "ok" and st["database"]["moved_aside"]
+        assert g.events("database_corrupt")
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 5, 5.0)
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str = "2m") -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``where`` (root only): a file system this test can fill."""
+    need(os.geteuid() == 0, "mounting a tmpfs needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(fs: Path) -> Path:
+    """Fill the file system at ``fs`` to the last byte; returns the filler file (remove it to free)."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for block in (65536, 4096, 512):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * block)
+    return filler
+
+
+def test_it_guards_with_the_state_dir_full_at_start_and_records_once_space_returns(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "state") as state:
+        (state / "token").write_text("t" * 43 + "\n")  # written by `sparkd install` before the disk filled
+        os.chmod(state / "token", 0o600)
+        filler = fill(state)
+        t0 = time.time()
+        with guarded(tmp_path, state) as g:
+            st = g.status()
+            assert st["database"]["state"] == "unavailable"
+            assert "full" in (st["database"]["error"] or "") or "disk" in (st["database"]["error"] or ""), st[
+                "database"
+            ]
+            assert g.events("database_unavailable")  # from memory: the database cannot answer
+            ev = g.stop_during(t0)
+            assert ev["id"] is None  # served from the live in-memory view
+            g.assert_sampling(t0)
+            # `sparkd status` says it in one line, without a traceback
+            out = cli(g, "status")
+            assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+            assert "sparkd.db" in out.stderr and "Traceback" not in out.stderr
+            doc = cli(g, "doctor")
+            assert doc.returncode == 1 and "FAIL" in doc.stdout and "State dir space" in doc.stdout, doc.stdout
+            filler.unlink()
+            t1 = time.time()
+            assert wait_for(lambda: g.status()["database"]["state"] == "ok", 20.0, 0.2), g.status()["database"]
+            # recording resumed: samples after the recovery reach the file, and the stop event is there too
+            assert wait_for(
+                lambda: db_query(state / "sparkd.db", "SELECT count(*) FROM samples WHERE ts > ?", (t1,))[0][0] > 2,
+                10.0,
+            )
+            assert wait_for(
+                lambda: db_query(state / "sparkd.db", "SELECT count(*) FROM events WHERE kind='stop_not_executed'")[0][
+                    0
+                ],
+                5.0,
+            )
+            g.assert_sampling(t0)
+
+
+def test_it_guards_while_another_process_holds_the_write_lock_at_start(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with guarded(tmp_path, state):  # a first run creates and migrates the database
+        pass
+    db = state / "sparkd.db"
+    holder = sqlite3.connect(db, timeout=0.1, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        t0 = time.time()
+        with guarded(tmp_path, state) as g:
+            assert wait_for(lambda: g.status()["database"]["state"] == "unavailable", 10.0, 0.2)
+            assert "locked" in g.status()["database"]["error"]
+            g.stop_during(t0)
+            g.assert_sampling(t0)
+            holder.execute("ROLLBACK")
+            t1 = time.time()
+            assert wait_for(lambda: g.status()["database"]["state"] == "ok", 20.0, 0.2), g.status()["database"]
+            assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples WHERE ts > ?", (t1,))[0][0] > 2, 10.0)
+            # what was sampled while locked waited in the queue and is recorded now
+            assert db_query(db, "SELECT count(*) FROM samples WHERE ts BETWEEN ? AND ?", (t0 + 1, t1))[0][0] > 3
+    finally:
+        holder.close()
+
+
+# ---------------------------------------------------------------------------------------------- fault 2
+def test_it_keeps_guarding_when_the_database_is_corrupted_while_running(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 10.0)
+        t0 = time.time()
+        with open(db, "r+b") as f:
+            f.write(os.urandom(100))
+        for side in ("-wal", "-shm"):
+            p = state / f"sparkd.db{side}"
+            if p.exists():
+                with open(p, "r+b") as f:
+                    f.write(os.urandom(100))
+        # the read side answers (from memory or the new file), never 500
+        for path in ("/", "/dashboard.json", "/ui/events", "/api/events", "/api/samples"):
+            r = g.http.get(path)
+            assert r.status_code == 200, (path, r.status_code, r.text[:200])
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+        assert wait_for(lambda: list(state.glob("sparkd.db.corrupt-*")), 15.0, 0.2), list(state.iterdir())
+        assert wait_for(lambda: g.status()["database"]["state"] == "ok", 15.0, 0.2)
+        assert wait_for(lambda: g.events("database_corrupt"), 5.0, 0.2)
+        g.p.terminate()
+        out, _ = g.p.communicate(timeout=20)
+        assert g.p.returncode == 0 and "Traceback" not in out, out[-2000:]
+
+
+def test_it_says_and_recreates_a_database_deleted_while_running(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 10.0)
+        t0 = time.time()
+        for p in state.glob("sparkd.db*"):
+            p.unlink()
+        assert wait_for(lambda: g.events("database_unavailable"), 5.0, 0.1)
+        ev = g.events("database_unavailable")[0]
+        assert "deleted while sparkd was running" in ev["message"]
+        assert wait_for(lambda: db.exists() and g.status()["database"]["state"] == "ok", 10.0, 0.2)
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+        # the new file is the one written: the stop and the samples after it are in it
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM events WHERE kind='stop_not_executed'")[0][0], 5.0)
+        assert cli(g, "status").returncode == 0
