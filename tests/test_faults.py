@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from conftest import need
 from sparkdproc import db_query, free_port, sparkd_run, wait_for
 

@@ -66,9 +66,9 @@ def harden(path: Path) -> None:
 class DbKeeper:
     """The daemon's database, usable or not.
 
-    ``state`` is ``"opening"`` (before the first attempt ends), ``"ok"`` or ``"unavailable"``; ``error`` the last reason (one line);
-    ``since`` (epoch s) when the current state began; ``next_attempt_mono`` when to try again
-    (monotonic s). ``moved_aside`` lists corrupt files renamed so far.
+    ``state`` is ``"opening"`` (before the first attempt ends), ``"ok"`` or ``"unavailable"``;
+    ``error`` the last reason (one line); ``since`` (epoch s) when the current state began;
+    ``next_attempt_mono`` when to try again (monotonic s). ``moved_aside`` lists corrupt files renamed so far.
     """
 
     path: Path
