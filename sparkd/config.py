@@ -117,6 +117,12 @@ class ApiSettings(BaseModel):
     port: int = Field(default=8741, ge=0, le=65535)
     allow_remote: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
+    # Resource caps of the HTTP side (issue 13): the guard keeps its descriptors and memory whatever
+    # clients do. Control requests are a few hundred bytes; a browser's headers a few KiB.
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    max_body_bytes: int = Field(default=65536, ge=1024, le=16 * 2**20)
+    max_header_bytes: int = Field(default=16384, ge=4096, le=2**20)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -437,6 +443,12 @@ FIELD_DOCS: dict[str, str] = {
     "api.port": "Listen port of the API and dashboard.",
     "api.allow_remote": "Allow binding beyond loopback (the API can stop containers: protect it).",
     "api.allowed_hosts": "Host header values accepted (DNS-rebinding protection).",
+    "api.max_connections": "Open HTTP connections at most (also kept below the descriptor limit minus a reserve "
+    "for the guard and the stop path); more are closed at once.",
+    "api.header_timeout_s": "A connection that has not sent a complete request head within this time is closed "
+    "(slow or idle clients: slowloris).",
+    "api.max_body_bytes": "Largest request body; a larger one is refused (413) before it is read.",
+    "api.max_header_bytes": "Largest request head (request line + headers); a larger one is refused (400).",
     "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
     "container.name": "Name of the container sparkd launches.",
     "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",

@@ -83,7 +83,9 @@ class Guarded:
 
 
 @contextlib.contextmanager
-def guarded(tmp_path: Path, state: Path | None = None, extra: str = "") -> Iterator[Guarded]:
+def guarded(
+    tmp_path: Path, state: Path | None = None, extra: str = "", api: str = "", nofile: int | None = None
+) -> Iterator[Guarded]:
     state = state or tmp_path / "state"
     proc = tmp_path / "proc"
     proc.mkdir(exist_ok=True)
@@ -91,10 +93,10 @@ def guarded(tmp_path: Path, state: Path | None = None, extra: str = "") -> Itera
     port = free_port()
     cfg = (
         f'interval_s = {INTERVAL_S}\nfast_interval_s = {INTERVAL_S}\nkernlog_source = "off"\nproc_root = "{proc}"\n'
-        f"{extra}[api]\nport = {port}\n"
+        f"{extra}[api]\nport = {port}\n{api}"
         '[[rules]]\nname = "low_available"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 2\n'
     )
-    with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state) as p:
+    with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state, nofile=nofile) as p:
         yield _started(state, proc, port, p)
 
 
@@ -280,3 +282,64 @@ def test_it_says_and_recreates_a_database_deleted_while_running(tmp_path: Path) 
         # the new file is the one written: the stop and the samples after it are in it
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM events WHERE kind='stop_not_executed'")[0][0], 5.0)
         assert cli(g, "status").returncode == 0
+
+
+def db_gap(db: Path, since: float, until: float) -> tuple[int, float]:
+    """Samples stored between ``since`` and ``until`` and the largest gap between them (s)."""
+    ts = [r[0] for r in db_query(db, "SELECT ts FROM samples WHERE ts BETWEEN ? AND ? ORDER BY ts", (since, until))]
+    return len(ts), max((b - a for a, b in itertools.pairwise([since, *ts, until])), default=until - since)
+
+
+# ---------------------------------------------------------------------------------------------- fault 3
+def test_a_stop_completes_while_1100_idle_connections_flood_the_api_under_ulimit_1024(tmp_path: Path) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need(hard >= 2048, "the test itself needs more than 2048 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2048), hard))
+    state = tmp_path / "state"
+    with guarded(tmp_path, state, api="header_timeout_s = 4.0\n", nofile=1024) as g:
+        db = state / "sparkd.db"
+        st = g.status()
+        assert 8 <= st["http"]["connection_cap"] <= 1024 - 128
+        socks: list[Any] = []
+        t0 = time.time()
+        try:
+            for i in range(1100):
+                s = __import__("socket").create_connection(("127.0.0.1", g.port), timeout=5)
+                if i % 5 == 0:
+                    s.sendall(b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # slowloris: never ends the head
+                socks.append(s)
+            opened_at = time.time()
+            (g.proc / "meminfo").write_text(LOW)
+            stop = wait_for(
+                lambda: db_query(db, "SELECT ts FROM events WHERE kind='stop_not_executed' AND ts >= ?", (t0,)), 10.0
+            )
+            (g.proc / "meminfo").write_text(HEALTHY)
+            assert stop, "no stop carried out while the API was flooded"
+            # idle and slow heads are closed after header_timeout_s: every socket sees EOF or a reset
+            time.sleep(max(0.0, opened_at + 4.0 + 1.0 - time.time()))
+            closed = 0
+            for s in socks:
+                s.settimeout(0.01)
+                try:
+                    closed += s.recv(1) == b""
+                except ConnectionResetError:
+                    closed += 1
+                except OSError:
+                    pass
+            assert closed >= 1000, closed
+            t1 = time.time()
+        finally:
+            for s in socks:
+                s.close()
+        n, gap = db_gap(db, t0, t1)
+        assert gap <= 2 * INTERVAL_S + 0.05, f"samples stopped for {gap:.2f} s during the flood"
+        assert n >= (t1 - t0) / INTERVAL_S * 0.7
+        st = wait_for(lambda: g.status(), 5.0)
+        assert st["http"]["refused"] > 0 and st["http"]["head_timeouts"] > 0, st["http"]
+        g.p.terminate()
+        out, _ = g.p.communicate(timeout=20)
+    lines = out.splitlines()
+    assert "Too many open files" not in out
+    assert len(lines) < 60, f"{len(lines)} log lines: {lines[:20]}"

@@ -262,7 +262,9 @@ def create_app(daemon: Daemon) -> FastAPI:
     app.state.daemon = daemon
     app.state.auth = auth
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
+    app.add_middleware(
+        GuardMiddleware, allowed_hosts=settings.api.allowed_hosts, max_body_bytes=settings.api.max_body_bytes
+    )
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     app.state.require_auth = require_auth

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sparkd.errors import BadHost, ConfigError, Forbidden, SparkdError, Unauthorized
+from sparkd.errors import BadHost, ConfigError, Forbidden, SparkdError, TooLarge, Unauthorized
 from sparkd.hostport import allowed_entry, parse_host
 
 log = logging.getLogger("sparkd.face.auth")
@@ -251,18 +251,48 @@ class GuardMiddleware:
     Answers with the one error shape ``{"error": ..., "detail": ...}``.
     """
 
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str], max_body_bytes: int = 65536) -> None:
         self.app = app
         self.allowed_hosts = list(allowed_hosts)
+        self.max_body_bytes = max_body_bytes
+
+    def _capped(self, receive: Any) -> Any:
+        """``receive`` that stops a body without Content-Length (chunked) at ``max_body_bytes``:
+        the app sees a client disconnect, so nothing past the cap is buffered."""
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def capped() -> dict[str, Any]:
+            nonlocal seen
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    log.warning("request body over %d bytes (api.max_body_bytes): dropped", limit)
+                    return {"type": "http.disconnect"}
+            return message
+
+        return capped
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        raw = scope.get("headers", [])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         err: SparkdError | None = None
         host = headers.get("host")
-        if parse_host(host) is None:
+        hosts = sum(1 for k, _ in raw if k.lower() == b"host")
+        length = headers.get("content-length")
+        if hosts > 1:  # the check would read one, the app another
+            err = BadHost("more than one Host header", detail=f"{hosts} Host headers; send exactly one")
+        elif length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            err = TooLarge(
+                "request body too large",
+                detail=f"Content-Length {length[:20]!r}: at most {self.max_body_bytes} bytes "
+                "(api.max_body_bytes) are accepted",
+            )
+        elif parse_host(host) is None:
             err = BadHost(
                 "malformed Host header",
                 detail=f"Host {host!r} is not host[:port] (port digits only, IPv6 in brackets); "
@@ -284,7 +314,7 @@ class GuardMiddleware:
                     message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
                 await send(message)
 
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, self._capped(receive), send_with_headers)
             return
         body = json.dumps(err.to_json()).encode()
         await send(

@@ -34,6 +34,16 @@ from sparkd.core.rules import Decision, still_holds
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop.guard import Guard, TickResult
+from sparkd.loop.httpserver import (
+    ACCEPT_BACKLOG,
+    HttpStats,
+    OncePerInterval,
+    RateLimitedLog,
+    connection_cap,
+    guarded_protocol,
+    install_exception_handler,
+    raise_nofile,
+)
 from sparkd.loop.reads import Reads
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
@@ -168,6 +178,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._read_error_logged = False
         self.api_server: Any = None
+        self.http_stats = HttpStats()
+        self.http_log: RateLimitedLog | None = None
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
@@ -285,6 +297,11 @@ class Daemon:
                 "last_error": self.writer.last_error if self.writer else None,
             },
             "database": self.db.status(),
+            "http": {
+                "connection_cap": self.http_stats.cap,
+                "refused": self.http_stats.refused,
+                "head_timeouts": self.http_stats.head_timeouts,
+            },
             "tick_s_p50": ticks[len(ticks) // 2] if ticks else None,
             "leak": self.leak.status(),
             "watermark": {
@@ -425,9 +442,25 @@ class Daemon:
                 f"the API cannot listen on {host}:{port}: {e.strerror} (another sparkd? set api.port "
                 "or SPARKD_API__PORT)"
             ) from None
-        sock.listen(128)
+        sock.listen(ACCEPT_BACKLOG)
         sock.set_inheritable(True)
         self.api_socket = sock
+        api = self.settings.api
+        soft, hard = raise_nofile()
+        cap = connection_cap(api.max_connections, soft)
+        self.http_stats = HttpStats(cap=cap)
+        limited = RateLimitedLog(logging.getLogger("sparkd.api.server"))
+        self.http_log = limited
+        install_exception_handler(asyncio.get_running_loop(), limited)
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).addFilter(OncePerInterval())
+        log.info(
+            "API: at most %d connections (descriptor limit %d/%d), request head within %g s",
+            cap,
+            soft,
+            hard,
+            api.header_timeout_s,
+        )
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,
@@ -435,6 +468,10 @@ class Daemon:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=guarded_protocol(cap, api.header_timeout_s, self.http_stats, limited),
+            h11_max_incomplete_event_size=api.max_header_bytes,
+            timeout_keep_alive=5,
+            backlog=ACCEPT_BACKLOG,
         )
         server = uvicorn.Server(cfg)
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
