@@ -343,3 +343,94 @@ def test_a_stop_completes_while_1100_idle_connections_flood_the_api_under_ulimit
     lines = out.splitlines()
     assert "Too many open files" not in out
     assert len(lines) < 60, f"{len(lines)} log lines: {lines[:20]}"
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", read_s: float = 5.0) -> bytes:
+    """Send ``head`` (and ``body``) on a real socket; return what the server answered before closing."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=read_s) as s:
+        try:
+            s.sendall(head)
+            if body:
+                s.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server refused before reading the rest: what it said is below
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                out += chunk
+                if b"\r\n\r\n" in out and len(out) > 64:
+                    break
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- fault 4
+def test_oversized_bodies_and_heads_are_refused_before_reading_while_the_guard_stops(tmp_path: Path) -> None:
+    with guarded(tmp_path) as g:
+        t0 = time.time()
+        rss0 = rss_bytes(g.p.pid)
+        host = f"127.0.0.1:{g.port}".encode()
+        # 50 MB announced, no token: 413 at once, after the head only (we send 1 MB of it at most)
+        for path in (b"/api/container/stop", b"/login", b"/api/status"):
+            head = b"POST " + path + b" HTTP/1.1\r\nHost: " + host + b"\r\nContent-Length: 52428800\r\n\r\n"
+            out = raw_request(g.port, head, b"x" * 1_000_000)
+            assert out.startswith(b"HTTP/1.1 413"), out[:200]
+        # a chunked body has no length to check: it is cut at api.max_body_bytes
+        chunk = b"x" * 65536
+        body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(16)) + b"0\r\n\r\n"
+        head = b"POST /login HTTP/1.1\r\nHost: " + host + b"\r\nTransfer-Encoding: chunked\r\n"
+        head += b"Content-Type: application/x-www-form-urlencoded\r\n\r\n"
+        out = raw_request(g.port, head, body)
+        assert not out.startswith(b"HTTP/1.1 2") and not out.startswith(b"HTTP/1.1 3"), out[:200]
+        # a 100 MB header: refused after api.max_header_bytes (16 KiB), not read to its end
+        head = b"GET /api/status HTTP/1.1\r\nHost: " + host + b"\r\nX-Big: " + b"a" * (2 * 2**20)
+        out = raw_request(g.port, head)
+        assert out.startswith(b"HTTP/1.1 400") or out == b"", out[:200]
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+        assert rss_bytes(g.p.pid) - rss0 < 30 * 2**20, "the refused bodies were buffered"
+
+
+# ---------------------------------------------------------------------------------------------- fault 5
+def test_login_backs_off_and_logout_ends_the_session_while_the_guard_stops(tmp_path: Path) -> None:
+    with guarded(tmp_path) as g:
+        t0 = time.time()
+        token = (g.state / "token").read_text().strip()
+        codes = [g.http.post("/login", data={"token": f"guess{i}"}).status_code for i in range(30)]
+        assert codes[:6] == [401] * 6 and set(codes[6:]) == {429}, codes
+        assert g.http.get("/login", params={"token": token}).status_code == 400  # never in a URL
+        other = httpx.Client(base_url=f"http://127.0.0.1:{g.port}", timeout=5.0)
+        # the back-off is per client: the same address here, so the right token waits too
+        assert other.post("/login", data={"token": token}).status_code == 429
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+        out = g.p.stdout
+        assert out is not None
+
+
+# ---------------------------------------------------------------------------------------------- fault 6
+def test_two_host_headers_and_undecodable_json_are_refused_while_the_guard_stops(tmp_path: Path) -> None:
+    with guarded(tmp_path) as g:
+        t0 = time.time()
+        head = f"GET /api/status HTTP/1.1\r\nHost: attacker.example\r\nHost: 127.0.0.1:{g.port}\r\n\r\n"
+        out = raw_request(g.port, head.encode())
+        # refused by the HTTP parser (h11) or, behind another parser, by sparkd's own check (tests/test_api.py)
+        assert out.startswith(b"HTTP/1.1 400"), out[:300]
+        token = (g.state / "token").read_text().strip()
+        r = g.http.post(
+            "/api/resize",
+            content=b'{"kv_cache_dtype":"\\ud800"}',
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["detail"]["field"] == "kv_cache_dtype"
+        g.stop_during(t0)
+        g.assert_sampling(t0)
