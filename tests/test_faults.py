@@ -434,3 +434,117 @@ def test_two_host_headers_and_undecodable_json_are_refused_while_the_guard_stops
         assert r.json()["detail"]["field"] == "kv_cache_dtype"
         g.stop_during(t0)
         g.assert_sampling(t0)
+
+
+# ---------------------------------------------------------------------------------------------- fault 8
+NVRM_LINE = (
+    "NVRM: nvCheckOkFailedNoLog: Check failed: Out of memory [NV_ERR_NO_MEMORY] (0x00000051) "
+    "returned from _memdescAllocInternal(pMemDesc) @ mem_desc.c:1353"
+)
+
+
+class Lines:
+    """The kernel log at its edge: lines handed in by the test (the real /dev/kmsg path has its own
+    test in tests/test_daemon.py)."""
+
+    name = "test"
+
+    def __init__(self) -> None:
+        self.pending: list[str] = []
+
+    def poll(self) -> list[str]:
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self) -> None:
+        return None
+
+
+def test_driver_error_evidence_windows_ignore_wall_clock_steps_both_ways(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+    from sparkd.loop.guard import Guard
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HEALTHY)
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "proc_root": str(proc), "kernlog_source": "off"})
+    clock = {"mono": 1000.0, "wall": 1_800_000_000.0}
+    src = Lines()
+    g = Guard(settings, src, mono=lambda: clock["mono"], wall=lambda: clock["wall"])
+    window = settings.nvrm_window_s
+
+    def step(mono_s: float, wall_s: float) -> int:
+        clock["mono"] += mono_s
+        clock["wall"] += wall_s
+        return g.tick().sample.nvrm_recent
+
+    src.pending.append(NVRM_LINE)
+    assert step(0.0, 0.0) == 1
+    # a 1 h step back while 2.5 windows pass: the error is old, whatever the wall clock says
+    assert step(2.5 * window, -3600.0) == 0
+    src.pending.append(NVRM_LINE)
+    assert step(0.1, 0.0) == 1
+    # a 1 h step forward one second later: the error is still recent
+    assert step(1.0, 3600.0) == 1
+    # stored windows are labelled in wall time (the time of the line), not in monotonic seconds
+    starts = [start for start, _ in g.nvrm.closed_windows(clock["mono"] + 3 * window)]
+    assert starts and all(abs(s - 1_800_000_000.0) < 3 * 3600 for s in starts), starts
+
+
+def test_the_guard_samples_on_time_and_stops_while_the_wall_clock_jumps(tmp_path: Path) -> None:
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+    from sparkd.loop.guard import Guard
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HEALTHY)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "interval_s": INTERVAL_S,
+            "fast_interval_s": INTERVAL_S,
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+    offset = {"s": 0.0}
+
+    class Recording(Guard):
+        monos: list[float] = []  # noqa: RUF012
+
+        def tick(self) -> Any:
+            r = super().tick()
+            self.monos.append(r.sample.mono)  # the real monotonic clock: what "on time" means
+            return r
+
+    guard = Recording(settings, None, wall=lambda: time.time() + offset["s"])
+
+    async def go() -> list[dict[str, Any]]:
+        d = Daemon(settings, actions=MonitorOnly(), guard=guard)
+        await d.startup()
+        task = asyncio.create_task(d.main_loop())
+        for jump in (-3600.0, 3600.0, -7200.0):
+            await asyncio.sleep(1.0)
+            offset["s"] += jump
+            if jump == 3600.0:
+                (proc / "meminfo").write_text(LOW)
+        await asyncio.sleep(1.0)
+        (proc / "meminfo").write_text(HEALTHY)
+        events = list(d.recent_events)
+        d.request_exit()
+        await task
+        await d.shutdown("test")
+        return events
+
+    events = asyncio.run(go())
+    stops = [e for e in events if e["kind"] == "stop_not_executed"]
+    assert stops and "low_available" in stops[0]["message"]
+    monos = guard.monos
+    assert len(monos) >= 15, len(monos)
+    gap = max(b - a for a, b in itertools.pairwise(monos))
+    assert gap <= 2 * INTERVAL_S, f"a wall-clock step held the guard for {gap:.2f} s"

@@ -529,7 +529,7 @@ class Daemon:
         for d in result.decisions:
             await self._decide(d)
         now = self.mono()
-        for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
+        for start, count in self.guard.nvrm.closed_windows(self.guard.mono()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
         since = now - self._last_status
         if since >= STATUS_EVERY_S:

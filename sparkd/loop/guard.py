@@ -95,7 +95,7 @@ class Guard:
             mi,
             psi,
             shm,
-            nvrm_recent=self.nvrm.recent(now_w),
+            nvrm_recent=self.nvrm.recent(now_m),  # monotonic: a wall-clock step must not move the window
             low_watermark_bytes=self.low_watermark,
         )
 
@@ -104,13 +104,13 @@ class Guard:
         if self.kern_source is None:
             return []
         out = []
-        now = self.wall()  # NVRM windows are stored, so they use epoch time
+        now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
         for line in self.kern_source.poll():
             rec = classify(line)
             if rec is None:
                 continue
             if rec.kind == "nvrm_no_memory":
-                self.nvrm.count_line(now)
+                self.nvrm.count_line(now_m, now_w)
                 self.nvrm_lines_total += 1
             out.append(rec)
         return out
