@@ -321,6 +321,7 @@ def doctor(ctx: click.Context) -> None:
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
             db_file=settings.db_file,
+            rules=settings.rules,
         )
     )
     click.echo(doc.format_report(checks))

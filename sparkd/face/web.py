@@ -261,9 +261,7 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
             return _login_response(request)
         wait = auth.logins.failed(client)
         n = auth.logins.failures(client)
-        log.warning(
-            "failed login from %s (%d in a row%s)", client, n, f"; next try in {wait:.0f} s" if wait else ""
-        )
+        log.warning("failed login from %s (%d in a row%s)", client, n, f"; next try in {wait:.0f} s" if wait else "")
         return render(request, "login.html", 401, error="That token is not valid.")
 
     @app.post("/logout", include_in_schema=False)

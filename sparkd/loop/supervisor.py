@@ -45,6 +45,8 @@ NVML_LOST = "Failed to initialize NVML: Unknown Error"
 
 def make_actions(settings: Settings) -> Actions:
     c = settings.container
+    if settings.monitor_only:
+        return MonitorOnly("monitor_only = true")
     if not c.image and not c.guard:
         return MonitorOnly("no container configured (container.image or container.guard)")
     return Supervisor(settings)

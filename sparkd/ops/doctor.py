@@ -128,6 +128,7 @@ class DoctorContext:
     last_trip: Callable[[], LastTrip | None] = lambda: None
     now: Callable[[], float] = time.time
     db_file: Path | None = None  # None: no database check (tests of other checks)
+    rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
 
@@ -147,6 +148,7 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
         check_unit,
         check_last_trip,
         check_database,
+        check_rule_reach,
     ):
         try:
             checks.extend(fn(ctx))
@@ -444,6 +446,44 @@ def check_database(ctx: DoctorContext) -> list[Check]:
         kept = ", ".join(aside[-3:])
         out.append(Check("WARN", "Corrupt databases kept", kept, f"inspect or remove them in {state_dir}"))
     return out
+
+
+# Memory fields are bounded by [0, MemTotal]: a condition outside that range never holds.
+_MEMORY_FIELDS = frozenset(
+    {"MemAvailable", "MemFree", "Cached", "Buffers", "AnonPages", "Slab", "PageTables", "usable", "CmaFree"}
+)
+
+
+def unreachable(cond: str, mem_total_bytes: int) -> str | None:
+    """Why ``cond`` (``"MemAvailable < 0GiB"``) can never hold on a host with ``mem_total_bytes``, else None."""
+    from sparkd.core.conditions import parse_condition
+    from sparkd.units import parse_size
+
+    fld, op, value = parse_condition(cond)
+    if fld not in _MEMORY_FIELDS:
+        return None
+    limit = mem_total_bytes * float(value[:-1]) / 100 if value.endswith("%") else parse_size(value)
+    if (op == "<" and limit <= 0) or (op == "<=" and limit < 0):
+        return f"{fld} is never below 0"
+    if (op == ">" and limit >= mem_total_bytes) or (op == ">=" and limit > mem_total_bytes):
+        return f"{fld} never exceeds MemTotal ({fmt_gib(mem_total_bytes)})"
+    return None
+
+
+def check_rule_reach(ctx: DoctorContext) -> list[Check]:
+    """WARN for a stop rule whose threshold this host can never reach (it looks armed and is not)."""
+    if not ctx.rules:
+        return []
+    total = read_meminfo(ctx.proc_root).fields.get("MemTotal")
+    if not total:
+        return []
+    out = []
+    for r in ctx.rules:
+        for cond in list(r.when) + ([f"MemAvailable < {r.floor}"] if getattr(r, "floor", None) else []):
+            why = unreachable(cond, total)
+            if why:
+                out.append(Check("WARN", f"Rule {r.name}", f"'{cond}' can never hold: {why}", "fix the threshold"))
+    return out or [Check("OK", "Rules", f"{len(ctx.rules)} rules, every threshold reachable on this host")]
 
 
 def format_report(checks: Sequence[Check]) -> str:
