@@ -119,8 +119,17 @@ class SparkdCollector(Collector):
         yield from (counter, need, trips, near)
 
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
-        nvrm.add_metric([], float((st.get("kernel_log") or {}).get("nvrm_lines") or 0))
+        kl = st.get("kernel_log") or {}
+        nvrm.add_metric([], float(kl.get("nvrm_lines") or 0))
         yield nvrm
+        lines = CounterMetricFamily("sparkd_kernel_log_lines", "Kernel-log lines read since sparkd started")
+        lines.add_metric([], float(kl.get("lines_read") or 0))
+        yield lines
+        lost = CounterMetricFamily(
+            "sparkd_kernel_log_lost", "Kernel-log records overwritten in the ring buffer before sparkd read them"
+        )
+        lost.add_metric([], float(kl.get("lost") or 0))
+        yield lost
 
         c = st.get("container") or {}
         current = "monitor-only" if c.get("mode") == "monitor-only" else str(c.get("state") or "unknown")
@@ -156,6 +165,23 @@ class SparkdCollector(Collector):
         dropped = CounterMetricFamily("sparkd_db_dropped", "Records dropped because the database writer was behind")
         dropped.add_metric([], float(w.get("dropped") or 0))
         yield dropped
+        refused = CounterMetricFamily("sparkd_db_refused", "Records the database refused for good (dropped)")
+        refused.add_metric([], float(w.get("refused") or 0))
+        yield refused
+        db = GaugeMetricFamily("sparkd_db_up", "1 while the database records, 0 while sparkd guards from memory")
+        db.add_metric([], 1.0 if (st.get("database") or {}).get("state") == "ok" else 0.0)
+        yield db
+        h = st.get("http") or {}
+        hr = CounterMetricFamily(
+            "sparkd_http_connections_refused", "API connections closed at once: over the connection cap"
+        )
+        hr.add_metric([], float(h.get("refused") or 0))
+        yield hr
+        ht = CounterMetricFamily(
+            "sparkd_http_head_timeouts", "API connections closed for not sending a request head in time"
+        )
+        ht.add_metric([], float(h.get("head_timeouts") or 0))
+        yield ht
         interval = GaugeMetricFamily("sparkd_sample_interval_seconds", "Current sampling interval")
         interval.add_metric([], float(st.get("interval_s") or 0))
         yield interval

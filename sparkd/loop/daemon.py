@@ -287,7 +287,14 @@ class Daemon:
             "dry_run": self.settings.dry_run,
             "sample": last.to_row() if last else None,
             "rules": g.rules_json() if g else [],
-            "kernel_log": {"source": self.kern_source_name, "nvrm_lines": g.nvrm_lines_total if g else 0},
+            "kernel_log": {
+                "source": self.kern_source_name,
+                "nvrm_lines": g.nvrm_lines_total if g else 0,
+                "lines_read": g.kern_lines_total if g else 0,
+                # records the kernel's ring buffer overwrote before sparkd read them (/dev/kmsg: EPIPE
+                # and the sequence-number gap); 0 for readers that cannot tell
+                "lost": getattr(g.kern_source, "lost_records", 0) if g else 0,
+            },
             "container": self.actions.status_json(),
             "writer": {
                 "queued": self.writer.queue.qsize() if self.writer else 0,

@@ -64,6 +64,7 @@ class Guard:
         self._psi_missing_logged = False
         self.last: Sample | None = None
         self.nvrm_lines_total = 0
+        self.kern_lines_total = 0  # kernel-log lines read (all kinds)
         self.demoted: dict[str, str] = {}  # rule -> why it cannot protect this host (watermark.LoopGuard)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
@@ -105,7 +106,9 @@ class Guard:
             return []
         out = []
         now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
-        for line in self.kern_source.poll():
+        lines = self.kern_source.poll()
+        self.kern_lines_total += len(lines)
+        for line in lines:
             rec = classify(line)
             if rec is None:
                 continue
