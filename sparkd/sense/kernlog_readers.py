@@ -110,6 +110,26 @@ class KmsgSource(_Closing):
         self._lost_logged_at: float | None = None
         self._lost_unlogged = 0
         self._fd: int | None = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._skip_backlog()
+
+    def _skip_backlog(self) -> None:
+        """Start after the newest record, knowing its sequence number: a flood that overwrites the ring
+        before the first poll is then counted as lost too (``SEEK_END`` alone leaves the first gap unknown)."""
+        assert self._fd is not None
+        for _ in range(1_000_000):  # the ring holds far fewer; a bound for a device that never says EAGAIN
+            try:
+                data = os.read(self._fd, 8192)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:
+                continue
+            except OSError:
+                break
+            if not data:
+                return
+            seq, _text = decode_kmsg_record(data)
+            if seq is not None:
+                self.last_seq = seq if self.last_seq is None else max(self.last_seq, seq)
         os.lseek(self._fd, 0, os.SEEK_END)
 
     def _note_seq(self, seq: int | None) -> None:
