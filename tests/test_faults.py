@@ -550,7 +550,7 @@ def test_the_guard_samples_on_time_and_stops_while_the_wall_clock_jumps(tmp_path
     assert gap <= 2 * INTERVAL_S, f"a wall-clock step held the guard for {gap:.2f} s"
 
 
-# ---------------------------------------------------------------------------------------------- kernel-log flood
+# ---------------------------------------------------------------------------------------- kernel-log flood
 def test_a_kmsg_flood_is_counted_read_or_lost_line_for_line(tmp_path: Path) -> None:
     need(os.access("/dev/kmsg", os.W_OK), "/dev/kmsg is not writable (needs root)")
     from sparkd.sense.kernlog_readers import KmsgSource
@@ -576,3 +576,99 @@ def test_a_kmsg_flood_is_counted_read_or_lost_line_for_line(tmp_path: Path) -> N
         assert len(lines) + src.lost_records >= n  # other writers may add lines, never fewer
     finally:
         src.close()
+
+
+# ------------------------------------------------------------------------------------ fault 2: a refused record
+def test_a_record_the_database_refuses_for_good_is_dropped_and_later_writes_go_on(tmp_path: Path) -> None:
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HEALTHY)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "interval_s": INTERVAL_S,
+            "fast_interval_s": INTERVAL_S,
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+    db = tmp_path / "sparkd.db"
+
+    async def go() -> float:
+        d = Daemon(settings, actions=MonitorOnly())
+        await d.startup()
+        task = asyncio.create_task(d.main_loop())
+        await asyncio.sleep(0.5)
+        t0 = time.time()
+        # SQLite cannot store a lone surrogate: the batch holding this event fails, for good
+        d.event("poison", "a kernel line with \ud800 in it")
+        await asyncio.sleep(0.6)
+        (proc / "meminfo").write_text(LOW)
+        await asyncio.sleep(1.0)
+        (proc / "meminfo").write_text(HEALTHY)
+        await asyncio.sleep(1.0)
+        d.request_exit()
+        await task
+        await d.shutdown("test")
+        return t0
+
+    t0 = asyncio.run(go())
+    t1 = time.time() - 0.2
+    kinds = [r[0] for r in db_query(db, "SELECT kind FROM events WHERE ts >= ?", (t0,))]
+    assert "poison" not in kinds and "record_refused" in kinds and "stop_not_executed" in kinds, kinds
+    n, gap = db_gap(db, t0, t1)
+    assert gap <= 2 * INTERVAL_S + 0.05 and n >= (t1 - t0) / INTERVAL_S * 0.7, (n, gap)
+
+
+# ---------------------------------------------------------------------------------------------- fault 7
+def test_config_that_would_disarm_the_guard_is_refused_and_the_explicit_one_guards(tmp_path: Path) -> None:
+    refused = {
+        "rules = []\n": "no stop rule",
+        'leak_threshold = "-4GiB"\n': "leak_threshold",
+        'leak_threshold = "4 GB"\n': "decimal GB is ambiguous",
+        '[[rules]]\nname = "never"\nwhen = ["MemAvailable < -6GiB"]\n': "rules.0.when",
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
+    for toml, says in refused.items():
+        cfg = tmp_path / "bad.toml"
+        cfg.write_text(f'state_dir = "{tmp_path / "bad"}"\n{toml}')
+        r = subprocess.run(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "run", "--no-api"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert r.returncode != 0 and says in r.stderr and "Traceback" not in r.stderr, (toml, r.stderr)
+        assert not (tmp_path / "bad" / "sparkd.db").exists()  # refused before anything ran
+    # the same intent said exactly: it runs, samples on time and stops
+    with guarded(tmp_path, extra='leak_threshold = "4GiB"\n') as g:
+        t0 = time.time()
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+
+
+# ---------------------------------------------------------------------------------------------- fault 9
+def test_state_dir_is_0700_and_files_0600_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o022)  # what a shell gives `sparkd run` by hand
+    try:
+        state = tmp_path / "state"
+        with guarded(tmp_path, state) as g:
+            t0 = time.time()
+            g.stop_during(t0)
+            g.assert_sampling(t0)
+            assert wait_for(lambda: (state / "sparkd.db-wal").exists(), 5.0)
+            assert (state.stat().st_mode & 0o777) == 0o700
+            files = [p for p in state.rglob("*") if p.is_file()]
+            assert {p.name for p in files} >= {"sparkd.db", "sparkd.db-wal", "sparkd.db-shm", "token", "sparkd.lock"}
+            loose = {p.name: oct(p.stat().st_mode & 0o777) for p in files if p.stat().st_mode & 0o077}
+            assert loose == {}, loose
+    finally:
+        os.umask(old)
