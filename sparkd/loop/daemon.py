@@ -419,7 +419,14 @@ class Daemon:
             await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
         self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
         if self.serve_api:
-            await self._start_api()
+            try:
+                await self._start_api()
+            except ConfigError as e:  # the token file cannot be made (state dir full): guard without the API
+                self.event(
+                    "api_unavailable",
+                    f"API not served: {e.message}; the guard runs without it (fix and restart sparkd)",
+                    severity="critical",
+                )
         await self.actions.start(self)
         self.event(
             "daemon_started",
