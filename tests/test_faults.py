@@ -8,6 +8,14 @@ connections, ...), then makes MemAvailable fall below the stop rule's floor. It 
   the daemon's own sample timestamps), and
 * the stop decided during the fault was carried out (monitor-only: the ``stop_not_executed`` event,
   which is what this daemon does with a stop — as tests/test_daemon.py observes stops).
+
+Faults (issue 13's numbering): 1 — header corrupt at start, state dir full at start (a 2 MiB tmpfs),
+write lock held by another process at start; 2 — corrupted while running, deleted while running, a
+record refused for good (in-process daemon, real SQLite file); 3 — 1,100 idle/slowloris connections
+under ``ulimit -n 1024``; 4 — oversized bodies and heads; 5 — login back-off, no token in the URL;
+6 — two Host headers, a lone surrogate in JSON; 7 — disarming configuration refused; 8 — wall clock
+jumping both ways (in-process: the host's clock is shared); 9 — file modes under umask 022. Also: a
+/dev/kmsg flood counted read or lost line for line.
 """
 
 from __future__ import annotations
