@@ -155,7 +155,7 @@ def test_kernel_lines_lost_to_the_ring_buffer_are_counted_in_status(tmp_path: Pa
         return st
 
     st = asyncio.run(go())
-    assert st.kernel_log.lost_lines == 27_000
+    assert st.kernel_log.lost == 27_000
 
 
 def test_sparkd_run_on_a_proc_without_memavailable_says_so_and_status_shows_it(tmp_path: Path) -> None:

@@ -82,6 +82,7 @@ class Guard:
         self.nvrm_lines_total = 0
         self.psi_missing: str | None = None
         self.shm_missing: str | None = None
+        self.kern_lines_total = 0  # kernel-log lines read (all kinds)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
 
@@ -116,7 +117,7 @@ class Guard:
             mi,
             psi,
             shm,
-            nvrm_recent=self.nvrm.recent(now_w),
+            nvrm_recent=self.nvrm.recent(now_m),  # monotonic: a wall-clock step must not move the window
             low_watermark_bytes=self.low_watermark,
         )
 
@@ -125,19 +126,21 @@ class Guard:
         if self.kern_source is None:
             return []
         out = []
-        now = self.wall()  # NVRM windows are stored, so they use epoch time
+        now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
+        lines = self.kern_source.poll()
+        self.kern_lines_total += len(lines)
         n = 0
-        for line in self.kern_source.poll():
+        for line in lines:
             rec = classify(line)
             if rec is None:
                 continue
             if rec.kind == "nvrm_no_memory":
-                self.nvrm.count_line(now)
+                self.nvrm.count_line(now_m, now_w)
                 self.nvrm_lines_total += 1
                 n += 1
             out.append(rec)
         # the whole poll counts at once: a threshold crossing is one burst however the lines were split
-        self._burst = self.bursts.add(n, now)
+        self._burst = self.bursts.add(n, now_m)
         return out
 
     # the engine's state, under the names the daemon and the tests read
@@ -209,12 +212,6 @@ class Guard:
                 if name is not None:
                     out.setdefault(name, []).append(r.name)
         return out
-
-    @property
-    def kernel_lines_lost(self) -> int:
-        """Kernel-log records the kernel's ring buffer overwrote before sparkd read them
-        (counted from /dev/kmsg sequence gaps; 0 for readers that cannot tell)."""
-        return int(getattr(self.kern_source, "lost_records", 0) or 0)
 
     def fast_reason(self, sample: Sample) -> str | None:
         """Why the next sample should come at the fast interval, or ``None``.

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from sparkd.config import Settings
     from sparkd.loop.guard import Guard
+    from sparkd.loop.reads import Reads
     from sparkd.store.store import Store
 
 
@@ -224,7 +225,8 @@ class RuleStatus(_Model):
 class KernelLogStatus(_Model):
     source: str  # kmsg | journal | dmesg | off
     nvrm_lines: int  # NV_ERR_NO_MEMORY lines seen since sparkd started
-    lost_lines: int = 0  # records the kernel's ring buffer overwrote before sparkd read them (kmsg gaps)
+    lines_read: int = 0  # kernel-log lines read since sparkd started
+    lost: int = 0  # records the ring buffer overwrote before sparkd read them (/dev/kmsg sequence gap)
     nvrm_bursts: int = 0  # nvrm_burst events (one per window at most)
 
 
@@ -240,6 +242,27 @@ class WriterStatus(_Model):
     queued: int
     written: int
     dropped: int
+    refused: int = 0  # records the database refused for good (dropped with a record_refused event)
+    last_error: str | None = None  # the last write error, one line; None while writes succeed
+
+
+class DatabaseStatus(_Model):
+    """``sparkd.store.keeper.DbKeeper.status()``: is the database recording, and if not, why."""
+
+    state: Literal["opening", "ok", "unavailable"]
+    path: str
+    error: str | None
+    since: float  # epoch s: when this state began
+    attempts: int
+    moved_aside: list[str]  # corrupt files kept as <name>.corrupt-<UTC time>
+
+
+class HttpStatus(_Model):
+    """The API's resource caps at work (``sparkd.loop.httpserver``)."""
+
+    connection_cap: int  # open connections allowed (api.max_connections, below the descriptor limit)
+    refused: int  # connections closed at once: over the cap
+    head_timeouts: int  # connections closed for not sending a request head within api.header_timeout_s
 
 
 class LeakStatus(_Model):
@@ -340,6 +363,8 @@ class Status(_Model):
     usable_bytes: int | None = None  # MemAvailable - CmaFree (MemAvailable without CMA): what the rules judge
     container: ContainerStatus
     writer: WriterStatus
+    database: DatabaseStatus | None = None  # None only from fakes that predate it
+    http: HttpStatus | None = None
     tick_s_p50: float | None
     leak: LeakStatus
     watermark: WatermarkStatus
@@ -408,6 +433,8 @@ class DaemonView(Protocol):
     def settings(self) -> Settings: ...
     @property
     def store(self) -> Store | None: ...
+    @property
+    def reads(self) -> Reads: ...  # the database, or the live in-memory view when it cannot answer
     @property
     def actions(self) -> object: ...
     @property

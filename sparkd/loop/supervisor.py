@@ -54,6 +54,8 @@ SHM_WITNESS_INTERVAL_S = 30.0
 
 def make_actions(settings: Settings) -> Actions:
     c = settings.container
+    if settings.monitor_only:
+        return MonitorOnly("monitor_only = true")
     if not c.image and not c.guard:
         return MonitorOnly("no container configured (container.image or container.guard)")
     return Supervisor(settings)

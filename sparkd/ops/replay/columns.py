@@ -46,7 +46,8 @@ EPOCH_COLUMNS = frozenset(
 MS_COLUMNS = frozenset(c for c in TIME_COLUMNS if c.endswith("_ms"))
 
 # Other watchdogs' names for sparkd's fields (matched case-insensitively, before a unit suffix
-# _gib/_mib/_kb/_bytes): homelab rings write mem_avail_gib, usable_gib, anon_gib, ...
+# _gib/_mib/_kib/_kb/_bytes): homelab rings write mem_avail_gib, usable_gib, anon_gib, ... A decimal
+# _gb/_mb suffix is not guessed (GB or GiB? the configuration refuses it too): map it with --column.
 COLUMN_ALIASES: dict[str, str] = {
     "mem_avail": "mem_available",
     "memavailable": "mem_available",
@@ -75,9 +76,7 @@ COLUMN_ALIASES: dict[str, str] = {
 }
 _UNIT_SUFFIXES: tuple[tuple[str, float], ...] = (
     ("_gib", float(GiB)),
-    ("_gb", float(GiB)),
     ("_mib", float(MiB)),
-    ("_mb", float(MiB)),
     ("_kib", 1024.0),
     ("_kb", 1024.0),
     ("_bytes", 1.0),
