@@ -134,7 +134,7 @@ def classify(obs: Observation) -> ObsClass:
         return ObsClass.STOP_REQUESTED
     if obs.launched:
         return ObsClass.LAUNCHED
-    if obs.restarting or (obs.seen_restart_count is not None and obs.new_restarts > 0):
+    if obs.restarting or obs.new_restarts > 0:
         return ObsClass.DOCKER_RESTARTING
     if not obs.running:
         return ObsClass.EXITED
@@ -202,8 +202,9 @@ def _restarting(state: ContainerState, obs: Observation) -> Step:
             _emit(
                 "restart_loop",
                 f"{obs.name} is being restarted by Docker's restart policy '{policy}' "
-                f"(RestartCount {obs.restart_count}, last exit code {obs.exit_code}); sparkd counts the "
-                "restarts and will stop it if a rule trips",
+                f"(RestartCount {obs.restart_count}"
+                + (f", last exit code {obs.exit_code}" if obs.exit_code else "")
+                + "); sparkd counts the restarts and will stop it if a rule trips",
                 "warning",
             )
         )
