@@ -53,8 +53,9 @@ EXPECTED: dict[ObsClass, dict[S, S]] = {
     K.LAUNCHED: to(S.STARTING),
     # Docker's restart policy cycles it: restarting (sparkd's own stop goes on)
     K.DOCKER_RESTARTING: to(S.RESTARTING, stopping=S.STOPPING),
-    # running with a start time sparkd has not seen: adopted / started outside sparkd → starting
-    K.STARTED_ANEW: to(S.STARTING, stopping=S.STOPPING),
+    # running with a start time sparkd has not seen: adopted / started outside sparkd → starting;
+    # while Docker restarts it (same RestartCount) it is the loop going on
+    K.STARTED_ANEW: to(S.STARTING, stopping=S.STOPPING, restarting=S.RESTARTING),
     # not running: a running one has exited, sparkd's stop is done; already-down states stay
     K.EXITED: same(
         starting=S.EXITED,
@@ -221,3 +222,14 @@ def test_probe_values_are_the_classes_of_a_running_container() -> None:
     running = Observation(running=True, started_at=1.0, seen_started_at=1.0)
     got = {p: classify(replace(running, probe=p)) for p in Probe}
     assert got == {Probe.OK: K.HEALTHY, Probe.STALLED: K.STALLED, Probe.FAILING: K.FAILING, Probe.UNPROBED: K.UNPROBED}
+
+
+def test_a_restart_loop_starting_its_next_run_stays_restarting_but_a_start_by_hand_does_not() -> None:
+    # Docker raised RestartCount to 4 when it scheduled the restart; the new run comes with 4 too
+    nxt = Observation(running=True, restart_count=4, seen_restart_count=4, started_at=9.0, seen_started_at=5.0)
+    assert classify(nxt) is K.STARTED_ANEW
+    assert transition(S.RESTARTING, nxt).state is S.RESTARTING
+    by_hand = replace(nxt, restart_count=0)  # docker start resets RestartCount
+    step = transition(S.RESTARTING, by_hand)
+    assert step.state is S.STARTING
+    assert [e.event for e in step.effects if e.kind is EffectKind.EMIT] == ["restarted_outside"]

@@ -284,7 +284,13 @@ def transition(state: ContainerState, obs: Observation) -> Step:
             return Step(S.EXITED, f"exit code {obs.exit_code}")
         return Step(state)
     if k is K.STARTED_ANEW:
-        return Step(state) if state is S.STOPPING else _started_anew(state, obs)
+        if state is S.STOPPING:
+            return Step(state)
+        if state is S.RESTARTING and obs.restart_count >= (obs.seen_restart_count or 0):
+            # Docker counts a restart when it schedules it; the new start comes with the same count.
+            # A start by hand resets the count (docker start → RestartCount 0).
+            return Step(state)
+        return _started_anew(state, obs)
     if k is K.STARTUP_EXPIRED:
         if state is S.STARTING:
             why = obs.detail or "not ready in time"

@@ -451,6 +451,7 @@ class Supervisor(RunBook):
                 await self._take_run(obs, first_sight=eff.event == "adopted")
         if obs.exists and obs.engine_up and not obs.launched and not obs.stopping:
             self.seen_started_at, self.seen_restart_count = obs.started_at, obs.restart_count
+            self.container_started_at = obs.started_at or self.container_started_at  # Docker's, of this run
             self.restart_count, self.restart_policy = obs.restart_count, obs.restart_policy
         self._record_state(step.state, step.reason)
         if obs.probe is Probe.OK:
