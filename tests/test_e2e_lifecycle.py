@@ -153,3 +153,10 @@ def test_a_docker_restart_loop_is_restarting_counted_and_warned_about(
     msg = warnings[0]["message"]
     assert "'unless-stopped'" in msg and "will stop it if a rule trips" in msg and name in msg
     assert db_query(s.db, "SELECT severity FROM events WHERE kind='restart_loop'") == [("warning",)]
+    assert s.events("adopted")[0]["details"]["container_id"] == c.id
+    # a stop (as a trip makes it) acts on the restarting container, and Docker leaves it stopped
+    r = s.api("POST", "/api/container/stop")
+    assert r.status_code == 200, r.text
+    st = docker_client.api.inspect_container(c.id)["State"]
+    assert st["Running"] is False and st["Restarting"] is False
+    assert s.wait_state("stopped", 10)["container_id"] == c.id

@@ -166,7 +166,7 @@ def test_first_sight_of_a_restarting_container_adopts_it_and_counts_dockers_rest
     step = transition(S.NONE, obs)
     assert step.state is S.RESTARTING
     assert [e.kind for e in step.effects] == [EffectKind.ADOPT, EffectKind.COUNT_RESTARTS, EffectKind.EMIT]
-    assert step.effects[1].count == 4
+    assert step.effects[0].event == "adopted" and step.effects[1].count == 4
 
 
 def test_docker_running_while_it_waits_to_restart_is_restarting_not_running() -> None:

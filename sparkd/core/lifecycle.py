@@ -193,7 +193,7 @@ def _emit(event: str, message: str, severity: str = "info") -> Effect:
 def _restarting(state: ContainerState, obs: Observation) -> Step:
     effects: list[Effect] = []
     if state in (S.NONE, S.UNKNOWN) or obs.seen_started_at is None:
-        effects.append(Effect(EffectKind.ADOPT))
+        effects.append(Effect(EffectKind.ADOPT, event="adopted"))  # first sight
     if obs.new_restarts:
         effects.append(Effect(EffectKind.COUNT_RESTARTS, count=obs.new_restarts))
     if not obs.restart_warned:
