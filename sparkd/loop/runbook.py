@@ -1,8 +1,8 @@
 """One run of the container, as the supervisor executes ``core.lifecycle`` effects on it:
 adopting a run (first sight or started outside sparkd), readiness, the /health and progress
 probe (``check_health``), an exit nobody asked for (``handle_exit``) and the managed auto-restart
-(``maybe_restart``). ``loop.supervisor.Supervisor`` inherits it; split out to keep each module
-readable.
+(``maybe_restart``), the stop (``_stop``, executing ``act.stop.run_stop``).
+``loop.supervisor.Supervisor`` inherits it; split out to keep each module readable.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import asyncio
 import time
 from typing import Any
 
-from sparkd.act.stop import StopReport, write_postmortem
-from sparkd.core.lifecycle import Observation, Probe
+from sparkd.act import shm
+from sparkd.act.stop import StopReport, StopTarget, run_stop, write_postmortem
+from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.errors import SparkdError
 from sparkd.loop.launchbook import LaunchBook
+from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
-from sparkd.units import fmt_gib
+from sparkd.units import fmt_gib, parse_size
 
 NVML_LOST = "Failed to initialize NVML: Unknown Error"
 
@@ -30,15 +32,21 @@ class RunBook(LaunchBook):
     _last_nvml_check: float
     _bg: asyncio.Task[Any] | None
 
+    stops_total: int
+    kills_total: int
+
+    def _record_state(self, state: ContainerState, reason: str | None) -> None:
+        raise NotImplementedError
+
+    async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
+        raise NotImplementedError
+
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]:
         raise NotImplementedError
 
     def _restarts_in_window(self) -> int:
-        raise NotImplementedError
-
-    def set_state(self, state: str, reason: str | None = None) -> None:
         raise NotImplementedError
 
     async def _take_run(self, obs: Observation, *, first_sight: bool) -> None:
@@ -214,3 +222,43 @@ class RunBook(LaunchBook):
             await self.request("start", source="auto-restart")
         except SparkdError as e:
             self._event("restart_failed", f"auto-restart failed: {e.message}", severity="critical")
+
+    async def _stop(self, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
+        """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its
+        dependencies handed in, then Docker's state read again (``stopped``)."""
+        assert self.container_id is not None
+        step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
+        self._record_state(step.state, step.reason)
+        s, cid = self.settings, self.container_id
+        reader = procfs.ProcReader(s.proc_root)
+
+        def cleanup_shm(started_at: float | None) -> shm.CleanupResult:
+            return shm.cleanup(
+                container_started_at=started_at,
+                shm_dir=s.shm_dir,
+                proc_root=s.proc_root,
+                ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            )
+
+        async def postmortem(rep: StopReport) -> str | None:
+            return await write_postmortem(self, rep, cid)
+
+        try:
+            rep = await run_stop(
+                StopTarget(cid, self.name, self.container_started_at, self.launch_id),
+                self.manager,
+                reason=reason,
+                source=source,
+                grace_s=s.container.stop_timeout_s,
+                hard_floor_bytes=parse_size(s.container.hard_floor),
+                read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
+                emit=self._event,
+                postmortem=postmortem if archive_first else None,
+                cleanup_shm=cleanup_shm,
+            )
+        finally:
+            reader.close()
+        self.stops_total += 1
+        self.kills_total += rep.killed
+        await self.reconcile(probe=False, detail=reason)
+        return rep

@@ -31,7 +31,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
-from sparkd.act.stop import StopReport, run_stop
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -237,12 +236,6 @@ class Supervisor(RunBook):
             finally:
                 self.action = None
 
-    async def _stop(self, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
-        """The stop procedure (``act.stop.run_stop``), then Docker's state read again: STOPPED."""
-        rep = await run_stop(self, reason, source, archive_first=archive_first)
-        await self.reconcile(probe=False, detail=reason)
-        return rep
-
     async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
         """Dry run: the new plan and the differences, nothing changed. Apply: new revision,
         drain, graceful stop, launch; roll back to the previous revision if the launch fails."""
@@ -303,14 +296,6 @@ class Supervisor(RunBook):
     def _event(self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
         if self.daemon:
             self.daemon.event(kind, message, severity=severity, details=details, launch_id=self.launch_id)
-
-    def set_state(self, state: str, reason: str | None = None) -> None:
-        """For ``act.stop.run_stop`` (its host Protocol): only ``stopping`` is asked for, and it goes
-        through the transition as a STOP_REQUESTED observation."""
-        if state != S.STOPPING:
-            raise ValueError(f"state: {state!r} is not allowed here; allowed: stopping")
-        step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
-        self._record_state(step.state, step.reason)
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         """One event per change of state: ``container_<state>`` with the reason."""
