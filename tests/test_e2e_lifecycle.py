@@ -9,6 +9,9 @@ are removed by the dockerkit finalizer. Memory trips come from a scripted /proc 
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -154,6 +157,16 @@ def test_a_docker_restart_loop_is_restarting_counted_and_warned_about(
     assert "'unless-stopped'" in msg and "will stop it if a rule trips" in msg and name in msg
     assert db_query(s.db, "SELECT severity FROM events WHERE kind='restart_loop'") == [("warning",)]
     assert s.events("adopted")[0]["details"]["container_id"] == c.id
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert re.search(
+        r"container: restarting .*Docker restarted it \d+ times \(restart policy unless-stopped\)", out.stdout
+    )
     # a stop (as a trip makes it) acts on the restarting container, and Docker leaves it stopped
     r = s.api("POST", "/api/container/stop")
     assert r.status_code == 200, r.text

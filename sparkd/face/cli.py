@@ -191,7 +191,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             )
     c = data["container"] or {}
     if c:
-        click.echo(f"container: {c.get('state') or c.get('mode')} {('— ' + c['reason']) if c.get('reason') else ''}")
+        line = f"container: {c.get('state') or c.get('mode')} {('— ' + c['reason']) if c.get('reason') else ''}"
+        if c.get("restart_count"):
+            line += f" — Docker restarted it {c['restart_count']} times (restart policy {c.get('restart_policy')})"
+        click.echo(line)
     if events:
         click.echo("recent events:")
         for e in events:
