@@ -173,6 +173,74 @@ class Emit(Protocol):
     ) -> None: ...
 
 
+async def _stop_and_confirm(
+    target: StopTarget,
+    docker: ContainerManager,
+    rep: StopReport,
+    grace_s: float,
+    hard_floor_bytes: int,
+    read_mem_available: Callable[[], int | None],
+    emit: Emit,
+) -> None:
+    """Steps 3–5: ``docker stop`` with the grace, killed at once below the hard floor, kill
+    fallbacks, then the exit code and OOMKilled read back."""
+    cid = target.container_id
+    stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
+    while not stop_task.done():
+        done, _ = await asyncio.wait({stop_task}, timeout=0.25)
+        if done:
+            break
+        avail = read_mem_available()
+        if avail is not None and avail < hard_floor_bytes and not rep.hard_floor_kill:
+            rep.hard_floor_kill = True
+            emit(
+                "hard_floor_kill",
+                f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(hard_floor_bytes)} during the "
+                f"grace period: killing {target.name} now",
+                severity="critical",
+            )
+            await asyncio.to_thread(docker.kill, cid)
+    try:
+        result = stop_task.result()
+        rep.outcome = "killed (hard floor)" if rep.hard_floor_kill else result.outcome
+        if result.fallback_kill:
+            rep.outcome += " via kill fallback"
+    except Exception as e:
+        rep.errors.append(f"docker stop failed: {e}")
+        try:
+            await asyncio.to_thread(docker.kill, cid)
+            rep.outcome = "killed (stop failed)"
+        except Exception as e2:
+            rep.errors.append(f"kill failed: {e2}")
+    try:
+        st = await asyncio.to_thread(docker.state, cid)
+        if st.running:  # still running after stop: kill (step 4)
+            await asyncio.to_thread(docker.kill, cid)
+            st = await asyncio.to_thread(docker.state, cid)
+            rep.outcome = "killed (still running after stop)"
+        rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
+    except Exception as e:
+        rep.errors.append(f"inspect failed: {e}")
+
+
+async def _cleanup_shm(
+    target: StopTarget, rep: StopReport, cleanup_shm: Callable[[float | None], shm.CleanupResult], emit: Emit
+) -> None:
+    """Step 6: /dev/shm entries of this run that no live process holds."""
+    try:
+        res = await asyncio.to_thread(cleanup_shm, target.started_at)
+        rep.shm_removed = [n for n, _b in res.removed]
+        rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]
+        if res.removed or res.kept:
+            emit(
+                "shm_cleanup",
+                shm.format_result(res),
+                details={"removed": rep.shm_removed, "kept": rep.shm_kept[:50]},
+            )
+    except Exception as e:
+        rep.errors.append(f"/dev/shm cleanup failed: {e}")
+
+
 async def run_stop(
     target: StopTarget,
     docker: ContainerManager,
@@ -209,57 +277,11 @@ async def run_stop(
         rep.archive = await postmortem(rep)
         rep.durations_s["archive"] = time.monotonic() - t0
     t1 = time.monotonic()
-    stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
-    while not stop_task.done():
-        done, _ = await asyncio.wait({stop_task}, timeout=0.25)
-        if done:
-            break
-        avail = read_mem_available()
-        if avail is not None and avail < hard_floor_bytes and not rep.hard_floor_kill:
-            rep.hard_floor_kill = True
-            emit(
-                "hard_floor_kill",
-                f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(hard_floor_bytes)} during the "
-                f"grace period: killing {target.name} now",
-                severity="critical",
-            )
-            await asyncio.to_thread(docker.kill, cid)
-    try:
-        result = stop_task.result()
-        rep.outcome = "killed (hard floor)" if rep.hard_floor_kill else result.outcome
-        if result.fallback_kill:
-            rep.outcome += " via kill fallback"
-    except Exception as e:
-        rep.errors.append(f"docker stop failed: {e}")
-        try:
-            await asyncio.to_thread(docker.kill, cid)
-            rep.outcome = "killed (stop failed)"
-        except Exception as e2:
-            rep.errors.append(f"kill failed: {e2}")
+    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_mem_available, emit)
     rep.durations_s["stop"] = time.monotonic() - t1
-    try:
-        st = await asyncio.to_thread(docker.state, cid)
-        if st.running:  # still running after stop: kill (step 4)
-            await asyncio.to_thread(docker.kill, cid)
-            st = await asyncio.to_thread(docker.state, cid)
-            rep.outcome = "killed (still running after stop)"
-        rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
-    except Exception as e:
-        rep.errors.append(f"inspect failed: {e}")
     t2 = time.monotonic()
     if cleanup_shm is not None:
-        try:
-            res = await asyncio.to_thread(cleanup_shm, target.started_at)
-            rep.shm_removed = [n for n, _b in res.removed]
-            rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]
-            if res.removed or res.kept:
-                emit(
-                    "shm_cleanup",
-                    shm.format_result(res),
-                    details={"removed": rep.shm_removed, "kept": rep.shm_kept[:50]},
-                )
-        except Exception as e:
-            rep.errors.append(f"/dev/shm cleanup failed: {e}")
+        await _cleanup_shm(target, rep, cleanup_shm, emit)
     rep.durations_s["shm_cleanup"] = time.monotonic() - t2
     rep.durations_s["total"] = time.monotonic() - t0
     killed = rep.exit_code == 137 or rep.hard_floor_kill or "kill" in (rep.outcome or "")
