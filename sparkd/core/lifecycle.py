@@ -13,7 +13,7 @@ States (the values are what status, events, the API, the exporter and templates 
 * ``stopped``: stopped by sparkd (a rule, the hard floor or an operator);
 * ``exited``: ended on its own (exit code recorded);
 * ``failed``: a launch that did not reach ready;
-* ``unknown``: the Docker engine does not answer (shown by status; the last state is kept).
+* ``unknown``: the Docker engine does not answer (status shows it; the supervisor keeps the last state).
 
 Each observation falls into one ``ObsClass`` (``classify``); the transition is a function of
 (state, class), with the observation only filling in messages. ``python -m sparkd.core.lifecycle

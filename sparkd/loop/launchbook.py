@@ -19,6 +19,7 @@ from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import launch_spec, plan_for
+from sparkd.loop.status import diff_figures
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, read_vllm_metrics
@@ -110,7 +111,7 @@ class LaunchBook:
     async def _save_revision(self, budget: BudgetSettings, *, who: str, reason: str) -> int:
         assert self.daemon is not None and self.daemon.store is not None
         data = {**budget.model_dump(), "_config_base": self.settings.budget.model_dump()}
-        diff = {k: [getattr(self.budget, k), v] for k, v in budget.model_dump().items() if getattr(self.budget, k) != v}
+        diff = {k: c.model_dump() for k, c in diff_figures(self.budget.model_dump(), budget.model_dump()).items()}
         self.revision = await asyncio.to_thread(
             self.daemon.store.add_revision, who=who, reason=reason, data=data, diff=diff or None
         )
@@ -120,7 +121,7 @@ class LaunchBook:
         d = self.daemon
         assert d is not None
         s = self.settings.model_copy(update={"budget": self.budget})
-        plan = plan_for(s, self._mem_total())
+        plan = plan_for(s, self._mem_total(), base=self.settings.budget)
         spec = launch_spec(s, plan)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
@@ -132,6 +133,7 @@ class LaunchBook:
             proc_root=s.proc_root,
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            model_dir=s.container.model_dir,
         )
         if not pf.ok and not force:
             self._event(

@@ -46,8 +46,9 @@ from sparkd.core.lifecycle import (
 from sparkd.core.rules import Decision
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
-from sparkd.loop.launch import apply_resize, budget_inputs, plan_diff
+from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
 from sparkd.loop.runbook import RunBook
+from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, diff_figures
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_log import LaunchLogParser
 
@@ -97,7 +98,8 @@ class Supervisor(RunBook):
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
-        self.autostart_pending = self.mode == "managed" and settings.container.autostart
+        # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
+        self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
         self.parser: LaunchLogParser | None = None
@@ -162,40 +164,46 @@ class Supervisor(RunBook):
     def fast_reason(self) -> str | None:
         return f"container {self.name} starting" if self.state is S.STARTING else None
 
-    def status_json(self) -> dict[str, Any]:
+    def status_json(self) -> ContainerStatus:
+        """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
+
+        While the Docker engine does not answer, ``state`` is ``unknown`` and ``engine`` is ``down``.
+        """
         now = time.time()
-        return {
-            "mode": self.mode,
-            "name": self.name,
-            "engine": {None: "unknown", True: "up", False: "down"}[self.engine_up],
-            "engine_error": self.engine_error,
-            "state": self.state.value if self.engine_up is not False else "unknown (engine down)",
-            "state_since": self.state_since,
-            "state_reason": self.state_reason,
-            "health": self.health,
-            "action": self.action,
-            "container_id": self.container_id,
-            "image": self.image,
-            "launch_id": self.launch_id,
-            "started_at": self.container_started_at,
-            "uptime_s": (now - self.container_started_at)
-            if self.container_started_at and self.state in RUNNING_STATES
+        state = self.state if self.engine_up is not False else ContainerState.UNKNOWN
+        plan = PlanFigures.model_validate(self.plan_json) if self.plan_json else None
+        return ContainerStatus(
+            mode="managed" if self.mode == "managed" else "guard",
+            name=self.name,
+            engine={None: "unknown", True: "up", False: "down"}[self.engine_up],  # type: ignore[arg-type]
+            engine_error=self.engine_error,
+            state=state,
+            state_since=self.state_since,
+            state_reason=self.state_reason,
+            health=self.health,
+            action=self.action,
+            container_id=self.container_id,
+            image=self.image,
+            launch_id=self.launch_id,
+            started_at=self.container_started_at,
+            uptime_s=(now - self.container_started_at)
+            if self.container_started_at and state in RUNNING_STATES
             else None,
-            "ready_at": self.ready_at,
-            "trough_bytes": self.trough_bytes,
-            "revision": self.revision,
-            "plan": self.plan_json,
-            "gmu": (self.plan_json or {}).get("gmu"),
-            "memory_bytes": self.mem_limit_bytes,
-            "stay_stopped": self.stay_stopped,
-            "restarts_in_window": self._restarts_in_window(),
-            "restart_count": self.restart_count,
-            "restart_policy": self.restart_policy,
-            "docker_restarts_seen": self.docker_restarts_seen,
-            "busy": self.lock.locked(),
-            "stops_total": self.stops_total,
-            "kills_total": self.kills_total,
-        }
+            ready_at=self.ready_at,
+            trough_bytes=self.trough_bytes,
+            revision=self.revision,
+            plan=plan,
+            gmu=plan.gmu if plan else None,
+            memory_bytes=self.mem_limit_bytes,
+            stay_stopped=self.stay_stopped,
+            restarts_in_window=self._restarts_in_window(),
+            restart_count=self.restart_count,
+            restart_policy=self.restart_policy,
+            docker_restarts_seen=self.docker_restarts_seen,
+            busy=self.lock.locked(),
+            stops_total=self.stops_total,
+            kills_total=self.kills_total,
+        )
 
     # ------------------------------------------------------------------ control
     async def request(
@@ -236,22 +244,29 @@ class Supervisor(RunBook):
             finally:
                 self.action = None
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         """Dry run: the new plan and the differences, nothing changed. Apply: new revision,
-        drain, graceful stop, launch; roll back to the previous revision if the launch fails."""
+        drain, graceful stop, launch; roll back to the previous revision if the launch fails.
+
+        Raises:
+            Refused: not a managed container. InvalidInput: a change out of range.
+            Conflict: another action is running.
+        """
         if self.mode != "managed":
             raise Refused("resize needs a container sparkd launches (container.image)")
         new_budget = apply_resize(self.budget, changes)
+        mem_total = self._mem_total()
         from sparkd.core.budget import make_plan
 
-        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, self._mem_total())).to_json()
-        out: dict[str, Any] = {
-            "plan": new_plan,
-            "previous": self.plan_json,
-            "diff": plan_diff(self.plan_json, new_plan),
-            "applied": False,
-            "dry_run": dry_run,
-        }
+        sources = setting_sources(new_budget, base=self.settings.budget)
+        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)).to_json()
+        out = ResizeResult(
+            plan=PlanFigures.model_validate(new_plan),
+            previous=PlanFigures.model_validate(self.plan_json) if self.plan_json else None,
+            diff=diff_figures(self.plan_json, new_plan),
+            applied=False,
+            dry_run=dry_run,
+        )
         if dry_run:
             return out
         if self.lock.locked():
@@ -264,11 +279,12 @@ class Supervisor(RunBook):
                 self.action = None
 
     async def _apply_resize(
-        self, new_budget: BudgetSettings, changes: dict[str, Any], source: str, out: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, new_budget: BudgetSettings, changes: dict[str, Any], source: str, out: ResizeResult
+    ) -> ResizeResult:
         old_budget, old_rev = self.budget, self.revision
         rev = await self._save_revision(new_budget, who=source, reason=f"resize {changes}")
-        self._event("resize", f"resize to revision {rev} by {source}: {out['diff']}", details=out)
+        diff_text = {k: [c.old, c.new] for k, c in out.diff.items()}
+        self._event("resize", f"resize to revision {rev} by {source}: {diff_text}", details=out.model_dump(mode="json"))
         await self._drain()
         if self.container_id and self.state in ACTIVE_STATES:
             await self._stop(f"resize to revision {rev}", source, archive_first=False)
@@ -287,10 +303,10 @@ class Supervisor(RunBook):
             self.budget = old_budget
             await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
             ok2, why2 = await self._launch_and_wait("rollback")
-            out.update(applied=False, rolled_back=True, error=why, rollback_ok=ok2, rollback_error=why2)
-            return out
-        out.update(applied=True, revision=rev, launch_id=self.launch_id)
-        return out
+            return out.model_copy(
+                update={"rolled_back": True, "error": why, "rollback_ok": ok2, "rollback_error": why2}
+            )
+        return out.model_copy(update={"applied": True, "revision": rev, "launch_id": self.launch_id})
 
     # ------------------------------------------------------------------ lifecycle
     def _event(self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
