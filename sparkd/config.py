@@ -150,6 +150,8 @@ class ContainerSettings(BaseModel):
     selector: dict[str, str] = Field(default_factory=dict)
     gpu: Literal["auto", "on", "off"] = "auto"
     memory: str | None = None  # used when no budget is configured
+    init: bool = True  # docker run --init
+    oom_score_adj: int = Field(default=500, ge=1, le=1000)  # docker run --oom-score-adj (positive: goes first)
     stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
     shutdown_timeout_s: float = Field(default=25.0, ge=0, le=600)
     hard_floor: str = "3GiB"
@@ -163,6 +165,13 @@ class ContainerSettings(BaseModel):
     autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
     drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
+
+    @field_validator("oom_score_adj", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"{v!r} is not an integer 1..1000")
+        return v
 
     @field_validator("memory", "hard_floor")
     @classmethod
@@ -499,6 +508,11 @@ FIELD_DOCS: dict[str, str] = {
     "by default; set this to run several).",
     "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
     "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
+    "container.init": "docker run --init: Docker's init as PID 1 reaps zombies and forwards signals (field: a "
+    "zombie PID 1 made stop and kill time out).",
+    "container.oom_score_adj": "docker run --oom-score-adj, 1..1000: the kernel OOM killer takes the serving "
+    "container before sshd or sparkd (field: a homelab lost sshd first). At 500 a process at 0 needs over half "
+    "of memory to go first.",
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
     "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",

@@ -28,8 +28,14 @@ def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: f
     def emit(kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
         events.append((kind, severity, message))
 
-    def cleanup(started_at: float | None) -> shm.CleanupResult:
+    before: list[str] = []
+
+    async def before_stop(rep: StopReport) -> None:
+        before.append(mgr.state(target.container_id).status)  # still running when it is called
+
+    def cleanup(started_at: float | None, stopped_at: float) -> shm.CleanupResult:
         started.append(started_at)
+        assert stopped_at >= (started_at or 0)
         return shm.CleanupResult()
 
     async def postmortem(rep: StopReport) -> str | None:
@@ -46,10 +52,13 @@ def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: f
             read_mem_available=lambda: avail[0],
             emit=emit,
             postmortem=postmortem,
+            before_stop=before_stop,
             cleanup_shm=cleanup,
         )
     )
     assert started == [target.started_at]  # the /dev/shm age test gets this run's start time
+    assert before == ["running"]
+    assert rep.stopped_at is not None and rep.stopped_at >= (target.started_at or 0)  # Docker's FinishedAt
     return rep, events
 
 

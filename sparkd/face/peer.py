@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sparkd.errors import Forbidden, Refused
+from sparkd.errors import Forbidden
 from sparkd.face.api import Who
 
 if TYPE_CHECKING:
@@ -70,7 +69,6 @@ class PeerOnlyMiddleware:
 def install_peer(app: FastAPI, daemon: DaemonView, cluster: Cluster) -> None:
     """Register the peer routes and the link-network middleware (called by ``create_app``)."""
     app.add_middleware(PeerOnlyMiddleware, cluster=cluster)
-    tasks: set[asyncio.Task[Any]] = set()
 
     def _peer(request: Request) -> str:
         auth = request.headers.get("authorization", "")
@@ -89,63 +87,18 @@ def install_peer(app: FastAPI, daemon: DaemonView, cluster: Cluster) -> None:
     @app.post("/api/peer/stop", tags=["cluster"], status_code=202)
     async def peer_stop(req: PeerStop, request: Request) -> dict[str, Any]:
         """A peer's trip: stop this node's container (intent peer_emergency). 202 at once."""
-        name = _peer(request)
-        reason = f"peer_emergency from {req.origin}: {req.rule}: {req.reason}"
-        daemon.event(
-            "peer_stop_requested",
-            f"peer {name} asks to stop: {req.rule}",
-            severity="critical",
-            details={"peer": name, "origin": req.origin, "rule": req.rule, "reason": req.reason},
-        )
-        fn = getattr(daemon.actions, "request", None)
-        if fn is None:
-            return {"accepted": False, "why": "monitor-only: no container configured"}
-
-        async def stop() -> None:
-            try:
-                await fn("stop", source=f"peer:{name}", reason=reason)
-            except Exception as exc:  # recorded, never raised into the event loop
-                daemon.event("peer_stop_not_executed", f"{reason}: {exc}", severity="warning")
-
-        task = asyncio.get_running_loop().create_task(stop(), name="sparkd-peer-stop-local")
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        return {"accepted": True, "node": cluster.settings.node}
+        return cluster.accept_stop(_peer(request), origin=req.origin, rule=req.rule, reason=req.reason)
 
     @app.post("/api/peer/start", tags=["cluster"])
     async def peer_start(request: Request) -> dict[str, Any]:
         """The head's coordinated launch asks this node (a worker) to launch now; answers once launched."""
-        name = _peer(request)
-        fn = getattr(daemon.actions, "request", None)
-        if fn is None:
-            raise Refused("monitor-only: no container configured")
-        daemon.event("peer_start_requested", f"peer {name} asks to launch (coordinated launch)")
-        result: dict[str, Any] = await fn("start", source=f"peer:{name}")
-        return result
+        return await cluster.accept_start(_peer(request))
 
     @app.post("/api/cluster/start", tags=["cluster"])
     async def cluster_start(who: Who) -> dict[str, Any]:
         """Coordinated launch from the head: every worker first (each runs its own preflight), then this
         node after ``cluster.worker_start_delay_s``; if a worker fails, this node is not launched."""
-        if cluster.settings.role != "head":
-            raise Refused(f"cluster.role is {cluster.settings.role!r}: a coordinated launch starts on the head")
-        fn = getattr(daemon.actions, "request", None)
-        if fn is None:
-            raise Refused("monitor-only: no container configured")
-        results = await cluster.start_peers()
-        failed = [r for r in results if not r.ok]
-        if failed:
-            why = "; ".join(f"{r.peer}: {r.error}" for r in failed)
-            daemon.event("cluster_launch_refused", f"coordinated launch stopped: {why}", severity="critical")
-            raise Refused(f"coordinated launch: a worker did not launch ({why}); this node was not launched")
-        daemon.event(
-            "cluster_workers_running",
-            f"workers running ({', '.join(r.peer for r in results)}); head launches in "
-            f"{cluster.settings.worker_start_delay_s:g} s",
-        )
-        await asyncio.sleep(cluster.settings.worker_start_delay_s)
-        local: dict[str, Any] = await fn("start", source=f"api:{who} (coordinated launch)")
-        return {"workers": [r.peer for r in results], "head": local}
+        return await cluster.coordinated_launch(f"api:{who}")
 
     @app.get("/api/cluster", tags=["cluster"])
     async def cluster_view() -> dict[str, Any]:

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from sparkd.config import ClusterSettings, PeerSettings
+from sparkd.errors import Refused
 
 log = logging.getLogger("sparkd.cluster")
 
@@ -76,6 +77,11 @@ class Cluster:
         }
         self.tasks: set[asyncio.Task[Any]] = set()
         self.last_status: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.actions: Any = None
+
+    def attach_actions(self, actions: Any) -> None:
+        """The local container's control interface (``request(action, source=, reason=)``)."""
+        self.actions = actions
 
     @property
     def enabled(self) -> bool:
@@ -84,6 +90,7 @@ class Cluster:
     def attach(self, daemon: Any) -> None:
         """Send events through ``daemon.event`` and broadcast on every stop the daemon decides."""
         self.emit = daemon.event
+        self.actions = daemon.actions
         daemon.stop_hooks.append(self.on_local_stop)
 
     # -- incoming -------------------------------------------------------------------------
@@ -180,6 +187,69 @@ class Cluster:
         timeout_s = max(self.settings.peer_timeout_s, 120.0)
         calls = (self._call(p, "POST", "/api/peer/start", timeout_s=timeout_s) for p in self.settings.peers)
         return list(await asyncio.gather(*calls))
+
+    def _request_fn(self) -> Any:
+        fn = getattr(self.actions, "request", None)
+        if fn is None:
+            raise Refused("monitor-only: no container configured")
+        return fn
+
+    def accept_stop(self, peer: str, *, origin: str, rule: str, reason: str) -> dict[str, Any]:
+        """A peer's trip: start the local stop in the background (intent ``peer_emergency``); answer at once."""
+        why = f"peer_emergency from {origin}: {rule}: {reason}"
+        self._emit(
+            "peer_stop_requested",
+            f"peer {peer} asks to stop: {rule}",
+            "critical",
+            {"peer": peer, "origin": origin, "rule": rule, "reason": reason},
+        )
+        fn = getattr(self.actions, "request", None)
+        if fn is None:
+            return {"accepted": False, "why": "monitor-only: no container configured"}
+
+        async def stop() -> None:
+            try:
+                await fn("stop", source=f"peer:{peer}", reason=why)
+            except Exception as exc:  # recorded, never raised into the event loop
+                self._emit("peer_stop_not_executed", f"{why}: {exc}", "warning", {"peer": peer})
+
+        task = asyncio.get_running_loop().create_task(stop(), name="sparkd-peer-stop-local")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return {"accepted": True, "node": self.settings.node}
+
+    async def accept_start(self, peer: str) -> dict[str, Any]:
+        """The head's coordinated launch: launch the local container now; return once launched."""
+        fn = self._request_fn()
+        self._emit("peer_start_requested", f"peer {peer} asks to launch (coordinated launch)", "info", {"peer": peer})
+        result: dict[str, Any] = await fn("start", source=f"peer:{peer}")
+        return result
+
+    async def coordinated_launch(self, source: str) -> dict[str, Any]:
+        """Head only: every peer launches first; then this node after ``worker_start_delay_s``.
+
+        Raises Refused when this node is not the head, is monitor-only, or a worker did not launch
+        (then this node is not launched either).
+        """
+        if self.settings.role != "head":
+            raise Refused(f"cluster.role is {self.settings.role!r}: a coordinated launch starts on the head")
+        fn = self._request_fn()
+        results = await self.start_peers()
+        failed = [r for r in results if not r.ok]
+        if failed:
+            why = "; ".join(f"{r.peer}: {r.error}" for r in failed)
+            self._emit("cluster_launch_refused", f"coordinated launch stopped: {why}", "critical", {"failed": why})
+            raise Refused(f"coordinated launch: a worker did not launch ({why}); this node was not launched")
+        self._emit(
+            "cluster_workers_running",
+            f"workers running ({', '.join(r.peer for r in results)}); head launches in "
+            f"{self.settings.worker_start_delay_s:g} s",
+            "info",
+            {"workers": [r.peer for r in results]},
+        )
+        await asyncio.sleep(self.settings.worker_start_delay_s)
+        local: dict[str, Any] = await fn("start", source=f"{source} (coordinated launch)")
+        return {"workers": [r.peer for r in results], "head": local}
 
     async def peer_statuses(self) -> list[dict[str, Any]]:
         """Each peer's ``/api/status`` (or why not, with the age of the last one seen)."""

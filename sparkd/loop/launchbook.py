@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 log = logging.getLogger("sparkd.loop.supervisor")
+# After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
+# field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
+START_FAILED_CAUSE_WAIT_S = 5.0
 
 
 class LaunchBook:
@@ -246,13 +249,31 @@ class LaunchBook:
     def _launch_figures(self) -> None:
         if self.parser is None:
             return
-        actual = self.parser.record.to_json()
+        rec = self.parser.record
+        actual = rec.to_json()
         self._save_launch(actual_figures=actual)
-        if actual.get("state") == "failed" and "failed" not in self._figures_saved:
-            self._figures_saved.add("failed")
-            self._event(
-                "vllm_start_failed", f"vLLM refused to start: {actual.get('error') or actual}", severity="critical"
-            )
+        for key, text in rec.warnings().items():  # e.g. a negative CUDA graph estimate
+            if key not in self._figures_saved:
+                self._figures_saved.add(key)
+                self._event("vllm_start_warning", text, severity="warning", details={"warning": key})
+        if rec.failed and rec.failure_kind is None and "failed_wait" not in self._figures_saved:
+            # vLLM prints its generic line first and the root cause after it: wait for the cause
+            self._figures_saved.add("failed_wait")
+            asyncio.get_running_loop().call_later(START_FAILED_CAUSE_WAIT_S, self._start_failed_event)
+        elif rec.failed and rec.failure_kind is not None:
+            self._start_failed_event()
+
+    def _start_failed_event(self) -> None:
+        if self.parser is None or "failed" in self._figures_saved:
+            return
+        self._figures_saved.add("failed")
+        rec = self.parser.record
+        self._event(
+            "vllm_start_failed",
+            rec.failure_summary() or "vLLM failed to start",
+            severity="critical",
+            details={k: v for k, v in rec.to_json().items() if k.startswith("failure_") or k == "phase"},
+        )
 
     def _save_launch(self, *, actual_figures: dict[str, Any] | None = None, **cols: Any) -> None:
         d = self.daemon

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from sparkd.act import shm
-from sparkd.act.stop import StopReport, StopTarget, run_stop, write_postmortem
+from sparkd.act.stop import StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.errors import SparkdError
 from sparkd.loop.launchbook import LaunchBook
@@ -31,6 +31,7 @@ class RunBook(LaunchBook):
     seen_restart_count: int | None
     _last_nvml_check: float
     _bg: asyncio.Task[Any] | None
+    shm_witness: shm.ShmWitness | None
 
     stops_total: int
     kills_total: int
@@ -232,12 +233,22 @@ class RunBook(LaunchBook):
         s, cid = self.settings, self.container_id
         reader = procfs.ProcReader(s.proc_root)
 
-        def cleanup_shm(started_at: float | None) -> shm.CleanupResult:
+        witness: list[shm.ShmWitness] = []
+
+        async def before_stop(rep: StopReport) -> None:
+            w = await witness_before_stop(
+                self.shm_witness, self.manager, cid, shm_dir=s.shm_dir, proc_root=s.proc_root, rep=rep
+            )
+            witness.append(w)
+
+        def cleanup_shm(started_at: float | None, stopped_at: float) -> shm.CleanupResult:
             return shm.cleanup(
                 container_started_at=started_at,
                 shm_dir=s.shm_dir,
                 proc_root=s.proc_root,
                 ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+                witness=witness[0] if witness else None,
+                container_stopped_at=stopped_at,
             )
 
         async def postmortem(rep: StopReport) -> str | None:
@@ -254,6 +265,7 @@ class RunBook(LaunchBook):
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,
                 postmortem=postmortem if archive_first else None,
+                before_stop=before_stop,
                 cleanup_shm=cleanup_shm,
             )
         finally:

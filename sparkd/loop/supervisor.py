@@ -31,6 +31,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.shm import ShmWitness
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -61,6 +62,9 @@ log = logging.getLogger("sparkd.loop.supervisor")
 S = ContainerState
 #: the longest pause between two reconciliations with Docker (a start by hand is seen within it)
 RECONCILE_MAX_S = 1.0
+# How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
+# the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
+SHM_WITNESS_INTERVAL_S = 30.0
 
 
 def make_actions(settings: Settings) -> Actions:
@@ -111,6 +115,8 @@ class Supervisor(RunBook):
         self._last_nvml_check = 0.0
         self._last_probe = 0.0
         self._figures_saved: set[str] = set()
+        self.shm_witness: ShmWitness | None = None
+        self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None
         self.stops_total = 0
         self.kills_total = 0
@@ -432,6 +438,8 @@ class Supervisor(RunBook):
             restart_policy=st.restart_policy,
         )
         same_run = st.running and not st.restarting and st.started_at == self.seen_started_at
+        if st.running and not st.restarting:
+            await self._observe_shm(st.pid)
         due = time.monotonic() - self._last_probe >= self.settings.container.health_interval_s
         if probe and same_run and due and self.state not in (S.STOPPING, S.FAILED):
             self._last_probe = time.monotonic()
@@ -444,6 +452,17 @@ class Supervisor(RunBook):
                 why = f"not ready within {c.startup_timeout_s:g} s ({why})"
             obs = replace(obs, probe=result, detail=why or detail, startup_expired=expired)
         return obs
+
+    async def _observe_shm(self, pid: int | None) -> None:
+        """Every SHM_WITNESS_INTERVAL_S, what the running container's processes (``pid``: its PID 1 on the
+        host) map or hold open in /dev/shm: the evidence of the cleanup after a stop (act/shm.ShmWitness)."""
+        cid = self.container_id
+        if not cid or time.monotonic() - self._last_shm_observe < SHM_WITNESS_INTERVAL_S:
+            return
+        self._last_shm_observe = time.monotonic()
+        if self.shm_witness is None or self.shm_witness.container_id != cid:
+            self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
+        await asyncio.to_thread(self.shm_witness.observe, pid)
 
     async def apply(self, step: Step, obs: Observation) -> None:
         """Execute one transition: adopt first (a new run), then the state change, then the rest."""
