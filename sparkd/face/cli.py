@@ -155,7 +155,10 @@ def _echo_snapshot(st: Status) -> None:
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
-    click.echo(f"container: {what} {('— ' + c.reason) if c.reason else ''}")
+    line = f"container: {what} {('— ' + c.reason) if c.reason else ''}"
+    if c.restart_count:
+        line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
+    click.echo(line)
 
 
 @main.command()

@@ -259,7 +259,7 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
-        if kind in ("launched", "adopted"):
+        if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())
