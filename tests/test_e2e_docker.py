@@ -306,7 +306,12 @@ def test_a_stopped_model_stays_stopped_across_restarts_of_sparkd(sparkd_factory:
     assert "ended 'stopped'" in ev["message"] and "sparkd start" in ev["message"]
     time.sleep(2.0)
     assert len(s.events("launched")) == 1
-    assert s.container()["stay_stopped"] is True
+    after = s.container()
+    assert after["stay_stopped"] is True
+    # says what it is: the stopped container, not "none"
+    assert after["state"] == "stopped", after
+    assert after["name"] == c["name"] and after["image"] == c["image"]
+    assert "sparkd start" in (after["state_reason"] or "")
     assert s.api("POST", "/api/container/start").status_code == 200
     c2 = s.wait_state("ready", 60)
     assert c2["container_id"] != c["container_id"]
