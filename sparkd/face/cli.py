@@ -155,7 +155,18 @@ def _echo_snapshot(st: Status) -> None:
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
-    line = f"container: {what} {('— ' + c.reason) if c.reason else ''}"
+    line = f"container: {what}"
+    if c.name:
+        line += f" {c.name}" + (f" ({c.container_id[:12]})" if c.container_id else "")
+    if c.image:
+        line += f", image {c.image}"
+    if c.uptime_s is not None:
+        line += f", up {_span(c.uptime_s)}"
+    if c.memory_bytes:
+        line += f", --memory {fmt_gib(c.memory_bytes)}"
+    why = c.reason or c.state_reason
+    if why:
+        line += f" — {why}"
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
@@ -203,8 +214,9 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
+    age = _age(data["snapshot_age_s"])
     click.echo(
-        f"sparkd {'running' if running else 'NOT running (last snapshot ' + _age(data['snapshot_age_s']) + ')'}"
+        f"sparkd {'running (status of ' + age + ')' if running else 'NOT running (last snapshot ' + age + ')'}"
         f" — db {settings.db_file}"
     )
     if latest:
@@ -240,6 +252,15 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
 
 def _age(s: float | None) -> str:
     return "never" if s is None else f"{s:.0f} s ago"
+
+
+def _span(s: float) -> str:
+    """A duration for people: ``42 s``, ``17 min``, ``5.2 h``, ``3.1 d``."""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
 
 
 @main.command()
