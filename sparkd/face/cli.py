@@ -677,15 +677,15 @@ def plan(
         out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(
-            render_plan_table(
-                p,
-                image=settings.container.image or "vllm/vllm-openai:latest",
-                gpus=settings.container.gpu != "off",
-                init=settings.container.init,
-                oom_score_adj=settings.container.oom_score_adj,
-            )
+        from sparkd.loop.launch import launch_spec
+
+        spec = launch_spec(
+            settings.model_copy(
+                update={"container": c.model_copy(update={"image": c.image or "vllm/vllm-openai:latest"})}
+            ),
+            p,
         )
+        click.echo(render_plan_table(p, command=spec.docker_run_command()))
         if check is not None:
             click.echo(check.describe())
 
