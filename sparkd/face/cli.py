@@ -724,7 +724,8 @@ def _cluster_status(settings: Any, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
 def vllm_log(file: Any, as_json: bool) -> None:
     """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
-    into the launch record: state, phase reached, figures, root cause and warnings."""
+    into the launch record: state, phase reached, figures, root cause and warnings.
+    Exit status: 0 ready or still starting, 1 failed (or an empty log)."""
     from sparkd.sense.vllm_log import LaunchLogParser
 
     parser = LaunchLogParser()
@@ -733,7 +734,7 @@ def vllm_log(file: Any, as_json: bool) -> None:
     rec = parser.record
     if as_json:
         click.echo(json.dumps(rec.to_json(), indent=2))
-        return
+        sys.exit(1 if rec.failed else 0)
     if rec.lines_seen == 0:
         click.echo("sparkd: the log is empty", err=True)
         sys.exit(1)
@@ -753,7 +754,14 @@ def vllm_log(file: Any, as_json: bool) -> None:
         out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
     for text in rec.warnings().values():
         out.append(f"WARNING: {text}")
+    if rec.phase == "starting" and not rec.failed:
+        out.append(
+            f"NOTE: none of the {rec.lines_seen} lines is a vLLM start-up line sparkd knows "
+            "(is this vLLM's output? `docker logs` writes it to stderr: add 2>&1)"
+        )
     click.echo("\n".join(out))
+    if rec.failed:
+        sys.exit(1)  # a failed launch: scripts can branch on it (the report above says why)
 
 
 def _f(v: Any) -> str:
