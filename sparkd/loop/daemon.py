@@ -265,7 +265,7 @@ class Daemon:
             took = ((details or {}).get("durations_s") or {}).get("stop")
             if isinstance(took, int | float):
                 self.guard.engine.note_stop_duration(float(took))  # the predictive horizon learns it
-        if kind in ("launched", "adopted"):
+        if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())

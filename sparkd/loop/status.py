@@ -145,7 +145,10 @@ class ContainerStatus(_Model):
     gmu: float | None = None
     memory_bytes: int | None = None  # docker --memory (= --memory-swap)
     stay_stopped: bool = False
-    restarts_in_window: int = 0
+    restarts_in_window: int = 0  # sparkd's auto-restarts and Docker's restarts seen, in container.restart_window_s
+    restart_count: int = 0  # Docker's RestartCount as last inspected (its restart policy's restarts)
+    restart_policy: str | None = None  # Docker's HostConfig.RestartPolicy.Name
+    docker_restarts_seen: int = 0  # Docker restarts sparkd has counted since it began watching this container
     busy: bool = False
     stops_total: int = 0
     kills_total: int = 0
