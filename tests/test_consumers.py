@@ -68,7 +68,10 @@ def test_it_refuses_a_top_of_zero() -> None:
         summarize([], at=0, top_n=0)
 
 
-HOG = "import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); print('ok', flush=True); time.sleep(60)"
+HOG = (
+    "import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); "
+    "print('ok', flush=True); time.sleep(60)"
+)
 
 
 def test_a_real_scan_finds_a_real_host_process_holding_512_mib(tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def summarize(procs: Sequence[ProcessMem], *, at: float, top_n: int = 10, cpu_s:
     """
     if top_n < 1:
         raise ValueError(f"top_n = {top_n}: must be at least 1")
-    totals = dict.fromkeys(GROUPS, 0)
+    totals: dict[str, int] = dict.fromkeys(GROUPS, 0)
     names: dict[tuple[str, Group], list[int]] = {}
     for p in procs:
         totals[p.group] += p.rss_bytes
