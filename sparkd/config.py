@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.errors import ConfigError
 from sparkd.hostport import parse_host
@@ -42,8 +43,8 @@ class RuleConfig(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     samples: int = Field(default=5, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
-    action: Literal["stop", "warn"] = "stop"
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction = "stop"
+    kind: RuleKind = "threshold"
     floor: str | None = None
     within_s: float = Field(default=3.0, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
@@ -186,8 +187,9 @@ class BudgetSettings(BaseModel):
     kv_target_gib: float = Field(default=20.0, ge=0)
     host_reserve_gib: float = Field(default=28.0, ge=0)
     max_model_len: int = Field(default=262144, ge=1)
-    kv_bytes_per_token: int = Field(default=29482, ge=1)
-    kv_cache_dtype: str = "fp8"
+    kv_bytes_per_token: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: KvCacheDtype = "fp8"
+    kv_fp8_mult: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int = Field(default=4, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     gmu_override: float | None = Field(default=None, gt=0, le=1)
@@ -475,8 +477,11 @@ FIELD_DOCS: dict[str, str] = {
     "budget.kv_target_gib": "KV cache wanted (notes: 20).",
     "budget.host_reserve_gib": "Left to the host (notes: 26 had to become 28).",
     "budget.max_model_len": "vLLM --max-model-len.",
-    "budget.kv_bytes_per_token": "KV bytes per token at BF16 (notes: 29482).",
-    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype (fp8: KV_MULT 0.58; bf16/auto: 1.0).",
+    "budget.kv_bytes_per_token": "16-bit KV bytes per token; default: from the checkpoint's config.json "
+    "(MHA/GQA, MLA, sliding-window, hybrid linear attention), refused if not recognised (notes' model: 29482).",
+    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype: auto, bf16, fp16 (KV_MULT 1.0) or fp8, fp8_e4m3, fp8_e5m2.",
+    "budget.kv_fp8_mult": "KV_MULT for an fp8 KV cache; default 0.5 (whole KV in fp8), 0.58 for the notes' "
+    "29482 B/token model whose side caches stay BF16.",
     "budget.max_num_seqs": "vLLM --max-num-seqs.",
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.stop import run_stop
 from sparkd.config import BudgetSettings, Settings
+from sparkd.core.lifecycle import RUNNING_STATES, ContainerState
 from sparkd.core.rules import Decision
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
-from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_diff, plan_for
+from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_for, setting_sources
+from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, diff_figures
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -156,37 +158,43 @@ class Supervisor:
     def fast_reason(self) -> str | None:
         return f"container {self.name} starting" if self.state == "starting" else None
 
-    def status_json(self) -> dict[str, Any]:
+    def status_json(self) -> ContainerStatus:
+        """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
+
+        While the Docker engine does not answer, ``state`` is ``unknown`` and ``engine`` is ``down``.
+        """
         now = time.time()
-        return {
-            "mode": self.mode,
-            "name": self.name,
-            "engine": {None: "unknown", True: "up", False: "down"}[self.engine_up],
-            "engine_error": self.engine_error,
-            "state": self.state if self.engine_up is not False else "unknown (engine down)",
-            "state_since": self.state_since,
-            "state_reason": self.state_reason,
-            "health": self.health,
-            "action": self.action,
-            "container_id": self.container_id,
-            "image": self.image,
-            "launch_id": self.launch_id,
-            "started_at": self.container_started_at,
-            "uptime_s": (now - self.container_started_at)
-            if self.container_started_at and self.state in ("starting", "ready", "unhealthy")
+        state = ContainerState(self.state) if self.engine_up is not False else ContainerState.UNKNOWN
+        plan = PlanFigures.model_validate(self.plan_json) if self.plan_json else None
+        return ContainerStatus(
+            mode="managed" if self.mode == "managed" else "guard",
+            name=self.name,
+            engine={None: "unknown", True: "up", False: "down"}[self.engine_up],  # type: ignore[arg-type]
+            engine_error=self.engine_error,
+            state=state,
+            state_since=self.state_since,
+            state_reason=self.state_reason,
+            health=self.health,
+            action=self.action,
+            container_id=self.container_id,
+            image=self.image,
+            launch_id=self.launch_id,
+            started_at=self.container_started_at,
+            uptime_s=(now - self.container_started_at)
+            if self.container_started_at and state in RUNNING_STATES
             else None,
-            "ready_at": self.ready_at,
-            "trough_bytes": self.trough_bytes,
-            "revision": self.revision,
-            "plan": self.plan_json,
-            "gmu": (self.plan_json or {}).get("gmu"),
-            "memory_bytes": self.mem_limit_bytes,
-            "stay_stopped": self.stay_stopped,
-            "restarts_in_window": self._restarts_in_window(),
-            "busy": self.lock.locked(),
-            "stops_total": self.stops_total,
-            "kills_total": self.kills_total,
-        }
+            ready_at=self.ready_at,
+            trough_bytes=self.trough_bytes,
+            revision=self.revision,
+            plan=plan,
+            gmu=plan.gmu if plan else None,
+            memory_bytes=self.mem_limit_bytes,
+            stay_stopped=self.stay_stopped,
+            restarts_in_window=self._restarts_in_window(),
+            busy=self.lock.locked(),
+            stops_total=self.stops_total,
+            kills_total=self.kills_total,
+        )
 
     # ------------------------------------------------------------------ control
     async def request(
@@ -222,23 +230,29 @@ class Supervisor:
             finally:
                 self.action = None
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         """Dry run: the new plan and the differences, nothing changed. Apply: new revision,
-        drain, graceful stop, launch; roll back to the previous revision if the launch fails."""
+        drain, graceful stop, launch; roll back to the previous revision if the launch fails.
+
+        Raises:
+            Refused: not a managed container. InvalidInput: a change out of range.
+            Conflict: another action is running.
+        """
         if self.mode != "managed":
             raise Refused("resize needs a container sparkd launches (container.image)")
         new_budget = apply_resize(self.budget, changes)
         mem_total = self._mem_total()
         from sparkd.core.budget import make_plan
 
-        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total)).to_json()
-        out: dict[str, Any] = {
-            "plan": new_plan,
-            "previous": self.plan_json,
-            "diff": plan_diff(self.plan_json, new_plan),
-            "applied": False,
-            "dry_run": dry_run,
-        }
+        sources = setting_sources(new_budget, base=self.settings.budget)
+        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)).to_json()
+        out = ResizeResult(
+            plan=PlanFigures.model_validate(new_plan),
+            previous=PlanFigures.model_validate(self.plan_json) if self.plan_json else None,
+            diff=diff_figures(self.plan_json, new_plan),
+            applied=False,
+            dry_run=dry_run,
+        )
         if dry_run:
             return out
         if self.lock.locked():
@@ -248,7 +262,10 @@ class Supervisor:
             try:
                 old_budget, old_rev = self.budget, self.revision
                 rev = await self._save_revision(new_budget, who=source, reason=f"resize {changes}")
-                self._event("resize", f"resize to revision {rev} by {source}: {out['diff']}", details=out)
+                diff_text = {k: [c.old, c.new] for k, c in out.diff.items()}
+                self._event(
+                    "resize", f"resize to revision {rev} by {source}: {diff_text}", details=out.model_dump(mode="json")
+                )
                 await self._drain()
                 if self.container_id and self.state in ("starting", "ready", "unhealthy"):
                     await run_stop(self, f"resize to revision {rev}", source, archive_first=False)
@@ -267,10 +284,10 @@ class Supervisor:
                     self.budget = old_budget
                     await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
                     ok2, why2 = await self._launch_and_wait("rollback")
-                    out.update(applied=False, rolled_back=True, error=why, rollback_ok=ok2, rollback_error=why2)
-                    return out
-                out.update(applied=True, revision=rev, launch_id=self.launch_id)
-                return out
+                    return out.model_copy(
+                        update={"rolled_back": True, "error": why, "rollback_ok": ok2, "rollback_error": why2}
+                    )
+                return out.model_copy(update={"applied": True, "revision": rev, "launch_id": self.launch_id})
             finally:
                 self.action = None
 
@@ -317,7 +334,7 @@ class Supervisor:
     async def _save_revision(self, budget: BudgetSettings, *, who: str, reason: str) -> int:
         assert self.daemon is not None and self.daemon.store is not None
         data = {**budget.model_dump(), "_config_base": self.settings.budget.model_dump()}
-        diff = {k: [getattr(self.budget, k), v] for k, v in budget.model_dump().items() if getattr(self.budget, k) != v}
+        diff = {k: c.model_dump() for k, c in diff_figures(self.budget.model_dump(), budget.model_dump()).items()}
         self.revision = await asyncio.to_thread(
             self.daemon.store.add_revision, who=who, reason=reason, data=data, diff=diff or None
         )
@@ -558,7 +575,7 @@ class Supervisor:
         d = self.daemon
         assert d is not None
         s = self.settings.model_copy(update={"budget": self.budget})
-        plan = plan_for(s, self._mem_total())
+        plan = plan_for(s, self._mem_total(), base=self.settings.budget)
         spec = launch_spec(s, plan)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
@@ -570,6 +587,7 @@ class Supervisor:
             proc_root=s.proc_root,
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            model_dir=s.container.model_dir,
         )
         if not pf.ok and not force:
             self._event(
