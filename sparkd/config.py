@@ -150,6 +150,8 @@ class ContainerSettings(BaseModel):
     selector: dict[str, str] = Field(default_factory=dict)
     gpu: Literal["auto", "on", "off"] = "auto"
     memory: str | None = None  # used when no budget is configured
+    init: bool = True  # docker run --init
+    oom_score_adj: int = Field(default=500, ge=1, le=1000)  # docker run --oom-score-adj (positive: goes first)
     stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
     shutdown_timeout_s: float = Field(default=25.0, ge=0, le=600)
     hard_floor: str = "3GiB"
@@ -163,6 +165,13 @@ class ContainerSettings(BaseModel):
     autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
     drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
+
+    @field_validator("oom_score_adj", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"{v!r} is not an integer 1..1000")
+        return v
 
     @field_validator("memory", "hard_floor")
     @classmethod
@@ -234,6 +243,51 @@ class RetentionSettings(BaseModel):
         return parse_duration_s(v)
 
 
+class PeerSettings(BaseModel):
+    """Another sparkd of the same cluster (the other Spark of a linked pair)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str  # base URL on the link network, e.g. "http://192.168.100.2:8741"
+    token_file: str  # the pair's shared secret: sent to the peer, and required of calls from it
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+            raise ValueError(f'not a base URL: {v!r} (e.g. "http://192.168.100.2:8741")')
+        return v.rstrip("/")
+
+
+class ClusterSettings(BaseModel):
+    """Two (or more) Sparks serving one model: each node a full guard, stops coordinated."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    node: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    role: Literal["head", "worker"] = "head"
+    peers: list[PeerSettings] = Field(default_factory=list)
+    listen: list[str] = Field(default_factory=list)  # extra API addresses (the link network) for peer calls
+    peer_timeout_s: float = Field(default=3.0, gt=0, le=60)
+    tls_ca_file: str | None = None  # verify https peers against this CA (default: the system's)
+    worker_start_delay_s: float = Field(default=15.0, ge=0, le=600)
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSettings:
+        if self.peers and not self.node:
+            raise ValueError("cluster.node: a name for this node is required when cluster.peers is set")
+        names = [p.name for p in self.peers]
+        if self.node in names:
+            raise ValueError(f"cluster.peers: {self.node!r} is this node's own name")
+        if len(set(names)) != len(names):
+            raise ValueError("cluster.peers: peer names must be unique")
+        return self
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -284,6 +338,7 @@ class Settings(BaseSettings):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
@@ -453,6 +508,11 @@ FIELD_DOCS: dict[str, str] = {
     "by default; set this to run several).",
     "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
     "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
+    "container.init": "docker run --init: Docker's init as PID 1 reaps zombies and forwards signals (field: a "
+    "zombie PID 1 made stop and kill time out).",
+    "container.oom_score_adj": "docker run --oom-score-adj, 1..1000: the kernel OOM killer takes the serving "
+    "container before sshd or sparkd (field: a homelab lost sshd first). At 500 a process at 0 needs over half "
+    "of memory to go first.",
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
     "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
@@ -499,6 +559,13 @@ FIELD_DOCS: dict[str, str] = {
     "retention.archives_max_count": "Keep at most this many archives (oldest removed first, never the newest).",
     "retention.archives_max_bytes": "Keep archives within this total size.",
     "retention.interval_s": "Run retention this often.",
+    "cluster.node": "This node's name in a cluster of Sparks (required with peers).",
+    "cluster.role": "head (serves the model's API and rank 0; launches last) or worker (headless; launches first).",
+    "cluster.peers": "Other sparkd nodes: name, url (base URL on the link network), token_file (the pair's secret).",
+    "cluster.listen": "Extra addresses the API also listens on for peer calls (the link network); loopback stays.",
+    "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
+    "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
+    "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
 }
 
 

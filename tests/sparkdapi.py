@@ -54,6 +54,7 @@ class SparkdUnderTest:
         top: dict[str, Any] | None = None,
         budget: dict[str, Any] | None = None,
         rules: list[dict[str, Any]] | None = None,
+        extra_toml: str = "",
     ) -> None:
         self.tmp = tmp_path
         self.api_port = free_port()
@@ -87,7 +88,7 @@ class SparkdUnderTest:
         for r in rules or []:
             lines += ["[[rules]]"] + [f"{k} = {toml_value(v)}" for k, v in r.items()]
         self.config = tmp_path / "sparkd.toml"
-        self.config.write_text("\n".join(lines) + "\n")
+        self.config.write_text("\n".join(lines) + "\n" + extra_toml)
         self.db = tmp_path / "sparkd.db"
         self.proc: subprocess.Popen[str] | None = None
 

@@ -115,6 +115,31 @@ def test_the_printed_command_has_no_gpu_request_when_the_container_gets_none(tmp
     assert code == 0 and "--gpus all" in out
 
 
+def test_the_printed_command_has_the_launch_flags_from_the_field(tmp_path: Path) -> None:
+    code, out = _run(tmp_path, *WORKED)
+    assert code == 0, out
+    assert "--init" in out.split()
+    assert "--oom-score-adj 500" in out  # the default: the serving container before sshd and sparkd
+
+
+def test_the_printed_command_follows_the_configured_launch_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[container]\ninit = false\noom_score_adj = 900\n')
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", *WORKED])
+    assert r.exit_code == 0, r.output
+    assert "--init" not in r.output.split()
+    assert "--oom-score-adj 900" in r.output
+
+
+@pytest.mark.parametrize("value", ["0", "-500", "1001", "true"])
+def test_a_non_positive_oom_score_adj_is_refused_naming_the_field(tmp_path: Path, value: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[container]\noom_score_adj = {value}\n')
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", *WORKED])
+    assert r.exit_code == 2
+    assert "oom_score_adj" in r.output and value in r.output
+
+
 # --- plans for any model: KV from config.json, the fp8 multiplier, provenance (issue 19) ----------
 
 

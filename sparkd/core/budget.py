@@ -325,11 +325,15 @@ class Plan:
         ]
         return args + list(i.extra_vllm_args)
 
-    def docker_args(self, *, gpus: bool = True) -> list[str]:
-        """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix)."""
+    def docker_args(self, *, gpus: bool = True, init: bool = True, oom_score_adj: int | None = 500) -> list[str]:
+        """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix), ``--init`` and
+        ``--oom-score-adj`` (the launch flags from the field: settings ``container.init`` /
+        ``container.oom_score_adj``; ``None`` leaves Docker's 0)."""
         mem = f"{self.docker_memory_bytes // MiB}m"
         return [
             *(["--gpus", "all"] if gpus else []),
+            *(["--init"] if init else []),
+            *(["--oom-score-adj", str(oom_score_adj)] if oom_score_adj is not None else []),
             "--ipc",
             "host",
             "--network",
@@ -340,11 +344,19 @@ class Plan:
             mem,
         ]
 
-    def docker_run_command(self, image: str = "vllm/vllm-openai:latest", *, gpus: bool = True) -> str:
+    def docker_run_command(
+        self,
+        image: str = "vllm/vllm-openai:latest",
+        *,
+        gpus: bool = True,
+        init: bool = True,
+        oom_score_adj: int | None = 500,
+    ) -> str:
         """The ``docker run`` line a person would type, one flag pair per line."""
+        flags = self.docker_args(gpus=gpus, init=init, oom_score_adj=oom_score_adj)
         lines = [
             ["docker", "run", "-d"],
-            *_flag_groups(["--label", "sparkd.managed=true", *self.docker_args(gpus=gpus)]),
+            *_flag_groups(["--label", "sparkd.managed=true", *flags]),
             [image],
             *_flag_groups(self.vllm_args()),
         ]

@@ -13,7 +13,14 @@ from sparkd.units import MiB
 _SHORT = {"kv_cache_dtype": "dtype", "kv_mult": "KV_MULT", "mtp_enabled": "on/off", "max_num_seqs": "seqs"}
 
 
-def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest", gpus: bool = True) -> str:
+def render_plan_table(
+    plan: Plan,
+    *,
+    image: str = "vllm/vllm-openai:latest",
+    gpus: bool = True,
+    init: bool = True,
+    oom_score_adj: int | None = 500,
+) -> str:
     """A plain-text table to check by hand: inputs, intermediates, results, command line."""
     i = plan.inputs
 
@@ -95,5 +102,5 @@ def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest", gpu
         out.append("\nwarnings")
         out.extend(f"  - {w}" for w in others)
     out.append("\ncommand")
-    out.append(plan.docker_run_command(image, gpus=gpus))
+    out.append(plan.docker_run_command(image, gpus=gpus, init=init, oom_score_adj=oom_score_adj))
     return "\n".join(out) + "\n"

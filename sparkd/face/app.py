@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from sparkd import __version__
+from sparkd.face.alertmanager import install_alertmanager
 from sparkd.face.api import install_control_routes, install_read_routes, make_control, make_resize, require_auth
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
 from sparkd.face.replies import install_error_handlers
@@ -44,12 +45,18 @@ def create_app(daemon: DaemonView) -> FastAPI:
     app.state.auth = auth
     app.state.require_auth = require_auth
     install_error_handlers(app, html_page=error_page)
-    app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
+    # the link-network addresses of [cluster] are hosts of this API too (peer calls; face/peer.py)
+    app.add_middleware(GuardMiddleware, allowed_hosts=[*settings.api.allowed_hosts, *settings.cluster.listen])
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     control, resize = make_control(daemon), make_resize(daemon)
     app.state.control, app.state.resize = control, resize
     install_read_routes(app, daemon)
     install_control_routes(app, control, resize)
+    install_alertmanager(app, daemon)
+    if daemon.cluster is not None:
+        from sparkd.face.peer import install_peer
+
+        install_peer(app, daemon, daemon.cluster)
     install_web(app, daemon, auth)
     return app

@@ -106,9 +106,14 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.supervisor import make_actions
 
     setup_logging(settings.logs_path)
+    from sparkd.loop.cluster import Cluster
+
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
+    if settings.cluster.peers:
+        daemon.cluster = Cluster(settings.cluster)
+        daemon.cluster.attach(daemon)
     try:
         asyncio.run(daemon.serve())
     except SparkdError as e:
@@ -151,10 +156,14 @@ def _echo_snapshot(st: Status) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--cluster", "cluster", is_flag=True, help="Every node of the cluster side by side (asks the daemon).")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     """Latest sample, each rule's counter, container state and recent events."""
     settings = _settings(ctx)
+    if cluster:
+        _cluster_status(settings, as_json)
+        return
     store = _store(settings)
     st = _snapshot(store)
     latest = store.latest_sample()
@@ -326,6 +335,7 @@ def doctor(ctx: click.Context) -> None:
             proc_root=Path(settings.proc_root),
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
+            shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
         )
     )
     click.echo(doc.format_report(checks))
@@ -541,6 +551,10 @@ def launches(ctx: click.Context, as_json: bool, limit: int) -> None:
             f"KV {_f(act.get('kv_cache_available_gib'))} GiB = {act.get('kv_cache_tokens', '-')} tokens, concurrency "
             f"{_f(act.get('max_concurrency'))}x, graphs {_f(act.get('graph_capture_gib'))} GiB"
         )
+        if act.get("failure_summary"):
+            click.echo(f"    failed:   {act['failure_summary']}")
+        for text in (act.get("warnings") or {}).values():
+            click.echo(f"    warning:  {text}")
 
 
 _PLAN_OPTS = [
@@ -628,11 +642,81 @@ def plan(
     else:
         click.echo(
             render_plan_table(
-                p, image=settings.container.image or "vllm/vllm-openai:latest", gpus=settings.container.gpu != "off"
+                p,
+                image=settings.container.image or "vllm/vllm-openai:latest",
+                gpus=settings.container.gpu != "off",
+                init=settings.container.init,
+                oom_score_adj=settings.container.oom_score_adj,
             )
         )
         if check is not None:
             click.echo(check.describe())
+
+
+def _cluster_status(settings: Any, as_json: bool) -> None:
+    """``sparkd status --cluster``: this node and its peers, through the running daemon's ``/api/cluster``."""
+    import httpx
+
+    base = f"http://127.0.0.1:{settings.api.port}"
+    try:
+        local = httpx.get(base + "/api/status", timeout=5).json()
+        view = httpx.get(base + "/api/cluster", timeout=15)
+    except httpx.HTTPError as e:
+        raise SparkdError(f"the daemon's API at {base} does not answer ({e}); is `sparkd run` running?") from None
+    if view.status_code == 404:
+        raise SparkdError("no cluster: [cluster] has no peers in this node's configuration")
+    nodes = [{"node": view.json()["node"], "reachable": True, "age_s": 0.0, "status": local}, *view.json()["peers"]]
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2, default=str))
+        return
+    click.echo(f"{'node':<16} {'reachable':<10} {'MemAvailable':>13} {'container':<12} last stop")
+    for n in nodes:
+        st = n.get("status") or {}
+        sample = st.get("sample") or {}
+        cont = st.get("container") or {}
+        seen = "yes" if n["reachable"] else f"no ({_age(n.get('age_s'))} old)" if n.get("age_s") is not None else "no"
+        last = next((e for e in st.get("events", []) if e.get("kind") in ("stopped", "killed")), None)
+        click.echo(
+            f"{n['node']:<16} {seen:<10} {fmt_gib(sample.get('mem_available')):>13} "
+            f"{cont.get('state', 'n/a')!s:<12} {last['message'][:60] if last else '-'}"
+        )
+
+
+@main.command("vllm-log")
+@click.argument("file", type=click.File("rb"))
+@click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
+def vllm_log(file: Any, as_json: bool) -> None:
+    """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
+    into the launch record: state, phase reached, figures, root cause and warnings."""
+    from sparkd.sense.vllm_log import LaunchLogParser
+
+    parser = LaunchLogParser()
+    for raw in file:
+        parser.feed(raw)
+    rec = parser.record
+    if as_json:
+        click.echo(json.dumps(rec.to_json(), indent=2))
+        return
+    if rec.lines_seen == 0:
+        click.echo("sparkd: the log is empty", err=True)
+        sys.exit(1)
+    state = rec.state + (" (the log ends before 'Application startup complete')" if rec.state == "starting" else "")
+    out = [f"state:   {state}", f"phase:   {rec.phase} (last start-up step the log shows)"]
+    if rec.failed:
+        out.append(f"cause:   {rec.failure_summary()}")
+        if rec.failure_message:
+            out.append(f"root cause line: {rec.failure_message}")
+        if rec.failure_generic:
+            out.append(f"generic line (not the reason): {rec.failure_generic}")
+    skip = {"state", "phase", "failed", "failure_message", "failure_generic", "failure_summary", "warnings"}
+    figures = {k: v for k, v in rec.to_json().items() if k not in skip and v not in (None, False)}
+    if figures:
+        out.append("figures:")
+        width = max(len(k) for k in figures) + 2
+        out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
+    for text in rec.warnings().values():
+        out.append(f"WARNING: {text}")
+    click.echo("\n".join(out))
 
 
 def _f(v: Any) -> str:

@@ -175,6 +175,9 @@ class Daemon:
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
+        # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
+        self.stop_hooks: list[Callable[[Decision], None]] = []
+        self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
         self.event_notifier: Notifier | None = None
@@ -433,6 +436,7 @@ class Daemon:
         sock.listen(128)
         sock.set_inheritable(True)
         self.api_socket = sock
+        sockets = [sock, *self._link_sockets(port)]
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,
@@ -445,7 +449,7 @@ class Daemon:
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
-        self._tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="sparkd-api"))
+        self._tasks.append(asyncio.create_task(server.serve(sockets=sockets), name="sparkd-api"))
         for _ in range(200):
             if server.started:
                 break
@@ -458,6 +462,23 @@ class Daemon:
                 self.settings.api.host,
                 self.settings.api.port,
             )
+
+    def _link_sockets(self, port: int) -> list[socket.socket]:
+        """Sockets on ``cluster.listen`` (the link network, for peer calls only; see face/peer.py)."""
+        out = []
+        for host in self.settings.cluster.listen:
+            s = socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+            )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                s.close()
+                raise OSError(f"cluster.listen: the API cannot listen on {host}:{port}: {e.strerror}") from None
+            s.listen(128)
+            out.append(s)
+        return out
 
     def _tick_once(self) -> TickResult | None:
         assert self.guard is not None
@@ -582,6 +603,8 @@ class Daemon:
                     details={"rule": d.rule},
                 )
                 return
+        for hook in self.stop_hooks:
+            hook(d)
         await self.actions.on_stop(d)
 
     def _update_mode(self, result: TickResult | None) -> None:

@@ -194,7 +194,8 @@ def plan_for(settings: Settings, mem_total_bytes: int, *, base: BudgetSettings |
 
 def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:
     """The container to run: vLLM args (plan + ``container.args``), ``--port``,
-    ``--shutdown-timeout`` (the drain inside the 30 s stop window), limits, mounts.
+    ``--shutdown-timeout`` (the drain inside the 30 s stop window), limits, mounts,
+    ``--init`` and ``--oom-score-adj`` (``container.init`` / ``container.oom_score_adj``).
 
     Raises:
         InvalidInput: no image configured.
@@ -220,6 +221,8 @@ def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:
         mem_limit_bytes=mem,
         memswap_limit_bytes=mem,
         gpu=gpu,
+        init=c.init,
+        oom_score_adj=c.oom_score_adj,
     )
 
 

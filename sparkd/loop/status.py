@@ -406,5 +406,16 @@ class DaemonView(Protocol):
     def should_exit(self) -> asyncio.Event: ...
     @property
     def tick_durations(self) -> Iterable[float]: ...
+    @property
+    def cluster(self) -> Any: ...  # sparkd.loop.cluster.Cluster when [cluster] has peers, else None
 
     def status_json(self) -> Status: ...
+    def event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        details: dict[str, Any] | None = None,
+        launch_id: str | None = None,
+    ) -> dict[str, Any]: ...

@@ -23,6 +23,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.shm import ShmWitness
 from sparkd.act.stop import run_stop
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import RUNNING_STATES, ContainerState
@@ -43,6 +44,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sparkd.loop.supervisor")
 NVML_LOST = "Failed to initialize NVML: Unknown Error"
+# After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
+# field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
+START_FAILED_CAUSE_WAIT_S = 5.0
+# How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
+# the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
+SHM_WITNESS_INTERVAL_S = 30.0
 
 
 def make_actions(settings: Settings) -> Actions:
@@ -79,7 +86,8 @@ class Supervisor:
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
-        self.autostart_pending = self.mode == "managed" and settings.container.autostart
+        # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
+        self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
         self._cooldown_logged: dict[str, float] = {}
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
@@ -91,6 +99,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._last_nvml_check = 0.0
         self._figures_saved: set[str] = set()
+        self.shm_witness: ShmWitness | None = None
+        self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None
         self.stops_total = 0
         self.kills_total = 0
@@ -402,6 +412,7 @@ class Supervisor:
             if self.state not in ("stopping", "stopped", "exited", "failed"):
                 await self._exited(st)
             return
+        await self._observe_shm(st.pid)
         await self._health()
 
     async def _attach(self) -> None:
@@ -445,6 +456,17 @@ class Supervisor:
                 severity="warning",
             )
         self._follow_logs()
+
+    async def _observe_shm(self, pid: int | None) -> None:
+        """Every SHM_WITNESS_INTERVAL_S, what the running container's processes (``pid``: its PID 1 on the
+        host) map or hold open in /dev/shm: the evidence of the cleanup after a stop (act/shm.ShmWitness)."""
+        cid = self.container_id
+        if not cid or time.monotonic() - self._last_shm_observe < SHM_WITNESS_INTERVAL_S:
+            return
+        self._last_shm_observe = time.monotonic()
+        if self.shm_witness is None or self.shm_witness.container_id != cid:
+            self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
+        await asyncio.to_thread(self.shm_witness.observe, pid)
 
     async def _health(self) -> None:
         assert self.container_id is not None
@@ -699,13 +721,31 @@ class Supervisor:
     def _launch_figures(self) -> None:
         if self.parser is None:
             return
-        actual = self.parser.record.to_json()
+        rec = self.parser.record
+        actual = rec.to_json()
         self._save_launch(actual_figures=actual)
-        if actual.get("state") == "failed" and "failed" not in self._figures_saved:
-            self._figures_saved.add("failed")
-            self._event(
-                "vllm_start_failed", f"vLLM refused to start: {actual.get('error') or actual}", severity="critical"
-            )
+        for key, text in rec.warnings().items():  # e.g. a negative CUDA graph estimate
+            if key not in self._figures_saved:
+                self._figures_saved.add(key)
+                self._event("vllm_start_warning", text, severity="warning", details={"warning": key})
+        if rec.failed and rec.failure_kind is None and "failed_wait" not in self._figures_saved:
+            # vLLM prints its generic line first and the root cause after it: wait for the cause
+            self._figures_saved.add("failed_wait")
+            asyncio.get_running_loop().call_later(START_FAILED_CAUSE_WAIT_S, self._start_failed_event)
+        elif rec.failed and rec.failure_kind is not None:
+            self._start_failed_event()
+
+    def _start_failed_event(self) -> None:
+        if self.parser is None or "failed" in self._figures_saved:
+            return
+        self._figures_saved.add("failed")
+        rec = self.parser.record
+        self._event(
+            "vllm_start_failed",
+            rec.failure_summary() or "vLLM failed to start",
+            severity="critical",
+            details={k: v for k, v in rec.to_json().items() if k.startswith("failure_") or k == "phase"},
+        )
 
     def _save_launch(self, *, actual_figures: dict[str, Any] | None = None, **cols: Any) -> None:
         d = self.daemon
