@@ -288,6 +288,28 @@ class ClusterSettings(BaseModel):
         return self
 
 
+class ConsumersSettings(BaseModel):
+    """Who holds the memory: the periodic process scan (``sparkd.sense.consumers``) and co-tenant warnings."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = True
+    interval_s: float = Field(default=10.0, ge=1, le=3600)
+    top_n: int = Field(default=10, ge=1, le=100)
+    uss_top: int = Field(default=5, ge=0, le=100)
+    cotenant_limit: str | None = None  # a size ("12GiB"); unset: what the plan leaves the host minus the margin
+    cotenant_margin_gib: float = Field(default=8.0, ge=0)
+    cotenant_repeat_s: float = Field(default=600.0, ge=10)
+    history: int = Field(default=30, ge=2, le=720)  # scans kept in memory for the "before the fall" scan
+
+    @field_validator("cotenant_limit")
+    @classmethod
+    def _limit(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -339,6 +361,7 @@ class Settings(BaseSettings):
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    consumers: ConsumersSettings = Field(default_factory=ConsumersSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
@@ -566,6 +589,15 @@ FIELD_DOCS: dict[str, str] = {
     "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
     "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
     "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
+    "consumers.enabled": "Scan processes for who holds the memory (container, host co-tenants, system services).",
+    "consumers.interval_s": "Seconds between process scans (and one at every trip); in a worker thread.",
+    "consumers.top_n": "Processes and command names kept per scan.",
+    "consumers.uss_top": "How many of the top processes also get USS (smaps_rollup; costs a page-table walk).",
+    "consumers.cotenant_limit": "Warn when host co-tenants hold more RSS than this; unset: MemTotal minus the "
+    "plan's budget (or budget.host_reserve_gib without a plan) minus cotenant_margin_gib.",
+    "consumers.cotenant_margin_gib": "Left for the kernel, page cache and the stop lines when the limit is derived.",
+    "consumers.cotenant_repeat_s": "A co-tenant warning repeats at most this often while it lasts.",
+    "consumers.history": "Scans kept in memory; a trip's fall shares compare with the one of highest MemAvailable.",
 }
 
 

@@ -8,7 +8,8 @@ and put in a trip's reason:
   ``/proc/<pid>/cgroup``: ``/docker/<id>`` under cgroup v1, ``docker-<id>.scope`` under
   the systemd driver of cgroup v2);
 * ``system``: a system service (a cgroup under ``system.slice``, or PID 1's own);
-* ``host``: everything else — compile jobs, notebooks, a second engine: the co-tenants.
+* ``host``: everything else — compile jobs, notebooks, a second engine (another container,
+  even under ``system.slice/docker-<id>.scope``): the co-tenants.
 
 Source: the operators' incident notes (CONTEXT.md "Who holds the memory"): host sampling
 had to add "the processes with the largest RSS" to find who ate the memory before a hang.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from sparkd.units import fmt_gib
@@ -48,8 +50,10 @@ def group_of(cgroup_text: str, container_ids: Iterable[str]) -> Group:
     for cid in container_ids:
         if cid and cid in cgroup_text:
             return "container"
-    for line in cgroup_text.splitlines():
-        path = line.split(":", 2)[-1]
+    paths = [line.split(":", 2)[-1] for line in cgroup_text.splitlines()]
+    if any("/docker-" in p or "/docker/" in p for p in paths):
+        return "host"  # another container (a second engine, ComfyUI): a co-tenant, not a system service
+    for path in paths:
         if path.startswith("/system.slice/") or path == "/init.scope":
             return "system"
     return "host"
@@ -156,3 +160,36 @@ def fall_shares(before: ConsumerSummary | None, after: ConsumerSummary) -> dict[
     if before is None:
         return dict.fromkeys(GROUPS, 0)
     return {g: after.totals.get(g, 0) - before.totals.get(g, 0) for g in GROUPS}
+
+
+def _signed_gib(n_bytes: int) -> str:
+    return ("+" if n_bytes >= 0 else "−") + fmt_gib(abs(n_bytes))
+
+
+def fall_text(
+    before: ConsumerSummary | None,
+    after: ConsumerSummary,
+    *,
+    mem_available_before_bytes: int | None = None,
+    mem_available_after_bytes: int | None = None,
+) -> str:
+    """One sentence for a trip's reason and the incident summary: who grew between two scans.
+
+    ``"since 21:14:03 UTC MemAvailable 40.00 GiB → 5.90 GiB: container +0.50 GiB, host co-tenants
+    +0.50 GiB (python 0.50 GiB), system services +0.00 GiB"``. Without a ``before`` scan it
+    says so and gives the groups' current totals (``after.text()``).
+    """
+    if before is None:
+        return f"no scan before the fall; now: {after.text()}"
+    shares = fall_shares(before, after)
+    when = datetime.fromtimestamp(before.at, UTC).strftime("%H:%M:%S UTC")
+    head = f"since {when}"
+    if mem_available_before_bytes is not None and mem_available_after_bytes is not None:
+        head += f" MemAvailable {fmt_gib(mem_available_before_bytes)} → {fmt_gib(mem_available_after_bytes)}"
+    names = after.host_names()
+    host = f"host co-tenants {_signed_gib(shares['host'])}"
+    if names:
+        host += " (now " + ", ".join(_name_text(n) for n in names) + ")"
+    return (
+        f"{head}: container {_signed_gib(shares['container'])}, {host}, system services {_signed_gib(shares['system'])}"
+    )

@@ -152,6 +152,10 @@ def _echo_snapshot(st: Status) -> None:
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
     click.echo(f"container: {what} {('— ' + c.reason) if c.reason else ''}")
+    if st.consumers is not None:
+        cs = st.consumers
+        over = f" — {fmt_gib(cs.cotenant_excess_bytes)} over the co-tenant limit" if cs.cotenant_excess_bytes else ""
+        click.echo(f"who holds the memory ({_ts(cs.at)} UTC): {cs.text}{over}")
 
 
 @main.command()
@@ -183,6 +187,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
         "gpu": snap.get("gpu"),
+        "consumers": snap.get("consumers"),
         "events": events,
         "db_path": str(settings.db_file),
     }

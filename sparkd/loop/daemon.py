@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -34,8 +35,10 @@ from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision, still_holds
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
+from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.status import (
+    ConsumersStatus,
     ContainerStatus,
     EventRow,
     GpuStatus,
@@ -52,7 +55,7 @@ from sparkd.loop.status import (
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
 from sparkd.store.store import Store, Writer
-from sparkd.units import fmt_gib, parse_size
+from sparkd.units import GiB, fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
 
@@ -194,6 +197,7 @@ class Daemon:
         self.gpu: list[dict[str, Any]] = []
         self._cooldown_logged: dict[str, float] = {}
         self._lock_fd: int | None = None
+        self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -309,6 +313,38 @@ class Daemon:
             gpu=[GpuStatus.model_validate(x) for x in self.gpu],
             events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
             plan=container.plan,
+            consumers=ConsumersStatus.model_validate(cs) if (cs := self._consumers_status()) else None,
+        )
+
+    def _consumers_status(self) -> dict[str, Any] | None:
+        return self.consumers.status() if self.consumers else None
+
+    def _make_consumer_watch(self) -> ConsumerWatch:
+        """The process scan, fed with the supervisor's container id, the guard's MemAvailable and the plan."""
+        s = self.settings
+
+        def container_ids() -> list[str]:
+            cid = self.actions.status_json().container_id
+            return [cid] if cid else []
+
+        def mem_available() -> int | None:
+            last = self.guard.last if self.guard else None
+            return last.mem_available if last else None
+
+        def plan_left() -> int | None:
+            plan = self.actions.status_json().plan
+            if plan is None:
+                return None
+            return int((plan.mem_total_gib - plan.budget_gib) * GiB)
+
+        return ConsumerWatch(
+            s.consumers,
+            host_reserve_bytes=int(s.budget.host_reserve_gib * GiB),
+            container_ids=container_ids,
+            mem_available=mem_available,
+            plan_left_bytes=plan_left,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            submit=self.writer.submit if self.writer else None,
         )
 
     def current_interval(self) -> float:
@@ -384,6 +420,8 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
         self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
+        if s.consumers.enabled:
+            self.consumers = self._make_consumer_watch()
         loop = asyncio.get_running_loop()
         self.event_notifier = Notifier(
             s.notify,
@@ -405,6 +443,8 @@ class Daemon:
         if self.serve_api:
             await self._start_api()
         await self.actions.start(self)
+        if self.consumers is not None:  # after the supervisor has attached: the first scan knows the container
+            self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
@@ -571,11 +611,20 @@ class Daemon:
                     details={"rule": d.rule},
                 )
             return
+        shares = await self.consumers.at_trip() if self.consumers else None
+        if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
+            d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
         self.event(
             "trip",
             d.reason,
             severity="critical" if d.action == "stop" else "warning",
-            details={"rule": d.rule, "action": d.action, "count": d.counter, **_jsonable(d.values)},
+            details={
+                "rule": d.rule,
+                "action": d.action,
+                "count": d.counter,
+                **_jsonable(d.values),
+                **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
+            },
         )
         if d.action != "stop":
             return
