@@ -310,6 +310,23 @@ class ConsumersSettings(BaseModel):
         return v
 
 
+class ReliefSettings(BaseModel):
+    """Relief before stopping: drop clean page cache once while a MemFree rule counts (CONTEXT.md "Relief")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = False
+    min_reclaimable: str = "1GiB"
+    min_interval_s: float = Field(default=60.0, ge=1)
+    timeout_s: float = Field(default=10.0, gt=0, le=120)
+
+    @field_validator("min_reclaimable")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -362,6 +379,7 @@ class Settings(BaseSettings):
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     consumers: ConsumersSettings = Field(default_factory=ConsumersSettings)
+    relief: ReliefSettings = Field(default_factory=ReliefSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
@@ -597,6 +615,11 @@ FIELD_DOCS: dict[str, str] = {
     "plan's budget (or budget.host_reserve_gib without a plan) minus cotenant_margin_gib.",
     "consumers.cotenant_margin_gib": "Left for the kernel, page cache and the stop lines when the limit is derived.",
     "consumers.cotenant_repeat_s": "A co-tenant warning repeats at most this often while it lasts.",
+    "relief.enabled": "Drop clean page cache once (root) while a MemFree-based rule counts, before it stops; "
+    "never for MemAvailable-only rules. Off by default, as in the field.",
+    "relief.min_reclaimable": "Only when Active(file)+Inactive(file)-Mapped-Dirty-Writeback is at least this.",
+    "relief.min_interval_s": "At most one relief per this many seconds.",
+    "relief.timeout_s": "A drop that takes longer counts as hung: relief is off for the rest of the run.",
     "consumers.history": "Scans kept in memory; a trip's fall shares compare with the one of highest MemAvailable.",
 }
 

@@ -37,6 +37,7 @@ from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.guard import Guard, TickResult
+from sparkd.loop.relief import ReliefRunner
 from sparkd.loop.status import (
     ConsumersStatus,
     ContainerStatus,
@@ -45,6 +46,7 @@ from sparkd.loop.status import (
     KernelLogStatus,
     LeakStatus,
     NotifyStatus,
+    ReliefStatus,
     ResizeResult,
     RuleStatus,
     SampleRow,
@@ -198,6 +200,12 @@ class Daemon:
         self._cooldown_logged: dict[str, float] = {}
         self._lock_fd: int | None = None
         self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
+        self.relief = ReliefRunner(
+            settings.relief,
+            proc_root=settings.proc_root,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            mono=mono,
+        )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -314,6 +322,7 @@ class Daemon:
             events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
             plan=container.plan,
             consumers=ConsumersStatus.model_validate(cs) if (cs := self._consumers_status()) else None,
+            relief=ReliefStatus.model_validate(self.relief.status()),
         )
 
     def _consumers_status(self) -> dict[str, Any] | None:
@@ -555,6 +564,8 @@ class Daemon:
                 )
         for d in result.decisions:
             await self._decide(d)
+        if self.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
+            self.relief.consider(self.guard.rules, self.guard.states)
         now = self.mono()
         for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
@@ -804,6 +815,8 @@ class Daemon:
             self.writer.submit("status", self.status_json().model_dump(mode="json"))
         if self.event_notifier is not None:
             await asyncio.to_thread(self.event_notifier.close, 5.0)
+        if self.relief.task is not None:
+            self.relief.task.cancel()
         for t in self._tasks:
             if t.get_name() != "sparkd-api":
                 t.cancel()

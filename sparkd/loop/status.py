@@ -342,6 +342,16 @@ class ConsumersStatus(_Model):
     last_trip: str | None
 
 
+class ReliefStatus(_Model):
+    """Relief before stopping (``sparkd.loop.relief.ReliefRunner.status()``): ``disabled_reason`` set once a
+    drop failed or hung (off for the rest of the run); ``reliefs``: drops done."""
+
+    enabled: bool
+    disabled_reason: str | None
+    reliefs: int
+    running: bool
+
+
 class Status(_Model):
     """``GET /api/status`` and ``Daemon.status_json()``: everything the daemon knows now.
 
@@ -372,6 +382,7 @@ class Status(_Model):
     events: list[EventRow]
     plan: PlanFigures | None
     consumers: ConsumersStatus | None = None
+    relief: ReliefStatus | None = None
 
 
 # --------------------------------------------------------------------------- resize
