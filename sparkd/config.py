@@ -204,6 +204,7 @@ class BudgetSettings(BaseModel):
     gmu_override: float | None = Field(default=None, gt=0, le=1)
     docker_headroom_gib: float = Field(default=5.0, ge=0)
     preflight_margin_gib: float = Field(default=2.0, ge=0)
+    apply_learned_reserve: bool = False  # raise host_reserve_gib to what past launches of this configuration needed
 
 
 class NotifySettings(BaseModel):
@@ -587,7 +588,10 @@ FIELD_DOCS: dict[str, str] = {
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
     "budget.docker_headroom_gib": "Docker --memory = budget + this (notes: 5).",
-    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this.",
+    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this (or by the "
+    "start-up overshoot learned from past launches of the same configuration); also the learned reserve's margin.",
+    "budget.apply_learned_reserve": "Raise host_reserve_gib to the reserve learned from past launches of the same "
+    "configuration (their start-up troughs); shown with its evidence in `sparkd plan`.",
     "notify.kinds": "Event kinds that are sent out.",
     "notify.command": "argv run for each event (no shell); fields in SPARKD_EVENT_* variables.",
     "notify.webhook_url": "URL that receives a JSON POST for each event.",
