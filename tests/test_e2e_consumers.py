@@ -6,6 +6,7 @@ incident summary of the postmortem archive.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -64,3 +65,40 @@ def test_a_trip_names_the_container_and_the_host_process_that_ate_the_memory(spa
     assert before is not None and hog.pid not in {p["pid"] for p in before["top"]}
     assert record["trip"]["shares_bytes"] == shares
     assert after["mem_available_bytes"] < before["mem_available_bytes"] - GiB // 2
+
+
+def test_a_launch_evicts_the_cached_checkpoint_and_records_memavailable_at_launch(
+    sparkd_factory: Any, tmp_path: Path
+) -> None:
+    from checkpoints import make_checkpoint
+    from sparkdproc import db_query
+    from test_kvcache import LLAMA_31_8B
+
+    from sparkd.sense.pagecache import cached_bytes
+
+    d = make_checkpoint(tmp_path / "ckpt", LLAMA_31_8B, [4096, 4096])
+    block = b"\x5a" * (1 << 20)
+    with open(d / "tokenizer.bin", "wb") as fh:  # 128 MiB of real (not sparse) data, just written: cached
+        for _ in range(128):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())  # clean pages (fadvise leaves dirty ones)
+    with open(d / "tokenizer.bin", "rb") as fh:
+        while fh.read(1 << 22):
+            pass
+    cached_before, _ = cached_bytes(d)
+    assert cached_before >= 120 * MiB
+    s = sparkd_factory(container={"model_dir": str(d)}).start()
+    c = s.wait_state("ready", 60)
+    ev = s.wait_event("checkpoint_evicted", 10)
+    # (most of) the 128 MiB was still cached at launch — other testers' load may push some out first
+    assert ev["details"]["evicted_bytes"] >= 64 * MiB and ev["details"]["cached_after_bytes"] < 8 * MiB
+    assert cached_bytes(d)[0] < 8 * MiB
+    (actual,) = db_query(s.db, "SELECT actual FROM launches WHERE id = ?", (c["launch_id"],))[0]
+    actual = json.loads(actual)
+    # the launch record keeps what the launch measured beside vLLM's own figures
+    assert actual["checkpoint_evicted"]["evicted_bytes"] == ev["details"]["evicted_bytes"]
+    assert actual["preflight"]["cached_model_bytes"] >= ev["details"]["evicted_bytes"]  # preflight: how much was cached
+    assert any("model directory in the page cache: " in n for n in actual["preflight"]["notes"])
+    assert 0 < actual["mem_available_at_launch_bytes"] <= procfs.read_meminfo().fields["MemTotal"]
+    assert len(actual["config_key"]) == 16
