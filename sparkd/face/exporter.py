@@ -145,6 +145,14 @@ class SparkdCollector(Collector):
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
         nvrm.add_metric([], float(st.kernel_log.nvrm_lines))
         yield nvrm
+        lines = CounterMetricFamily("sparkd_kernel_log_lines", "Kernel-log lines read since sparkd started")
+        lines.add_metric([], float(st.kernel_log.lines_read))
+        yield lines
+        lost = CounterMetricFamily(
+            "sparkd_kernel_log_lost", "Kernel-log records overwritten in the ring buffer before sparkd read them"
+        )
+        lost.add_metric([], float(st.kernel_log.lost))
+        yield lost
 
     @staticmethod
     def _daemon(snap: Snapshot) -> Iterator[Metric]:
@@ -183,6 +191,22 @@ class SparkdCollector(Collector):
         dropped = CounterMetricFamily("sparkd_db_dropped", "Records dropped because the database writer was behind")
         dropped.add_metric([], float(st.writer.dropped))
         yield dropped
+        refused = CounterMetricFamily("sparkd_db_refused", "Records the database refused for good (dropped)")
+        refused.add_metric([], float(st.writer.refused))
+        yield refused
+        db = GaugeMetricFamily("sparkd_db_up", "1 while the database records, 0 while sparkd guards from memory")
+        db.add_metric([], 1.0 if st.database is not None and st.database.state == "ok" else 0.0)
+        yield db
+        hr = CounterMetricFamily(
+            "sparkd_http_connections_refused", "API connections closed at once: over the connection cap"
+        )
+        hr.add_metric([], float(st.http.refused if st.http else 0))
+        yield hr
+        ht = CounterMetricFamily(
+            "sparkd_http_head_timeouts", "API connections closed for not sending a request head in time"
+        )
+        ht.add_metric([], float(st.http.head_timeouts if st.http else 0))
+        yield ht
         interval = GaugeMetricFamily("sparkd_sample_interval_seconds", "Current sampling interval")
         interval.add_metric([], float(st.interval_s))
         yield interval
