@@ -10,6 +10,7 @@ covered end to end with a real container in ``tests/test_e2e_consumers.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -228,3 +229,22 @@ def test_scans_are_kept_for_the_retention_of_raw_samples(tmp_path: Path) -> None
         assert [r["ts"] for r in store.consumer_scans(since=0)] == [5000.0]
     finally:
         store.close()
+
+
+async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    d = await _daemon(tmp_path)
+    try:
+        assert d.consumers is not None
+        await _until(lambda: d.consumers is not None and d.consumers.scans >= 1)
+    finally:
+        await d.shutdown("test")  # writes the last status snapshot
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    assert "who holds the memory (" in out and " UTC): container 0.00 GiB · host co-tenants " in out, out
+    data = json.loads(CliRunner().invoke(main, ["--config", str(cfg), "status", "--json"]).output)
+    assert data["consumers"]["scans"] >= 1 and set(data["consumers"]["totals_bytes"]) == {"container", "host", "system"}
