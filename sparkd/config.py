@@ -430,7 +430,12 @@ class Settings(BaseSettings):
     def logs_path(self) -> Path:
         if self.log_dir:
             return Path(self.log_dir)
-        return Path("/var/log/sparkd") if os.geteuid() == 0 else Path(self.state_dir) / "logs"
+        # /var/log/sparkd only for the system daemon (root, the default state dir): a daemon with a
+        # state dir of its own keeps its log beside it, so two daemons never share a log (or archive
+        # each other's lines in a postmortem)
+        if os.geteuid() == 0 and Path(self.state_dir) == Path("/var/lib/sparkd"):
+            return Path("/var/log/sparkd")
+        return Path(self.state_dir) / "logs"
 
     @property
     def archives_path(self) -> Path:
@@ -532,7 +537,10 @@ def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, An
 FIELD_DOCS: dict[str, str] = {
     "state_dir": "SQLite store, API token and postmortem archives (/var/lib/sparkd as root).",
     "db_path": "SQLite file; default <state_dir>/sparkd.db.",
-    "log_dir": "sparkd's own rotated log; default /var/log/sparkd as root, else <state_dir>/logs.",
+    "log_dir": (
+        "sparkd's own rotated log; default /var/log/sparkd for the system daemon (root, state_dir "
+        "/var/lib/sparkd), else <state_dir>/logs."
+    ),
     "archive_dir": "Postmortem bundles (tar.gz); default <state_dir>/archives.",
     "proc_root": "Where /proc is read from (tests point it at fixture trees).",
     "shm_dir": "The host's POSIX shared memory directory (--ipc host puts the container's here).",

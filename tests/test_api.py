@@ -319,7 +319,10 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
 async def test_it_marks_monitor_only_in_metrics(daemon: Daemon) -> None:
     async with _client(daemon) as c:
         text = (await c.get("/metrics")).text
-    assert 'sparkd_container_state{state="monitor-only"} 1.0' in text
+    # the same words as /api/status: state "none", mode "monitor-only"
+    assert 'sparkd_container_state{state="none"} 1.0' in text
+    assert 'sparkd_container_mode{mode="monitor-only"} 1.0' in text
+    assert 'state="monitor-only"' not in text
 
 
 # --------------------------------------------------------------------------- control

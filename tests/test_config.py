@@ -222,3 +222,17 @@ def test_doctor_warns_about_a_threshold_this_host_can_never_reach(tmp_path: Path
     assert (
         "never below 0" in warned["Rule never"] and "never exceeds MemTotal (16.00 GiB)" in warned["Rule above_total"]
     )
+
+
+def test_a_daemon_with_its_own_state_dir_keeps_its_own_log(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+
+    s = load_settings(overrides={"state_dir": str(tmp_path / "s")})
+    # never the system daemon's /var/log/sparkd: two daemons must not share (and archive) one log
+    assert s.logs_path == tmp_path / "s" / "logs"
+    system = load_settings(overrides={"state_dir": "/var/lib/sparkd"})
+    import os
+
+    expected = Path("/var/log/sparkd") if os.geteuid() == 0 else Path("/var/lib/sparkd/logs")
+    assert system.logs_path == expected
+    assert load_settings(overrides={"state_dir": str(tmp_path), "log_dir": "/x/y"}).logs_path == Path("/x/y")

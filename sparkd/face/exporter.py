@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from sparkd.core.choices import CONTAINER_MODES
 from sparkd.core.lifecycle import ContainerState
 from sparkd.face import presenters as views
 from sparkd.loop.status import Status
@@ -50,8 +51,8 @@ MEMINFO_GAUGES = {
     "swap_total": "SwapTotal",
 }
 PSI_GAUGES = ("some_avg10", "some_avg60", "full_avg10", "full_avg60")
-#: label values of ``sparkd_container_state``: monitor-only, then every ``ContainerState``
-CONTAINER_STATES: tuple[str, ...] = ("monitor-only", *(s.value for s in ContainerState))
+#: label values of ``sparkd_container_state``: every ``ContainerState`` (the same words as /api/status)
+CONTAINER_STATES: tuple[str, ...] = tuple(s.value for s in ContainerState)
 
 
 @dataclass
@@ -159,11 +160,14 @@ class SparkdCollector(Collector):
         """Container state and stops, archives, tick quantiles, samples, writer drops, interval."""
         st = snap.status
         c = st.container
-        current = "monitor-only" if c.mode == "monitor-only" else c.state.value
         cs = GaugeMetricFamily("sparkd_container_state", "1 for the container's current state", labels=["state"])
         for s in CONTAINER_STATES:
-            cs.add_metric([s], 1.0 if s == current else 0.0)
+            cs.add_metric([s], 1.0 if s == c.state.value else 0.0)
         yield cs
+        mode = GaugeMetricFamily("sparkd_container_mode", "1 for how sparkd holds the container", labels=["mode"])
+        for m in CONTAINER_MODES:
+            mode.add_metric([m], 1.0 if m == c.mode else 0.0)
+        yield mode
         stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
         stops.add_metric(["stop"], float(c.stops_total))
         stops.add_metric(["kill"], float(c.kills_total))
