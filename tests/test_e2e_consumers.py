@@ -102,3 +102,42 @@ def test_a_launch_evicts_the_cached_checkpoint_and_records_memavailable_at_launc
     assert any("model directory in the page cache: " in n for n in actual["preflight"]["notes"])
     assert 0 < actual["mem_available_at_launch_bytes"] <= procfs.read_meminfo().fields["MemTotal"]
     assert len(actual["config_key"]) == 16
+
+
+def test_a_running_daemon_refuses_a_launch_short_by_the_learned_overshoot(sparkd_factory: Any) -> None:
+    from test_e2e_budget import BUDGET
+
+    from sparkd.config import load_settings
+    from sparkd.loop.launch import launch_config_key
+    from sparkd.store.store import Store
+
+    s = sparkd_factory(budget=BUDGET, container={"memory": None})
+    settings = load_settings(s.config)
+    avail = procfs.read_meminfo().fields["MemAvailable"]
+    budget = 2 * GiB
+    # three past launches of this configuration whose start-up dipped as far below plan as MemAvailable is now
+    store = Store.open(s.db)
+    try:
+        for i in range(3):
+            store.save_launch(
+                {
+                    "id": f"past{i}",
+                    "started_at": 1000.0 + i,
+                    "status": "stopped",
+                    "plan": {"budget_bytes": budget},
+                    "actual": {
+                        "config_key": launch_config_key(settings, settings.container.image),
+                        "mem_available_at_launch_bytes": avail + budget + GiB,
+                    },
+                    "trough_bytes": GiB,
+                }
+            )
+    finally:
+        store.close()
+    s.start()  # the last launch ended "stopped": sparkd stays stopped until asked
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 422 and "preflight failed" in r.text, r.text
+    refused = s.wait_event("preflight_failed", 10)
+    assert "+ learned start-up overshoot " in refused["message"], refused["message"]
+    assert "past launches of this configuration dipped that far below plan" in refused["message"]
+    assert s.container()["container_id"] is None  # nothing was started
