@@ -241,7 +241,6 @@ async def test_relief_is_off_by_default_in_the_daemon(tmp_path: Path) -> None:
 async def test_the_real_drop_through_the_runner_reports_the_bytes_freed(tmp_path: Path) -> None:
     need(os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK), "root and a writable drop_caches")
     from sparkd.config import ReliefSettings
-    from sparkd.core.rules import RuleState
     from sparkd.loop.relief import ReliefRunner
 
     f = tmp_path / "cache-filler.bin"
@@ -255,13 +254,33 @@ async def test_the_real_drop_through_the_runner_reports_the_bytes_freed(tmp_path
         while fh.read(1 << 22):
             pass
     events: list[tuple[str, dict[str, Any]]] = []
+    relieved: list[str] = []
     runner = ReliefRunner(
-        ReliefSettings(enabled=True), proc_root="/proc", emit=lambda k, m, s, det: events.append((k, det))
+        ReliefSettings(enabled=True),
+        proc_root="/proc",
+        emit=lambda k, m, s, det: events.append((k, det)),
+        relieved=relieved.append,
     )
     before = parse_meminfo(Path("/proc/meminfo").read_text()).fields
-    states = {"low_free": RuleState(counter=3)}
-    await runner._relieve(["low_free"], before["MemFree"], reclaimable_page_cache_bytes(before), states)
+    await runner._relieve(["low_free"], before["MemFree"], reclaimable_page_cache_bytes(before))
     assert [k for k, _ in events] == ["relief"]
     det = events[0][1]
     # our clean, unmapped 512 MiB file was dropped: MemFree rose by (most of) it, so the counter reset
-    assert det["freed_bytes"] >= 256 * MiB and det["counters_reset"] is True and states["low_free"].counter == 0
+    assert det["freed_bytes"] >= 256 * MiB and det["counters_reset"] is True and relieved == ["low_free"]
+
+
+def test_a_stored_relief_resets_the_counter_in_a_replay_too() -> None:
+    from sparkd.core.engine import EngineChange, RuleEngine, engine_changes
+    from sparkd.core.rules import compile_rules
+
+    events = [
+        {"ts": 10.0, "kind": "relief", "details": {"rules": ["low_free"], "counters_reset": True}},
+        {"ts": 20.0, "kind": "relief", "details": {"rules": ["low_free"], "counters_reset": False}},  # no change
+    ]
+    assert engine_changes(events) == [EngineChange(10.0, "relief", rule="low_free")]
+    from sparkd.config import RuleConfig
+
+    engine = RuleEngine.of(compile_rules([RuleConfig(name="low_free", when=["MemFree < 2GiB"])], 16 * GiB))
+    engine.states["low_free"].counter = 3
+    engine.apply(EngineChange(10.0, "relief", rule="low_free"))
+    assert engine.states["low_free"].counter == 0

@@ -137,9 +137,14 @@ def _echo_snapshot(st: Status) -> None:
             extra = f", near misses {r.near_misses}" if r.evidence else ""
             if r.demoted:
                 extra += f"  DEMOTED to warn: {r.demoted}"
-            click.echo(
-                f"  {r.name:<26} {r.counter}/{r.samples}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]"
-            )
+            need = f"{r.counter}/{r.samples}" + (f" ({r.for_s:g} s)" if r.for_s else "")
+            if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
+                need = f"BLIND ({r.blind})"
+            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]")
+    for name, blind_why in st.blind.sensors.items():
+        click.echo(f"BLIND: {name}: {blind_why}")
+    if st.kernel_log.lost:
+        click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
     leak = st.leak
@@ -209,6 +214,8 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "mode": snap.get("mode"),
         "interval_s": snap.get("interval_s"),
         "kernel_log": snap.get("kernel_log"),
+        "blind": snap.get("blind"),
+        "usable_bytes": snap.get("usable_bytes"),
         "leak": snap.get("leak"),
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
@@ -230,6 +237,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         for key, label in (
             ("mem_total", "MemTotal"),
             ("mem_available", "MemAvailable"),
+            ("mem_available_minus_cma", "usable"),
             ("mem_free", "MemFree"),
             ("cached", "Cached"),
             ("anon_pages", "AnonPages"),

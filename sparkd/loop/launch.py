@@ -330,15 +330,19 @@ class LearnedReserve:
         return out
 
 
+#: Sample attributes a MemAvailable stop line is written on (usable = MemAvailable − CmaFree, CONTEXT.md "CMA")
+AVAILABLE_ATTRS = ("mem_available", "mem_available_minus_cma")
+
+
 def stop_line_bytes(settings: Settings, mem_total_bytes: int | None) -> int:
     """The highest MemAvailable floor of the threshold rules that trip on MemAvailable alone (default rules:
     6 GiB; a predictive rule's gate is not a stop line, a gated rule needs more than MemAvailable)."""
     lines = [
         floor
-        for r in compile_rules(settings.rules, mem_total_bytes, settings.fast_interval_s)
-        if r.kind == "threshold" and not r.gated and all(c.attr == "mem_available" for c in r.when)
+        for r in compile_rules(settings.rules, mem_total_bytes)
+        if r.kind == "threshold" and not r.gated and all(c.attr in AVAILABLE_ATTRS for c in r.when)
         for attr, floor in r.floors()
-        if attr == "mem_available"
+        if attr in AVAILABLE_ATTRS
     ]
     return int(max(lines, default=0))
 

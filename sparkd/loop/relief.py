@@ -34,7 +34,9 @@ log = logging.getLogger("sparkd.loop.relief")
 
 
 class ReliefRunner:
-    """``emit(kind, message, severity, details)``: the daemon's event; ``drop(proc_root)``: the drop
+    """``emit(kind, message, severity, details)``: the daemon's event; ``relieved(rule)``: start the
+    rule's counter again (``core.engine.RuleEngine.relieved``, the one place counters change; the
+    ``relief`` event is how a replay applies it too); ``drop(proc_root)``: the drop
     (``act.pagecache.drop_clean_cache``); ``read_meminfo()``: /proc/meminfo fields in bytes."""
 
     def __init__(
@@ -43,6 +45,7 @@ class ReliefRunner:
         *,
         proc_root: str,
         emit: Callable[[str, str, str, dict[str, Any]], Any],
+        relieved: Callable[[str], None],
         drop: Callable[[str], None] = drop_clean_cache,
         read_meminfo: Callable[[], Mapping[str, int]] | None = None,
         mono: Callable[[], float] = time.monotonic,
@@ -50,6 +53,7 @@ class ReliefRunner:
         self.settings = settings
         self.proc_root = proc_root
         self.emit = emit
+        self.relieved = relieved
         self.drop = drop
         self.read_meminfo = read_meminfo or (lambda: procfs.read_meminfo(proc_root).fields)
         self.mono = mono
@@ -87,13 +91,11 @@ class ReliefRunner:
             return False
         self.policy.started(now)
         self.task = asyncio.get_running_loop().create_task(
-            self._relieve(counting, fields.get("MemFree"), reclaimable, states), name="sparkd-relief"
+            self._relieve(counting, fields.get("MemFree"), reclaimable), name="sparkd-relief"
         )
         return True
 
-    async def _relieve(
-        self, rules: list[str], mem_free_before: int | None, reclaimable: int | None, states: Mapping[str, RuleState]
-    ) -> None:
+    async def _relieve(self, rules: list[str], mem_free_before: int | None, reclaimable: int | None) -> None:
         t0 = self.mono()
         try:
             await asyncio.wait_for(asyncio.to_thread(self.drop, self.proc_root), self.settings.timeout_s)
@@ -111,9 +113,7 @@ class ReliefRunner:
         helped = relief_helped(mem_free_before, mem_free_after)
         if helped:
             for name in rules:
-                st = states.get(name)
-                if st is not None:
-                    st.counter, st.started_mono = 0, None
+                self.relieved(name)
         freed = (mem_free_after - mem_free_before) if mem_free_after is not None and mem_free_before else None
         self.reliefs += 1
         self.emit(
