@@ -3,6 +3,7 @@ alert collapse. Times are plain numbers; nothing here reads a clock."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -28,10 +29,12 @@ from sparkd.core.supervision import (
     heartbeat_message,
     judge_completion,
     maintenance_expired,
+    parse_schedule,
     probe_outcome,
     probe_skip_reason,
     rearm,
     record_emergency,
+    schedule_due,
 )
 
 P = BackoffPolicy()  # 30 s doubling to 900 s
@@ -286,8 +289,40 @@ def test_it_collapses_identical_alerts_and_counts_only_delivered_ones() -> None:
     k = ("breaker_open", "circuit breaker open")
     assert c.admit(k, 0)
     assert not c.admit(k, 1)  # in flight: collapsed
-    assert c.done(k, 2, ok=False) == 0  # failed: not counted as sent
+    c.done(k, 2, ok=False)  # failed: not counted as sent
     assert c.admit(k, 3)  # so the next copy goes out
-    assert c.done(k, 4, ok=True) == 1  # and carries the collapsed count
-    assert not c.admit(k, 903) and c.admit(k, 904)
+    assert c.pending(k) == 1  # and reports the collapsed one
+    c.done(k, 4, ok=True, reported=1)
+    assert c.pending(k) == 0
+    assert not c.admit(k, 903) and c.admit(k, 904)  # one per 900 s from the delivery
     assert c.admit(("breaker_open", "another message"), 905)  # a different message is not identical
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"), [("Sun 04:00", (6, 4, 0)), ("daily 23:59", (None, 23, 59)), ("monday 00:30", (0, 0, 30))]
+)
+def test_it_parses_a_schedule(text: str, spec: tuple[int | None, int, int]) -> None:
+    assert parse_schedule(text) == spec
+
+
+@pytest.mark.parametrize("text", ["Sunday", "Sun 25:00", "Sun 4", "often 04:00", "Sun 04:60"])
+def test_it_refuses_a_bad_schedule_naming_it(text: str) -> None:
+    with pytest.raises(ValueError, match="maintenance_schedule"):
+        parse_schedule(text)
+
+
+SUN_4 = (6, 4, 0)
+
+
+@pytest.mark.parametrize(
+    ("last_run", "now", "due"),
+    [
+        (None, datetime(2026, 11, 29, 4, 30), True),  # Sunday 04:30, never ran: inside the hour
+        (None, datetime(2026, 11, 30, 4, 30), False),  # Monday: Sunday's window is not run late
+        (None, datetime(2026, 11, 29, 3, 59), False),  # not yet
+        (datetime(2026, 11, 29, 4, 1), datetime(2026, 11, 29, 5, 30), False),  # ran this week
+        (datetime(2026, 11, 29, 4, 1), datetime(2026, 12, 6, 4, 0), True),  # next Sunday
+    ],
+)
+def test_it_knows_when_the_schedule_is_due(last_run: datetime | None, now: datetime, due: bool) -> None:
+    assert schedule_due(SUN_4, last_run=last_run, now=now) is due

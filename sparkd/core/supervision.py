@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -418,11 +419,55 @@ class Collapse:
         self.in_flight.add(key)
         return True
 
-    def done(self, key: tuple[str, str], now: float, *, ok: bool) -> int:
-        """The send ended; ``ok`` records it as delivered at ``now``. Returns and clears the collapsed count
-        (only on success: a failed send leaves it for the next one)."""
+    def pending(self, key: tuple[str, str]) -> int:
+        """Copies collapsed since the last delivery (to report with the next send)."""
+        return self.collapsed.get(key, 0)
+
+    def done(self, key: tuple[str, str], now: float, *, ok: bool, reported: int = 0) -> None:
+        """The send ended. ``ok``: recorded as delivered at ``now`` and the ``reported`` copies are
+        forgotten; a failed send is not counted as sent, so the next copy goes out and reports them."""
         self.in_flight.discard(key)
         if not ok:
-            return 0
+            return
         self.delivered_at[key] = now
-        return self.collapsed.pop(key, 0)
+        left = self.collapsed.get(key, 0) - reported
+        if left > 0:
+            self.collapsed[key] = left
+        else:
+            self.collapsed.pop(key, None)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+WEEKDAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+def parse_schedule(text: str) -> tuple[int | None, int, int]:
+    """``"Sun 04:00"`` → (6, 4, 0); ``"daily 04:00"`` → (None, 4, 0). Weekday 0 = Monday (``datetime``).
+
+    Raises:
+        ValueError: names the text and the allowed form.
+    """
+    allowed = 'allowed: "<Mon..Sun|daily> HH:MM" (local time), e.g. "Sun 04:00"'
+    parts = text.strip().lower().split()
+    if len(parts) != 2 or (parts[0][:3] not in WEEKDAYS and parts[0] != "daily"):
+        raise ValueError(f"maintenance_schedule: {text!r} is not allowed; {allowed}")
+    hh, _, mm = parts[1].partition(":")
+    if not (hh.isdigit() and mm.isdigit() and int(hh) < 24 and int(mm) < 60):
+        raise ValueError(f"maintenance_schedule: {text!r} is not allowed; {allowed}")
+    day = None if parts[0] == "daily" else WEEKDAYS.index(parts[0][:3])
+    return day, int(hh), int(mm)
+
+
+def schedule_due(spec: tuple[int | None, int, int], *, last_run: datetime | None, now: datetime) -> bool:
+    """True when the most recent scheduled time at or before ``now`` (local) is after ``last_run``
+    (``None``: never ran — then only a time within the last hour counts, so starting sparkd on a Monday
+    does not run Sunday's window)."""
+    day, hh, mm = spec
+    cand = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+    if cand > now:
+        cand -= timedelta(days=1)
+    if day is not None:
+        cand -= timedelta(days=(cand.weekday() - day) % 7)
+    if last_run is None:
+        return now - cand < timedelta(hours=1)
+    return cand > last_run

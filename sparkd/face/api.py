@@ -391,6 +391,24 @@ def create_app(daemon: Daemon) -> FastAPI:
     async def container_restart(who: Who, force: bool = False) -> dict[str, Any]:
         return await control("restart", f"api:{who}", force=force)
 
+    def unattended() -> Any:
+        u = getattr(daemon.actions, "unattended", None)
+        if u is None:
+            raise Refused(f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}")
+        return u
+
+    @app.post("/api/breaker/rearm", tags=["control"])
+    async def breaker_rearm(who: Who) -> dict[str, Any]:
+        """Close the circuit breaker, recording who and when; relaunches a model that an emergency took down."""
+        result: dict[str, Any] = await unattended().rearm(f"api:{who}")
+        return result
+
+    @app.post("/api/maintenance/run", tags=["control"])
+    async def maintenance_run(who: Who) -> dict[str, Any]:
+        """Drain, stop, start the same plan, smoke test; the maintenance intent is released only on pass."""
+        result: dict[str, Any] = await unattended().maintenance_run(f"api:{who}")
+        return result
+
     async def resize(req: ResizeRequest, source: str) -> dict[str, Any]:
         fn = getattr(daemon.actions, "resize", None)
         if fn is None:

@@ -26,9 +26,11 @@ from sparkd.act.docker import ContainerManager
 from sparkd.act.stop import run_stop
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.rules import Decision
+from sparkd.core.supervision import StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
 from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_diff, plan_for
+from sparkd.loop.unattended import Unattended
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -41,6 +43,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sparkd.loop.supervisor")
 NVML_LOST = "Failed to initialize NVML: Unknown Error"
+
+
+def out_reason(reason: str | None, source: str) -> str:
+    return reason or f"stop requested by {source}"
 
 
 def make_actions(settings: Settings) -> Actions:
@@ -92,11 +98,13 @@ class Supervisor:
         self._bg: asyncio.Task[Any] | None = None
         self.stops_total = 0
         self.kills_total = 0
+        self.unattended = Unattended(self)
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
         await self._load_revision()
+        await self.unattended.load()
         await self._remember_last_stop()
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
 
@@ -107,15 +115,20 @@ class Supervisor:
         if store is None or self.mode != "managed":
             return
         last = await asyncio.to_thread(store.launches, limit=1)
-        if last and last[0]["status"] not in ("starting", "ready"):
+        rec = self.unattended.state.intent
+        if (last and last[0]["status"] not in ("starting", "ready")) or (
+            rec is not None and rec.intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE)
+        ):
             self.autostart_pending = False
             self.stay_stopped = True
-            self.state_reason = f"last launch {last[0]['id']} ended: {last[0]['status']}"
+            ended = f"the last launch ({last[0]['id']}) ended '{last[0]['status']}'" if last else "no launch"
+            why = f"stop intent {rec.intent.value} ({rec.who}: {rec.reason})" if rec else ended
+            self.state_reason = why
             self._event(
                 "staying_stopped",
-                f"not launching at start: the last launch ({last[0]['id']}) ended "
-                f"'{last[0]['status']}'; `sparkd start` launches again",
+                f"not launching at start: {why}; {ended}; `sparkd start` launches again",
                 severity="warning",
+                details={"intent": rec.intent.value if rec else None},
             )
 
     async def close(self) -> None:
@@ -131,10 +144,28 @@ class Supervisor:
             self._log_stop.set()
 
     async def on_stop(self, decision: Decision) -> None:
+        await self.emergency_stop(f"rule {decision.rule}", decision.reason)
+
+    def running(self) -> bool:
+        return self.container_id is not None and self.state in ("starting", "ready", "unhealthy")
+
+    async def emergency_stop(self, source: str, reason: str) -> None:
+        """A rule, the hard floor or the probe: stop through the normal procedure, count it once per launch
+        toward the breaker, then the relaunch decision (intent ``emergency``)."""
+        key, was_running = self.launch_id or self.container_id or "unknown", self.running()
+        uptime = time.time() - self.container_started_at if self.container_started_at else None
+        ready = self.ready_at is not None
         try:
-            await self.request("stop", source=f"rule {decision.rule}", reason=decision.reason)
+            await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
-            self._event("stop_not_executed", f"{decision.rule}: {e.message}", severity="warning")
+            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
+            if not isinstance(e, Conflict) or self.action != "stopping":
+                return
+        if was_running:
+            await self.unattended.emergency(key, reason)
+            if not self.lock.locked():
+                self.stay_stopped = False
+                await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
 
     def on_kernel_record(self, rec: KernRecord) -> None:
         if (
@@ -146,6 +177,7 @@ class Supervisor:
             self._oom_record = rec
 
     def observe(self, sample: Sample) -> None:
+        self.unattended.observe_mem(sample.mem_available)
         if (
             self.state == "starting"
             and sample.mem_available is not None
@@ -186,6 +218,7 @@ class Supervisor:
             "busy": self.lock.locked(),
             "stops_total": self.stops_total,
             "kills_total": self.kills_total,
+            "supervision": self.unattended.status_json(),
         }
 
     # ------------------------------------------------------------------ control
@@ -211,6 +244,10 @@ class Supervisor:
                         out["stop"] = rep.to_json()
                         self.stay_stopped = action == "stop"
                         await self._finish_launch("stopped")
+                        if action == "stop":
+                            await self.unattended.set_intent(
+                                self.unattended.intent_for(source), source, out_reason(reason, source)
+                            )
                 if action == "start" and self.container_id and self.state in ("starting", "ready", "unhealthy"):
                     raise Refused(f"{self.name} is already running (state {self.state}); use restart")
                 if action in ("start", "restart"):
@@ -218,6 +255,7 @@ class Supervisor:
                         raise Refused(f"{self.name} is guarded, not launched by sparkd: start it yourself")
                     out["launch_id"] = await self._launch(source, force=force)
                     self.stay_stopped = False
+                    await self.unattended.clear_intent(source)
                 return out
             finally:
                 self.action = None
@@ -327,6 +365,7 @@ class Supervisor:
         while True:
             try:
                 await self._step()
+                await self.unattended.periodic()
             except asyncio.CancelledError:
                 raise
             except DockerUnavailable as e:
@@ -427,6 +466,7 @@ class Supervisor:
                 f"{info.revision}; the current revision is {self.revision} — restart to apply it",
                 severity="warning",
             )
+        self.unattended.adopted_at_mono = time.monotonic()
         self._follow_logs()
 
     async def _health(self) -> None:
@@ -450,6 +490,7 @@ class Supervisor:
                 self._save_launch(ready_at=now, trough_bytes=self.trough_bytes, status="ready")
             await self._check_progress()
             await self._check_nvml()
+            await self._probe()
         else:
             self.health = h.error
             if self.state == "starting":
@@ -457,9 +498,11 @@ class Supervisor:
                     why = f"not ready within {c.startup_timeout_s:g} s ({h.error})"
                     self.set_state("failed", why)
                     if not self.lock.locked():  # a resize waits for this itself and rolls back
-                        self._bg = asyncio.create_task(self._stop_quietly(why))
+                        self._bg = asyncio.create_task(self._stop_quietly(why, failed_launch=True))
             elif self.state == "ready":
                 self.set_state("unhealthy", f"/health: {h.error}")
+            if self.state == "unhealthy":
+                await self._probe()
             return
         self.health = "ok" if self.state == "ready" else self.health
 
@@ -499,11 +542,27 @@ class Supervisor:
                 self.request("restart", source="sparkd (GPU lost)", reason="GPU access lost")
             )
 
-    async def _stop_quietly(self, reason: str) -> None:
+    async def _stop_quietly(self, reason: str, *, failed_launch: bool = False) -> None:
+        source = "sparkd (failed launch)" if failed_launch else "sparkd"
         try:
-            await self.request("stop", source="sparkd", reason=reason)
+            await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
+            return
+        if failed_launch:
+            self.stay_stopped = False
+            await self.unattended.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
+
+    async def _probe(self) -> None:
+        """The completion probe (loop.unattended) while the model is up; the start-up phase from the launch log."""
+        rec = self.parser.record if self.parser else None
+        phase = rec.state if rec is not None and rec.lines_seen and rec.state != "failed" else None
+        waiting = (self._metrics_prev or {}).get("num_requests_waiting")
+        await self.unattended.probe(
+            ready=self.state in ("ready", "unhealthy"), requests_waiting=waiting, startup_phase=phase
+        )
+        if self.container_started_at:
+            await self.unattended.on_up(time.time() - self.container_started_at)
 
     async def _exited(self, st: Any) -> None:
         oom = self._oom_record
@@ -538,21 +597,26 @@ class Supervisor:
                 },
             )
         c = self.settings.container
-        if self.mode == "managed" and c.auto_restart and not self.stay_stopped:
-            if self._restarts_in_window() >= c.restart_cap:
-                self._event(
-                    "restart_cap",
-                    f"auto-restart cap reached ({c.restart_cap} per {c.restart_window_s:g} s): staying stopped",
-                    severity="critical",
-                )
-                self.stay_stopped = True
-                return
-            await asyncio.sleep(c.restart_cooldown_s)
-            self.restarts.append(time.time())
-            try:
-                await self.request("start", source="auto-restart")
-            except SparkdError as e:
-                self._event("restart_failed", f"auto-restart failed: {e.message}", severity="critical")
+        if (
+            self.mode == "managed"
+            and c.auto_restart
+            and not self.stay_stopped
+            and self._restarts_in_window() >= c.restart_cap
+        ):
+            self._event(
+                "restart_cap",
+                f"auto-restart cap reached ({c.restart_cap} per {c.restart_window_s:g} s): staying stopped",
+                severity="critical",
+            )
+            self.stay_stopped = True
+            return
+        if self.mode == "managed" and not self.stay_stopped:
+            reached = self.ready_at is not None
+            uptime = time.time() - self.container_started_at if self.container_started_at else None
+            intent = StopIntent.EXITED if reached else StopIntent.FAILED_LAUNCH
+            d = await self.unattended.after_down(intent, uptime_s=uptime, reached_ready=reached)
+            if d.action == "relaunch":
+                self.restarts.append(time.time())
 
     async def _launch(self, source: str, *, force: bool = False) -> str:
         d = self.daemon
@@ -616,6 +680,21 @@ class Supervisor:
         )
         self._follow_logs()
         return launch_id
+
+    async def relaunch_same_plan(self, source: str) -> tuple[bool, str | None]:
+        """Stop (graceful, archived) and launch the same plan, waiting for ready. Raises Conflict when busy."""
+        if self.lock.locked():
+            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        async with self.lock:
+            self.action = "restarting"
+            try:
+                if self.running():
+                    await run_stop(self, f"relaunch: {source}", source)
+                    self.set_state("stopped", source)
+                    await self._finish_launch("stopped")
+                return await self._launch_and_wait(source)
+            finally:
+                self.action = None
 
     async def _launch_and_wait(self, source: str) -> tuple[bool, str | None]:
         try:
