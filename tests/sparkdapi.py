@@ -52,6 +52,7 @@ class SparkdUnderTest:
         top: dict[str, Any] | None = None,
         budget: dict[str, Any] | None = None,
         rules: list[dict[str, Any]] | None = None,
+        sections: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.tmp = tmp_path
         self.api_port = free_port()
@@ -82,6 +83,8 @@ class SparkdUnderTest:
         lines += [f"{k} = {toml_value(v)}" for k, v in c.items() if v is not None]
         if budget:
             lines += ["[budget]"] + [f"{k} = {toml_value(v)}" for k, v in budget.items()]
+        for name, values in (sections or {}).items():  # e.g. {"supervision": {...}, "notify": {...}}
+            lines += [f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in values.items()]
         for r in rules or []:
             lines += ["[[rules]]"] + [f"{k} = {toml_value(v)}" for k, v in r.items()]
         self.config = tmp_path / "sparkd.toml"

@@ -686,7 +686,7 @@ class Supervisor:
         if self.lock.locked():
             raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
         async with self.lock:
-            self.action = "restarting"
+            self.action = "relaunching"  # not "restarting": the supervisor step must keep watching for ready
             try:
                 if self.running():
                     await run_stop(self, f"relaunch: {source}", source)

@@ -36,6 +36,8 @@ Behaviour (flag, else environment, else default):
 * ``--fake-serve`` / ``FAKEVLLM_SERVE``: how a ready server answers — ``normal`` (default), ``empty``
   (``/health`` 200 but completions with no tokens, a known vLLM failure), ``hang`` (``/health`` 200,
   completions never answer), ``unhealthy`` (``/health`` 500, completions 500);
+* ``FAKEVLLM_SERVE_AFTER_S`` (default 0): serve ``normal`` for this long after ready, then switch to
+  ``FAKEVLLM_SERVE`` (a server that breaks after it became ready, every launch);
 * ``FAKEVLLM_DECODE_TOK_S`` (default 0 = at once): a completion of N tokens takes N / this seconds;
 * a completion body may carry ``"fake_hold_s": S``: the request stays in flight S seconds, counted in
   ``vllm:num_requests_running`` meanwhile (a real in-flight request for drain tests);
@@ -89,6 +91,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=env("VLLM_API_KEY"))
     p.add_argument("--fake-mode", choices=MODES, default=env("FAKEVLLM_MODE", "graceful"))
     p.add_argument("--fake-serve", choices=SERVE_MODES, default=env("FAKEVLLM_SERVE", "normal"))
+    p.add_argument("--fake-serve-after-s", type=float, default=float(env("FAKEVLLM_SERVE_AFTER_S", "0")))
     p.add_argument("--fake-decode-tok-s", type=float, default=float(env("FAKEVLLM_DECODE_TOK_S", "0")))
     p.add_argument("--fake-startup-s", type=float, default=float(env("FAKEVLLM_STARTUP_S", "1.0")))
     p.add_argument("--fake-exit-delay-s", type=float, default=float(env("FAKEVLLM_EXIT_DELAY_S", "0.2")))
@@ -124,7 +127,7 @@ class Engine:
         self.lock = threading.Lock()
         self.ready = False
         self.stalled = False
-        self.serve = args.fake_serve
+        self.serve = "normal" if args.fake_serve_after_s > 0 else args.fake_serve
         self.held = 0  # completions in flight with fake_hold_s
         self.running = 0
         self.waiting = 0
@@ -446,11 +449,17 @@ def main(argv: list[str]) -> int:
             print(ln, flush=True)
 
     crash_at = t0 + args.fake_crash_after_s
+    serve_at = time.monotonic() + args.fake_serve_after_s if args.fake_serve_after_s > 0 else None
     last = time.monotonic()
     while not term.wait(0.1):
         now = time.monotonic()
         eng.tick(now - last)
         last = now
+        if serve_at is not None and now >= serve_at:
+            serve_at = None
+            with eng.lock:
+                eng.serve = args.fake_serve
+            log("WARNING", "fakevllm.py:1", f"serve mode now {args.fake_serve}")
         if args.fake_mode == "crash" and now >= crash_at:
             log("ERROR", "core.py:708", "EngineCore encountered a fatal error (fakevllm crash)")
             sys.stdout.flush()

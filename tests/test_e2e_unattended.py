@@ -1,0 +1,229 @@
+"""Running unattended, on the real Docker engine with the test image (fake vLLM), short timings by
+configuration: back-off, circuit breaker and re-arm, the completion probe (congestion vs emergency),
+stop intents across restarts of sparkd, maintenance drain-and-relaunch with its smoke test, heartbeat."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sparkdapi import SparkdUnderTest
+from sparkdproc import wait_for
+
+pytest_plugins = ["dockerkit"]
+
+
+@pytest.fixture
+def make(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any):
+    made: list[SparkdUnderTest] = []
+
+    def _make(**kw: Any) -> SparkdUnderTest:
+        d = tmp_path / f"s{len(made)}"
+        d.mkdir()
+        s = SparkdUnderTest(d, image, case_labels, **kw)
+        made.append(s)
+        return s.start()
+
+    yield _make
+    for s in made:
+        s.stop()
+
+
+def sup(s: SparkdUnderTest) -> dict[str, Any]:
+    return s.container()["supervision"]  # type: ignore[no-any-return]
+
+
+def test_it_backs_off_2_4_8_s_after_exits_and_never_delays_the_first_launch(make: Any) -> None:
+    t_start = time.time()
+    s = make(
+        container={
+            "env": {"FAKEVLLM_MODE": "crash", "FAKEVLLM_CRASH_AFTER_S": "1.5", "FAKEVLLM_STARTUP_S": "0.3"},
+            "health_interval_s": 0.2,
+            "auto_restart": True,
+            "restart_cap": 20,
+            "restart_cooldown_s": 2,  # the back-off base
+            "max_failed_launches": 20,
+        },
+        sections={"supervision": {"probe": False}},
+    )
+    assert wait_for(lambda: len(s.events("launched")) >= 4, 90), s.output()[-3000:]
+    launched = s.events("launched")
+    exited = s.events("exited")
+    decisions = s.events("relaunch_decision")
+    # the first launch: no back-off charged (well under the 2 s base after sparkd was asked to start)
+    assert launched[0]["ts"] - t_start < 2.0 + 3.0  # process start + import + Docker's create/start
+    assert not [d for d in decisions if d["ts"] < launched[0]["ts"]]
+    # each relaunch waited base × 2^(n−1), measured from the exit event to the next launch
+    gaps = [launched[i + 1]["ts"] - exited[i]["ts"] for i in range(3)]
+    for gap, want in zip(gaps, (2.0, 4.0, 8.0), strict=True):
+        assert want <= gap < want + 2.5, gaps
+    assert [d["details"]["delay_s"] for d in decisions[:3]] == [2.0, 4.0, 8.0]
+    assert all(d["details"]["intent"] == "exited" and "intent exited" in d["message"] for d in decisions[:3])
+
+
+def test_three_emergency_stops_open_the_breaker_and_a_rearm_relaunches_recording_who(make: Any) -> None:
+    # every launch breaks 1 s after ready (/health and completions 500): the probe stops it in an emergency
+    s = make(
+        container={
+            "env": {"FAKEVLLM_STARTUP_S": "0.3", "FAKEVLLM_SERVE": "unhealthy", "FAKEVLLM_SERVE_AFTER_S": "1"},
+            "health_interval_s": 0.2,
+            "auto_restart": True,
+            "restart_cap": 20,
+            "restart_cooldown_s": 0.5,
+        },
+        sections={
+            "supervision": {
+                "probe_interval_s": 0.2,
+                "probe_failures": 5,
+                "breaker_threshold": 3,
+                "breaker_window_s": 3600,
+            }
+        },
+    )
+    ev = s.wait_event("breaker_open", 120)
+    assert "3 emergency stops" in ev["message"]
+    b = sup(s)["breaker"]
+    assert b["open"] is True and b["count"] == 3
+    # no relaunch while open: the launches stay at 3 for several back-off periods
+    n = len(s.events("launched"))
+    assert n == 3
+    time.sleep(5)
+    assert len(s.events("launched")) == n and s.container()["state"] == "stopped"
+    assert sup(s)["last_decision"]["action"] == "hold" and "breaker open" in sup(s)["last_decision"]["reason"]
+    # each stop counted once, although the rule kept tripping during the stop
+    assert len(s.events("stopped")) == 3
+    r = s.api("POST", "/api/breaker/rearm")
+    assert r.status_code == 200, r.text
+    assert r.json()["rearmed_by"].startswith("api:") and r.json()["launch_id"]
+    assert wait_for(lambda: len(s.events("launched")) == n + 1, 30)
+    rearmed = s.events("breaker_rearmed")[-1]
+    assert rearmed["details"]["who"].startswith("api:") and rearmed["details"]["was_open"] is True
+    state = json.loads((s.tmp / "supervision.json").read_text())
+    assert state["breaker"]["rearmed_by"].startswith("api:") and state["breaker"]["rearmed_at"]
+
+
+def test_empty_completions_with_health_200_are_congestion_not_a_stop(make: Any, tmp_path: Path) -> None:
+    sent = tmp_path / "notified.txt"
+    s = make(
+        container={"env": {"FAKEVLLM_STARTUP_S": "0.3", "FAKEVLLM_SERVE": "empty"}, "health_interval_s": 0.2},
+        sections={
+            "supervision": {"probe_interval_s": 0.3, "probe_failures": 5},
+            "notify": {
+                "kinds": ["probe_congestion"],
+                "command": ["sh", "-c", f'echo "$SPARKD_EVENT_KIND" >> {sent}'],
+                "min_interval_s": 0,
+            },
+        },
+    )
+    s.wait_state("ready", 60)
+    assert wait_for(lambda: len(s.events("probe_congestion")) >= 3, 60), s.output()[-3000:]
+    fails = s.events("probe_failed")
+    assert len(fails) >= 15 and all("completion_tokens is 0" in f["message"] for f in fails)
+    assert s.events("stopped") == [] and s.container()["state"] == "ready"
+    assert sup(s)["breaker"]["count"] == 0
+    # identical alerts: one notification per 15 min (the first, once delivered)
+    assert sent.read_text().splitlines() == ["probe_congestion"]
+
+
+def test_failing_completions_and_health_give_one_emergency_stop_after_five_probes(make: Any) -> None:
+    s = make(
+        container={"env": {"FAKEVLLM_STARTUP_S": "0.3"}, "health_interval_s": 0.2},
+        sections={"supervision": {"probe_interval_s": 0.3, "probe_failures": 5}},
+    )
+    s.wait_state("ready", 60)
+    s.vllm("POST", "/serve?mode=unhealthy")
+    stopped = s.wait_event("stopped", 60)
+    time.sleep(3)  # nothing more follows
+    assert len(s.events("stopped")) == 1
+    fails = s.events("probe_failed")
+    assert len(fails) == 5 and all("HTTP 500" in f["message"] for f in fails)
+    assert fails[-1]["ts"] <= stopped["ts"]
+    st = sup(s)
+    assert st["intent"]["intent"] == "emergency" and st["breaker"]["count"] == 1
+    assert s.events("relaunch_decision")[-1]["details"]["action"] == "hold"  # auto_restart is off
+
+
+def test_an_operator_stop_survives_a_restart_of_sparkd(make: Any, image: str, case_labels: dict[str, str]) -> None:
+    s = make(sections={"supervision": {"probe": False}})
+    s.wait_state("ready", 60)
+    assert s.api("POST", "/api/container/stop").status_code == 200
+    assert sup(s)["intent"]["intent"] == "operator"
+    s.stop()
+    s.start()  # the same state dir and configuration
+    ev = s.wait_event("staying_stopped", 30)
+    assert "stop intent operator" in ev["message"]
+    time.sleep(2)
+    assert sup(s)["intent"]["intent"] == "operator"
+    assert len(s.events("launched")) == 1  # not launched again
+    assert s.api("POST", "/api/container/start").status_code == 200  # the operator releases it
+    assert wait_for(lambda: sup(s)["intent"] is None, 10)
+
+
+def cli(s: SparkdUnderTest, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_maintenance_run_drains_a_held_request_relaunches_and_releases(make: Any) -> None:
+    s = make(sections={"supervision": {"probe": False, "drain_limit_s": 30}})
+    first = s.wait_state("ready", 60)["launch_id"]
+    held: dict[str, Any] = {}
+
+    def request() -> None:
+        body = {"model": "/models/fake", "prompt": "x", "max_tokens": 4, "fake_hold_s": 4}
+        r = httpx.post(f"http://127.0.0.1:{s.vllm_port}/v1/completions", json=body, timeout=30)
+        held["code"], held["done"] = r.status_code, time.time()
+
+    t = threading.Thread(target=request)
+    t.start()
+    assert wait_for(lambda: s.vllm("GET", "/state")["held"] == 1, 10)
+    t0 = time.time()
+    p = cli(s, "maintenance", "run", "--json")
+    t.join(10)
+    assert p.returncode == 0, p.stderr + p.stdout
+    out = json.loads(p.stdout)
+    assert out["drain"]["drained"] is True and out["drain"]["waited_s"] >= 2.5
+    # the stop came only after the held request finished, and it finished with its answer
+    assert held["code"] == 200
+    stopped = [e for e in s.events("stopped") if e["ts"] >= t0]
+    assert stopped and stopped[0]["ts"] >= held["done"]
+    assert out["relaunched"] and out["launch_id"] != first and out["smoke"]["ok"] and out["released"]
+    assert set(out["smoke"]["checks"]) == {"health", "models", "completion", "metrics", "decode"}
+    assert sup(s)["intent"] is None and s.events("maintenance_done")
+
+
+def test_a_failing_smoke_test_alerts_holds_and_the_window_expires_with_an_alert(make: Any) -> None:
+    s = make(
+        sections={"supervision": {"probe": False, "smoke_min_tok_s": 1e9, "maintenance_max_s": 4, "drain_limit_s": 5}}
+    )
+    s.wait_state("ready", 60)
+    r = s.api("POST", "/api/maintenance/run")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["relaunched"] and not out["smoke"]["ok"] and not out["released"]
+    assert out["smoke"]["checks"]["decode"]["ok"] is False and out["smoke"]["checks"]["completion"]["ok"] is True
+    ev = s.wait_event("smoke_failed", 5)
+    assert "decode" in ev["message"]
+    assert sup(s)["intent"]["intent"] == "maintenance"
+    exp = s.wait_event("maintenance_expired", 15)
+    assert "not released" in exp["message"]
+    assert len(s.events("maintenance_expired")) == 1  # once, not every tick
+
+
+def test_a_heartbeat_goes_out_when_all_is_fine(make: Any) -> None:
+    s = make(sections={"supervision": {"probe": False, "heartbeat_interval_s": 2}})
+    ev = s.wait_event("heartbeat", 20)
+    for part in ("up ", "restarts in 24 h", "breaker closed", "min MemAvailable", "state dir"):
+        assert part in ev["message"]
+    assert ev["details"]["min_mem_available_bytes"] > 0 and ev["details"]["state_dir_bytes"] > 0
