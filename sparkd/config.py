@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.errors import ConfigError
 from sparkd.hostport import parse_host
@@ -42,8 +43,8 @@ class RuleConfig(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     samples: int = Field(default=5, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
-    action: Literal["stop", "warn"] = "stop"
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction = "stop"
+    kind: RuleKind = "threshold"
     floor: str | None = None
     within_s: float = Field(default=3.0, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
@@ -149,6 +150,8 @@ class ContainerSettings(BaseModel):
     selector: dict[str, str] = Field(default_factory=dict)
     gpu: Literal["auto", "on", "off"] = "auto"
     memory: str | None = None  # used when no budget is configured
+    init: bool = True  # docker run --init
+    oom_score_adj: int = Field(default=500, ge=1, le=1000)  # docker run --oom-score-adj (positive: goes first)
     stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
     shutdown_timeout_s: float = Field(default=25.0, ge=0, le=600)
     hard_floor: str = "3GiB"
@@ -165,6 +168,13 @@ class ContainerSettings(BaseModel):
     autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
     drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
+
+    @field_validator("oom_score_adj", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"{v!r} is not an integer 1..1000")
+        return v
 
     @field_validator("memory", "hard_floor")
     @classmethod
@@ -189,8 +199,9 @@ class BudgetSettings(BaseModel):
     kv_target_gib: float = Field(default=20.0, ge=0)
     host_reserve_gib: float = Field(default=28.0, ge=0)
     max_model_len: int = Field(default=262144, ge=1)
-    kv_bytes_per_token: int = Field(default=29482, ge=1)
-    kv_cache_dtype: str = "fp8"
+    kv_bytes_per_token: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: KvCacheDtype = "fp8"
+    kv_fp8_mult: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int = Field(default=4, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     gmu_override: float | None = Field(default=None, gt=0, le=1)
@@ -276,6 +287,51 @@ class RetentionSettings(BaseModel):
         return parse_duration_s(v)
 
 
+class PeerSettings(BaseModel):
+    """Another sparkd of the same cluster (the other Spark of a linked pair)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str  # base URL on the link network, e.g. "http://192.168.100.2:8741"
+    token_file: str  # the pair's shared secret: sent to the peer, and required of calls from it
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+            raise ValueError(f'not a base URL: {v!r} (e.g. "http://192.168.100.2:8741")')
+        return v.rstrip("/")
+
+
+class ClusterSettings(BaseModel):
+    """Two (or more) Sparks serving one model: each node a full guard, stops coordinated."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    node: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    role: Literal["head", "worker"] = "head"
+    peers: list[PeerSettings] = Field(default_factory=list)
+    listen: list[str] = Field(default_factory=list)  # extra API addresses (the link network) for peer calls
+    peer_timeout_s: float = Field(default=3.0, gt=0, le=60)
+    tls_ca_file: str | None = None  # verify https peers against this CA (default: the system's)
+    worker_start_delay_s: float = Field(default=15.0, ge=0, le=600)
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSettings:
+        if self.peers and not self.node:
+            raise ValueError("cluster.node: a name for this node is required when cluster.peers is set")
+        names = [p.name for p in self.peers]
+        if self.node in names:
+            raise ValueError(f"cluster.peers: {self.node!r} is this node's own name")
+        if len(set(names)) != len(names):
+            raise ValueError("cluster.peers: peer names must be unique")
+        return self
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -327,6 +383,7 @@ class Settings(BaseSettings):
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     supervision: SupervisionSettings = Field(default_factory=SupervisionSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
@@ -498,6 +555,11 @@ FIELD_DOCS: dict[str, str] = {
     "by default; set this to run several).",
     "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
     "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
+    "container.init": "docker run --init: Docker's init as PID 1 reaps zombies and forwards signals (field: a "
+    "zombie PID 1 made stop and kill time out).",
+    "container.oom_score_adj": "docker run --oom-score-adj, 1..1000: the kernel OOM killer takes the serving "
+    "container before sshd or sparkd (field: a homelab lost sshd first). At 500 a process at 0 needs over half "
+    "of memory to go first.",
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
     "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
@@ -526,8 +588,11 @@ FIELD_DOCS: dict[str, str] = {
     "budget.kv_target_gib": "KV cache wanted (notes: 20).",
     "budget.host_reserve_gib": "Left to the host (notes: 26 had to become 28).",
     "budget.max_model_len": "vLLM --max-model-len.",
-    "budget.kv_bytes_per_token": "KV bytes per token at BF16 (notes: 29482).",
-    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype (fp8: KV_MULT 0.58; bf16/auto: 1.0).",
+    "budget.kv_bytes_per_token": "16-bit KV bytes per token; default: from the checkpoint's config.json "
+    "(MHA/GQA, MLA, sliding-window, hybrid linear attention), refused if not recognised (notes' model: 29482).",
+    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype: auto, bf16, fp16 (KV_MULT 1.0) or fp8, fp8_e4m3, fp8_e5m2.",
+    "budget.kv_fp8_mult": "KV_MULT for an fp8 KV cache; default 0.5 (whole KV in fp8), 0.58 for the notes' "
+    "29482 B/token model whose side caches stay BF16.",
     "budget.max_num_seqs": "vLLM --max-num-seqs.",
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
@@ -568,6 +633,13 @@ FIELD_DOCS: dict[str, str] = {
     "retention.archives_max_count": "Keep at most this many archives (oldest removed first, never the newest).",
     "retention.archives_max_bytes": "Keep archives within this total size.",
     "retention.interval_s": "Run retention this often.",
+    "cluster.node": "This node's name in a cluster of Sparks (required with peers).",
+    "cluster.role": "head (serves the model's API and rank 0; launches last) or worker (headless; launches first).",
+    "cluster.peers": "Other sparkd nodes: name, url (base URL on the link network), token_file (the pair's secret).",
+    "cluster.listen": "Extra addresses the API also listens on for peer calls (the link network); loopback stays.",
+    "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
+    "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
+    "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
 }
 
 

@@ -18,16 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes import FakeActions
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkd.act.archive import write_archive
 from sparkd.config import load_settings
-from sparkd.core.budget import BudgetInputs, make_plan
-from sparkd.errors import ConfigError, Conflict
-from sparkd.face.api import create_app
+from sparkd.errors import ConfigError
+from sparkd.face.app import create_app
 from sparkd.face.auth import SESSION_COOKIE, Auth, ensure_token
 from sparkd.loop.daemon import Daemon
-from sparkd.units import GiB
 
 BASE = "http://127.0.0.1:8741"
 
@@ -35,72 +34,6 @@ BASE = "http://127.0.0.1:8741"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class FakeActions:
-    """The container supervisor's control interface, without Docker."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str]] = []
-        self.busy: str | None = None
-        self.inputs = BudgetInputs(
-            mem_total_bytes=int(121.69 * GiB),
-            max_model_len=262144,
-            kv_bytes_per_token=29482,
-            weights_gib=71.75,
-            kv_cache_dtype="fp8",
-            host_reserve_gib=26.0,
-        )
-        self.plan = make_plan(self.inputs)
-
-    async def start(self, daemon: Any) -> None:
-        return None
-
-    async def on_stop(self, decision: Any) -> None:
-        return None
-
-    def on_kernel_record(self, rec: Any) -> None:
-        return None
-
-    def observe(self, sample: Any) -> None:
-        self.observed = getattr(self, "observed", 0) + 1
-
-    def fast_reason(self) -> str | None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    def status_json(self) -> dict[str, Any]:
-        return {
-            "mode": "managed",
-            "state": "running",
-            "health": "healthy",
-            "name": "sparkd-vllm",
-            "image": "vllm/vllm-openai:v0.9.2",
-            "gmu": self.plan.gmu,
-            "memory_bytes": self.plan.docker_memory_bytes,
-            "started_at": time.time() - 3600,
-            "plan": self.plan.to_json(),
-            "stops_total": 2,
-        }
-
-    async def request(self, action: str, *, source: str) -> dict[str, Any]:
-        if self.busy:
-            raise Conflict(f"already {self.busy}")
-        self.calls.append((action, source))
-        return {"action": action, "accepted": True, "message": f"{action} queued"}
-
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
-        fields = {**self.inputs.__dict__, **changes}
-        new = make_plan(BudgetInputs(**fields))
-        old = None if getattr(self, "plan_json_missing", False) else self.plan.to_json()
-        diff = {
-            k: {"old": (old or {}).get(k), "new": v} for k, v in new.to_json().items() if k in ("gmu", "kv_exp_gib")
-        }
-        self.calls.append(("resize", source))
-        self.last_changes = changes
-        return {"plan": new.to_json(), "previous": old, "diff": diff, "applied": not dry_run}
 
 
 async def _daemon(tmp_path: Path, actions: Any = None, **overrides: Any) -> Daemon:
@@ -375,7 +308,7 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     assert samples[("sparkd_rule_trips_total", (("rule", "low_available"),))] == 0
     assert ("sparkd_rule_near_misses_total", (("rule", "low_free_with_evidence"),)) in samples
     assert samples[("sparkd_nvrm_errors_total", ())] == 0
-    assert samples[("sparkd_container_state", (("state", "running"),))] == 1
+    assert samples[("sparkd_container_state", (("state", "ready"),))] == 1
     assert samples[("sparkd_container_state", (("state", "exited"),))] == 0
     assert samples[("sparkd_container_stops_total", (("how", "stop"),))] == 2
     assert samples[("sparkd_archives", ())] == 1

@@ -326,3 +326,21 @@ SUN_4 = (6, 4, 0)
 )
 def test_it_knows_when_the_schedule_is_due(last_run: datetime | None, now: datetime, due: bool) -> None:
     assert schedule_due(SUN_4, last_run=last_run, now=now) is due
+
+
+@pytest.mark.parametrize(
+    ("source", "intent"),
+    [
+        ("rule low_available", StopIntent.EMERGENCY),
+        ("probe", StopIntent.EMERGENCY),
+        ("peer:spark-b", StopIntent.PEER_EMERGENCY),
+        ("maintenance by api:token", StopIntent.MAINTENANCE),
+        ("sparkd (failed launch)", StopIntent.FAILED_LAUNCH),
+        ("api:token", StopIntent.OPERATOR),
+        ("cli", StopIntent.OPERATOR),
+    ],
+)
+def test_it_names_the_intent_of_a_stop_by_who_asked(source: str, intent: StopIntent) -> None:
+    from sparkd.loop.unattended import Unattended
+
+    assert Unattended.intent_for(source) is intent

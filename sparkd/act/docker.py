@@ -142,7 +142,8 @@ class ContainerManager:
     def launch(self, spec: LaunchSpec, launch_id: str, revision: int | str) -> str:
         """Create and start ``spec``; returns the container id (64 hex).
 
-        Host network, ``ipc_mode`` (host by default), restart policy ``no``, the
+        Host network, ``ipc_mode`` (host by default), ``--init`` and ``--oom-score-adj``
+        as the spec says, restart policy ``no``, the
         ``sparkd.*`` labels plus the selector. The image is never pulled.
         Raises ``NotFound`` (image missing), ``Conflict`` (name in use), ``DockerUnavailable``.
         """
@@ -163,7 +164,10 @@ class ContainerManager:
             "ipc_mode": spec.ipc_mode,
             "restart_policy": {"Name": "no"},
             "detach": True,
+            "init": spec.init,
         }
+        if spec.oom_score_adj is not None:
+            kwargs["oom_score_adj"] = spec.oom_score_adj
         if spec.mem_limit_bytes is not None:
             kwargs["mem_limit"] = spec.mem_limit_bytes
             kwargs["memswap_limit"] = spec.memswap_limit_bytes or spec.mem_limit_bytes

@@ -5,7 +5,9 @@ stop`` with a 30 s grace (CONTEXT.md: a 10 s grace still ended in exit 137);
 4. kill if the stop call fails or the container still runs — and at once if
 MemAvailable falls below the hard floor during the grace; 5. confirm with
 inspect (exit code, OOMKilled, step durations); 6. /dev/shm cleanup by
-evidence; 7. event ``stopped`` with the durations.
+the container's own evidence (what its processes were seen using — while it ran
+and right before the stop — or vLLM's own names created in its lifetime); 7.
+event ``stopped`` with the durations.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from sparkd.act import archive, shm
@@ -111,45 +112,97 @@ def _redact_inspect(inspect: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def _gather(missing: dict[str, str], part: str, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` in a thread; a failure is recorded under ``part`` (``what`` failed: …) → None."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw)
+    except Exception as e:
+        missing[part] = f"{what} failed: {e}"
+        log.warning("postmortem: %s missing (%s failed: %s)", part, what, e)
+        return None
+
+
 async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | None:
-    """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on)."""
+    """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on).
+
+    A partial postmortem beats none: each part is gathered on its own, and a
+    part whose call fails (``docker logs`` or ``inspect`` while dockerd shuts
+    down, a database read) becomes ``NAME.missing`` with the reason; the
+    summary lists what is missing and ``rep.errors`` says so. Only a failure to
+    write the archive file itself leaves no archive.
+    """
     d = sup.daemon
     assert d is not None
     s = sup.settings
     now = time.time()
-    try:
-        if d.writer is not None:
-            await asyncio.to_thread(d.writer.flush)
-        inspect = await asyncio.to_thread(sup.manager.inspect, cid)
-        since = sup.launch_started_at or (now - s.container.archive_window_s)
-        logs = await asyncio.to_thread(sup.manager.logs, cid, since)
-        store = d.store
-        assert store is not None
-        rows = await asyncio.to_thread(store.samples, since=now - s.container.archive_window_s)
-        kern = await asyncio.to_thread(store.events, since=since, kinds=KERNEL_KINDS, limit=10000)
-        events = await asyncio.to_thread(store.events, since=since, limit=500)
-        parts: dict[str, bytes | str | Path] = {
-            "container.log": logs,
-            "sparkd.log": s.logs_path / "sparkd.log",
-            "samples.csv": archive.samples_to_csv(rows),
-            "kernel.log": "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(kern)) + "\n",
-            "inspect.json": json.dumps(_redact_inspect(inspect), indent=2, default=str),
-            "config.json": json.dumps(effective_config(s), indent=2),
-            "plan.json": json.dumps(sup.plan_json, indent=2),
-            "events.json": json.dumps(list(reversed(events)), indent=2, default=str),
-        }
-        info = await asyncio.to_thread(
-            archive.write_archive,
-            s.archives_path,
-            f"{inspect.get('Name', 'vllm').lstrip('/')}-{rep.source}",
-            parts,
-            _summary(sup, rep, cid, inspect),
+    missing: dict[str, str] = {}
+    if d.writer is not None:
+        await _gather(missing, "samples.csv", "flushing the database queue", d.writer.flush)
+        missing.pop("samples.csv", None)  # what reached the database is still read below
+    inspect = await _gather(missing, "inspect.json", "docker inspect", sup.manager.inspect, cid)
+    since = sup.launch_started_at or (now - s.container.archive_window_s)
+    logs = await _gather(missing, "container.log", "docker logs", sup.manager.logs, cid, since)
+    store = d.store
+    rows = kern = events = None
+    if store is None:
+        for name in ("samples.csv", "kernel.log", "events.json"):
+            missing[name] = "no database open"
+    else:
+        rows = await _gather(
+            missing, "samples.csv", "reading samples", store.samples, since=now - s.container.archive_window_s
         )
+        kern = await _gather(
+            missing, "kernel.log", "reading kernel lines", store.events, since=since, kinds=KERNEL_KINDS, limit=10000
+        )
+        events = await _gather(missing, "events.json", "reading events", store.events, since=since, limit=500)
+
+    def part(name: str, value: Any, make: Any) -> archive.Part:
+        return archive.Missing(missing[name]) if value is None else make(value)
+
+    parts: dict[str, archive.Part] = {
+        "container.log": part("container.log", logs, lambda v: v),
+        "sparkd.log": s.logs_path / "sparkd.log",
+        "samples.csv": part("samples.csv", rows, archive.samples_to_csv),
+        "kernel.log": part(
+            "kernel.log",
+            kern,
+            lambda v: "\n".join((e["details"] or {}).get("line", e["message"]) for e in reversed(v)) + "\n",
+        ),
+        "inspect.json": part("inspect.json", inspect, lambda v: json.dumps(_redact_inspect(v), indent=2, default=str)),
+        "config.json": json.dumps(effective_config(s), indent=2),
+        "plan.json": json.dumps(sup.plan_json, indent=2),
+        "events.json": part("events.json", events, lambda v: json.dumps(list(reversed(v)), indent=2, default=str)),
+    }
+    summary = _summary(sup, rep, cid, inspect or {})
+    if missing:
+        summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(
+            f"  {name}: {why}\n" for name, why in missing.items()
+        )
+        rep.errors.append("archive partial: " + "; ".join(f"{n} missing ({why})" for n, why in missing.items()))
+    name_hint = str((inspect or {}).get("Name") or sup.name or "vllm").lstrip("/")
+    try:
+        hint = f"{name_hint}-{rep.source}"
+        info = await asyncio.to_thread(archive.write_archive, s.archives_path, hint, parts, summary)
         return info.name
     except Exception as e:
         rep.errors.append(f"archive failed: {e}")
         log.error("postmortem archive failed: %s", e)
         return None
+
+
+async def _witness_before_stop(sup: Supervisor, cid: str, rep: StopReport) -> shm.ShmWitness:
+    """The container's /dev/shm evidence: what the supervisor saw while it ran (``sup.shm_witness`` when
+    it is this container's), plus one scan of its processes now, before they stop. Never raises: without
+    the scan the cleanup keeps every entry that only the witness could tie to the container."""
+    w = getattr(sup, "shm_witness", None)
+    if not isinstance(w, shm.ShmWitness) or w.container_id != cid:
+        w = shm.ShmWitness(cid, shm_dir=sup.settings.shm_dir, proc_root=sup.settings.proc_root)
+    try:
+        st = await asyncio.to_thread(sup.manager.state, cid)
+        await asyncio.to_thread(w.observe, st.pid)
+    except Exception as e:
+        rep.errors.append(f"/dev/shm witness before the stop failed: {e}")
+    return w
 
 
 async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
@@ -171,6 +224,7 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
     if archive_first:
         rep.archive = await write_postmortem(sup, rep, cid)
         rep.durations_s["archive"] = time.monotonic() - t0
+    witness = await _witness_before_stop(sup, cid, rep)
     t1 = time.monotonic()
     floor = parse_size(s.container.hard_floor)
     stop_task = asyncio.create_task(asyncio.to_thread(sup.manager.stop, cid, s.container.stop_timeout_s))
@@ -213,8 +267,10 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
             st = await asyncio.to_thread(sup.manager.state, cid)
             rep.outcome = "killed (still running after stop)"
         rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
+        stopped_at = st.finished_at
     except Exception as e:
         rep.errors.append(f"inspect failed: {e}")
+        stopped_at = None
     t2 = time.monotonic()
     try:
         res = await asyncio.to_thread(
@@ -223,6 +279,8 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
             shm_dir=s.shm_dir,
             proc_root=s.proc_root,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            witness=witness,
+            container_stopped_at=stopped_at or time.time(),
         )
         rep.shm_removed = [n for n, _b in res.removed]
         rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]

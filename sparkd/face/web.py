@@ -26,11 +26,13 @@ from sparkd import __version__
 from sparkd.errors import SparkdError
 from sparkd.face import presenters as views
 from sparkd.face.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Auth
+from sparkd.face.replies import validation_detail
+from sparkd.face.schemas import ResizeRequest, form_to_resize
 from sparkd.resources import web_dir
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 STATUS_PARTS = ("summary", "rules", "container", "budget")
 STORE_PARTS = ("events", "launches", "archives")
@@ -146,18 +148,18 @@ def error_page(request: Request, status: int, body: dict[str, Any]) -> Response:
     return render(request, name, status, level="critical", title=body.get("error"), message=message, body=body)
 
 
-def _status_parts(daemon: Daemon) -> dict[str, Any]:
+def _status_parts(daemon: DaemonView) -> dict[str, Any]:
     status = views.status_view(daemon)
     return {
         "summary": views.summary_from_status(status),
         "rules": views.rules_from_status(status),
         "container": views.container_from_status(status),
-        "budget": views.budget_from_status(status.get("plan"), status),
+        "budget": views.budget_from_status(status),
         "chart": views.chart_config(status),
     }
 
 
-def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
+def _store_parts(daemon: DaemonView, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
         out["events"] = views.events_view(daemon.store, limit=30)
@@ -169,7 +171,7 @@ def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[s
     return out
 
 
-async def view_data(daemon: Daemon, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
+async def view_data(daemon: DaemonView, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
     """Data of the named parts: status parts on the loop, store parts in a worker thread.
 
     ``reader``: the request carries the token or a session; without it ``archives`` is None.
@@ -188,7 +190,7 @@ def _is_reader(request: Request) -> bool:
     return auth is not None and auth.reader(request.headers, request.cookies) is not None
 
 
-def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
+def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
         data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
@@ -275,7 +277,6 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
 
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
     async def ui_resize(request: Request) -> HTMLResponse:
-        from sparkd.face.api import ResizeRequest, _validation_detail, form_to_resize
 
         who = await app.state.require_auth(request)
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
@@ -285,7 +286,7 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
         except ValidationError as e:
             from fastapi.exceptions import RequestValidationError
 
-            detail = _validation_detail(RequestValidationError(e.errors()))
+            detail = validation_detail(RequestValidationError(e.errors()))
             msg = detail["message"]
             return _fragment(
                 request, "partials/_message.html", 422, level="critical", title="invalid input", message=msg
@@ -296,4 +297,10 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
             return _error_fragment(request, e)
         # echo what was typed (``28``, not ``28.0``) into the Apply form
         changes = {k: form[k].strip() for k in values if k != "dry_run"}
-        return _fragment(request, "partials/_resize_result.html", result=result, changes=changes, dry_run=req.dry_run)
+        return _fragment(
+            request,
+            "partials/_resize_result.html",
+            result=result.model_dump(mode="json"),
+            changes=changes,
+            dry_run=req.dry_run,
+        )

@@ -28,12 +28,27 @@ import sdnotify
 from sparkd import __version__
 from sparkd.act.notify import Notifier
 from sparkd.config import Settings, effective_config
+from sparkd.core.choices import SamplingMode
 from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
 from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision, still_holds
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop.guard import Guard, TickResult
+from sparkd.loop.status import (
+    ContainerStatus,
+    EventRow,
+    GpuStatus,
+    KernelLogStatus,
+    LeakStatus,
+    NotifyStatus,
+    ResizeResult,
+    RuleStatus,
+    SampleRow,
+    Status,
+    WatermarkStatus,
+    WriterStatus,
+)
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
 from sparkd.store.store import Store, Writer
@@ -58,13 +73,13 @@ class Actions(Protocol):
 
     def observe(self, sample: Sample) -> None: ...
 
-    def status_json(self) -> dict[str, Any]: ...
+    def status_json(self) -> ContainerStatus: ...
 
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]: ...
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]: ...
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult: ...
 
     async def close(self) -> None: ...
 
@@ -97,15 +112,15 @@ class MonitorOnly:
     def observe(self, sample: Sample) -> None:
         return None
 
-    def status_json(self) -> dict[str, Any]:
-        return {"mode": "monitor-only", "reason": self.why, "state": None}
+    def status_json(self) -> ContainerStatus:
+        return ContainerStatus(mode="monitor-only", reason=self.why)
 
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]:
         raise Refused(f"monitor-only: {self.why}; cannot {action} a container")
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         raise Refused(f"monitor-only: {self.why}; nothing to resize")
 
     async def close(self) -> None:
@@ -146,7 +161,7 @@ class Daemon:
         self.started_at = time.time()
         self.samples_taken = 0
         self.tick_durations: collections.deque[float] = collections.deque(maxlen=600)
-        self.mode = "normal"
+        self.mode: SamplingMode = "normal"
         self.mode_reason: str | None = None
         self._fast_until = 0.0
         self._last_status = 0.0
@@ -160,6 +175,9 @@ class Daemon:
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
+        # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
+        self.stop_hooks: list[Callable[[Decision], None]] = []
+        self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
         self.event_notifier: Notifier | None = None
@@ -246,43 +264,52 @@ class Daemon:
                 self._reported_floors.add(w.message)
                 self.event("watermark", w.message, severity="warning", details=w.details())
 
-    def status_json(self) -> dict[str, Any]:
-        """The in-memory state as JSON (``sparkd status``, ``/api/status``). Sizes in bytes."""
+    def status_json(self) -> Status:
+        """The in-memory state (``sparkd status``, ``/api/status``): a ``sparkd.loop.status.Status``.
+
+        Sizes in bytes. Call on the event loop: it reads state the loop mutates.
+
+        Raises:
+            pydantic.ValidationError: a part no longer matches the contract (a bug, not input).
+        """
         g = self.guard
         last = g.last if g else None
         ticks = sorted(self.tick_durations)
-        return {
-            "ts": time.time(),
-            "running": not self.should_exit.is_set(),
-            "version": __version__,
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "samples_taken": self.samples_taken,
-            "interval_s": self.current_interval(),
-            "mode": self.mode,
-            "mode_reason": self.mode_reason,
-            "dry_run": self.settings.dry_run,
-            "sample": last.to_row() if last else None,
-            "rules": g.rules_json() if g else [],
-            "kernel_log": {"source": self.kern_source_name, "nvrm_lines": g.nvrm_lines_total if g else 0},
-            "container": self.actions.status_json(),
-            "writer": {
-                "queued": self.writer.queue.qsize() if self.writer else 0,
-                "written": self.writer.written if self.writer else 0,
-                "dropped": self.writer.dropped if self.writer else 0,
-            },
-            "tick_s_p50": ticks[len(ticks) // 2] if ticks else None,
-            "leak": self.leak.status(),
-            "watermark": {
-                "vm": self.vm_tunables,
-                "low_watermark_bytes": g.low_watermark if g else None,
-                **self.loop_guard.status(),
-                "warnings": [w.message for w in self.floor_warnings],
-            },
-            "notify": self.event_notifier.stats.to_json() if self.event_notifier else None,
-            "gpu": self.gpu,
-            "events": list(self.recent_events)[:20],
-        }
+        container = self.actions.status_json()
+        w = self.writer
+        return Status(
+            ts=time.time(),
+            running=not self.should_exit.is_set(),
+            version=__version__,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            samples_taken=self.samples_taken,
+            interval_s=self.current_interval(),
+            mode=self.mode,
+            mode_reason=self.mode_reason,
+            dry_run=self.settings.dry_run,
+            sample=SampleRow.model_validate(last.to_row()) if last else None,
+            rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
+            kernel_log=KernelLogStatus(source=self.kern_source_name, nvrm_lines=g.nvrm_lines_total if g else 0),
+            container=container,
+            writer=WriterStatus(
+                queued=w.queue.qsize() if w else 0, written=w.written if w else 0, dropped=w.dropped if w else 0
+            ),
+            tick_s_p50=ticks[len(ticks) // 2] if ticks else None,
+            leak=LeakStatus.model_validate(self.leak.status()),
+            watermark=WatermarkStatus.model_validate(
+                {
+                    "vm": self.vm_tunables,
+                    "low_watermark_bytes": g.low_watermark if g else None,
+                    **self.loop_guard.status(),
+                    "warnings": [fw.message for fw in self.floor_warnings],
+                }
+            ),
+            notify=NotifyStatus.model_validate(self.event_notifier.stats.to_json()) if self.event_notifier else None,
+            gpu=[GpuStatus.model_validate(x) for x in self.gpu],
+            events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
+            plan=container.plan,
+        )
 
     def current_interval(self) -> float:
         return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s
@@ -300,7 +327,7 @@ class Daemon:
         return (
             f"MemAvailable {fmt_gib(last.mem_available)}, MemFree {fmt_gib(last.mem_free)}; "
             f"{'rules: ' + ', '.join(counting) if counting else 'rules quiet'}; "
-            f"container: {c.get('state') or c.get('mode')}; sampling {self.mode}"
+            f"container: {c.mode if c.mode == 'monitor-only' else c.state}; sampling {self.mode}"
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -410,6 +437,7 @@ class Daemon:
         sock.listen(128)
         sock.set_inheritable(True)
         self.api_socket = sock
+        sockets = [sock, *self._link_sockets(port)]
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,
@@ -422,7 +450,7 @@ class Daemon:
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
-        self._tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="sparkd-api"))
+        self._tasks.append(asyncio.create_task(server.serve(sockets=sockets), name="sparkd-api"))
         for _ in range(200):
             if server.started:
                 break
@@ -435,6 +463,23 @@ class Daemon:
                 self.settings.api.host,
                 self.settings.api.port,
             )
+
+    def _link_sockets(self, port: int) -> list[socket.socket]:
+        """Sockets on ``cluster.listen`` (the link network, for peer calls only; see face/peer.py)."""
+        out = []
+        for host in self.settings.cluster.listen:
+            s = socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+            )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                s.close()
+                raise OSError(f"cluster.listen: the API cannot listen on {host}:{port}: {e.strerror}") from None
+            s.listen(128)
+            out.append(s)
+        return out
 
     def _tick_once(self) -> TickResult | None:
         assert self.guard is not None
@@ -480,12 +525,12 @@ class Daemon:
             key = (
                 tuple(st.counter for st in g.states.values()) if g else (),
                 self.mode,
-                self.actions.status_json().get("state"),
+                self.actions.status_json().state,
                 id(self.recent_events[0]) if self.recent_events else None,
             )
             if key != self._status_key or since >= STATUS_QUIET_S:
                 self._status_key, self._last_status = key, now
-                self.writer.submit("status", self.status_json())
+                self.writer.submit("status", self.status_json().model_dump(mode="json"))
                 self.notifier.notify(f"STATUS={self.summary_line()}")
 
     def _record_kernel(self, rec: KernRecord, sample: Any) -> None:
@@ -559,6 +604,8 @@ class Daemon:
                     details={"rule": d.rule},
                 )
                 return
+        for hook in self.stop_hooks:
+            hook(d)
         await self.actions.on_stop(d)
 
     def _update_mode(self, result: TickResult | None) -> None:
@@ -706,7 +753,7 @@ class Daemon:
             self.api_server.should_exit = True
         self.event("daemon_stopped", f"sparkd stopping ({reason})")
         if self.writer:
-            self.writer.submit("status", self.status_json())
+            self.writer.submit("status", self.status_json().model_dump(mode="json"))
         if self.event_notifier is not None:
             await asyncio.to_thread(self.event_notifier.close, 5.0)
         for t in self._tasks:

@@ -23,13 +23,16 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.shm import ShmWitness
 from sparkd.act.stop import run_stop
 from sparkd.config import BudgetSettings, Settings
+from sparkd.core.lifecycle import RUNNING_STATES, ContainerState
 from sparkd.core.rules import Decision
 from sparkd.core.supervision import StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
-from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_diff, plan_for
+from sparkd.loop.launch import apply_resize, budget_inputs, launch_spec, plan_for, setting_sources
+from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, SupervisionStatus, diff_figures
 from sparkd.loop.unattended import Unattended
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense.kernlog import KernRecord
@@ -43,6 +46,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sparkd.loop.supervisor")
 NVML_LOST = "Failed to initialize NVML: Unknown Error"
+# After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
+# field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
+START_FAILED_CAUSE_WAIT_S = 5.0
+# How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
+# the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
+SHM_WITNESS_INTERVAL_S = 30.0
 
 
 def out_reason(reason: str | None, source: str) -> str:
@@ -83,7 +92,8 @@ class Supervisor:
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
-        self.autostart_pending = self.mode == "managed" and settings.container.autostart
+        # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
+        self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
         self._cooldown_logged: dict[str, float] = {}
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
@@ -95,6 +105,8 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._last_nvml_check = 0.0
         self._figures_saved: set[str] = set()
+        self.shm_witness: ShmWitness | None = None
+        self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None
         self.stops_total = 0
         self.kills_total = 0
@@ -188,38 +200,44 @@ class Supervisor:
     def fast_reason(self) -> str | None:
         return f"container {self.name} starting" if self.state == "starting" else None
 
-    def status_json(self) -> dict[str, Any]:
+    def status_json(self) -> ContainerStatus:
+        """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
+
+        While the Docker engine does not answer, ``state`` is ``unknown`` and ``engine`` is ``down``.
+        """
         now = time.time()
-        return {
-            "mode": self.mode,
-            "name": self.name,
-            "engine": {None: "unknown", True: "up", False: "down"}[self.engine_up],
-            "engine_error": self.engine_error,
-            "state": self.state if self.engine_up is not False else "unknown (engine down)",
-            "state_since": self.state_since,
-            "state_reason": self.state_reason,
-            "health": self.health,
-            "action": self.action,
-            "container_id": self.container_id,
-            "image": self.image,
-            "launch_id": self.launch_id,
-            "started_at": self.container_started_at,
-            "uptime_s": (now - self.container_started_at)
-            if self.container_started_at and self.state in ("starting", "ready", "unhealthy")
+        state = ContainerState(self.state) if self.engine_up is not False else ContainerState.UNKNOWN
+        plan = PlanFigures.model_validate(self.plan_json) if self.plan_json else None
+        return ContainerStatus(
+            mode="managed" if self.mode == "managed" else "guard",
+            name=self.name,
+            engine={None: "unknown", True: "up", False: "down"}[self.engine_up],  # type: ignore[arg-type]
+            engine_error=self.engine_error,
+            state=state,
+            state_since=self.state_since,
+            state_reason=self.state_reason,
+            health=self.health,
+            action=self.action,
+            container_id=self.container_id,
+            image=self.image,
+            launch_id=self.launch_id,
+            started_at=self.container_started_at,
+            uptime_s=(now - self.container_started_at)
+            if self.container_started_at and state in RUNNING_STATES
             else None,
-            "ready_at": self.ready_at,
-            "trough_bytes": self.trough_bytes,
-            "revision": self.revision,
-            "plan": self.plan_json,
-            "gmu": (self.plan_json or {}).get("gmu"),
-            "memory_bytes": self.mem_limit_bytes,
-            "stay_stopped": self.stay_stopped,
-            "restarts_in_window": self._restarts_in_window(),
-            "busy": self.lock.locked(),
-            "stops_total": self.stops_total,
-            "kills_total": self.kills_total,
-            "supervision": self.unattended.status_json(),
-        }
+            ready_at=self.ready_at,
+            trough_bytes=self.trough_bytes,
+            revision=self.revision,
+            plan=plan,
+            gmu=plan.gmu if plan else None,
+            memory_bytes=self.mem_limit_bytes,
+            stay_stopped=self.stay_stopped,
+            restarts_in_window=self._restarts_in_window(),
+            busy=self.lock.locked(),
+            stops_total=self.stops_total,
+            kills_total=self.kills_total,
+            supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
+        )
 
     # ------------------------------------------------------------------ control
     async def request(
@@ -260,23 +278,29 @@ class Supervisor:
             finally:
                 self.action = None
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         """Dry run: the new plan and the differences, nothing changed. Apply: new revision,
-        drain, graceful stop, launch; roll back to the previous revision if the launch fails."""
+        drain, graceful stop, launch; roll back to the previous revision if the launch fails.
+
+        Raises:
+            Refused: not a managed container. InvalidInput: a change out of range.
+            Conflict: another action is running.
+        """
         if self.mode != "managed":
             raise Refused("resize needs a container sparkd launches (container.image)")
         new_budget = apply_resize(self.budget, changes)
         mem_total = self._mem_total()
         from sparkd.core.budget import make_plan
 
-        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total)).to_json()
-        out: dict[str, Any] = {
-            "plan": new_plan,
-            "previous": self.plan_json,
-            "diff": plan_diff(self.plan_json, new_plan),
-            "applied": False,
-            "dry_run": dry_run,
-        }
+        sources = setting_sources(new_budget, base=self.settings.budget)
+        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)).to_json()
+        out = ResizeResult(
+            plan=PlanFigures.model_validate(new_plan),
+            previous=PlanFigures.model_validate(self.plan_json) if self.plan_json else None,
+            diff=diff_figures(self.plan_json, new_plan),
+            applied=False,
+            dry_run=dry_run,
+        )
         if dry_run:
             return out
         if self.lock.locked():
@@ -286,7 +310,10 @@ class Supervisor:
             try:
                 old_budget, old_rev = self.budget, self.revision
                 rev = await self._save_revision(new_budget, who=source, reason=f"resize {changes}")
-                self._event("resize", f"resize to revision {rev} by {source}: {out['diff']}", details=out)
+                diff_text = {k: [c.old, c.new] for k, c in out.diff.items()}
+                self._event(
+                    "resize", f"resize to revision {rev} by {source}: {diff_text}", details=out.model_dump(mode="json")
+                )
                 await self._drain()
                 if self.container_id and self.state in ("starting", "ready", "unhealthy"):
                     await run_stop(self, f"resize to revision {rev}", source, archive_first=False)
@@ -305,10 +332,10 @@ class Supervisor:
                     self.budget = old_budget
                     await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
                     ok2, why2 = await self._launch_and_wait("rollback")
-                    out.update(applied=False, rolled_back=True, error=why, rollback_ok=ok2, rollback_error=why2)
-                    return out
-                out.update(applied=True, revision=rev, launch_id=self.launch_id)
-                return out
+                    return out.model_copy(
+                        update={"rolled_back": True, "error": why, "rollback_ok": ok2, "rollback_error": why2}
+                    )
+                return out.model_copy(update={"applied": True, "revision": rev, "launch_id": self.launch_id})
             finally:
                 self.action = None
 
@@ -355,7 +382,7 @@ class Supervisor:
     async def _save_revision(self, budget: BudgetSettings, *, who: str, reason: str) -> int:
         assert self.daemon is not None and self.daemon.store is not None
         data = {**budget.model_dump(), "_config_base": self.settings.budget.model_dump()}
-        diff = {k: [getattr(self.budget, k), v] for k, v in budget.model_dump().items() if getattr(self.budget, k) != v}
+        diff = {k: c.model_dump() for k, c in diff_figures(self.budget.model_dump(), budget.model_dump()).items()}
         self.revision = await asyncio.to_thread(
             self.daemon.store.add_revision, who=who, reason=reason, data=data, diff=diff or None
         )
@@ -424,6 +451,7 @@ class Supervisor:
             if self.state not in ("stopping", "stopped", "exited", "failed"):
                 await self._exited(st)
             return
+        await self._observe_shm(st.pid)
         await self._health()
 
     async def _attach(self) -> None:
@@ -468,6 +496,17 @@ class Supervisor:
             )
         self.unattended.adopted_at_mono = time.monotonic()
         self._follow_logs()
+
+    async def _observe_shm(self, pid: int | None) -> None:
+        """Every SHM_WITNESS_INTERVAL_S, what the running container's processes (``pid``: its PID 1 on the
+        host) map or hold open in /dev/shm: the evidence of the cleanup after a stop (act/shm.ShmWitness)."""
+        cid = self.container_id
+        if not cid or time.monotonic() - self._last_shm_observe < SHM_WITNESS_INTERVAL_S:
+            return
+        self._last_shm_observe = time.monotonic()
+        if self.shm_witness is None or self.shm_witness.container_id != cid:
+            self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
+        await asyncio.to_thread(self.shm_witness.observe, pid)
 
     async def _health(self) -> None:
         assert self.container_id is not None
@@ -622,7 +661,7 @@ class Supervisor:
         d = self.daemon
         assert d is not None
         s = self.settings.model_copy(update={"budget": self.budget})
-        plan = plan_for(s, self._mem_total())
+        plan = plan_for(s, self._mem_total(), base=self.settings.budget)
         spec = launch_spec(s, plan)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
@@ -634,6 +673,7 @@ class Supervisor:
             proc_root=s.proc_root,
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+            model_dir=s.container.model_dir,
         )
         if not pf.ok and not force:
             self._event(
@@ -760,13 +800,31 @@ class Supervisor:
     def _launch_figures(self) -> None:
         if self.parser is None:
             return
-        actual = self.parser.record.to_json()
+        rec = self.parser.record
+        actual = rec.to_json()
         self._save_launch(actual_figures=actual)
-        if actual.get("state") == "failed" and "failed" not in self._figures_saved:
-            self._figures_saved.add("failed")
-            self._event(
-                "vllm_start_failed", f"vLLM refused to start: {actual.get('error') or actual}", severity="critical"
-            )
+        for key, text in rec.warnings().items():  # e.g. a negative CUDA graph estimate
+            if key not in self._figures_saved:
+                self._figures_saved.add(key)
+                self._event("vllm_start_warning", text, severity="warning", details={"warning": key})
+        if rec.failed and rec.failure_kind is None and "failed_wait" not in self._figures_saved:
+            # vLLM prints its generic line first and the root cause after it: wait for the cause
+            self._figures_saved.add("failed_wait")
+            asyncio.get_running_loop().call_later(START_FAILED_CAUSE_WAIT_S, self._start_failed_event)
+        elif rec.failed and rec.failure_kind is not None:
+            self._start_failed_event()
+
+    def _start_failed_event(self) -> None:
+        if self.parser is None or "failed" in self._figures_saved:
+            return
+        self._figures_saved.add("failed")
+        rec = self.parser.record
+        self._event(
+            "vllm_start_failed",
+            rec.failure_summary() or "vLLM failed to start",
+            severity="critical",
+            details={k: v for k, v in rec.to_json().items() if k.startswith("failure_") or k == "phase"},
+        )
 
     def _save_launch(self, *, actual_figures: dict[str, Any] | None = None, **cols: Any) -> None:
         d = self.daemon

@@ -148,10 +148,13 @@ class Unattended:
     # ------------------------------------------------------------------ intents
     @staticmethod
     def intent_for(source: str) -> StopIntent:
-        """A stop's intent from who asked: a rule, the hard floor or the probe → emergency;
-        ``maintenance`` → maintenance; a failed start-up → failed_launch; anyone else → operator."""
+        """A stop's intent from who asked: a rule, the hard floor or the probe → emergency; a peer
+        (``peer:<name>``) → peer_emergency; ``maintenance`` → maintenance; a failed start-up →
+        failed_launch; anyone else → operator."""
         if source.startswith(("rule ", "probe", "hard floor")):
             return StopIntent.EMERGENCY
+        if source.startswith("peer:"):  # loop.cluster.accept_stop: the other node tripped
+            return StopIntent.PEER_EMERGENCY
         if source.startswith("maintenance"):
             return StopIntent.MAINTENANCE
         if source.startswith("sparkd (failed launch"):

@@ -123,6 +123,7 @@ class DoctorContext:
     unit_status: Callable[[], UnitStatus] | None = None  # None: probe_unit_status(run)
     last_trip: Callable[[], LastTrip | None] = lambda: None
     now: Callable[[], float] = time.time
+    shm_ignore_unreadable_pids: Sequence[int] = ()  # the setting of the same name
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
 
@@ -138,6 +139,7 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
         check_watermarks,
         check_memtotal,
         check_shm,
+        check_proc_visibility,
         check_dev_char_symlinks,
         check_unit,
         check_last_trip,
@@ -306,6 +308,39 @@ def check_shm(ctx: DoctorContext) -> list[Check]:
             f"{detail}; {len(suspects)} named like vLLM/NCCL segments ({shown})",
             "leftovers if no vLLM runs: sparkd removes only entries no live process maps or "
             "holds open; check by hand with `fuser -v /dev/shm/<name>`",
+        )
+    ]
+
+
+def check_proc_visibility(ctx: DoctorContext) -> list[Check]:
+    """PIDs whose /proc maps or fds sparkd cannot read (e.g. PID 1 in some sandboxes, ``hidepid``): any
+    one of them makes every /dev/shm entry "cannot prove unused", so the cleanup after a stop removes
+    nothing. PIDs listed in ``shm_ignore_unreadable_pids`` are reported but do not block."""
+    from sparkd.act.shm import unreadable_pids
+
+    try:
+        found = unreadable_pids(ctx.proc_root)
+    except OSError as exc:
+        return [Check("FAIL", "/proc visibility", f"cannot list {ctx.proc_root}: {exc}")]
+    ignored = set(ctx.shm_ignore_unreadable_pids)
+
+    def show(items: list[tuple[int, str, str]]) -> str:
+        text = ", ".join(f"pid {p} ({comm}): {why}" for p, comm, why in items[:5])
+        return text + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+    blocking = [t for t in found if t[0] not in ignored]
+    skipped = [t for t in found if t[0] in ignored]
+    note = f"; ignored by shm_ignore_unreadable_pids: {show(skipped)}" if skipped else ""
+    if not blocking:
+        return [Check("OK", "/proc visibility", f"every process's maps and fds are readable{note}")]
+    return [
+        Check(
+            "WARN",
+            "/proc visibility",
+            f"/proc unreadable for {show(blocking)}: /dev/shm cleanup cannot prove unused any entry and "
+            f"keeps them all{note}",
+            "run sparkd as root in the host's PID namespace (no hidepid); a PID known not to use /dev/shm "
+            "(a sandbox's init) can be listed in shm_ignore_unreadable_pids",
         )
     ]
 
