@@ -99,10 +99,13 @@ def test_three_emergency_stops_open_the_breaker_and_a_rearm_relaunches_recording
     assert sup(s)["last_decision"]["action"] == "hold" and "breaker open" in sup(s)["last_decision"]["reason"]
     # each stop counted once, although the rule kept tripping during the stop
     assert len(s.events("stopped")) == 3
+    card = s.api("GET", "/ui/container").text  # the dashboard's container card
+    assert "<strong>OPEN</strong>" in card and "stop intent" in card and "emergency" in card
     r = s.api("POST", "/api/breaker/rearm")
     assert r.status_code == 200, r.text
     assert r.json()["rearmed_by"].startswith("api:") and r.json()["launch_id"]
     assert wait_for(lambda: len(s.events("launched")) == n + 1, 30)
+    assert "<strong>OPEN</strong>" not in s.api("GET", "/ui/container").text
     rearmed = s.events("breaker_rearmed")[-1]
     assert rearmed["details"]["who"].startswith("api:") and rearmed["details"]["was_open"] is True
     state = json.loads((s.tmp / "supervision.json").read_text())

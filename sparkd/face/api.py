@@ -292,6 +292,12 @@ def install_supervision_routes(app: FastAPI, daemon: DaemonView) -> None:
             raise Refused(f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}")
         return u
 
+    async def rearm_as(who: str) -> dict[str, Any]:
+        result: dict[str, Any] = await unattended().rearm(who)
+        return result
+
+    app.state.rearm = rearm_as
+
     @app.post("/api/breaker/rearm", tags=["control"])
     async def breaker_rearm(who: Who) -> dict[str, Any]:
         """Close the circuit breaker, recording who and when; relaunches a model that an emergency took down."""

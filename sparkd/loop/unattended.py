@@ -222,7 +222,8 @@ class Unattended:
             and not self.sup.running()
             and intent in (None, StopIntent.EMERGENCY, StopIntent.EXITED, StopIntent.FAILED_LAUNCH)
         ):
-            out["launch_id"] = await self.sup.request("start", source=f"rearm by {who}")
+            started = await self.sup.request("start", source=f"rearm by {who}")
+            out["launch_id"] = started.get("launch_id")
         return out
 
     # ------------------------------------------------------------------ relaunch
