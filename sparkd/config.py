@@ -255,6 +255,7 @@ class SupervisionSettings(BaseModel):
     api_key: str | None = None
     maintenance_max_s: float = Field(default=7200.0, gt=0)
     maintenance_schedule: str | None = None
+    maintenance_on_leak: bool = False
     drain_limit_s: float = Field(default=600.0, ge=0, le=7200)
     smoke_min_tok_s: float = Field(default=0.0, ge=0)
     heartbeat: bool = True
@@ -621,6 +622,8 @@ FIELD_DOCS: dict[str, str] = {
     "supervision.maintenance_max_s": "A maintenance stop intent expires with an alert after this long (2 h).",
     "supervision.maintenance_schedule": 'Scheduled drain-and-relaunch, local time, e.g. "Sun 04:00" or '
     '"daily 04:00"; unset: off.',
+    "supervision.maintenance_on_leak": "Run the drain-and-relaunch when a leak_trend event is raised (driver memory "
+    "that grew past leak_threshold since launch).",
     "supervision.drain_limit_s": "Maintenance drain: wait at most this long for vllm:num_requests_running = 0.",
     "supervision.smoke_min_tok_s": "Smoke test after a maintenance relaunch: decode tok/s of the probe must "
     "reach this.",

@@ -231,3 +231,30 @@ def test_a_heartbeat_goes_out_when_all_is_fine(make: Any) -> None:
     for part in ("up ", "restarts in 24 h", "breaker closed", "min MemAvailable", "state dir"):
         assert part in ev["message"]
     assert ev["details"]["min_mem_available_bytes"] > 0 and ev["details"]["state_dir_bytes"] > 0
+
+
+def meminfo(free_kib: int) -> str:
+    """A scripted meminfo: driver memory (MemTotal − MemFree − Buffers − Cached − AnonPages − Slab −
+    PageTables − KernelStack) = 16 GiB − 2 GiB − MemFree; MemAvailable stays at 12 GiB (no rule trips)."""
+    return (
+        f"MemTotal: 16777216 kB\nMemFree: {free_kib} kB\nMemAvailable: 12582912 kB\nBuffers: 0 kB\n"
+        "Cached: 1048576 kB\nAnonPages: 1048576 kB\nSlab: 0 kB\nPageTables: 0 kB\nKernelStack: 0 kB\n"
+    )
+
+
+def test_a_leak_trend_starts_the_drain_and_relaunch_when_asked(make: Any, tmp_path: Path) -> None:
+    # driver memory grows over hours on a GPU host; here a scripted /proc moves it by 3 GiB at once
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(meminfo(8388608))
+    s = make(
+        top={"proc_root": str(proc), "leak_threshold": "1GiB", "leak_warmup_start_s": 0, "leak_warmup_end_s": 1},
+        sections={"supervision": {"probe": False, "maintenance_on_leak": True}},
+    )
+    first = s.wait_state("ready", 60)["launch_id"]
+    time.sleep(2)  # past the baseline window
+    (proc / "meminfo").write_text(meminfo(8388608 - 3 * 1048576))  # in place: sparkd keeps the file open
+    s.wait_event("leak_trend", 20)
+    done = s.wait_event("maintenance_done", 60)
+    assert done["details"]["launch_id"] != first and done["details"]["smoke"]["ok"]
+    assert s.events("stop_intent")[-1]["details"]["who"] == "leak trend"

@@ -117,6 +117,7 @@ class Supervisor:
         self.daemon = daemon
         await self._load_revision()
         await self.unattended.load()
+        daemon.notify_hooks.append(self.unattended.on_event)
         await self._remember_last_stop()
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
 

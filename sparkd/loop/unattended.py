@@ -395,11 +395,21 @@ class Unattended:
                 self._last_scheduled = local
                 self._maint = asyncio.create_task(self._quiet_maintenance("schedule"))
 
+    def on_event(self, ev: dict[str, Any]) -> None:
+        """A ``Daemon.notify_hooks`` entry: a ``leak_trend`` event starts the drain-and-relaunch when
+        ``supervision.maintenance_on_leak`` is on (CONTEXT.md: a leak trend wants a planned relaunch, not a
+        stop). Never raises; runs on the event loop."""
+        if ev.get("kind") != "leak_trend" or not self.cfg.maintenance_on_leak:
+            return
+        if self._maint is not None and not self._maint.done():
+            return
+        self._maint = asyncio.get_running_loop().create_task(self._quiet_maintenance("leak trend"))
+
     async def _quiet_maintenance(self, who: str) -> None:
         try:
             await self.maintenance_run(who)
         except SparkdError as e:
-            self.sup._event("maintenance_refused", f"scheduled maintenance not run: {e.message}", severity="warning")
+            self.sup._event("maintenance_refused", f"maintenance ({who}) not run: {e.message}", severity="warning")
 
     async def _heartbeat(self, now: float) -> None:
         size = await asyncio.to_thread(_dir_bytes, Path(self.sup.settings.state_dir))
