@@ -258,3 +258,23 @@ def test_a_leak_trend_starts_the_drain_and_relaunch_when_asked(make: Any, tmp_pa
     done = s.wait_event("maintenance_done", 60)
     assert done["details"]["launch_id"] != first and done["details"]["smoke"]["ok"]
     assert s.events("stop_intent")[-1]["details"]["who"] == "leak trend"
+
+
+def test_three_failed_launches_in_a_row_hold_and_alert(make: Any) -> None:
+    s = make(
+        container={
+            "env": {"FAKEVLLM_MODE": "never-ready", "FAKEVLLM_STARTUP_S": "0.3"},
+            "startup_timeout_s": 5,
+            "auto_restart": True,
+            "restart_cap": 20,
+            "restart_cooldown_s": 0.5,
+        },
+        sections={"supervision": {"probe": False}},
+    )
+    hold = s.wait_event("launch_hold", 90)
+    assert "3 consecutive failed launches" in hold["message"] and hold["details"]["intent"] == "failed_launch"
+    time.sleep(3)
+    assert len(s.events("launched")) == 3  # the first launch and two relaunches, then nothing
+    decisions = s.events("relaunch_decision")
+    assert [d["details"]["delay_s"] for d in decisions] == [0.5, 1.0]
+    assert sup(s)["backoff"]["failed_launches"] == 3
