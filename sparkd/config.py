@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
@@ -118,6 +118,12 @@ class ApiSettings(BaseModel):
     port: int = Field(default=8741, ge=0, le=65535)
     allow_remote: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
+    # Resource caps of the HTTP side (issue 13): the guard keeps its descriptors and memory whatever
+    # clients do. Control requests are a few hundred bytes; a browser's headers a few KiB.
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    max_body_bytes: int = Field(default=65536, ge=1024, le=16 * 2**20)
+    max_header_bytes: int = Field(default=16384, ge=4096, le=2**20)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -287,6 +293,12 @@ class RetentionSettings(BaseModel):
     def _dur(cls, v: Any) -> Any:
         return parse_duration_s(v)
 
+    @field_validator("archives_max_bytes")
+    @classmethod
+    def _bytes(cls, v: str) -> str:
+        parse_size(v)  # refuses negative and decimal (GB) sizes
+        return v
+
 
 class PeerSettings(BaseModel):
     """Another sparkd of the same cluster (the other Spark of a linked pair)."""
@@ -362,6 +374,7 @@ class Settings(BaseSettings):
     rules: list[RuleConfig] = Field(default_factory=lambda: [RuleConfig(**r) for r in DEFAULT_RULES])
     cooldown_s: float = Field(default=60.0, ge=0, le=86400)
     dry_run: bool = False
+    monitor_only: bool = False  # sample and record only, explicitly (allows a rule set without a stop rule)
     recheck: bool = True
 
     kernlog_source: Literal["auto", "kmsg", "journal", "dmesg", "off"] = "auto"
@@ -389,7 +402,7 @@ class Settings(BaseSettings):
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
     def _size(cls, v: str) -> str:
-        parse_size(v)
+        parse_size(v)  # refuses negative and decimal (GB) sizes
         return v
 
     @model_validator(mode="after")
@@ -400,6 +413,11 @@ class Settings(BaseSettings):
             raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
         if self.fast_interval_s > self.interval_s:
             raise ValueError("fast_interval_s must be <= interval_s")
+        if not any(r.action == "stop" for r in self.rules) and not self.dry_run and not self.monitor_only:
+            raise ValueError(
+                f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop"), so nothing would ever '
+                "stop the container; add one, or say so explicitly with dry_run = true or monitor_only = true"
+            )
         if self.budget.enabled and self.container.memory is not None:
             raise ValueError(
                 "container.memory and budget.enabled = true both set Docker --memory; the budget derives it "
@@ -416,7 +434,12 @@ class Settings(BaseSettings):
     def logs_path(self) -> Path:
         if self.log_dir:
             return Path(self.log_dir)
-        return Path("/var/log/sparkd") if os.geteuid() == 0 else Path(self.state_dir) / "logs"
+        # /var/log/sparkd only for the system daemon (root, the default state dir): a daemon with a
+        # state dir of its own keeps its log beside it, so two daemons never share a log (or archive
+        # each other's lines in a postmortem)
+        if os.geteuid() == 0 and Path(self.state_dir) == Path("/var/lib/sparkd"):
+            return Path("/var/log/sparkd")
+        return Path(self.state_dir) / "logs"
 
     @property
     def archives_path(self) -> Path:
@@ -442,11 +465,11 @@ class Settings(BaseSettings):
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {key} = {shown}: {msg}")
+        lines.append(f"  {key} = {shown}: {msg}" if key else f"  {msg}")  # a check across keys names them itself
     return "\n".join(lines)
 
 
@@ -483,6 +506,14 @@ def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] |
         return Settings(**data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
+    except SettingsError as e:  # an environment value that is not JSON where JSON is needed
+        field = str(e).partition('field "')[2].partition('"')[0] or "?"
+        env = f"SPARKD_{field.upper()}"
+        shown = os.environ.get(env, "")
+        raise ConfigError(
+            f"{env} = {shown[:80]!r}: not valid JSON; {field} takes a JSON value from the environment "
+            f'(e.g. {env}=\'[{{"name": "low_available", "when": ["MemAvailable < 6GiB"]}}]\')'
+        ) from None
 
 
 REDACTED = "<redacted>"
@@ -512,10 +543,15 @@ def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, An
 FIELD_DOCS: dict[str, str] = {
     "state_dir": "SQLite store, API token and postmortem archives (/var/lib/sparkd as root).",
     "db_path": "SQLite file; default <state_dir>/sparkd.db.",
-    "log_dir": "sparkd's own rotated log; default /var/log/sparkd as root, else <state_dir>/logs.",
+    "log_dir": (
+        "sparkd's own rotated log; default /var/log/sparkd for the system daemon (root, state_dir "
+        "/var/lib/sparkd), else <state_dir>/logs."
+    ),
     "archive_dir": "Postmortem bundles (tar.gz); default <state_dir>/archives.",
     "proc_root": "Where /proc is read from (tests point it at fixture trees).",
     "shm_dir": "The host's POSIX shared memory directory (--ipc host puts the container's here).",
+    "monitor_only": "Sample, evaluate and record only; never act on a container. Needed (or dry_run) for a rule "
+    "set without a stop rule.",
     "interval_s": "Seconds between samples in normal mode (CONTEXT.md: about once a second). 0.1..60.",
     "fast_interval_s": "Seconds between samples in fast mode: start-up, a rule counting, near a floor. >= 0.1.",
     "fast_margin": "Sample fast while MemAvailable is within this of a rule's floor.",
@@ -542,6 +578,12 @@ FIELD_DOCS: dict[str, str] = {
     "api.port": "Listen port of the API and dashboard.",
     "api.allow_remote": "Allow binding beyond loopback (the API can stop containers: protect it).",
     "api.allowed_hosts": "Host header values accepted (DNS-rebinding protection).",
+    "api.max_connections": "Open HTTP connections at most (also kept below the descriptor limit minus a reserve "
+    "for the guard and the stop path); more are closed at once.",
+    "api.header_timeout_s": "A connection that has not sent a complete request head within this time is closed "
+    "(slow or idle clients: slowloris).",
+    "api.max_body_bytes": "Largest request body; a larger one is refused (413) before it is read.",
+    "api.max_header_bytes": "Largest request head (request line + headers); a larger one is refused (400).",
     "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
     "container.name": "Name of the container sparkd launches.",
     "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",

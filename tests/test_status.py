@@ -148,8 +148,8 @@ def test_it_refuses_a_state_outside_the_one_set() -> None:
     for state in ("running", "created", "absent", "unknown (engine down)"):
         with pytest.raises(ValidationError, match="state"):
             ContainerStatus.model_validate({"mode": "guard", "state": state})
-    with pytest.raises(ValidationError, match="restart_count"):
-        ContainerStatus.model_validate({"mode": "guard", "restart_count": 3})  # a key nobody declared
+    with pytest.raises(ValidationError, match="restarts_total"):
+        ContainerStatus.model_validate({"mode": "guard", "restarts_total": 3})  # a key nobody declared
 
 
 def test_it_exports_a_label_for_every_state() -> None:

@@ -99,7 +99,11 @@ class ContainerInfo:
 @dataclass(frozen=True)
 class ContainerState:
     """``State`` of ``docker inspect``. Times are UTC epoch seconds (None when unset);
-    ``pid`` is the host PID of the container's PID 1 (None when not running)."""
+    ``pid`` is the host PID of the container's PID 1 (None when not running).
+    ``restarting`` (``State.Restarting``: Docker waits to restart it, and says ``running`` meanwhile),
+    ``restart_count`` (``RestartCount``: restarts by the restart policy; ``docker start`` resets it),
+    ``restart_policy`` (``HostConfig.RestartPolicy.Name``), ``health`` (``State.Health.Status`` when
+    the image has a HEALTHCHECK)."""
 
     status: str
     running: bool
@@ -109,6 +113,10 @@ class ContainerState:
     finished_at: float | None
     pid: int | None
     error: str | None
+    restarting: bool = False
+    restart_count: int = 0
+    restart_policy: str | None = None
+    health: str | None = None
 
 
 @dataclass(frozen=True)

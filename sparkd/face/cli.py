@@ -7,6 +7,8 @@ import csv
 import datetime as dt
 import io
 import json
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from sparkd import __version__
 from sparkd.config import Settings, effective_config, load_settings
@@ -105,6 +108,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.daemon import Daemon
     from sparkd.loop.supervisor import make_actions
 
+    os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
     from sparkd.loop.cluster import Cluster
 
@@ -151,7 +155,10 @@ def _echo_snapshot(st: Status) -> None:
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
-    click.echo(f"container: {what} {('— ' + c.reason) if c.reason else ''}")
+    line = f"container: {what} {('— ' + c.reason) if c.reason else ''}"
+    if c.restart_count:
+        line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
+    click.echo(line)
 
 
 @main.command()
@@ -164,10 +171,17 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     if cluster:
         _cluster_status(settings, as_json)
         return
-    store = _store(settings)
-    st = _snapshot(store)
-    latest = store.latest_sample()
-    events = store.events(limit=10)
+    try:
+        store = _store(settings)
+        st = _snapshot(store)
+        latest = store.latest_sample()
+        events = store.events(limit=10)
+    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
+        raise StoreError(
+            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
+            "memory: see `sparkd doctor` and /api/status"
+        ) from None
     running = st is not None and st.running and time.time() - st.ts < STALE_S + 2 * settings.interval_s
     snap = st.model_dump(mode="json") if st else {}
     data = {
@@ -336,6 +350,8 @@ def doctor(ctx: click.Context) -> None:
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
             shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
+            db_file=settings.db_file,
+            rules=settings.rules,
         )
     )
     click.echo(doc.format_report(checks))

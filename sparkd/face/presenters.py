@@ -23,6 +23,7 @@ from sparkd.loop.status import Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
+    from sparkd.loop.reads import Reads
     from sparkd.loop.status import DaemonView
     from sparkd.store.store import Store
 
@@ -243,14 +244,14 @@ def chart_config(status: Status) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- blocking views
-def events_view(store: Store | None, *, limit: int = 30) -> list[dict[str, Any]]:
+def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
     """Recent events, newest first. Blocking (SQLite): call in a thread."""
     if store is None:
         return []
     return store.events(limit=limit)
 
 
-def launches_view(store: Store | None, *, limit: int = 20) -> list[dict[str, Any]]:
+def launches_view(store: Store | Reads | None, *, limit: int = 20) -> list[dict[str, Any]]:
     """Launches with the plan's estimate beside what vLLM reported. Blocking."""
     if store is None:
         return []

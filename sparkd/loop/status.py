@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from sparkd.config import Settings
     from sparkd.loop.guard import Guard
+    from sparkd.loop.reads import Reads
     from sparkd.store.store import Store
 
 
@@ -181,7 +182,10 @@ class ContainerStatus(_Model):
     gmu: float | None = None
     memory_bytes: int | None = None  # docker --memory (= --memory-swap)
     stay_stopped: bool = False
-    restarts_in_window: int = 0
+    restarts_in_window: int = 0  # sparkd's auto-restarts and Docker's restarts seen, in container.restart_window_s
+    restart_count: int = 0  # Docker's RestartCount as last inspected (its restart policy's restarts)
+    restart_policy: str | None = None  # Docker's HostConfig.RestartPolicy.Name
+    docker_restarts_seen: int = 0  # Docker restarts sparkd has counted since it began watching this container
     busy: bool = False
     stops_total: int = 0
     kills_total: int = 0
@@ -258,12 +262,35 @@ class RuleStatus(_Model):
 class KernelLogStatus(_Model):
     source: str  # kmsg | journal | dmesg | off
     nvrm_lines: int  # NV_ERR_NO_MEMORY lines seen since sparkd started
+    lines_read: int = 0  # kernel-log lines read since sparkd started
+    lost: int = 0  # records the ring buffer overwrote before sparkd read them (/dev/kmsg sequence gap)
 
 
 class WriterStatus(_Model):
     queued: int
     written: int
     dropped: int
+    refused: int = 0  # records the database refused for good (dropped with a record_refused event)
+    last_error: str | None = None  # the last write error, one line; None while writes succeed
+
+
+class DatabaseStatus(_Model):
+    """``sparkd.store.keeper.DbKeeper.status()``: is the database recording, and if not, why."""
+
+    state: Literal["opening", "ok", "unavailable"]
+    path: str
+    error: str | None
+    since: float  # epoch s: when this state began
+    attempts: int
+    moved_aside: list[str]  # corrupt files kept as <name>.corrupt-<UTC time>
+
+
+class HttpStatus(_Model):
+    """The API's resource caps at work (``sparkd.loop.httpserver``)."""
+
+    connection_cap: int  # open connections allowed (api.max_connections, below the descriptor limit)
+    refused: int  # connections closed at once: over the cap
+    head_timeouts: int  # connections closed for not sending a request head within api.header_timeout_s
 
 
 class LeakStatus(_Model):
@@ -363,6 +390,8 @@ class Status(_Model):
     kernel_log: KernelLogStatus
     container: ContainerStatus
     writer: WriterStatus
+    database: DatabaseStatus | None = None  # None only from fakes that predate it
+    http: HttpStatus | None = None
     tick_s_p50: float | None
     leak: LeakStatus
     watermark: WatermarkStatus
@@ -431,6 +460,8 @@ class DaemonView(Protocol):
     def settings(self) -> Settings: ...
     @property
     def store(self) -> Store | None: ...
+    @property
+    def reads(self) -> Reads: ...  # the database, or the live in-memory view when it cannot answer
     @property
     def actions(self) -> object: ...
     @property
