@@ -78,25 +78,36 @@ class LaunchBook:
 
     async def _remember_last_stop(self) -> None:
         """A model that was stopped (by a rule, an operator, a crash) stays stopped across restarts of sparkd
-        until an operator starts it; only a launch that was still up when sparkd went away is relaunched."""
+        until an operator starts it; only a launch that was still up when sparkd went away is relaunched —
+        unless the persisted stop intent (loop/unattended) is ``operator`` or ``maintenance``."""
         store = self.daemon.store if self.daemon else None
         if store is None or self.mode != "managed":
             return
         last = await asyncio.to_thread(store.launches, limit=1)
-        rec = self.unattended.state.intent  # the persisted stop intent (loop/unattended)
-        if (last and last[0]["status"] not in ("starting", "ready")) or (
-            rec is not None and rec.intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE)
-        ):
+        intent = self.unattended.state.intent
+        held = intent is not None and intent.intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE)
+        if (last and last[0]["status"] not in ("starting", "ready")) or held:
             self.autostart_pending = False
             self.stay_stopped = True
             ended = f"the last launch ({last[0]['id']}) ended '{last[0]['status']}'" if last else "no launch yet"
-            why = f"stop intent {rec.intent.value} ({rec.who}: {rec.reason})" if rec else ended
-            self.state_reason = why
+            if last:
+                rec = last[0]
+                # show the container as it was left (its name and image), not as "none"
+                states = {
+                    "failed": ContainerState.FAILED,
+                    "exited": ContainerState.EXITED,
+                    "oom_killed": ContainerState.EXITED,
+                }
+                if rec["status"] != "removed":
+                    self.state = states.get(rec["status"], ContainerState.STOPPED)
+                    self.image = rec.get("image") or self.image
+            why = f"stop intent {intent.intent.value} ({intent.who}: {intent.reason})" if intent else ended
+            self.state_reason = f"{why}; stays stopped until `sparkd start`"
             self._event(
                 "staying_stopped",
                 f"not launching at start: {why}; {ended}; `sparkd start` launches again",
                 severity="warning",
-                details={"intent": rec.intent.value if rec else None},
+                details={"intent": intent.intent.value if intent else None},
             )
 
     def _mem_total(self) -> int:
