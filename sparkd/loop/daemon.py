@@ -29,6 +29,7 @@ from sparkd import __version__
 from sparkd.act.notify import Notifier
 from sparkd.config import Settings, effective_config
 from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
+from sparkd.core.headroom import nearest_stop
 from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision, still_holds
 from sparkd.core.sample import Sample
@@ -264,6 +265,7 @@ class Daemon:
             "dry_run": self.settings.dry_run,
             "sample": last.to_row() if last else None,
             "rules": g.rules_json() if g else [],
+            "nearest_stop": self.nearest_stop_json(),
             "kernel_log": {"source": self.kern_source_name, "nvrm_lines": g.nvrm_lines_total if g else 0},
             "container": self.actions.status_json(),
             "writer": {
@@ -283,6 +285,14 @@ class Daemon:
             "gpu": self.gpu,
             "events": list(self.recent_events)[:20],
         }
+
+    def nearest_stop_json(self) -> dict[str, Any] | None:
+        """``core.headroom.nearest_stop`` over the guard's last sample (None before the first)."""
+        g = self.guard
+        if g is None or g.last is None:
+            return None
+        ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono)
+        return ns.to_json() if ns else None
 
     def current_interval(self) -> float:
         return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s
