@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.gzip import GZipMiddleware
 
 from sparkd import __version__
 from sparkd.act.archive import open_archive
@@ -263,6 +264,9 @@ def create_app(daemon: Daemon) -> FastAPI:
     app.state.auth = auth
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
+    # outermost: compresses pages, JSON and static files over 500 bytes (the dashboard's live
+    # updates included); bundles (application/gzip) and event streams are left alone by default
+    app.add_middleware(GZipMiddleware, minimum_size=500)
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     app.state.require_auth = require_auth
@@ -307,16 +311,10 @@ def create_app(daemon: Daemon) -> FastAPI:
             bad = [f for f in flds if f not in CHART_FIELDS]
             if bad or not flds:
                 raise InvalidInput("fields", fields, ", ".join(CHART_FIELDS))
-        aligned = (s // st) * st  # buckets on a fixed grid, so incremental fetches line up
-        rows = daemon.store.downsampled(since=aligned, until=u, step_s=st, fields=flds) if daemon.store else []
-        out: dict[str, Any] = {"since": aligned, "until": u, "step": st, "fields": flds, "points": len(rows)}
-        out["ts"] = [r["ts"] for r in rows]
-        out["n"] = [r["n"] for r in rows]
-        for f in flds:
-            for agg in ("min", "avg", "max"):
-                key = f"{f}_{agg}"
-                out[key] = [r.get(key) for r in rows]
-        return out
+        if daemon.store is None:
+            aligned = (s // st) * st
+            return {"since": aligned, "until": u, "step": st, "fields": flds, "points": 0, "ts": [], "n": []}
+        return views.samples_columns(daemon.store, s, u, st, flds)
 
     @app.get("/api/events", tags=["read"])
     def events(
@@ -413,7 +411,11 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
         return await resize(req, f"api:{who}")
 
+    from sparkd.face.live import install_live
+    from sparkd.face.pages import install_pages
     from sparkd.face.web import install_web
 
+    install_live(app, daemon)
+    install_pages(app, daemon)
     install_web(app, daemon, auth)
     return app
