@@ -52,7 +52,7 @@ def part_hash(data: Any) -> str:
 
 
 class LastStop:
-    """The newest stop's summary, re-read from the store only when a new event was recorded."""
+    """The newest stop's summary, re-read from the store only after a new event was recorded and written."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -61,7 +61,8 @@ class LastStop:
 
     async def get(self) -> dict[str, Any] | None:
         d = self.daemon
-        key = (len(d.recent_events), id(d.recent_events[0]) if d.recent_events else None)
+        # an event reaches the store through the writer queue: re-read once it has written more
+        key = (id(d.recent_events[0]) if d.recent_events else None, d.writer.written if d.writer else 0)
         if key != self._key:
             self._value = await asyncio.to_thread(inc.last_stop, d.store)
             self._key = key

@@ -105,7 +105,14 @@
     ctx.restore();
   }
 
+  function css(name, fallback) {
+    const v = getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+    return v || fallback;
+  }
+
   function makePlot() {
+    const axis = css("--muted", "#9aa4b1");
+    const grid = css("--line", "#1f2731");
     const opts = {
       width: el.clientWidth || 600,
       height: height(),
@@ -123,17 +130,17 @@
       },
       axes: [
         {
-          stroke: "#8b95a3",
+          stroke: axis,
           space: 80,
-          grid: { stroke: "#1f2731", width: 1 },
-          ticks: { stroke: "#262f3b", width: 1 },
+          grid: { stroke: grid, width: 1 },
+          ticks: { stroke: grid, width: 1 },
           values: (u, splits) => splits.map(fmtTick),
         },
         {
-          stroke: "#8b95a3",
+          stroke: axis,
           size: 64,
-          grid: { stroke: "#1f2731", width: 1 },
-          ticks: { stroke: "#262f3b", width: 1 },
+          grid: { stroke: grid, width: 1 },
+          ticks: { stroke: grid, width: 1 },
           values: (u, splits) => splits.map((v) => v + " GiB"),
         },
       ],

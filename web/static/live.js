@@ -81,6 +81,15 @@
     if (!el) return;
     old.replaceWith(el);
     if (window.htmx) window.htmx.process(el);
+    if (name === "buttons") syncResize(el);
+  }
+
+  function syncResize(part) {
+    // the resize form is not re-rendered (it may hold what the operator typed): follow the state here
+    const b = document.querySelector("#resize-form button[type=submit]");
+    if (!b || b.dataset.liveDisabled) return;
+    b.disabled = !part.dataset.resize;
+    b.title = part.dataset.resize ? "" : part.dataset.resizeWhy || "";
   }
 
   function addEvents(html) {
