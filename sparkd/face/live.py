@@ -34,14 +34,30 @@ if TYPE_CHECKING:
 LIVE_PARTS = ("headline", "stopped", "summary", "rules", "container", "buttons", "budget")
 MARKER_KINDS = ("trip", "stopping", "stopped", "killed", "hard_floor_kill", "launched", "ready", "oom_kill", "resize")
 CHART_LIVE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab")
+CHART_LIVE_COLUMNS = (
+    "mem_available_avg",
+    "mem_available_min",
+    "mem_free_avg",
+    "cached_avg",
+    "anon_pages_avg",
+    "slab_avg",
+)
+
+
+_VOLATILE = frozenset({"raw", "uptime_s", "status_ts", "sample_ts", "ts", "samples_taken", "writer"})
 
 
 def _rounded(x: Any) -> Any:
-    """Floats to 1 decimal (GiB figures, durations in s): a part is re-sent when what it shows changes."""
+    """What a part shows, for its hash: sizes to 0.01 GiB, other floats to 1 decimal, no clocks or
+    counters that the part does not display. A part is re-sent only when what it shows changes."""
+    if isinstance(x, bool):
+        return x
+    if isinstance(x, int) and abs(x) >= 2**20:
+        return round(x / 2**30, 2)
     if isinstance(x, float):
-        return round(x, 1)
+        return round(x / 2**30, 2) if abs(x) >= 2**20 else round(x, 1)
     if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items() if k not in ("raw", "uptime_s", "status_ts")}
+        return {k: _rounded(v) for k, v in x.items() if k not in _VOLATILE}
     if isinstance(x, list):
         return [_rounded(v) for v in x]
     return x
@@ -61,11 +77,14 @@ class LastStop:
 
     async def get(self) -> dict[str, Any] | None:
         d = self.daemon
-        # an event reaches the store through the writer queue: re-read once it has written more
-        key = (id(d.recent_events[0]) if d.recent_events else None, d.writer.written if d.writer else 0)
+        newest = d.recent_events[0] if d.recent_events else None
+        key = id(newest)
         if key != self._key:
             self._value = await asyncio.to_thread(inc.last_stop, d.store)
-            self._key = key
+            # a stop event reaches the store through the writer queue: until it is there, ask again
+            pending = newest is not None and newest["kind"] in inc.STOP_KINDS
+            written = self._value is not None and self._value["ts"] >= newest["ts"] - 1e-6 if newest else True
+            self._key = key if (not pending or written) else object()
         return self._value
 
 
@@ -149,7 +168,12 @@ def _store_delta(daemon: Daemon, ev: int | None, since: float | None, step: floa
     if ev is not None:
         out["events"] = store.events(after_id=ev, limit=100)
     if since is not None and step is not None:
-        out["samples"] = views.samples_columns(store, since, time.time(), step, list(CHART_LIVE_FIELDS))
+        cols = views.samples_columns(store, since, time.time(), step, list(CHART_LIVE_FIELDS))
+        # only the columns the chart draws, as whole bytes (the page's chart: dashboard.js SERIES)
+        out["samples"] = {
+            k: ([None if v is None else round(v) for v in cols[k]] if k in CHART_LIVE_COLUMNS else cols[k])
+            for k in ("since", "until", "step", "points", "ts", *CHART_LIVE_COLUMNS)
+        }
     return out
 
 
