@@ -325,6 +325,17 @@ def chart_config(status: dict[str, Any]) -> dict[str, Any]:
     """What the chart script needs besides samples: series and stop thresholds (bytes)."""
     lines = []
     for r in status.get("rules") or []:
+        if r.get("kind") == "predictive" and r.get("floor_bytes") is not None:
+            # its stop line is the projected floor; the when-gate only arms the projection (issue 14)
+            lines.append(
+                {
+                    "rule": r.get("name"),
+                    "field": "mem_available",
+                    "label": "MemAvailable (projected)",
+                    "value": r["floor_bytes"],
+                }
+            )
+            continue
         for t in r.get("thresholds") or []:
             if t.get("is_size") and t.get("field") in CHART_SERIES:
                 lines.append({"rule": r.get("name"), "field": t["field"], "label": t.get("name"), "value": t["value"]})
