@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
+from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.errors import ConfigError
 from sparkd.hostport import parse_host
@@ -42,8 +43,8 @@ class RuleConfig(BaseModel):
     evidence: list[str] = Field(default_factory=list)
     samples: int = Field(default=5, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
-    action: Literal["stop", "warn"] = "stop"
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction = "stop"
+    kind: RuleKind = "threshold"
     floor: str | None = None
     within_s: float = Field(default=3.0, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
@@ -117,6 +118,12 @@ class ApiSettings(BaseModel):
     port: int = Field(default=8741, ge=0, le=65535)
     allow_remote: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
+    # Resource caps of the HTTP side (issue 13): the guard keeps its descriptors and memory whatever
+    # clients do. Control requests are a few hundred bytes; a browser's headers a few KiB.
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    max_body_bytes: int = Field(default=65536, ge=1024, le=16 * 2**20)
+    max_header_bytes: int = Field(default=16384, ge=4096, le=2**20)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -149,6 +156,8 @@ class ContainerSettings(BaseModel):
     selector: dict[str, str] = Field(default_factory=dict)
     gpu: Literal["auto", "on", "off"] = "auto"
     memory: str | None = None  # used when no budget is configured
+    init: bool = True  # docker run --init
+    oom_score_adj: int = Field(default=500, ge=1, le=1000)  # docker run --oom-score-adj (positive: goes first)
     stop_timeout_s: float = Field(default=30.0, ge=1, le=600)
     shutdown_timeout_s: float = Field(default=25.0, ge=0, le=600)
     hard_floor: str = "3GiB"
@@ -162,6 +171,13 @@ class ContainerSettings(BaseModel):
     autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
     drain_timeout_s: float = Field(default=600.0, ge=0, le=7200)
+
+    @field_validator("oom_score_adj", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"{v!r} is not an integer 1..1000")
+        return v
 
     @field_validator("memory", "hard_floor")
     @classmethod
@@ -186,8 +202,9 @@ class BudgetSettings(BaseModel):
     kv_target_gib: float = Field(default=20.0, ge=0)
     host_reserve_gib: float = Field(default=28.0, ge=0)
     max_model_len: int = Field(default=262144, ge=1)
-    kv_bytes_per_token: int = Field(default=29482, ge=1)
-    kv_cache_dtype: str = "fp8"
+    kv_bytes_per_token: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: KvCacheDtype = "fp8"
+    kv_fp8_mult: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int = Field(default=4, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     gmu_override: float | None = Field(default=None, gt=0, le=1)
@@ -231,6 +248,57 @@ class RetentionSettings(BaseModel):
     def _dur(cls, v: Any) -> Any:
         return parse_duration_s(v)
 
+    @field_validator("archives_max_bytes")
+    @classmethod
+    def _bytes(cls, v: str) -> str:
+        parse_size(v)  # refuses negative and decimal (GB) sizes
+        return v
+
+
+class PeerSettings(BaseModel):
+    """Another sparkd of the same cluster (the other Spark of a linked pair)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    url: str  # base URL on the link network, e.g. "http://192.168.100.2:8741"
+    token_file: str  # the pair's shared secret: sent to the peer, and required of calls from it
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/"):
+            raise ValueError(f'not a base URL: {v!r} (e.g. "http://192.168.100.2:8741")')
+        return v.rstrip("/")
+
+
+class ClusterSettings(BaseModel):
+    """Two (or more) Sparks serving one model: each node a full guard, stops coordinated."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    node: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    role: Literal["head", "worker"] = "head"
+    peers: list[PeerSettings] = Field(default_factory=list)
+    listen: list[str] = Field(default_factory=list)  # extra API addresses (the link network) for peer calls
+    peer_timeout_s: float = Field(default=3.0, gt=0, le=60)
+    tls_ca_file: str | None = None  # verify https peers against this CA (default: the system's)
+    worker_start_delay_s: float = Field(default=15.0, ge=0, le=600)
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSettings:
+        if self.peers and not self.node:
+            raise ValueError("cluster.node: a name for this node is required when cluster.peers is set")
+        names = [p.name for p in self.peers]
+        if self.node in names:
+            raise ValueError(f"cluster.peers: {self.node!r} is this node's own name")
+        if len(set(names)) != len(names):
+            raise ValueError("cluster.peers: peer names must be unique")
+        return self
+
 
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
@@ -261,6 +329,7 @@ class Settings(BaseSettings):
     rules: list[RuleConfig] = Field(default_factory=lambda: [RuleConfig(**r) for r in DEFAULT_RULES])
     cooldown_s: float = Field(default=60.0, ge=0, le=86400)
     dry_run: bool = False
+    monitor_only: bool = False  # sample and record only, explicitly (allows a rule set without a stop rule)
     recheck: bool = True
 
     kernlog_source: Literal["auto", "kmsg", "journal", "dmesg", "off"] = "auto"
@@ -282,11 +351,12 @@ class Settings(BaseSettings):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
     def _size(cls, v: str) -> str:
-        parse_size(v)
+        parse_size(v)  # refuses negative and decimal (GB) sizes
         return v
 
     @model_validator(mode="after")
@@ -297,6 +367,11 @@ class Settings(BaseSettings):
             raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
         if self.fast_interval_s > self.interval_s:
             raise ValueError("fast_interval_s must be <= interval_s")
+        if not any(r.action == "stop" for r in self.rules) and not self.dry_run and not self.monitor_only:
+            raise ValueError(
+                f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop"), so nothing would ever '
+                "stop the container; add one, or say so explicitly with dry_run = true or monitor_only = true"
+            )
         if self.budget.enabled and self.container.memory is not None:
             raise ValueError(
                 "container.memory and budget.enabled = true both set Docker --memory; the budget derives it "
@@ -313,7 +388,12 @@ class Settings(BaseSettings):
     def logs_path(self) -> Path:
         if self.log_dir:
             return Path(self.log_dir)
-        return Path("/var/log/sparkd") if os.geteuid() == 0 else Path(self.state_dir) / "logs"
+        # /var/log/sparkd only for the system daemon (root, the default state dir): a daemon with a
+        # state dir of its own keeps its log beside it, so two daemons never share a log (or archive
+        # each other's lines in a postmortem)
+        if os.geteuid() == 0 and Path(self.state_dir) == Path("/var/lib/sparkd"):
+            return Path("/var/log/sparkd")
+        return Path(self.state_dir) / "logs"
 
     @property
     def archives_path(self) -> Path:
@@ -339,11 +419,11 @@ class Settings(BaseSettings):
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {key} = {shown}: {msg}")
+        lines.append(f"  {key} = {shown}: {msg}" if key else f"  {msg}")  # a check across keys names them itself
     return "\n".join(lines)
 
 
@@ -380,6 +460,14 @@ def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] |
         return Settings(**data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
+    except SettingsError as e:  # an environment value that is not JSON where JSON is needed
+        field = str(e).partition('field "')[2].partition('"')[0] or "?"
+        env = f"SPARKD_{field.upper()}"
+        shown = os.environ.get(env, "")
+        raise ConfigError(
+            f"{env} = {shown[:80]!r}: not valid JSON; {field} takes a JSON value from the environment "
+            f'(e.g. {env}=\'[{{"name": "low_available", "when": ["MemAvailable < 6GiB"]}}]\')'
+        ) from None
 
 
 REDACTED = "<redacted>"
@@ -407,10 +495,15 @@ def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, An
 FIELD_DOCS: dict[str, str] = {
     "state_dir": "SQLite store, API token and postmortem archives (/var/lib/sparkd as root).",
     "db_path": "SQLite file; default <state_dir>/sparkd.db.",
-    "log_dir": "sparkd's own rotated log; default /var/log/sparkd as root, else <state_dir>/logs.",
+    "log_dir": (
+        "sparkd's own rotated log; default /var/log/sparkd for the system daemon (root, state_dir "
+        "/var/lib/sparkd), else <state_dir>/logs."
+    ),
     "archive_dir": "Postmortem bundles (tar.gz); default <state_dir>/archives.",
     "proc_root": "Where /proc is read from (tests point it at fixture trees).",
     "shm_dir": "The host's POSIX shared memory directory (--ipc host puts the container's here).",
+    "monitor_only": "Sample, evaluate and record only; never act on a container. Needed (or dry_run) for a rule "
+    "set without a stop rule.",
     "interval_s": "Seconds between samples in normal mode (CONTEXT.md: about once a second). 0.1..60.",
     "fast_interval_s": "Seconds between samples in fast mode: start-up, a rule counting, near a floor. >= 0.1.",
     "fast_margin": "Sample fast while MemAvailable is within this of a rule's floor.",
@@ -437,6 +530,12 @@ FIELD_DOCS: dict[str, str] = {
     "api.port": "Listen port of the API and dashboard.",
     "api.allow_remote": "Allow binding beyond loopback (the API can stop containers: protect it).",
     "api.allowed_hosts": "Host header values accepted (DNS-rebinding protection).",
+    "api.max_connections": "Open HTTP connections at most (also kept below the descriptor limit minus a reserve "
+    "for the guard and the stop path); more are closed at once.",
+    "api.header_timeout_s": "A connection that has not sent a complete request head within this time is closed "
+    "(slow or idle clients: slowloris).",
+    "api.max_body_bytes": "Largest request body; a larger one is refused (413) before it is read.",
+    "api.max_header_bytes": "Largest request head (request line + headers); a larger one is refused (400).",
     "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
     "container.name": "Name of the container sparkd launches.",
     "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",
@@ -451,6 +550,11 @@ FIELD_DOCS: dict[str, str] = {
     "by default; set this to run several).",
     "container.gpu": "Request GPUs: auto (when the engine has an nvidia runtime), on, off.",
     "container.memory": 'Docker --memory when the budget is disabled (e.g. "100GiB").',
+    "container.init": "docker run --init: Docker's init as PID 1 reaps zombies and forwards signals (field: a "
+    "zombie PID 1 made stop and kill time out).",
+    "container.oom_score_adj": "docker run --oom-score-adj, 1..1000: the kernel OOM killer takes the serving "
+    "container before sshd or sparkd (field: a homelab lost sshd first). At 500 a process at 0 needs over half "
+    "of memory to go first.",
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
     "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
@@ -475,8 +579,11 @@ FIELD_DOCS: dict[str, str] = {
     "budget.kv_target_gib": "KV cache wanted (notes: 20).",
     "budget.host_reserve_gib": "Left to the host (notes: 26 had to become 28).",
     "budget.max_model_len": "vLLM --max-model-len.",
-    "budget.kv_bytes_per_token": "KV bytes per token at BF16 (notes: 29482).",
-    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype (fp8: KV_MULT 0.58; bf16/auto: 1.0).",
+    "budget.kv_bytes_per_token": "16-bit KV bytes per token; default: from the checkpoint's config.json "
+    "(MHA/GQA, MLA, sliding-window, hybrid linear attention), refused if not recognised (notes' model: 29482).",
+    "budget.kv_cache_dtype": "vLLM --kv-cache-dtype: auto, bf16, fp16 (KV_MULT 1.0) or fp8, fp8_e4m3, fp8_e5m2.",
+    "budget.kv_fp8_mult": "KV_MULT for an fp8 KV cache; default 0.5 (whole KV in fp8), 0.58 for the notes' "
+    "29482 B/token model whose side caches stay BF16.",
     "budget.max_num_seqs": "vLLM --max-num-seqs.",
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
@@ -494,6 +601,13 @@ FIELD_DOCS: dict[str, str] = {
     "retention.archives_max_count": "Keep at most this many archives (oldest removed first, never the newest).",
     "retention.archives_max_bytes": "Keep archives within this total size.",
     "retention.interval_s": "Run retention this often.",
+    "cluster.node": "This node's name in a cluster of Sparks (required with peers).",
+    "cluster.role": "head (serves the model's API and rank 0; launches last) or worker (headless; launches first).",
+    "cluster.peers": "Other sparkd nodes: name, url (base URL on the link network), token_file (the pair's secret).",
+    "cluster.listen": "Extra addresses the API also listens on for peer calls (the link network); loopback stays.",
+    "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
+    "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
+    "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
 }
 
 

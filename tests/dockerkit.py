@@ -13,6 +13,7 @@ import contextlib
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -20,6 +21,7 @@ import docker.errors
 import pytest
 from conftest import REPO, need
 from fvhelpers import Launched, free_port
+from sparkdapi import SparkdUnderTest
 
 from sparkd.act.docker import ContainerManager, LaunchSpec
 from sparkd.units import MiB
@@ -106,3 +108,22 @@ def launcher(
     for cid in ids:
         with contextlib.suppress(docker.errors.NotFound):
             docker_client.containers.get(cid).remove(force=True)
+
+
+@pytest.fixture
+def sparkd_factory(
+    tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any, launcher: Any
+) -> Iterator[Callable[..., SparkdUnderTest]]:
+    """``sparkd_factory(**kw)`` → a ``SparkdUnderTest`` (real ``sparkd run`` with its API) in its own state dir;
+    stopped when the test ends."""
+    made: list[SparkdUnderTest] = []
+
+    def make(**kw: Any) -> SparkdUnderTest:
+        (tmp_path / f"s{len(made)}").mkdir(exist_ok=True)
+        s = SparkdUnderTest(tmp_path / f"s{len(made)}", image, case_labels, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()

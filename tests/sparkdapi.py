@@ -19,6 +19,8 @@ import httpx
 from fvhelpers import free_port
 from sparkdproc import db_query, wait_for
 
+from sparkd.loop.status import Status
+
 
 def unreadable_pids() -> list[int]:
     """PIDs whose /proc/PID/maps even root cannot read here (a sandbox's init)."""
@@ -52,6 +54,7 @@ class SparkdUnderTest:
         top: dict[str, Any] | None = None,
         budget: dict[str, Any] | None = None,
         rules: list[dict[str, Any]] | None = None,
+        extra_toml: str = "",
     ) -> None:
         self.tmp = tmp_path
         self.api_port = free_port()
@@ -85,7 +88,7 @@ class SparkdUnderTest:
         for r in rules or []:
             lines += ["[[rules]]"] + [f"{k} = {toml_value(v)}" for k, v in r.items()]
         self.config = tmp_path / "sparkd.toml"
-        self.config.write_text("\n".join(lines) + "\n")
+        self.config.write_text("\n".join(lines) + "\n" + extra_toml)
         self.db = tmp_path / "sparkd.db"
         self.proc: subprocess.Popen[str] | None = None
 
@@ -142,9 +145,12 @@ class SparkdUnderTest:
         )
 
     def status(self) -> dict[str, Any]:
+        """``/api/status`` as JSON, checked against the contract (``Status``) on every call."""
         r = httpx.get(f"http://127.0.0.1:{self.api_port}/api/status", timeout=5)
         r.raise_for_status()
-        return r.json()  # type: ignore[no-any-return]
+        body: dict[str, Any] = r.json()
+        Status.model_validate(body)  # a daemon that drifts from the contract fails here
+        return body
 
     def container(self) -> dict[str, Any]:
         return self.status()["container"]  # type: ignore[no-any-return]

@@ -247,6 +247,7 @@ def _cfg(rule_floor: int, *, margin: str, fall: str) -> str:
     return (
         f"interval_s = {NORMAL}\nfast_interval_s = {FAST}\nfast_hold_s = {HOLD}\n"
         f'fast_margin = "{margin}"\nfast_fall_rate = "{fall}"\nkernlog_source = "off"\n'
+        "monitor_only = true\n"  # a warn-only rule set must say so (config refuses it otherwise)
         f"[[rules]]\n"
         f'name = "test_floor"\nwhen = ["MemAvailable < {rule_floor}B"]\nsamples = 3600\naction = "warn"\n'
     )

@@ -18,16 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
+from fakes import FakeActions
 from prometheus_client.parser import text_string_to_metric_families
 
 from sparkd.act.archive import write_archive
 from sparkd.config import load_settings
-from sparkd.core.budget import BudgetInputs, make_plan
-from sparkd.errors import ConfigError, Conflict
-from sparkd.face.api import create_app
+from sparkd.errors import ConfigError
+from sparkd.face.app import create_app
 from sparkd.face.auth import SESSION_COOKIE, Auth, ensure_token
 from sparkd.loop.daemon import Daemon
-from sparkd.units import GiB
 
 BASE = "http://127.0.0.1:8741"
 
@@ -35,72 +34,6 @@ BASE = "http://127.0.0.1:8741"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class FakeActions:
-    """The container supervisor's control interface, without Docker."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str]] = []
-        self.busy: str | None = None
-        self.inputs = BudgetInputs(
-            mem_total_bytes=int(121.69 * GiB),
-            max_model_len=262144,
-            kv_bytes_per_token=29482,
-            weights_gib=71.75,
-            kv_cache_dtype="fp8",
-            host_reserve_gib=26.0,
-        )
-        self.plan = make_plan(self.inputs)
-
-    async def start(self, daemon: Any) -> None:
-        return None
-
-    async def on_stop(self, decision: Any) -> None:
-        return None
-
-    def on_kernel_record(self, rec: Any) -> None:
-        return None
-
-    def observe(self, sample: Any) -> None:
-        self.observed = getattr(self, "observed", 0) + 1
-
-    def fast_reason(self) -> str | None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    def status_json(self) -> dict[str, Any]:
-        return {
-            "mode": "managed",
-            "state": "running",
-            "health": "healthy",
-            "name": "sparkd-vllm",
-            "image": "vllm/vllm-openai:v0.9.2",
-            "gmu": self.plan.gmu,
-            "memory_bytes": self.plan.docker_memory_bytes,
-            "started_at": time.time() - 3600,
-            "plan": self.plan.to_json(),
-            "stops_total": 2,
-        }
-
-    async def request(self, action: str, *, source: str) -> dict[str, Any]:
-        if self.busy:
-            raise Conflict(f"already {self.busy}")
-        self.calls.append((action, source))
-        return {"action": action, "accepted": True, "message": f"{action} queued"}
-
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
-        fields = {**self.inputs.__dict__, **changes}
-        new = make_plan(BudgetInputs(**fields))
-        old = None if getattr(self, "plan_json_missing", False) else self.plan.to_json()
-        diff = {
-            k: {"old": (old or {}).get(k), "new": v} for k, v in new.to_json().items() if k in ("gmu", "kv_exp_gib")
-        }
-        self.calls.append(("resize", source))
-        self.last_changes = changes
-        return {"plan": new.to_json(), "previous": old, "diff": diff, "applied": not dry_run}
 
 
 async def _daemon(tmp_path: Path, actions: Any = None, **overrides: Any) -> Daemon:
@@ -145,7 +78,7 @@ def _bearer(d: Daemon) -> dict[str, str]:
 
 
 async def _login(c: httpx.AsyncClient, d: Daemon) -> str:
-    r = await c.get("/login", params={"token": _token(d)})
+    r = await c.post("/login", data={"token": _token(d)})
     assert r.status_code == 303
     page = await c.get("/")
     m = re.search(r'<meta name="csrf-token" content="([^"]+)"', page.text)
@@ -375,7 +308,7 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     assert samples[("sparkd_rule_trips_total", (("rule", "low_available"),))] == 0
     assert ("sparkd_rule_near_misses_total", (("rule", "low_free_with_evidence"),)) in samples
     assert samples[("sparkd_nvrm_errors_total", ())] == 0
-    assert samples[("sparkd_container_state", (("state", "running"),))] == 1
+    assert samples[("sparkd_container_state", (("state", "ready"),))] == 1
     assert samples[("sparkd_container_state", (("state", "exited"),))] == 0
     assert samples[("sparkd_container_stops_total", (("how", "stop"),))] == 2
     assert samples[("sparkd_archives", ())] == 1
@@ -386,7 +319,10 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
 async def test_it_marks_monitor_only_in_metrics(daemon: Daemon) -> None:
     async with _client(daemon) as c:
         text = (await c.get("/metrics")).text
-    assert 'sparkd_container_state{state="monitor-only"} 1.0' in text
+    # the same words as /api/status: state "none", mode "monitor-only"
+    assert 'sparkd_container_state{state="none"} 1.0' in text
+    assert 'sparkd_container_mode{mode="monitor-only"} 1.0' in text
+    assert 'state="monitor-only"' not in text
 
 
 # --------------------------------------------------------------------------- control
@@ -536,13 +472,19 @@ async def test_it_passes_the_budget_refusal_through(managed: Daemon) -> None:
 
 
 # --------------------------------------------------------------------------- sessions & CSRF
-async def test_it_logs_in_with_the_token_and_strips_it_from_the_url(managed: Daemon) -> None:
+async def test_it_never_takes_the_token_from_the_url(managed: Daemon) -> None:
     async with _client(managed) as c:
         r = await c.get("/login", params={"token": _token(managed)})
+        # refused even with the right token: a token in a URL stays in history and logs
+        assert r.status_code == 400 and "not taken from the address" in r.text
+        assert SESSION_COOKIE not in r.headers.get("set-cookie", "")
+        r = await c.post("/login", data={"token": _token(managed)})
         assert r.status_code == 303 and r.headers["location"] == "/"
         cookie = r.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and SESSION_COOKIE in cookie
         assert "Log out" in (await c.get("/")).text
+    # a successful login is an event
+    assert any(e["kind"] == "login" for e in managed.recent_events)
 
 
 async def test_it_logs_in_with_the_form(managed: Daemon) -> None:
@@ -550,17 +492,26 @@ async def test_it_logs_in_with_the_form(managed: Daemon) -> None:
         r = await c.post("/login", data={"token": _token(managed)})
         assert r.status_code == 303
         assert "csrf-token" in (await c.get("/")).text
+        kept = dict(c.cookies)
         r = await c.post("/logout")
         assert r.status_code == 303
         c.cookies.clear()
         assert "csrf-token" not in (await c.get("/")).text
+        # the old cookie, replayed after logout, is worth nothing: the session ended server-side
+        c.cookies.update(kept)
+        assert "csrf-token" not in (await c.get("/")).text
+        _err(await c.get("/api/archives"), 401, "unauthorized")
 
 
-async def test_it_refuses_a_wrong_login(managed: Daemon) -> None:
+async def test_it_refuses_a_wrong_login_and_backs_off_per_client(managed: Daemon) -> None:
     async with _client(managed) as c:
-        r = await c.get("/login", params={"token": "guess"})
+        r = await c.post("/login", data={"token": "guess"})
         assert r.status_code == 401 and "not valid" in r.text and SESSION_COOKIE not in r.headers.get("set-cookie", "")
-        assert (await c.post("/login", data={"token": "guess"})).status_code == 401
+        for _ in range(4):  # five failures are free
+            assert (await c.post("/login", data={"token": "guess"})).status_code == 401
+        assert (await c.post("/login", data={"token": "guess"})).status_code == 401  # the 6th: back-off starts
+        r = await c.post("/login", data={"token": _token(managed)})  # even the right token waits now
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
 
 
 async def test_it_requires_csrf_with_a_session(managed: Daemon) -> None:
@@ -811,3 +762,39 @@ async def test_it_refreshes_the_cached_status_on_each_sample(daemon: Daemon) -> 
         assert (await c.get("/api/status")).json()["samples_taken"] == first["samples_taken"] + 1
         daemon.event("test_event", "a new event without a new sample")
         assert (await c.get("/api/status")).json()["events"][0]["kind"] == "test_event"
+
+
+# --------------------------------------------------------------------------- limits and odd input (issue 13)
+async def test_it_refuses_two_host_headers_whatever_the_http_parser(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.get("/api/status", headers=[("Host", "attacker.example"), ("Host", "127.0.0.1:8741")])
+    assert "2 Host headers; send exactly one" in str(_err(r, 400, "bad_host"))
+
+
+async def test_it_refuses_a_body_over_the_cap_before_reading_it(managed: Daemon) -> None:
+    cap = managed.settings.api.max_body_bytes
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", content=b"{}", headers={"Content-Length": str(cap + 1), **_bearer(managed)})
+        assert "api.max_body_bytes" in str(_err(r, 413, "too_large"))
+
+        async def chunked() -> Any:  # no Content-Length: cut while reading, at the cap
+            for _ in range(cap // 1024 + 2):
+                yield b" " * 1024
+
+        r = await c.post(
+            "/api/resize", content=chunked(), headers={**_bearer(managed), "Content-Type": "application/json"}
+        )
+        assert r.status_code != 200
+        r = await c.post("/api/resize", json={"kv_target_gib": 8}, headers=_bearer(managed))  # a small one is fine
+        assert r.status_code == 200, r.text
+
+
+async def test_it_answers_a_lone_surrogate_with_422_naming_the_field(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post(
+            "/api/resize",
+            content=b'{"kv_cache_dtype":"\\ud800"}',
+            headers={**_bearer(managed), "Content-Type": "application/json"},
+        )
+    detail = _err(r, 422, "invalid_input")
+    assert r.json()["detail"]["field"] == "kv_cache_dtype", detail

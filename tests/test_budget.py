@@ -18,8 +18,8 @@ from sparkd.core.budget import (
     Plan,
     floor_gmu,
     make_plan,
-    render_plan_table,
 )
+from sparkd.core.plan_table import render_plan_table
 from sparkd.errors import InvalidInput, Refused
 from sparkd.sense.checkpoint import checkpoint_weight_bytes
 from sparkd.units import GiB, MiB
@@ -479,3 +479,49 @@ def test_it_reads_one_weight_file_and_rejects_others(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput) as e:
         checkpoint_weight_bytes(tmp_path / "nope")
     assert e.value.field == "checkpoint"
+
+
+# --- KV layouts beyond one figure per token (issue 19) -------------------------------
+
+
+def test_it_puts_the_per_sequence_state_into_the_fixed_part() -> None:
+    # 4 sequences × 256 MiB = 1 GiB more fixed; the cap squeezes, so the KV room shrinks by it
+    p = make_plan(example(state_bytes_per_seq=256 * MiB))
+    assert p.state_gib == 1.0
+    assert round(p.fixed_gib, 2) == 79.84 and p.gmu == 0.786
+    assert round(p.kv_exp_gib, 2) == 15.81
+
+
+def test_it_bounds_sliding_window_layers_by_their_window() -> None:
+    # no full layer; 4,096-token window of 131,072 B/token: 4096 × 131072 × 0.58 B, whatever max_model_len is
+    i = example(kv_bytes_per_token=0, kv_window_groups=((4096, 131_072),))
+    assert make_plan(i).kv_need_gib == 4096 * 131_072 * 0.58 / GiB
+    assert make_plan(dataclasses.replace(i, max_model_len=1_000_000)).kv_need_gib == make_plan(i).kv_need_gib
+
+
+def test_its_max_len_suggestion_accounts_for_the_windows() -> None:
+    i = example(kv_bytes_per_token=100_000, kv_window_groups=((1024, 1_000_000),), max_model_len=1_000_000)
+    with pytest.raises(Refused) as e:
+        make_plan(i)
+    limit = int(e.value.message.split("max_model_len to ≤ ")[1].split(",")[0])
+    # the suggestion is the longest that fits: it plans, one token more is refused
+    assert make_plan(dataclasses.replace(i, max_model_len=limit)).kv_exp_gib >= 0
+    with pytest.raises(Refused):
+        make_plan(dataclasses.replace(i, max_model_len=limit + 1))
+    assert "min(max_model_len, 1024) × 1000000 B" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"kv_bytes_per_token": 0}, "kv_bytes_per_token"),  # 0 only when windows hold the KV
+        ({"kv_window_groups": ((0, 5),)}, "kv_window_groups"),
+        ({"state_bytes_per_seq": -1}, "state_bytes_per_seq"),
+        ({"model_max_len": 0}, "model_max_len"),
+        ({"sources": {"overhead_gib": "rumour"}}, "sources[overhead_gib]"),
+    ],
+)
+def test_it_refuses_bad_layout_fields(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidInput) as e:
+        make_plan(example(**changes))
+    assert e.value.field == field

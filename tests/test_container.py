@@ -24,7 +24,7 @@ from sparkd.act.docker import (
     ContainerManager,
     LaunchSpec,
 )
-from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused
+from sparkd.errors import Conflict, DockerUnavailable, InvalidInput, NotFound, Refused
 from sparkd.sense.vllm_http import health_check, progress_stalled, read_vllm_metrics
 from sparkd.units import MiB
 
@@ -58,8 +58,12 @@ def test_it_launches_a_labelled_limited_container_that_becomes_healthy(mgr: Cont
     st = mgr.state(fv.id)
     assert st.running and st.pid and st.exit_code is None and st.started_at
 
-    # exec form, no shell: PID 1 is the python server with our argv verbatim
+    # --init (the default): PID 1 is Docker's init; exec form, no shell: its child is the python
+    # server with our argv verbatim
     code, out = mgr.exec(fv.id, ["cat", "/proc/1/cmdline"])
+    assert code == 0
+    assert out.split(b"\0")[0] == b"/sbin/docker-init"
+    code, out = mgr.exec(fv.id, ["sh", "-c", "cat /proc/$(cat /proc/1/task/1/children | cut -d' ' -f1)/cmdline"])
     assert code == 0
     argv = out.decode().rstrip("\0").split("\0")
     assert argv[0] == "/usr/bin/python3"
@@ -69,6 +73,31 @@ def test_it_launches_a_labelled_limited_container_that_becomes_healthy(mgr: Cont
         "--shutdown-timeout", "25",
     ]  # fmt: skip
     assert b"Application startup complete." in mgr.logs(fv.id)
+
+
+def test_it_launches_with_init_and_a_positive_oom_score_adj(mgr: ContainerManager, launcher: Any) -> None:
+    fv = launcher()
+    host = mgr.inspect(fv.id)["HostConfig"]
+    assert host["Init"] is True
+    assert host["OomScoreAdj"] == 500  # LaunchSpec's default (sparkd.act.containerspec.DEFAULT_OOM_SCORE_ADJ)
+    st = mgr.state(fv.id)
+    assert st.pid
+    # the kernel sees it: the container's init and the server below it carry +500 in the host's real /proc
+    with open(f"/proc/{st.pid}/oom_score_adj") as f:
+        assert f.read().strip() == "500"
+    with open(f"/proc/{st.pid}/comm") as f:
+        assert f.read().strip() == "docker-init"
+    with open(f"/proc/{st.pid}/task/{st.pid}/children") as f:
+        child = int(f.read().split()[0])
+    with open(f"/proc/{child}/oom_score_adj") as f:
+        assert f.read().strip() == "500"
+
+
+def test_launch_spec_refuses_a_non_positive_oom_score_adj() -> None:
+    for bad in (0, -1000, 1001, True, 1.5):
+        with pytest.raises(InvalidInput) as e:
+            LaunchSpec(image="x", name="y", oom_score_adj=bad)  # type: ignore[arg-type]
+        assert e.value.field == "oom_score_adj"
 
 
 def test_it_stops_gracefully_with_exit_0(mgr: ContainerManager, launcher: Any) -> None:

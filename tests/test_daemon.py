@@ -197,7 +197,7 @@ def test_the_api_socket_is_tcp_so_responses_are_not_held_by_nagle(tmp_path: Path
     from sparkdproc import free_port
 
     from sparkd.config import load_settings
-    from sparkd.face.api import create_app
+    from sparkd.face.app import create_app
     from sparkd.loop.daemon import Daemon
 
     settings = load_settings(

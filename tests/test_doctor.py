@@ -40,6 +40,7 @@ TITLES = [
     "Kernel watermarks",
     "MemTotal",
     "/dev/shm",
+    "/proc visibility",
     "daemon-reload GPU risk",
     "sparkd unit",
     "Last trip",

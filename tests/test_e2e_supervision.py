@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkpoints import make_checkpoint
 from conftest import need
 from sparkdapi import SparkdUnderTest
 from sparkdproc import db_query, wait_for
 from test_e2e_budget import BUDGET
+from test_kvcache import LLAMA_31_8B
 
 pytest_plugins = ["dockerkit"]
 
@@ -136,3 +138,15 @@ def test_below_the_hard_floor_during_the_grace_period_it_kills_at_once(make: Any
     assert elapsed < 15  # not the 30 s grace
     ev = s.wait_event("hard_floor_kill", 5)
     assert "during the grace period: killing" in ev["message"]
+
+
+def test_an_incomplete_checkpoint_fails_the_launch_preflight(make: Any, tmp_path: Path) -> None:
+    d = make_checkpoint(tmp_path / "ckpt", LLAMA_31_8B, [4096, 4096])
+    (d / "model-00002-of-00002.safetensors").unlink()  # the download stopped after shard 1
+    s = make(budget=BUDGET, container={"memory": None, "model_dir": str(d)})
+    refused = s.wait_event("launch_refused", 30)
+    # the preflight names the missing shard; nothing was started
+    assert "missing: model-00002-of-00002.safetensors" in refused["message"]
+    assert s.container()["container_id"] is None
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 422 and "preflight failed" in r.text and "incomplete" in r.text

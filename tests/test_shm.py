@@ -28,6 +28,7 @@ import pytest
 
 from sparkd.act import shm
 from sparkd.act.shm import CleanupPlan, ShmEntry, ShmKind
+from sparkd.sense import shm_scan
 from tests.conftest import need
 
 SHM = "/dev/shm"
@@ -199,9 +200,9 @@ def test_it_classifies_every_fixture_kind_on_real_dev_shm(made: Made) -> None:
 # --------------------------------------------------------------------------- real /dev/shm
 
 
-def test_it_removes_an_unused_entry_created_after_container_start(made: Made) -> None:
+def test_it_removes_an_unused_vllm_entry_created_after_container_start(made: Made) -> None:
     started = time.time()
-    name = f"psm_{secrets.token_hex(8)}"
+    name = f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(8)}"  # a name only vLLM creates
     path = made(name, size=8192)
     plan = _plan(made, started_at=started)
     assert [e.name for e in plan.remove] == [name]
@@ -258,7 +259,7 @@ def test_it_keeps_an_entry_older_than_the_container(made: Made) -> None:
 
 def test_it_keeps_an_entry_opened_between_plan_and_execute(made: Made, child: Callable) -> None:
     started = time.time()
-    name = f"psm_{secrets.token_hex(8)}"
+    name = f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(8)}"
     path = made(name)
     plan = _plan(made, started_at=started)
     assert [e.name for e in plan.remove] == [name]
@@ -272,7 +273,7 @@ def test_it_keeps_an_entry_opened_between_plan_and_execute(made: Made, child: Ca
 
 def test_it_keeps_an_entry_replaced_between_plan_and_execute(made: Made) -> None:
     started = time.time()
-    name = f"psm_{secrets.token_hex(8)}"
+    name = f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(8)}"
     path = made(name)
     plan = _plan(made, started_at=started)
     os.unlink(path)
@@ -304,22 +305,22 @@ def test_it_never_follows_symlinks_or_removes_directories(made_tmp: Made, tmp_pa
     d = made_tmp.shm_dir
     outside = tmp_path / "precious"
     outside.write_text("keep me")
-    os.symlink(outside, os.path.join(d, "psm_aaaa"))
-    os.mkdir(os.path.join(d, "psm_bbbb"))
-    made_tmp("psm_cccc")
+    os.symlink(outside, os.path.join(d, "VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"))
+    os.mkdir(os.path.join(d, "VLLM_OBJECT_STORAGE_SHM_BUFFER_bbbb"))
+    made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc")
     entries = shm.scan(d, proc_root=tmp_path / "noproc-empty")
     plan = shm.plan_cleanup(entries, container_started_at=0.0, now=time.time())
     kept = _kept(plan)
-    assert kept["psm_aaaa"] == "not sparkd's to judge: a symlink, not a shared-memory file"
-    assert kept["psm_bbbb"] == "not sparkd's to judge: a dir, not a shared-memory file"
-    assert [e.name for e in plan.remove] == ["psm_cccc"]
-    # psm_cccc becomes a symlink to the outside file after the scan
-    os.unlink(os.path.join(d, "psm_cccc"))
-    os.symlink(outside, os.path.join(d, "psm_cccc"))
+    assert kept["VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"] == "not sparkd's to judge: a symlink, not a shared-memory file"
+    assert kept["VLLM_OBJECT_STORAGE_SHM_BUFFER_bbbb"] == "not sparkd's to judge: a dir, not a shared-memory file"
+    assert [e.name for e in plan.remove] == ["VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc"]
+    # VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc becomes a symlink to the outside file after the scan
+    os.unlink(os.path.join(d, "VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc"))
+    os.symlink(outside, os.path.join(d, "VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc"))
     result = shm.execute(plan, proc_root=tmp_path / "noproc-empty")
     assert result.removed == [] and outside.read_text() == "keep me"
-    assert _kept(result)["psm_cccc"] == "not sparkd's to judge: now a symlink"
-    assert os.path.isdir(os.path.join(d, "psm_bbbb"))
+    assert _kept(result)["VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc"] == "not sparkd's to judge: now a symlink"
+    assert os.path.isdir(os.path.join(d, "VLLM_OBJECT_STORAGE_SHM_BUFFER_bbbb"))
 
 
 @pytest.fixture(autouse=True)
@@ -328,7 +329,7 @@ def _empty_proc(tmp_path: Path) -> None:
 
 
 def test_it_refuses_names_that_leave_the_directory(made_tmp: Made, tmp_path: Path) -> None:
-    made_tmp("psm_dddd")
+    made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_dddd")
     (e,) = shm.scan(made_tmp.shm_dir, proc_root=tmp_path / "noproc-empty")
     victim = tmp_path / "victim"
     victim.write_text("x")
@@ -356,13 +357,13 @@ def _maps_line(dev: int, ino: int, path: str) -> str:
 
 def test_it_reads_evidence_from_a_proc_tree(made_tmp: Made, tmp_path: Path) -> None:
     d = made_tmp.shm_dir
-    a = made_tmp("psm_aaaa")
-    b = made_tmp("psm_bbbb")
-    c = made_tmp("psm_cccc")
+    a = made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa")
+    b = made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_bbbb")
+    c = made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc")
     st_a, st_c = os.stat(a), os.stat(c)
     proc = tmp_path / "proc"
     # 100 maps a by inode (path as seen in another mount namespace)
-    _fake_proc(proc, 100, maps=_maps_line(st_a.st_dev, st_a.st_ino, "/dev/shm/psm_aaaa"))
+    _fake_proc(proc, 100, maps=_maps_line(st_a.st_dev, st_a.st_ino, "/dev/shm/VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"))
     # 101 holds b open
     _fake_proc(proc, 101, fds={"3": b, "4": "socket:[123]", "5": "/nonexistent/x"})
     # 102 maps an older, deleted file that had c's path: a different inode, not c
@@ -371,39 +372,40 @@ def test_it_reads_evidence_from_a_proc_tree(made_tmp: Made, tmp_path: Path) -> N
     (proc / "103").mkdir()
     (proc / "self").mkdir()
     got = {e.name: e for e in shm.scan(d, proc_root=proc)}
-    assert got["psm_aaaa"].mapped_by == (100,) and got["psm_aaaa"].users[0].comm == "proc100"
-    assert got["psm_bbbb"].open_by == (101,) and got["psm_bbbb"].mapped_by == ()
-    assert got["psm_cccc"].users == () and got["psm_cccc"].unreadable_pids == ()
+    ga, gb, gc = (got[f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{x}"] for x in ("aaaa", "bbbb", "cccc"))
+    assert ga.mapped_by == (100,) and ga.users[0].comm == "proc100"
+    assert gb.open_by == (101,) and gb.mapped_by == ()
+    assert gc.users == () and gc.unreadable_pids == ()
     plan = shm.plan_cleanup(got.values(), container_started_at=0.0, now=time.time())
-    assert [e.name for e in plan.remove] == ["psm_cccc"]
-    assert _kept(plan)["psm_aaaa"] == "in use by pid 100 (proc100) [mapped]"
+    assert [e.name for e in plan.remove] == ["VLLM_OBJECT_STORAGE_SHM_BUFFER_cccc"]
+    assert _kept(plan)["VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"] == "in use by pid 100 (proc100) [mapped]"
 
 
 def test_it_removes_nothing_while_a_process_is_unreadable(
     made_tmp: Made, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made_tmp("psm_aaaa")
+    made_tmp("VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa")
     proc = tmp_path / "proc"
     _fake_proc(proc, 100)
     _fake_proc(proc, 200)
-    real = shm._scan_maps
+    real = shm_scan._scan_maps
 
     def denied(pid_dir: str, *a: object) -> None:
         if pid_dir.endswith("/200"):
             raise PermissionError(13, "Permission denied")
         real(pid_dir, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(shm, "_scan_maps", denied)
+    monkeypatch.setattr(shm_scan, "_scan_maps", denied)  # the reading side (sense)
     (e,) = shm.scan(made_tmp.shm_dir, proc_root=proc)
     assert e.unreadable_pids == (200,)
     plan = shm.plan_cleanup([e], container_started_at=0.0, now=time.time())
-    assert _kept(plan)["psm_aaaa"] == "cannot prove unused: /proc of pid 200 was unreadable"
+    assert _kept(plan)["VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"] == "cannot prove unused: /proc of pid 200 was unreadable"
     # forced through, execute's re-check still refuses
     forced = replace(plan, remove=(e,), kept=())
-    assert _kept(shm.execute(forced, proc_root=proc))["psm_aaaa"].startswith("cannot prove")
+    assert _kept(shm.execute(forced, proc_root=proc))["VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa"].startswith("cannot prove")
     # explicitly ignored: removed
     plan = shm.plan_cleanup([e], container_started_at=0.0, now=time.time(), ignore_unreadable_pids={200})
-    assert shm.execute(plan, proc_root=proc).removed == [("psm_aaaa", 4096)]
+    assert shm.execute(plan, proc_root=proc).removed == [("VLLM_OBJECT_STORAGE_SHM_BUFFER_aaaa", 4096)]
 
 
 def _entry(name: str, changed_at: float, **kw: object) -> ShmEntry:
@@ -420,7 +422,7 @@ def _entry(name: str, changed_at: float, **kw: object) -> ShmEntry:
     [(1000.0, True), (998.0, True), (997.9, False), (500.0, False)],
 )
 def test_it_applies_the_clock_slack(changed_at: float, removed: bool) -> None:
-    e = _entry("psm_ab", changed_at)
+    e = _entry("VLLM_OBJECT_STORAGE_SHM_BUFFER_ab", changed_at)
     plan = shm.plan_cleanup([e], container_started_at=1000.0, now=2000.0)
     assert bool(plan.remove) is removed
 

@@ -36,7 +36,7 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.fail("git and a git checkout are needed to clone the repository")
     dest = tmp_path_factory.mktemp("lonely") / "sparkd"
     subprocess.run(["git", "clone", "-q", str(REPO), str(dest)], check=True, timeout=120)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["sparkd"]  # no ../shared beside it
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["sparkd"]  # nothing beside the clone
     return dest
 
 

@@ -25,30 +25,37 @@ FREE_MEMORY_MSG = (
 
 # (fixture, line number from 1, the figures that line sets)
 CASES: list[tuple[str, int, dict[str, Any]]] = [
-    ("startup.log", 1, {"vllm_version": "0.11.0"}),
-    ("startup.log", 2, {"non_default_args": ARGS}),
-    ("startup.log", 3, {"model_load_gib": 63.71, "model_load_s": 92.113}),
-    ("startup.log", 4, {"kv_cache_available_gib": 6.51}),
-    ("startup.log", 5, {"kv_cache_tokens": 42656}),
+    ("startup.log", 1, {"vllm_version": "0.11.0", "phase": "init"}),
+    ("startup.log", 2, {"non_default_args": ARGS, "phase": "init"}),
+    ("startup.log", 3, {"model_load_gib": 63.71, "model_load_s": 92.113, "phase": "model_load"}),
+    ("startup.log", 4, {"kv_cache_available_gib": 6.51, "phase": "kv_cache"}),
+    ("startup.log", 5, {"kv_cache_tokens": 42656, "phase": "kv_cache"}),
     ("startup.log", 6, {"max_concurrency_tokens_per_request": 32768, "max_concurrency": 1.30}),
-    ("startup.log", 7, {"graph_capture_s": 34.0, "graph_capture_gib": 0.26}),
-    ("startup.log", 8, {"engine_init_s": 71.02}),
-    ("startup.log", 9, {}),  # Starting vLLM API server 0 on http://… (no version in it)
-    ("startup.log", 10, {}),
+    ("startup.log", 7, {"graph_capture_s": 34.0, "graph_capture_gib": 0.26, "phase": "graph_capture"}),
+    ("startup.log", 8, {"engine_init_s": 71.02, "phase": "api_server"}),
+    ("startup.log", 9, {"phase": "api_server"}),  # Starting vLLM API server 0 on http://… (no version in it)
+    ("startup.log", 10, {"phase": "api_server"}),  # Started server process
     ("startup.log", 11, {}),
-    ("startup.log", 12, {"startup_complete": True}),
-    ("startup-fail-free-memory.log", 1, {"failed": True, "failure_message": "EngineCore failed to start."}),
+    ("startup.log", 12, {"startup_complete": True, "phase": "ready"}),
+    (
+        "startup-fail-free-memory.log",
+        1,
+        # the generic line marks the launch failed but is not the reason
+        {"failed": True, "failure_phase": "starting", "failure_generic": "EngineCore failed to start."},
+    ),
     (
         "startup-fail-free-memory.log",
         2,
         {
             "failed": True,
+            "failure_phase": "starting",
+            "failure_kind": "free_memory",
             "failure_device": "cuda:0",
             "failure_free_gib": 55.87,
             "failure_total_gib": 119.56,
             "failure_requested_gmu": 0.8,
             "failure_requested_gib": 95.65,
-            "failure_message": FREE_MEMORY_MSG,
+            "failure_message": "ValueError: " + FREE_MEMORY_MSG,
         },
     ),
 ]
@@ -96,7 +103,7 @@ def test_it_records_the_free_memory_refusal() -> None:
     assert rec.state == "failed"
     assert (rec.failure_free_gib, rec.failure_total_gib) == (55.87, 119.56)
     assert (rec.failure_requested_gmu, rec.failure_requested_gib) == (0.8, 95.65)
-    assert rec.failure_message == FREE_MEMORY_MSG
+    assert rec.failure_message == "ValueError: " + FREE_MEMORY_MSG
 
 
 def test_it_keeps_a_record_when_lines_are_missing() -> None:
@@ -120,7 +127,12 @@ def test_it_reads_size_and_concurrency_printed_on_one_line() -> None:
         "Maximum concurrency for 32,768 tokens per request: 1.30x"
     )
     parser = LaunchLogParser()
-    assert sorted(parser.feed(line)) == ["kv_cache_tokens", "max_concurrency", "max_concurrency_tokens_per_request"]
+    assert sorted(parser.feed(line)) == [
+        "kv_cache_tokens",
+        "max_concurrency",
+        "max_concurrency_tokens_per_request",
+        "phase",
+    ]
     assert parser.record.kv_cache_tokens == 42656
     assert parser.record.max_concurrency == 1.30
 

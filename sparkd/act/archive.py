@@ -54,7 +54,18 @@ _SAFE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.tar\.gz$")
 _MEMBER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TMP_PREFIX = ".sparkd-tmp-"
 
-Part = bytes | str | PurePath
+
+@dataclass(frozen=True, slots=True)
+class Missing:
+    """A part that could not be gathered (e.g. ``docker logs`` failed while dockerd shut down).
+
+    Written as member ``NAME.missing`` holding ``reason``, and listed in the
+    summary's notes: a partial postmortem beats none."""
+
+    reason: str
+
+
+Part = bytes | str | PurePath | Missing
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +105,9 @@ class _Source:
 
 
 def _open_part(name: str, value: Part, max_part_bytes: int) -> _Source:
+    if isinstance(value, Missing):
+        text = f"{name} is missing from this archive: {value.reason}\n".encode(errors="replace")
+        return _Source(f"{name}.missing", data=text, size=len(text), note=f"{name}: missing ({value.reason})")
     if isinstance(value, bytes):
         return _Source(name, data=value, size=len(value))
     if isinstance(value, str):
@@ -212,7 +226,8 @@ def write_archive(
     ``parts`` maps member names (plain file names such as ``"container.log"``)
     to content: ``bytes`` and ``str`` (UTF-8) are written as given; a ``Path``
     is read — its last ``max_part_bytes`` bytes, streamed — and a path that
-    cannot be read becomes a member ``NAME.missing`` holding the error text.
+    cannot be read becomes a member ``NAME.missing`` holding the error text, as
+    does a :class:`Missing` (a part the caller could not gather) with its reason.
     ``summary.txt`` is always the first member; notes about truncated or
     missing parts are appended to it. ``now`` (UTC epoch s) names the file and
     stamps the members (default: the current time). The directory is created
@@ -228,8 +243,8 @@ def write_archive(
         if not _MEMBER_RE.match(name) or name == SUMMARY_MEMBER or ".." in name:
             raise InvalidInput("parts", name, "plain file names like 'container.log', not summary.txt")
     for name, value in parts.items():
-        if not isinstance(value, bytes | str | PurePath):
-            raise InvalidInput(f"parts[{name!r}]", type(value).__name__, "bytes, str or a Path")
+        if not isinstance(value, bytes | str | PurePath | Missing):
+            raise InvalidInput(f"parts[{name!r}]", type(value).__name__, "bytes, str, a Path or Missing")
     now = time.time() if now is None else now
     directory = Path(archive_dir)
     directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)

@@ -17,6 +17,10 @@ LABEL_LAUNCH_ID = "sparkd.launch_id"
 LABEL_REVISION = "sparkd.config_revision"
 LABEL_PORT = "sparkd.port"
 _RESERVED = (LABEL_MANAGED, LABEL_LAUNCH_ID, LABEL_REVISION, LABEL_PORT)
+# The kernel's OOM badness is (share of memory x 1000) + oom_score_adj. At +500 a process at 0 (an sshd
+# session, a shell) must hold more than half of memory to be chosen before the serving container, whose
+# GPU allocations on a unified-memory host do not all show in its RSS; sparkd's unit runs at -1000.
+DEFAULT_OOM_SCORE_ADJ = 500
 
 
 @dataclass(frozen=True)
@@ -30,10 +34,15 @@ class LaunchSpec:
     ``memswap_limit_bytes=None`` means "same as ``mem_limit_bytes``" (no swap for
     the container, as the notes run it); ``-1`` allows unlimited swap.
     ``gpu="auto"`` requests all GPUs only when the engine has an ``nvidia`` runtime.
+    ``init`` runs Docker's init (tini) as PID 1: it reaps zombies and forwards
+    signals (field report: a zombie PID 1 made stop and kill time out).
+    ``oom_score_adj`` (1..1000, ``None`` = Docker's 0) raises the kernel OOM
+    killer's score of the container's processes so that it takes the serving
+    container before sshd or sparkd (field: a homelab lost sshd first).
 
     Raises ``InvalidInput`` (at construction) for a shell-string command, a port
     outside 1..65535, non-positive limits, swap below memory, or extra labels
-    that would override ``sparkd.*`` ownership labels.
+    that would override ``sparkd.*`` ownership labels, an ``oom_score_adj`` outside 1..1000.
     """
 
     image: str
@@ -48,6 +57,8 @@ class LaunchSpec:
     shm_size_bytes: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
     gpu: bool | Literal["auto"] = "auto"
+    init: bool = True
+    oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ
 
     def __post_init__(self) -> None:
         if not isinstance(self.command, list) or not all(isinstance(a, str) for a in self.command):
@@ -60,6 +71,9 @@ class LaunchSpec:
         too_small = self.mem_limit_bytes is None or (swap or 0) < self.mem_limit_bytes
         if swap is not None and swap != -1 and too_small:
             raise InvalidInput("memswap_limit_bytes", swap, ">= mem_limit_bytes, -1 or None")
+        adj = self.oom_score_adj
+        if adj is not None and (isinstance(adj, bool) or not isinstance(adj, int) or not 1 <= adj <= 1000):
+            raise InvalidInput("oom_score_adj", adj, "an integer 1..1000 (positive: the container goes first), or None")
         bad = sorted(k for k in self.labels if k in _RESERVED)
         if bad:
             raise InvalidInput("labels", bad, f"any key except {', '.join(_RESERVED)}")
@@ -85,7 +99,11 @@ class ContainerInfo:
 @dataclass(frozen=True)
 class ContainerState:
     """``State`` of ``docker inspect``. Times are UTC epoch seconds (None when unset);
-    ``pid`` is the host PID of the container's PID 1 (None when not running)."""
+    ``pid`` is the host PID of the container's PID 1 (None when not running).
+    ``restarting`` (``State.Restarting``: Docker waits to restart it, and says ``running`` meanwhile),
+    ``restart_count`` (``RestartCount``: restarts by the restart policy; ``docker start`` resets it),
+    ``restart_policy`` (``HostConfig.RestartPolicy.Name``), ``health`` (``State.Health.Status`` when
+    the image has a HEALTHCHECK)."""
 
     status: str
     running: bool
@@ -95,6 +113,10 @@ class ContainerState:
     finished_at: float | None
     pid: int | None
     error: str | None
+    restarting: bool = False
+    restart_count: int = 0
+    restart_policy: str | None = None
+    health: str | None = None
 
 
 @dataclass(frozen=True)

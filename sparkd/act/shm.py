@@ -12,8 +12,19 @@ segment breaks someone else. So nothing is removed by name alone:
   (``/proc/PID/fd/*``). Matching is by device and inode, which is exact even
   for processes in other mount namespaces; a path match (not ``(deleted)``) is
   also counted, so an error in one method can only make sparkd keep more.
-* ``plan_cleanup()`` (pure) decides: remove only regular files that appeared
-  after the container started and that no live process maps or holds open.
+* ``ShmWitness`` (I/O) records, while the container runs and once more right
+  before it is stopped, which entries *the container's own processes* (its
+  PID 1 and every descendant) map or hold open.
+* ``plan_cleanup()`` (pure) decides: remove only regular files that no live
+  process maps or holds open now *and* that are tied to the stopped container
+  by its own evidence — seen used by its processes while it ran, or created
+  within its lifetime under a name only the engine itself creates
+  (:data:`ENGINE_OWN_KINDS`: ``VLLM_OBJECT_STORAGE_SHM_BUFFER_*``,
+  ``vllm_offload_*.mmap``). NCCL (``nccl-*``), Python multiprocessing
+  (``psm_*``) and loky (``sem.loky-*``) names are created by any program using
+  those libraries: without the witness they are kept, with the reason (field:
+  an unrelated stale ``nccl-*`` entry created by someone else after the
+  container started was deleted by the age rule alone).
 * ``execute()`` re-checks the evidence right before unlinking (a process may
   have opened an entry since the scan), never follows symlinks, never removes
   directories and only unlinks names directly inside the scanned directory.
@@ -34,356 +45,59 @@ invisible process is indistinguishable from no process.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 
+from sparkd.sense.shm_scan import (
+    _PATTERN_TEXT,
+    DEFAULT_CLOCK_SLACK_S,
+    DEFAULT_PROC_ROOT,
+    DEFAULT_SHM_DIR,
+    ENGINE_OWN_KINDS,
+    KNOWN_RUNTIME_KINDS,
+    CleanupPlan,
+    CleanupResult,
+    Kept,
+    ShmEntry,
+    ShmKind,
+    ShmUser,
+    ShmWitness,
+    _collect_evidence,
+    _Evidence,
+    _file_type,
+    classify,
+    process_tree,
+    scan,
+    unreadable_pids,
+)
 from sparkd.units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHM_DIR = "/dev/shm"
-DEFAULT_PROC_ROOT = "/proc"
-
-# tmpfs stamps files with the kernel's coarse clock (up to one tick, ~4 ms,
-# behind), and Docker's State.StartedAt is recorded by dockerd slightly after
-# the runtime started the process. Two seconds covers both with room to spare;
-# a leftover from a *previous* run is minutes older, so the slack costs nothing.
-DEFAULT_CLOCK_SLACK_S = 2.0
-
-# errno values that mean "this process is gone" — skip it.
-_GONE = (errno.ENOENT, errno.ESRCH)
-# errno values that mean "we cannot see what this process uses".
-_HIDDEN = (errno.EACCES, errno.EPERM)
-
-
-class ShmKind(StrEnum):
-    """What created an entry, judged by its name (public reports, fixtures/shm/README.md)."""
-
-    PSM = "psm"  # psm_<hex>: Python multiprocessing.shared_memory (vLLM message queues)
-    NCCL = "nccl"  # nccl-<6 chars>: NCCL (mkstemp), often 0 bytes
-    LOKY_SEM = "loky_sem"  # sem.loky-<...>: POSIX semaphore from loky / joblib
-    VLLM_OBJECT_STORAGE = "vllm_object_storage"  # VLLM_OBJECT_STORAGE_SHM_BUFFER_<...>
-    VLLM_OFFLOAD = "vllm_offload"  # vllm_offload_<uuid>.mmap
-    OTHER = "other"
-
-
-_KIND_PATTERNS: tuple[tuple[ShmKind, re.Pattern[str]], ...] = (
-    (ShmKind.PSM, re.compile(r"psm_[0-9a-fA-F]+")),
-    (ShmKind.NCCL, re.compile(r"nccl-[A-Za-z0-9]{6}")),
-    (ShmKind.LOKY_SEM, re.compile(r"sem\.loky-[A-Za-z0-9_.-]+")),
-    (ShmKind.VLLM_OBJECT_STORAGE, re.compile(r"VLLM_OBJECT_STORAGE_SHM_BUFFER_[A-Za-z0-9_.-]*")),
-    (ShmKind.VLLM_OFFLOAD, re.compile(r"vllm_offload_[0-9a-fA-F-]+\.mmap")),
-)
-
-# The kinds a preflight cleanup (age unknown) may remove when explicitly asked.
-KNOWN_RUNTIME_KINDS = frozenset(k for k, _ in _KIND_PATTERNS)
-
-
-def classify(name: str) -> ShmKind:
-    """The :class:`ShmKind` of a /dev/shm entry name (whole-name match; anything else is OTHER)."""
-    for kind, pattern in _KIND_PATTERNS:
-        if pattern.fullmatch(name):
-            return kind
-    return ShmKind.OTHER
-
-
-@dataclass(frozen=True, slots=True)
-class ShmUser:
-    """A live process that uses an entry: maps it, holds it open, or both."""
-
-    pid: int
-    comm: str
-    mapped: bool = False
-    open_fd: bool = False
-
-    def describe(self) -> str:
-        how = ", ".join(w for w, on in (("mapped", self.mapped), ("open", self.open_fd)) if on)
-        return f"pid {self.pid} ({self.comm}) [{how}]"
-
-
-@dataclass(frozen=True, slots=True)
-class ShmEntry:
-    """One entry of the shm directory, with the evidence of who uses it.
-
-    Sizes in bytes: ``size_bytes`` is the file size, ``allocated_bytes`` the
-    tmpfs memory it holds (``st_blocks * 512``; smaller for sparse files).
-    Times are UTC epoch seconds. ``file_type`` is ``"file"``, ``"dir"``,
-    ``"symlink"`` or ``"other"``; ``dev``/``ino`` identify the inode.
-    ``users`` are live processes that map it or hold it open;
-    ``unreadable_pids`` are processes whose maps/fds could not be read during
-    the scan (the same for every entry of one scan) — while any exist, no
-    entry can be proven unused.
-    """
-
-    name: str
-    path: str
-    size_bytes: int
-    allocated_bytes: int
-    mtime: float
-    ctime: float
-    kind: ShmKind
-    file_type: str
-    dev: int
-    ino: int
-    users: tuple[ShmUser, ...] = ()
-    unreadable_pids: tuple[int, ...] = ()
-
-    @property
-    def mapped_by(self) -> tuple[int, ...]:
-        """PIDs that have the entry in their memory map."""
-        return tuple(u.pid for u in self.users if u.mapped)
-
-    @property
-    def open_by(self) -> tuple[int, ...]:
-        """PIDs that hold an open file descriptor on the entry."""
-        return tuple(u.pid for u in self.users if u.open_fd)
-
-    @property
-    def in_use(self) -> bool:
-        return bool(self.users)
-
-    @property
-    def changed_at(self) -> float:
-        """``min(mtime, ctime)``: the entry existed no later than this (see module doc)."""
-        return min(self.mtime, self.ctime)
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class CleanupPlan:
-    """The decision of :func:`plan_cleanup`: ``remove`` (entries) and ``kept`` (name + reason)."""
-
-    remove: tuple[ShmEntry, ...]
-    kept: tuple[Kept, ...]
-    container_started_at: float | None
-    now: float
-    ignore_unreadable_pids: frozenset[int] = frozenset()
-
-    @property
-    def remove_bytes(self) -> int:
-        return sum(e.allocated_bytes for e in self.remove)
-
-
-@dataclass(slots=True)
-class CleanupResult:
-    """What :func:`execute` did. ``removed``: ``(name, size_bytes)``; ``freed_bytes``:
-    tmpfs memory returned (allocated bytes of the removed entries). With
-    ``dry_run`` nothing was unlinked and ``removed`` lists what would have been."""
-
-    dry_run: bool = False
-    removed: list[tuple[str, int]] = field(default_factory=list)
-    kept: list[Kept] = field(default_factory=list)
-    errors: list[tuple[str, str]] = field(default_factory=list)
-    freed_bytes: int = 0
-
-
-# --------------------------------------------------------------------------- scan
-
-
-@dataclass(slots=True)
-class _Evidence:
-    users: dict[tuple[int, int], dict[int, ShmUser]]
-    unreadable: set[int]
-
-
-def _file_type(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
-
-
-def _strip_deleted(path: str) -> tuple[str, bool]:
-    if path.endswith(" (deleted)"):
-        return path[: -len(" (deleted)")], True
-    return path, False
-
-
-def _read_comm(pid_dir: str) -> str:
-    try:
-        with open(os.path.join(pid_dir, "comm"), encoding="utf-8", errors="replace") as f:
-            return f.read().strip() or "?"
-    except OSError:
-        return "?"
-
-
-def _pids(proc_root: str) -> list[int]:
-    try:
-        names = os.listdir(proc_root)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot list {proc_root}: {e.strerror}") from e
-    return sorted(int(n) for n in names if n.isdigit())
-
-
-def _collect_evidence(
-    proc_root: str,
-    shm_dir: str,
-    targets: dict[tuple[int, int], str],
-) -> _Evidence:
-    """Which live processes map or hold open the inodes in ``targets``.
-
-    ``targets`` maps ``(dev, ino)`` to the entry's path. Processes that vanish
-    mid-scan are skipped; processes that cannot be read are returned in
-    ``unreadable``.
-    """
-    by_path = {p: key for key, p in targets.items()}
-    by_name = {os.path.basename(p): key for key, p in targets.items()}
-    prefix = shm_dir.rstrip("/") + "/"
-    ev = _Evidence(users={}, unreadable=set())
-    if not targets:
-        return ev
-    for pid in _pids(proc_root):
-        pid_dir = os.path.join(proc_root, str(pid))
-        mapped: set[tuple[int, int]] = set()
-        opened: set[tuple[int, int]] = set()
-        try:
-            _scan_maps(pid_dir, targets, by_path, mapped)
-            _scan_fds(pid_dir, prefix, targets, by_path, by_name, opened)
-        except OSError as e:
-            if e.errno in _GONE:
-                continue
-            # EACCES/EPERM, or anything unexpected: we cannot see what this
-            # process uses, so it blocks removal rather than crashing the scan.
-            if e.errno not in _HIDDEN:
-                log.warning("cannot read /proc evidence of pid %d: %s", pid, e)
-            ev.unreadable.add(pid)
-            continue
-        if not (mapped or opened):
-            continue
-        comm = _read_comm(pid_dir)
-        for key in mapped | opened:
-            ev.users.setdefault(key, {})[pid] = ShmUser(pid, comm, mapped=key in mapped, open_fd=key in opened)
-    return ev
-
-
-def _scan_maps(
-    pid_dir: str,
-    targets: dict[tuple[int, int], str],
-    by_path: dict[str, tuple[int, int]],
-    found: set[tuple[int, int]],
-) -> None:
-    # "addr perms offset MAJ:MIN inode   /path[ (deleted)]" — dev is hex, inode decimal.
-    with open(os.path.join(pid_dir, "maps"), encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) < 5 or parts[4] == "0":
-                continue
-            maj, _, mnr = parts[3].partition(":")
-            try:
-                key = (os.makedev(int(maj, 16), int(mnr, 16)), int(parts[4]))
-            except ValueError:
-                key = (-1, -1)
-            if key in targets:
-                found.add(key)
-                continue
-            if len(parts) == 6:
-                path, deleted = _strip_deleted(parts[5].rstrip("\n"))
-                if not deleted and path in by_path:
-                    found.add(by_path[path])
-
-
-def _scan_fds(
-    pid_dir: str,
-    prefix: str,
-    targets: dict[tuple[int, int], str],
-    by_path: dict[str, tuple[int, int]],
-    by_name: dict[str, tuple[int, int]],
-    found: set[tuple[int, int]],
-) -> None:
-    fd_dir = os.path.join(pid_dir, "fd")
-    for fd in os.listdir(fd_dir):
-        link = os.path.join(fd_dir, fd)
-        try:
-            target = os.readlink(link)
-        except OSError as e:
-            if e.errno in _GONE:  # this fd was closed meanwhile
-                continue
-            raise
-        if not target.startswith("/"):
-            continue  # socket:[…], pipe:[…], anon_inode:…
-        path, deleted = _strip_deleted(target)
-        if not deleted and path in by_path:
-            found.add(by_path[path])
-            continue
-        # Only stat what can be ours: under the shm dir, or the same (random)
-        # name elsewhere (a bind mount in another namespace). stat() on an
-        # arbitrary fd could block on a hung network or FUSE file system.
-        if not (path.startswith(prefix) or os.path.basename(path) in by_name):
-            continue
-        try:
-            st = os.stat(link)
-        except OSError as e:
-            if e.errno in _GONE:
-                continue
-            raise
-        key = (st.st_dev, st.st_ino)
-        if key in targets:
-            found.add(key)
-
-
-def _lstat_entry(dir_fd: int, name: str, shm_dir: str) -> ShmEntry | None:
-    try:
-        st = os.lstat(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    return ShmEntry(
-        name=name,
-        path=os.path.join(shm_dir, name),
-        size_bytes=st.st_size,
-        allocated_bytes=st.st_blocks * 512,
-        mtime=st.st_mtime,
-        ctime=st.st_ctime,
-        kind=classify(name),
-        file_type=_file_type(st.st_mode),
-        dev=st.st_dev,
-        ino=st.st_ino,
-    )
-
-
-def scan(shm_dir: str | Path = DEFAULT_SHM_DIR, proc_root: str | Path = DEFAULT_PROC_ROOT) -> list[ShmEntry]:
-    """List ``shm_dir`` with the evidence of use for each entry.
-
-    Returns one :class:`ShmEntry` per directory entry, sorted by name.
-    Directories and symlinks are listed (never followed) so a report can show
-    them; only regular files are ever candidates for removal.
-
-    Raises:
-        OSError: ``shm_dir`` or ``proc_root`` cannot be listed. Per process,
-            ENOENT/ESRCH (it exited mid-scan) skip it; any other error
-            (EACCES/EPERM above all) records it in ``unreadable_pids``.
-    """
-    shm_dir = os.path.realpath(os.fspath(shm_dir))
-    dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        entries = [e for n in sorted(os.listdir(dir_fd)) if (e := _lstat_entry(dir_fd, n, shm_dir))]
-    finally:
-        os.close(dir_fd)
-    targets = {(e.dev, e.ino): e.path for e in entries if e.file_type == "file"}
-    ev = _collect_evidence(os.fspath(proc_root), shm_dir, targets)
-    unreadable = tuple(sorted(ev.unreadable))
-    return [_with_evidence(e, ev.users.get((e.dev, e.ino), {}).values(), unreadable) for e in entries]
-
-
-def _with_evidence(e: ShmEntry, users: Iterable[ShmUser], unreadable: tuple[int, ...]) -> ShmEntry:
-    return replace(e, users=tuple(sorted(users, key=lambda u: u.pid)), unreadable_pids=unreadable)
-
+# the reading side lives in sparkd.sense.shm_scan; act.shm is the one name callers use for /dev/shm
+__all__ = [
+    "DEFAULT_CLOCK_SLACK_S",
+    "CleanupPlan",
+    "CleanupResult",
+    "Kept",
+    "ShmEntry",
+    "ShmKind",
+    "ShmUser",
+    "ShmWitness",
+    "classify",
+    "cleanup",
+    "execute",
+    "format_result",
+    "plan_cleanup",
+    "process_tree",
+    "scan",
+    "unreadable_pids",
+]
 
 # --------------------------------------------------------------------------- plan
 
@@ -412,6 +126,8 @@ def plan_cleanup(
     allow_unknown_age: bool = False,
     clock_slack_s: float = DEFAULT_CLOCK_SLACK_S,
     ignore_unreadable_pids: Collection[int] = (),
+    witness: ShmWitness | None = None,
+    container_stopped_at: float | None = None,
 ) -> CleanupPlan:
     """Decide which entries to remove; pure (no I/O, no clock).
 
@@ -420,11 +136,16 @@ def plan_cleanup(
     * it is a regular file (directories, symlinks, sockets: "not sparkd's to judge");
     * the scan could read every process (``unreadable_pids`` empty);
     * no live process maps it or holds it open;
-    * age: with ``container_started_at`` (UTC epoch s, e.g. Docker's
-      ``State.StartedAt``) it changed no earlier than ``started_at -
-      clock_slack_s``; with ``None`` (preflight leftovers report) its age is
-      unknown and it is kept, unless ``allow_unknown_age=True``, which allows
-      unused entries whose name matches a known vLLM/NCCL/loky pattern
+    * with ``container_started_at`` (UTC epoch s, e.g. Docker's
+      ``State.StartedAt``), it is tied to that container by its own evidence:
+      the ``witness`` saw the container's processes map or hold it open while
+      the container ran; or it changed within the container's lifetime
+      (``started_at - clock_slack_s`` .. ``container_stopped_at +
+      clock_slack_s``; no upper bound when ``None``) *and* its name is one
+      only the engine creates (:data:`ENGINE_OWN_KINDS`);
+    * with ``container_started_at=None`` (preflight leftovers report) its age
+      is unknown and it is kept, unless ``allow_unknown_age=True``, which
+      allows unused entries whose name matches a known vLLM/NCCL/loky pattern
       (:data:`KNOWN_RUNTIME_KINDS`).
 
     ``ignore_unreadable_pids``: processes known to be irrelevant although
@@ -439,8 +160,11 @@ def plan_cleanup(
     remove: list[ShmEntry] = []
     kept: list[Kept] = []
     threshold = None if container_started_at is None else container_started_at - clock_slack_s
+    until = None if container_stopped_at is None else container_stopped_at + clock_slack_s
     for e in entries:
         reason = _keep_reason(e, threshold, now, allow_unknown_age, ignored)
+        if reason is None and threshold is not None:
+            reason = _tie_reason(e, witness, until)
         if reason is None:
             remove.append(e)
         else:
@@ -472,6 +196,22 @@ def _keep_reason(
         age_s = max(0.0, now - e.changed_at)
         return f"older than the container (created {_utc(e.changed_at)}, {age_s:.0f} s ago)"
     return None
+
+
+def _tie_reason(e: ShmEntry, witness: ShmWitness | None, until: float | None) -> str | None:
+    """``None`` when ``e`` is tied to the stopped container; else why it is not (kept)."""
+    if witness is not None and witness.saw(e):
+        return None
+    if until is not None and e.changed_at > until:
+        return f"created after the container stopped ({_utc(e.changed_at)})"
+    if e.kind in ENGINE_OWN_KINDS:
+        return None
+    seen = (
+        "none of the container's processes was seen using it"
+        if witness is not None and witness.observations
+        else "the container's processes could not be observed"
+    )
+    return f"not tied to the container: {seen}, and {_PATTERN_TEXT[e.kind]} names are not the engine's own"
 
 
 # --------------------------------------------------------------------------- execute
@@ -623,6 +363,8 @@ def cleanup(
     allow_unknown_age: bool = False,
     now: float | None = None,
     ignore_unreadable_pids: Collection[int] = (),
+    witness: ShmWitness | None = None,
+    container_stopped_at: float | None = None,
 ) -> CleanupResult:
     """Convenience: ``scan`` → ``plan_cleanup`` → ``execute`` with one clock reading."""
     entries = scan(shm_dir, proc_root)
@@ -632,5 +374,7 @@ def cleanup(
         now=time.time() if now is None else now,
         allow_unknown_age=allow_unknown_age,
         ignore_unreadable_pids=ignore_unreadable_pids,
+        witness=witness,
+        container_stopped_at=container_stopped_at,
     )
     return execute(plan, dry_run=dry_run, proc_root=proc_root)

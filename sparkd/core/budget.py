@@ -7,7 +7,9 @@ as in the notes; sizes read from the machine come in as bytes::
     w       = WEIGHT_BYTES / 2**30 - PLE_GIB            # GPU-resident weights
     w      -= min(MTP_OFF_CREDIT, max(w, 0))            # only when MTP is off
     fixed   = w + OVERHEAD_GIB + MTP_GIB                # MTP_GIB counts only when MTP is on
-    kv_need = MAX_MODEL_LEN * KV_BYTES_PER_TOKEN * KV_MULT / 2**30
+            + MAX_NUM_SEQS * STATE_BYTES_PER_SEQ / 2**30 # linear-attention state (issue 19; 0 for most)
+    kv_need = KV_BYTES(MAX_MODEL_LEN) * KV_MULT / 2**30 # one max-length request
+    KV_BYTES(L) = L * KV_BYTES_PER_TOKEN + sum(min(L, window) * bytes for each sliding-window group)
     wish    = fixed + max(kv_need, KV_TARGET_GIB)
     cap     = MEM_TOTAL_GIB - HOST_RESERVE_GIB
     budget  = min(wish, cap)
@@ -15,8 +17,12 @@ as in the notes; sizes read from the machine come in as bytes::
     budget  = gmu * MEM_TOTAL_GIB
     kv_exp  = budget - fixed                            # an estimate; vLLM's profiling decides
 
-Everything here is pure; the checkpoint's size on disk (``weight_bytes``)
-comes from ``sparkd.sense.checkpoint.checkpoint_weight_bytes`` at the edge.
+With no state and no sliding window, ``KV_BYTES(L)`` is the notes'
+``MAX_MODEL_LEN * KV_BYTES_PER_TOKEN``. Everything here is pure; the
+checkpoint's size on disk (``weight_bytes``) comes from
+``sparkd.sense.checkpoint.checkpoint_weight_bytes`` at the edge, the KV layout
+from its ``config.json`` via ``sparkd.core.kvcache``. KV_MULT for fp8 is the
+notes' 0.58 only for the notes' model; see ``NOTES_FP8_KV_MULT``.
 
 Decisions beyond the notes (documented here, tested in tests/test_budget.py):
 
@@ -39,13 +45,36 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeGuard
 
+from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.errors import InvalidInput, Refused
 from sparkd.units import GiB, MiB
 
-#: KV_MULT per ``--kv-cache-dtype`` (CONTEXT.md: 1.0 for BF16, 0.58 for FP8).
-DEFAULT_KV_MULT: Mapping[str, float] = MappingProxyType(
-    {"auto": 1.0, "bf16": 1.0, "fp16": 1.0, "fp8": 0.58, "fp8_e4m3": 0.58, "fp8_e5m2": 0.58}
+#: vLLM's ``--kv-cache-dtype`` choices sparkd plans for: the one definition (config, API, CLI).
+FP8_KV_DTYPES: tuple[str, ...] = tuple(d for d in KV_CACHE_DTYPES if d.startswith("fp8"))
+
+#: The launch notes' model (CONTEXT.md "The memory budget"): 29,482 B per token at
+#: BF16, and KV_MULT 0.58 for fp8 because its side caches stay BF16 — only part of
+#: its KV shrinks. Both figures belong to that model; any other model gets its
+#: per-token figure from its config.json (``sparkd.core.kvcache``) and 0.5 for fp8.
+NOTES_KV_BYTES_PER_TOKEN = 29482
+NOTES_FP8_KV_MULT = 0.58
+NOTES_FP8_REASON = (
+    "the launch notes' model (29,482 B/token): its side caches stay BF16, so fp8 shrinks only part of "
+    "the KV cache (notes: KV_MULT 0.58)"
 )
+#: An fp8 KV cache whose every byte is fp8: 1 byte per element instead of 2.
+WHOLE_FP8_KV_MULT = 0.5
+
+
+def kv_mult_table(fp8_mult: float) -> dict[str, float]:
+    """KV_MULT per dtype: 1.0 for the 16-bit choices, ``fp8_mult`` for the fp8 ones."""
+    return {d: (fp8_mult if d in FP8_KV_DTYPES else 1.0) for d in KV_CACHE_DTYPES}
+
+
+#: KV_MULT per ``--kv-cache-dtype`` of the notes' model (CONTEXT.md: 1.0 for BF16, 0.58 for FP8).
+DEFAULT_KV_MULT: Mapping[str, float] = MappingProxyType(kv_mult_table(NOTES_FP8_KV_MULT))
+#: Where an input came from (``BudgetInputs.sources``), as shown by ``sparkd plan``.
+SOURCES: tuple[str, ...] = ("flag", "config file", "checkpoint config.json", "measured", "default")
 #: Names vLLM's --kv-cache-dtype does not accept in every release; a 16-bit KV
 #: cache is "auto" (the model's dtype), which has the same size.
 _VLLM_KV_DTYPE = {"bf16": "auto", "fp16": "auto"}
@@ -73,9 +102,19 @@ class BudgetInputs:
     tables inside it), or directly as ``weights_gib`` (= w after PLE); give
     exactly one of the two. ``mtp_gib`` counts only when ``mtp_enabled``;
     ``mtp_off_credit_gib`` is subtracted from w only when it is not.
-    ``kv_bytes_per_token`` is the BF16 figure; ``kv_mult_table[kv_cache_dtype]``
-    scales it. ``model`` (a path inside the container) and ``extra_vllm_args``
-    (e.g. a speculative config for MTP) are passed through to ``vllm_args()``.
+    ``kv_bytes_per_token`` is the 16-bit figure of the layers that keep every
+    token; ``kv_window_groups`` are ``(window_tokens, bytes_per_token)`` of
+    sliding-window layers (a request holds at most the window of them);
+    ``kv_mult_table[kv_cache_dtype]`` scales both. ``state_bytes_per_seq`` is the
+    fixed linear-attention state of one sequence: fixed += max_num_seqs × it
+    (see ``sparkd.core.kvcache``). ``model_max_len`` is the checkpoint's
+    ``max_position_embeddings`` when known (a warning, not a refusal, when
+    ``max_model_len`` exceeds it: rope scaling can extend it). ``sources`` maps
+    an input name (a field, or ``kv_mult``) to one of ``SOURCES``; ``explain``
+    maps it to how the value was reached (a formula, a reason). Both are shown
+    by the plan and drive its provenance warnings. ``model`` (a path inside the
+    container) and ``extra_vllm_args`` (e.g. a speculative config for MTP) are
+    passed through to ``vllm_args()``.
 
     Defaults are the notes' seed values. ``make_plan`` validates every field.
     """
@@ -100,18 +139,57 @@ class BudgetInputs:
     docker_headroom_gib: float = 5.0
     model: str | None = None
     extra_vllm_args: tuple[str, ...] = ()
+    kv_window_groups: tuple[tuple[int, int], ...] = ()
+    state_bytes_per_seq: int = 0
+    model_max_len: int | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+    explain: Mapping[str, str] = field(default_factory=dict)
+
+    def kv_bytes_for(self, tokens: int) -> int:
+        """16-bit KV bytes of one request of ``tokens`` tokens (windows bound their layers)."""
+        return tokens * self.kv_bytes_per_token + sum(min(tokens, w) * b for w, b in self.kv_window_groups)
 
     def validate(self) -> None:
         """Check every field; raise ``InvalidInput`` naming the first bad one and its range."""
         for name in (
             "mem_total_bytes",
             "max_model_len",
-            "kv_bytes_per_token",
             "max_num_seqs",
             "max_num_batched_tokens",
         ):
             v = getattr(self, name)
             _need(_is_int(v) and v >= 1, self, name, "an integer ≥ 1")
+        _need(
+            _is_int(self.kv_bytes_per_token) and self.kv_bytes_per_token >= (0 if self.kv_window_groups else 1),
+            self,
+            "kv_bytes_per_token",
+            "an integer ≥ 1 (≥ 0 when sliding-window layers hold the KV)",
+        )
+        _need(
+            isinstance(self.kv_window_groups, tuple)
+            and all(
+                isinstance(g, tuple) and len(g) == 2 and all(_is_int(x) and x >= 1 for x in g)
+                for g in self.kv_window_groups
+            ),
+            self,
+            "kv_window_groups",
+            "(window_tokens ≥ 1, bytes_per_token ≥ 1) pairs",
+        )
+        _need(
+            _is_int(self.state_bytes_per_seq) and self.state_bytes_per_seq >= 0,
+            self,
+            "state_bytes_per_seq",
+            "an integer number of bytes ≥ 0",
+        )
+        _need(
+            self.model_max_len is None or (_is_int(self.model_max_len) and self.model_max_len >= 1),
+            self,
+            "model_max_len",
+            "an integer ≥ 1, or unset",
+        )
+        for name, src in self.sources.items():
+            if src not in SOURCES:
+                raise InvalidInput(f"sources[{name}]", src, ", ".join(SOURCES))
         if (self.weight_bytes is None) == (self.weights_gib is None):
             which = "neither" if self.weight_bytes is None else "both"
             raise InvalidInput(
@@ -178,6 +256,9 @@ class BudgetInputs:
         d = asdict(self)
         d["kv_mult_table"] = dict(self.kv_mult_table)
         d["extra_vllm_args"] = list(self.extra_vllm_args)
+        d["kv_window_groups"] = [list(g) for g in self.kv_window_groups]
+        d["sources"] = dict(self.sources)
+        d["explain"] = dict(self.explain)
         return d
 
 
@@ -198,6 +279,7 @@ class Plan:
     weights_gib: float  # w: GPU-resident weights after PLE (and the MTP-off credit)
     overhead_gib: float
     mtp_gib: float  # as counted in fixed (0 when MTP is off)
+    state_gib: float  # max_num_seqs × linear-attention state per sequence
     fixed_gib: float
     kv_mult: float
     kv_need_gib: float
@@ -243,11 +325,15 @@ class Plan:
         ]
         return args + list(i.extra_vllm_args)
 
-    def docker_args(self, *, gpus: bool = True) -> list[str]:
-        """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix)."""
+    def docker_args(self, *, gpus: bool = True, init: bool = True, oom_score_adj: int | None = 500) -> list[str]:
+        """``docker run`` flags for the limits (``--memory`` in whole MiB, ``m`` suffix), ``--init`` and
+        ``--oom-score-adj`` (the launch flags from the field: settings ``container.init`` /
+        ``container.oom_score_adj``; ``None`` leaves Docker's 0)."""
         mem = f"{self.docker_memory_bytes // MiB}m"
         return [
             *(["--gpus", "all"] if gpus else []),
+            *(["--init"] if init else []),
+            *(["--oom-score-adj", str(oom_score_adj)] if oom_score_adj is not None else []),
             "--ipc",
             "host",
             "--network",
@@ -258,11 +344,19 @@ class Plan:
             mem,
         ]
 
-    def docker_run_command(self, image: str = "vllm/vllm-openai:latest", *, gpus: bool = True) -> str:
+    def docker_run_command(
+        self,
+        image: str = "vllm/vllm-openai:latest",
+        *,
+        gpus: bool = True,
+        init: bool = True,
+        oom_score_adj: int | None = 500,
+    ) -> str:
         """The ``docker run`` line a person would type, one flag pair per line."""
+        flags = self.docker_args(gpus=gpus, init=init, oom_score_adj=oom_score_adj)
         lines = [
             ["docker", "run", "-d"],
-            *_flag_groups(["--label", "sparkd.managed=true", *self.docker_args(gpus=gpus)]),
+            *_flag_groups(["--label", "sparkd.managed=true", *flags]),
             [image],
             *_flag_groups(self.vllm_args()),
         ]
@@ -278,6 +372,7 @@ class Plan:
             "weights_gib": self.weights_gib,
             "overhead_gib": self.overhead_gib,
             "mtp_gib": self.mtp_gib,
+            "state_gib": self.state_gib,
             "fixed_gib": self.fixed_gib,
             "kv_mult": self.kv_mult,
             "kv_need_gib": self.kv_need_gib,
@@ -294,6 +389,10 @@ class Plan:
             "docker_memory_swap_gib": self.docker_memory_swap_bytes / GiB,
             "docker_memory_bytes": self.docker_memory_bytes,
             "inputs": self.inputs.to_json(),
+            "provenance": {
+                name: {"source": src, **({"how": self.inputs.explain[name]} if name in self.inputs.explain else {})}
+                for name, src in self.inputs.sources.items()
+            },
             "vllm_args": self.vllm_args(),
             "warnings": list(self.warnings),
         }
@@ -320,9 +419,10 @@ def make_plan(inputs: BudgetInputs) -> Plan:
     credit = 0.0 if i.mtp_enabled else min(i.mtp_off_credit_gib, max(w, 0.0))
     w -= credit
     mtp = i.mtp_gib if i.mtp_enabled else 0.0
-    fixed = w + i.overhead_gib + mtp
+    state = i.max_num_seqs * i.state_bytes_per_seq / GiB
+    fixed = w + i.overhead_gib + mtp + state
     kv_mult = float(i.kv_mult_table[i.kv_cache_dtype])
-    kv_need = i.max_model_len * i.kv_bytes_per_token * kv_mult / GiB
+    kv_need = i.kv_bytes_for(i.max_model_len) * kv_mult / GiB
     wish = fixed + max(kv_need, i.kv_target_gib)
     cap = total - i.host_reserve_gib
     squeezed = wish > cap
@@ -347,20 +447,21 @@ def make_plan(inputs: BudgetInputs) -> Plan:
     budget = gmu * total
     kv_exp = budget - fixed
     if kv_exp <= 0:
+        state_text = f" + linear-attention state {state:.2f}" if state else ""
         raise Refused(
             f"the fixed part does not fit: weights {w:.2f} + overhead {i.overhead_gib:.2f} + MTP "
-            f"{mtp:.2f} = {fixed:.2f} GiB ≥ budget {budget:.2f} GiB (gmu {gmu:.3f}). Lower "
+            f"{mtp:.2f}{state_text} = {fixed:.2f} GiB ≥ budget {budget:.2f} GiB (gmu {gmu:.3f}). Lower "
             f"host_reserve_gib (now {i.host_reserve_gib:g}) if the host can spare it, turn MTP "
             "off, or serve a smaller checkpoint."
         )
     if kv_exp < kv_need:
-        per_token = i.kv_bytes_per_token * kv_mult
-        max_len = math.floor(kv_exp * GiB / per_token)
-        fp8_hint = "" if kv_mult < 1 else ", or use an fp8 KV cache (kv_cache_dtype fp8, ×0.58)"
+        max_len = _longest_fitting(i, kv_exp * GiB / kv_mult)
+        fp8_hint = "" if kv_mult < 1 else ", or use an fp8 KV cache (kv_cache_dtype fp8)"
+        windows = "".join(f" + min(max_model_len, {w}) × {b} B" for w, b in i.kv_window_groups)
         raise Refused(
             f"KV room {kv_exp:.2f} GiB (kv_exp = budget {budget:.2f} − fixed {fixed:.2f}) is "
-            f"below one max-length request: max_model_len {i.max_model_len} × "
-            f"{i.kv_bytes_per_token} B/token × {kv_mult:g} = {kv_need:.2f} GiB. Lower "
+            f"below one max-length request: (max_model_len {i.max_model_len} × "
+            f"{i.kv_bytes_per_token} B/token{windows}) × {kv_mult:g} = {kv_need:.2f} GiB. Lower "
             f"max_model_len to ≤ {max_len}, or raise the host budget (host_reserve_gib now "
             f"{i.host_reserve_gib:g}){fp8_hint}."
         )
@@ -386,6 +487,7 @@ def make_plan(inputs: BudgetInputs) -> Plan:
         )
     if source == "override":
         warnings.append(f"gmu_override {gmu:.3f} used instead of the formula's {floor_gmu(min(wish, cap), total):.3f}")
+    warnings += provenance_warnings(i)
 
     return Plan(
         inputs=i,
@@ -396,6 +498,7 @@ def make_plan(inputs: BudgetInputs) -> Plan:
         weights_gib=w,
         overhead_gib=i.overhead_gib,
         mtp_gib=mtp,
+        state_gib=state,
         fixed_gib=fixed,
         kv_mult=kv_mult,
         kv_need_gib=kv_need,
@@ -413,63 +516,55 @@ def make_plan(inputs: BudgetInputs) -> Plan:
     )
 
 
-def render_plan_table(plan: Plan, *, image: str = "vllm/vllm-openai:latest", gpus: bool = True) -> str:
-    """A plain-text table to check by hand: inputs, intermediates, results, command line."""
-    i = plan.inputs
-
-    def g(x: float) -> str:
-        return f"{x:.2f} GiB"
-
-    mtp = f"on, {g(i.mtp_gib)}" if i.mtp_enabled else f"off (credit {g(i.mtp_off_credit_gib)})"
-    rows: list[tuple[str, str] | str] = [
-        "inputs",
-        ("MemTotal", g(plan.mem_total_gib)),
-        ("checkpoint weight files", "—" if plan.checkpoint_gib is None else g(plan.checkpoint_gib)),
-        ("PLE (mmap'ed, not on the GPU side)", g(plan.ple_gib)),
-        ("overhead", g(i.overhead_gib)),
-        ("MTP", mtp),
-        ("max_model_len", str(i.max_model_len)),
-        ("KV bytes per token (BF16)", f"{i.kv_bytes_per_token} B"),
-        ("KV cache dtype", f"{i.kv_cache_dtype} (KV_MULT {plan.kv_mult:g})"),
-        ("KV target", g(i.kv_target_gib)),
-        ("host reserve", g(i.host_reserve_gib)),
-        ("max_num_seqs / max_num_batched_tokens", f"{i.max_num_seqs} / {i.max_num_batched_tokens}"),
-        ("docker headroom", g(i.docker_headroom_gib)),
-        "intermediates",
-        ("w = weights − PLE (− MTP-off credit)", g(plan.weights_gib)),
-        ("fixed = w + overhead + MTP", g(plan.fixed_gib)),
-        ("kv_need = max_model_len × B/token × KV_MULT", g(plan.kv_need_gib)),
-        ("wish = fixed + max(kv_need, KV target)", g(plan.wish_gib)),
-        ("cap = MemTotal − host reserve", g(plan.cap_gib)),
-        "results",
-        (f"gmu ({plan.gmu_source}: floor(min(wish, cap) / MemTotal, 0.001))", f"{plan.gmu:.3f}"),
-        ("budget = gmu × MemTotal", g(plan.budget_gib)),
-        ("kv_exp = budget − fixed (vLLM profiling decides)", g(plan.kv_exp_gib)),
-        ("max-length concurrency = kv_exp / kv_need", f"{plan.max_len_concurrency:.2f}"),
-        (
-            "docker --memory = --memory-swap (no swap)",
-            f"{g(plan.docker_memory_gib)} ({plan.docker_memory_bytes // MiB}m)",
-        ),
-    ]
-    width = max(len(r[0]) for r in rows if isinstance(r, tuple)) + 2
-    out = ['sparkd plan — vLLM memory budget (CONTEXT.md, "The memory budget")']
-    for r in rows:
-        out.append(f"\n{r}" if isinstance(r, str) else f"  {r[0]:<{width}}{r[1]}")
-    out.append("")
-    if plan.squeezed:
+def provenance_warnings(i: BudgetInputs) -> list[str]:
+    """Warnings about where inputs came from (``i.sources``): a default standing in for a
+    figure of this model, or a figure given for something that is off."""
+    src, out = i.sources, []
+    if src.get("overhead_gib") == "default":
         out.append(
-            f"SQUEEZED: the host cap ({g(plan.cap_gib)}) is below the wish ({g(plan.wish_gib)}): "
-            f"KV room {g(plan.kv_exp_gib)} instead of {g(max(plan.kv_need_gib, i.kv_target_gib))}."
+            f"overhead_gib {i.overhead_gib:g} GiB is a default (the launch notes' model), not a figure for this "
+            "model: take CUDA graphs + activations from a start-up log and set budget.overhead_gib"
         )
-    else:
-        out.append("not squeezed: the host cap leaves room for the KV target.")
-    others = [w for w in plan.warnings if not w.startswith("host cap squeezed")]  # said above
-    if others:
-        out.append("\nwarnings")
-        out.extend(f"  - {w}" for w in others)
-    out.append("\ncommand")
-    out.append(plan.docker_run_command(image, gpus=gpus))
-    return "\n".join(out) + "\n"
+    if i.mtp_enabled and src.get("mtp_gib") == "default":
+        out.append(
+            f"mtp_gib {i.mtp_gib:g} GiB is a default (the launch notes' model, 3 speculative tokens), not a "
+            "figure for this model: set budget.mtp_gib"
+        )
+    if not i.mtp_enabled and src.get("mtp_gib") in ("flag", "config file"):
+        out.append(
+            f"mtp_gib {i.mtp_gib:g} GiB was given ({src['mtp_gib']}) but MTP is off (no --mtp, budget.mtp "
+            "false): it is not counted"
+        )
+    if i.model_max_len is not None and i.max_model_len > i.model_max_len:
+        out.append(
+            f"max_model_len {i.max_model_len} ({src.get('max_model_len', 'default')}) exceeds the checkpoint's "
+            f"max_position_embeddings {i.model_max_len}: vLLM refuses that unless rope scaling extends the "
+            "context; set --max-model-len"
+        )
+    elif src.get("max_model_len") == "default":
+        out.append(
+            f"max_model_len {i.max_model_len} is a default (the launch notes' model), not this model's context: "
+            "set --max-model-len (budget.max_model_len)"
+        )
+    mult = i.kv_mult_table.get(i.kv_cache_dtype)
+    if i.kv_cache_dtype in FP8_KV_DTYPES and src.get("kv_mult") == "default" and mult != NOTES_FP8_KV_MULT:
+        out.append(
+            f"fp8 KV multiplier {mult:g} is an assumption (the whole KV cache in fp8) for a per-token figure "
+            "given by hand: if part of this model's cache stays 16-bit, set --kv-fp8-mult (budget.kv_fp8_mult)"
+        )
+    return out
+
+
+def _longest_fitting(i: BudgetInputs, room_bytes: float) -> int:
+    """The largest max_model_len whose 16-bit KV fits ``room_bytes`` (0 if none; binary search)."""
+    lo, hi = 0, i.max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if i.kv_bytes_for(mid) <= room_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _flag_groups(tokens: list[str]) -> list[list[str]]:

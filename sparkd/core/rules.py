@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from sparkd.core.choices import RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS, Sample
 from sparkd.units import GiB, fmt_gib, parse_size
@@ -102,8 +103,8 @@ class Rule:
     when: tuple[Condition, ...]
     evidence: tuple[Condition, ...]
     samples: int
-    action: Literal["stop", "warn"]
-    kind: Literal["threshold", "predictive"] = "threshold"
+    action: RuleAction
+    kind: RuleKind = "threshold"
     floor_bytes: int | None = None
     within_s: float = 3.0
     window_s: float = 3.0
@@ -223,7 +224,7 @@ class Decision:
 
     rule: str
     kind: Literal["trip", "near_miss", "cooldown"]
-    action: Literal["stop", "warn"]
+    action: RuleAction
     reason: str
     counter: int
     samples: int

@@ -1,196 +1,46 @@
-"""REST API (FastAPI, OpenAPI at /docs) — the read side and the control edge of the daemon.
+"""REST API routes (FastAPI, OpenAPI at /docs) — the read side and the control edge of the daemon.
+
+``sparkd.face.app.create_app`` composes the app; this module adds the JSON routes in
+two groups: ``install_read_routes`` (health, status, samples, events, launches,
+archives, metrics) and ``install_control_routes`` (container start/stop/restart,
+resize). Response bodies are typed where the daemon's contract is
+(``sparkd.loop.status.Status`` for ``/api/status``, ``ResizeResult`` for ``/api/resize``).
 
 Runs inside the daemon's event loop (uvicorn ``Server.serve()``), so nothing here
 may block it: in-memory state (``status_json``) is read on the loop, SQLite and
 directory reads run in worker threads (sync ``def`` endpoints or
 ``asyncio.to_thread``). Control endpoints hand work to ``daemon.actions``.
 
-Every error has one shape: ``{"error": <code>, "detail": <str | dict>}``
-(``sparkd.errors``; validation errors name the field and what is allowed).
+Every error has one shape (``sparkd.face.replies``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import math
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.gzip import GZipMiddleware
 
-from sparkd import __version__
 from sparkd.act.archive import open_archive
-from sparkd.errors import InvalidInput, Refused, SparkdError
+from sparkd.errors import InvalidInput, Refused
 from sparkd.face import presenters as views
-from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
+from sparkd.face.auth import Auth
 from sparkd.face.exporter import metrics_response
-from sparkd.resources import web_dir
+from sparkd.face.schemas import ResizeRequest, require_finite
+from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import CHART_FIELDS
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
-
-log = logging.getLogger("sparkd.face.api")
+    from sparkd.loop.status import DaemonView
 
 MAX_WINDOW_S = 31 * 86400
 MAX_POINTS = 20000
 DEFAULT_WINDOW_S = 300.0
-_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed"}
 
-
-class ResizeRequest(BaseModel):
-    """``POST /api/resize``: the budget knobs to change (GiB at this edge). Unset = keep.
-
-    ``dry_run`` defaults to true: nothing changes unless a client asks for it.
-    Numbers are strict: ``true`` is not 1, ``"8"`` is not 8, ``4096.5`` is not an
-    integer; a JSON integer is fine for a float field (2 → 2.0). NaN and ±Infinity
-    (which Python's JSON parser accepts) are refused.
-    """
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    kv_target_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
-    max_model_len: int | None = Field(default=None, ge=1, le=16_777_216, strict=True)
-    max_num_seqs: int | None = Field(default=None, ge=1, le=4096, strict=True)
-    host_reserve_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
-    kv_cache_dtype: Literal["auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
-    gmu_override: float | None = Field(default=None, gt=0, le=1, strict=True)
-    docker_headroom_gib: float | None = Field(default=None, ge=0, le=1024, strict=True)
-    dry_run: bool = True
-
-    def changes(self) -> dict[str, Any]:
-        return self.model_dump(exclude_unset=True, exclude={"dry_run"})
-
-
-RESIZE_INT_FIELDS = frozenset({"max_model_len", "max_num_seqs"})
-RESIZE_FLOAT_FIELDS = frozenset({"kv_target_gib", "host_reserve_gib", "gmu_override", "docker_headroom_gib"})
-
-
-def form_to_resize(form: dict[str, str]) -> dict[str, Any]:
-    """Dashboard form strings → ``ResizeRequest`` input (the model is strict; forms only have strings).
-
-    A number that does not parse stays a string, so the model names the field.
-    """
-    data: dict[str, Any] = {k: v.strip() for k, v in form.items() if k != "csrf_token" and v.strip() != ""}
-    for k, v in data.items():
-        try:
-            if k in RESIZE_INT_FIELDS:
-                data[k] = int(v)
-            elif k in RESIZE_FLOAT_FIELDS:
-                data[k] = float(v)
-        except ValueError:
-            pass
-    if "dry_run" in data:
-        data["dry_run"] = data["dry_run"].lower() in ("1", "true", "yes", "on")
-    return data
-
-
-def jsonable(value: Any) -> Any:
-    """``value`` with every non-finite float as a string (``nan``, ``inf``, ``-inf``): always serializes."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
-
-
-def require_finite(field: str, value: float | None) -> None:
-    """Query parameters: refuse NaN and ±Infinity (``since=nan``, ``1e999``) naming the field.
-
-    Raises:
-        InvalidInput: ``value`` is not finite.
-    """
-    if value is not None and not math.isfinite(value):
-        raise InvalidInput(field, value, "a finite number")
-
-
-def _field_of(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header", "cookie")]
-    return ".".join(parts) or "body"
-
-
-_NOT_AN_OBJECT = frozenset({"model_attributes_type", "model_type", "dict_type", "missing"})
-
-
-def _validation_detail(exc: RequestValidationError) -> dict[str, Any]:
-    errors = []
-    for e in exc.errors():
-        loc = tuple(e.get("loc", ()))
-        fld = _field_of(loc)
-        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
-        etype = e.get("type")
-        if etype == "json_invalid" or (loc == ("body",) and etype in _NOT_AN_OBJECT):
-            fld = "body"
-            why = (e.get("ctx") or {}).get("error") if etype == "json_invalid" else None
-            msg = "the request body must be a JSON object" + (f" (not valid JSON: {why})" if why else "")
-            errors.append({"field": fld, "message": f"{fld}: {msg}", "location": "body"})
-            continue
-        if etype == "finite_number":
-            msg = "a finite number is required (not NaN or Infinity)"
-        elif isinstance(e.get("input"), bool) and etype in ("int_type", "float_type"):
-            msg = f"{msg}, not true/false"
-        item = {"field": fld, "message": f"{fld}: {msg}", "location": (e.get("loc") or ["?"])[0]}
-        value = e.get("input")
-        if e.get("type") != "missing" and isinstance(value, str | int | float | bool):
-            item["value"] = value if not isinstance(value, str) else value[:200]
-        errors.append(item)
-    first = errors[0] if errors else {"field": "body", "message": "invalid request"}
-    return {"field": first["field"], "message": first["message"], "errors": errors}
-
-
-def wants_html(request: Request) -> bool:
-    path = request.url.path
-    if path.startswith(("/api/", "/metrics", "/healthz", "/docs", "/openapi")) or path.endswith(".json"):
-        return False
-    return bool(request.headers.get("hx-request")) or "text/html" in request.headers.get("accept", "")
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    def _reply(request: Request, status: int, body: dict[str, Any]) -> Response:
-        body = jsonable(body)  # an error body must always serialize (NaN in a detail, say)
-        if wants_html(request):
-            from sparkd.face.web import error_page
-
-            return error_page(request, status, body)
-        return JSONResponse(body, status_code=status)
-
-    @app.exception_handler(SparkdError)
-    async def _sparkd(request: Request, exc: SparkdError) -> Response:
-        return _reply(request, exc.status_code, exc.to_json())
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return _reply(request, 422, {"error": "invalid_input", "detail": _validation_detail(exc)})
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        code = _HTTP_CODES.get(exc.status_code, "http_error")
-        detail = exc.detail
-        if exc.status_code == 404 and detail == "Not Found":
-            detail = f"no such path: {request.url.path}"
-        elif exc.status_code == 405:
-            detail = f"{request.method} is not allowed on {request.url.path}"
-        resp = _reply(request, exc.status_code, {"error": code, "detail": detail})
-        for k, v in (exc.headers or {}).items():
-            resp.headers[k] = v
-        return resp
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse({"error": "internal_error", "detail": type(exc).__name__}, status_code=500)
+Control = Callable[..., Awaitable[dict[str, Any]]]
+Resize = Callable[[ResizeRequest, str], Awaitable[ResizeResult]]
 
 
 class StatusCache:
@@ -201,7 +51,7 @@ class StatusCache:
     Call on the event loop only (``status_json`` reads loop-owned state).
     """
 
-    def __init__(self, daemon: Daemon, max_age_s: float = 0.1) -> None:
+    def __init__(self, daemon: DaemonView, max_age_s: float = 0.1) -> None:
         self.daemon = daemon
         self.max_age_s = max_age_s
         self._key: tuple[Any, ...] | None = None
@@ -213,7 +63,7 @@ class StatusCache:
         key = (d.samples_taken, len(d.recent_events), id(d.recent_events[0]) if d.recent_events else None)
         now = time.monotonic()
         if key != self._key or now - self._at > self.max_age_s:
-            self._body = json.dumps(views.status_view(d), separators=(",", ":")).encode()
+            self._body = views.status_view(d).model_dump_json().encode()
             self._key, self._at = key, now
         return self._body
 
@@ -245,43 +95,62 @@ Who = Annotated[str, Depends(require_auth)]
 Reader = Annotated[str, Depends(require_reader)]
 
 
-def create_app(daemon: Daemon) -> FastAPI:
-    """The ASGI app: JSON API, dashboard (``sparkd.face.web``), ``/metrics``, ``/healthz``.
-
-    Creates the API token file on first use (``settings.token_file``, mode 0600).
+def samples_query(
+    daemon: DaemonView, since: float | None, until: float | None, step: float | None, fields: str | None
+) -> dict[str, Any]:
+    """``GET /api/samples``: min/avg/max per bucket, columnar. Blocking (SQLite): a worker thread.
 
     Raises:
-        ConfigError: the token file cannot be created or read.
+        InvalidInput: a non-finite number, ``since`` ≥ ``until``, a window over 31 days,
+            more than 20,000 points, or an unknown field (the message names it).
     """
-    settings = daemon.settings
-    auth = Auth(ensure_token(settings.token_file))
-    app = FastAPI(
-        title="sparkd",
-        version=__version__,
-        description="Memory guard for vLLM on DGX Spark: status, samples, events, container control.",
-    )
-    app.state.daemon = daemon
-    app.state.auth = auth
-    install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, allowed_hosts=settings.api.allowed_hosts)
-    # outermost: compresses pages, JSON and static files over 500 bytes (the dashboard's live
-    # updates included); bundles (application/gzip) and event streams are left alone by default
-    app.add_middleware(GZipMiddleware, minimum_size=500)
-    app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
+    for name, value in (("since", since), ("until", until), ("step", step)):
+        require_finite(name, value)
+    u = time.time() if until is None else until
+    s = u - DEFAULT_WINDOW_S if since is None else since
+    if s >= u:
+        raise InvalidInput("since", s, f"a time before until ({u})")
+    if u - s > MAX_WINDOW_S:
+        raise InvalidInput("since", s, f"a window of at most 31 days (until − since ≤ {MAX_WINDOW_S} s)")
+    st = views.pick_step(u - s) if step is None else step
+    if (u - s) / st > MAX_POINTS:
+        raise InvalidInput("step", st, f"≥ {(u - s) / MAX_POINTS:g} s for this window (≤ {MAX_POINTS} points)")
+    flds = list(CHART_FIELDS)
+    if fields:
+        flds = [f.strip() for f in fields.split(",") if f.strip()]
+        bad = [f for f in flds if f not in CHART_FIELDS]
+        if bad or not flds:
+            raise InvalidInput("fields", fields, ", ".join(CHART_FIELDS))
+    aligned = (s // st) * st  # buckets on a fixed grid, so incremental fetches line up
+    rows = daemon.reads.downsampled(since=aligned, until=u, step_s=st, fields=flds)
+    out: dict[str, Any] = {"since": aligned, "until": u, "step": st, "fields": flds, "points": len(rows)}
+    note = daemon.reads.note()
+    if note:  # the database cannot answer: the live in-memory view, said
+        out["source"], out["message"] = "memory", note
+    out["ts"] = [r["ts"] for r in rows]
+    out["n"] = [r["n"] for r in rows]
+    for f in flds:
+        for agg in ("min", "avg", "max"):
+            key = f"{f}_{agg}"
+            out[key] = [r.get(key) for r in rows]
+    return out
 
-    app.state.require_auth = require_auth
+
+def install_read_routes(app: FastAPI, daemon: DaemonView) -> None:
+    """Health, ``/api/status`` (cached, typed), samples, events, launches, archives and ``/metrics``."""
+    settings = daemon.settings
     status_cache = StatusCache(daemon)
 
-    # ------------------------------------------------------------------ read side
     @app.get("/healthz", tags=["health"])
     async def healthz() -> JSONResponse:
         """200 when the guard loop sampled recently, 503 otherwise."""
         h = views.health(daemon)
         return JSONResponse(h, status_code=200 if h["ok"] else 503)
 
-    @app.get("/api/status", tags=["read"], response_class=JSONResponse)
+    @app.get("/api/status", tags=["read"], response_model=Status)
     async def status() -> Response:
-        """``Daemon.status_json()`` (sizes in bytes) plus ``plan`` (the current budget plan or null)."""
+        """Everything the daemon knows now (``sparkd.loop.status.Status``; sizes in bytes), with ``plan``
+        (the budget plan the container runs with, or null)."""
         return Response(status_cache.body(), media_type="application/json")
 
     @app.get("/api/samples", tags=["read"])
@@ -294,27 +163,7 @@ def create_app(daemon: Daemon) -> FastAPI:
         fields: Annotated[str | None, Query(description="comma list; default all chart fields")] = None,
     ) -> dict[str, Any]:
         """min/avg/max per bucket, columnar (uPlot-ready): ``ts`` and ``<field>_<min|avg|max>`` arrays."""
-        for name, value in (("since", since), ("until", until), ("step", step)):
-            require_finite(name, value)
-        u = time.time() if until is None else until
-        s = u - DEFAULT_WINDOW_S if since is None else since
-        if s >= u:
-            raise InvalidInput("since", s, f"a time before until ({u})")
-        if u - s > MAX_WINDOW_S:
-            raise InvalidInput("since", s, f"a window of at most 31 days (until − since ≤ {MAX_WINDOW_S} s)")
-        st = views.pick_step(u - s) if step is None else step
-        if (u - s) / st > MAX_POINTS:
-            raise InvalidInput("step", st, f"≥ {(u - s) / MAX_POINTS:g} s for this window (≤ {MAX_POINTS} points)")
-        flds = list(CHART_FIELDS)
-        if fields:
-            flds = [f.strip() for f in fields.split(",") if f.strip()]
-            bad = [f for f in flds if f not in CHART_FIELDS]
-            if bad or not flds:
-                raise InvalidInput("fields", fields, ", ".join(CHART_FIELDS))
-        if daemon.store is None:
-            aligned = (s // st) * st
-            return {"since": aligned, "until": u, "step": st, "fields": flds, "points": 0, "ts": [], "n": []}
-        return views.samples_columns(daemon.store, s, u, st, flds)
+        return samples_query(daemon, since, until, step, fields)
 
     @app.get("/api/events", tags=["read"])
     def events(
@@ -325,13 +174,16 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Events, newest first."""
         require_finite("since", since)
         kinds = [k.strip() for v in kind or [] for k in v.split(",") if k.strip()] or None
-        rows = daemon.store.events(since=since, kinds=kinds, limit=limit) if daemon.store else []
+        rows = daemon.reads.events(since=since, kinds=kinds, limit=limit)
+        note = daemon.reads.note()
+        if note:
+            return {"events": rows, "source": "memory", "message": note}
         return {"events": rows}
 
     @app.get("/api/launches", tags=["read"])
     def launches() -> dict[str, Any]:
         """Launches, newest first: the plan's estimate beside vLLM's reported figures."""
-        return {"launches": views.launches_view(daemon.store, limit=50)}
+        return {"launches": views.launches_view(daemon.reads, limit=50)}
 
     @app.get("/api/archives", tags=["read"])
     def archives(who: Reader) -> JSONResponse:
@@ -363,7 +215,14 @@ def create_app(daemon: Daemon) -> FastAPI:
         """Prometheus text exposition (memory, PSI, rule counters, trips, container, ticks)."""
         return await metrics_response(app, daemon)
 
-    # ------------------------------------------------------------------ control
+
+def make_control(daemon: DaemonView) -> Control:
+    """``control(action, source, force=False)``: hand start/stop/restart to the supervisor.
+
+    Raises:
+        Refused: monitor-only (no container configured).
+    """
+
     async def control(
         action: Literal["start", "stop", "restart"], source: str, *, force: bool = False
     ) -> dict[str, Any]:
@@ -375,6 +234,36 @@ def create_app(daemon: Daemon) -> FastAPI:
             )
         result: dict[str, Any] = await (fn(action, source=source, force=True) if force else fn(action, source=source))
         return result
+
+    return control
+
+
+def make_resize(daemon: DaemonView) -> Resize:
+    """``resize(request, source)``: re-plan (dry run) or apply through the supervisor.
+
+    Raises:
+        Refused: monitor-only. InvalidInput: no knob given (names the allowed ones).
+    """
+
+    async def resize(req: ResizeRequest, source: str) -> ResizeResult:
+        fn = getattr(daemon.actions, "resize", None)
+        if fn is None:
+            raise Refused(
+                "monitor-only: no container configured",
+                detail="monitor-only: no container configured — there is no plan to resize",
+            )
+        changes = req.changes()
+        if not changes:
+            knobs = sorted(ResizeRequest.model_fields.keys() - {"dry_run"})
+            raise InvalidInput("body", {}, "at least one of " + ", ".join(knobs))
+        result: ResizeResult = await fn(changes, dry_run=req.dry_run, source=source)
+        return result
+
+    return resize
+
+
+def install_control_routes(app: FastAPI, control: Control, resize: Resize) -> None:
+    """``POST /api/container/{start,stop,restart}`` and ``POST /api/resize`` (token or session + CSRF)."""
 
     @app.post("/api/container/start", tags=["control"])
     async def container_start(who: Who, force: bool = False) -> dict[str, Any]:
@@ -389,33 +278,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     async def container_restart(who: Who, force: bool = False) -> dict[str, Any]:
         return await control("restart", f"api:{who}", force=force)
 
-    async def resize(req: ResizeRequest, source: str) -> dict[str, Any]:
-        fn = getattr(daemon.actions, "resize", None)
-        if fn is None:
-            raise Refused(
-                "monitor-only: no container configured",
-                detail="monitor-only: no container configured — there is no plan to resize",
-            )
-        changes = req.changes()
-        if not changes:
-            knobs = sorted(ResizeRequest.model_fields.keys() - {"dry_run"})
-            raise InvalidInput("body", {}, "at least one of " + ", ".join(knobs))
-        result: dict[str, Any] = await fn(changes, dry_run=req.dry_run, source=source)
-        return result
-
-    app.state.control = control
-    app.state.resize = resize
-
-    @app.post("/api/resize", tags=["control"])
-    async def api_resize(req: ResizeRequest, who: Who) -> dict[str, Any]:
+    @app.post("/api/resize", tags=["control"], response_model=ResizeResult)
+    async def api_resize(req: ResizeRequest, who: Who) -> ResizeResult:
         """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
         return await resize(req, f"api:{who}")
-
-    from sparkd.face.live import install_live
-    from sparkd.face.pages import install_pages
-    from sparkd.face.web import install_web
-
-    install_live(app, daemon)
-    install_pages(app, daemon)
-    install_web(app, daemon, auth)
-    return app

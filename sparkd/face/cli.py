@@ -7,16 +7,22 @@ import csv
 import datetime as dt
 import io
 import json
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
+from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from sparkd import __version__
 from sparkd.config import Settings, effective_config, load_settings
+from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.errors import SparkdError, StoreError
+from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import Store
 from sparkd.units import fmt_gib, parse_duration_s
 
@@ -43,6 +49,19 @@ def _store(settings: Settings, *, migrate: bool = False) -> Store:
             "--config / SPARKD_STATE_DIR it runs with"
         )
     return Store.open(settings.db_file, migrate=migrate)
+
+
+def _snapshot(store: Store) -> Status | None:
+    """The status the daemon stored last, typed; None when there is none or it is from another
+    sparkd version (its shape no longer matches ``Status``: said on stderr, ignoring it)."""
+    raw = store.status_snapshot()
+    if not raw:
+        return None
+    try:
+        return Status.model_validate(raw)
+    except ValidationError as e:
+        click.echo(f"sparkd: ignoring the stored status snapshot (another sparkd version?): {e.errors()[0]}", err=True)
+        return None
 
 
 def _ts(t: float | None) -> str:
@@ -84,15 +103,21 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     if dry_run:
         ctx.obj["overrides"] = {**ctx.obj.get("overrides", {}), "dry_run": True}
     settings = _settings(ctx)
-    from sparkd.face.api import create_app
+    from sparkd.face.app import create_app
     from sparkd.logsetup import setup_logging
     from sparkd.loop.daemon import Daemon
     from sparkd.loop.supervisor import make_actions
 
+    os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
+    from sparkd.loop.cluster import Cluster
+
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
+    if settings.cluster.peers:
+        daemon.cluster = Cluster(settings.cluster)
+        daemon.cluster.attach(daemon)
     try:
         asyncio.run(daemon.serve())
     except SparkdError as e:
@@ -103,22 +128,65 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
         sys.exit(1)
 
 
+def _echo_snapshot(st: Status) -> None:
+    """Rules, watermark warnings, driver memory, GPUs and the container of a stored status."""
+    if st.rules:
+        click.echo("rules:")
+        for r in st.rules:
+            extra = f", near misses {r.near_misses}" if r.evidence else ""
+            if r.demoted:
+                extra += f"  DEMOTED to warn: {r.demoted}"
+            click.echo(
+                f"  {r.name:<26} {r.counter}/{r.samples}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]"
+            )
+    for w in st.watermark.warnings:
+        click.echo(f"WATERMARK WARNING: {w}")
+    leak = st.leak
+    if leak.baseline_bytes is not None:
+        click.echo(
+            f"driver memory: {fmt_gib(leak.current_bytes)} now, baseline {fmt_gib(leak.baseline_bytes)}, "
+            f"growth {fmt_gib(leak.growth_bytes)} ({leak.state})"
+        )
+    else:
+        click.echo(f"driver memory: {fmt_gib(leak.current_bytes)} ({leak.state})")
+    for g in st.gpu:
+        if g.available:
+            mem = fmt_gib(g.memory_used_bytes) if g.memory_supported else "memory Not Supported"
+            click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
+    c = st.container
+    what = "monitor-only" if c.mode == "monitor-only" else c.state.value
+    line = f"container: {what} {('— ' + c.reason) if c.reason else ''}"
+    if c.restart_count:
+        line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
+    click.echo(line)
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--cluster", "cluster", is_flag=True, help="Every node of the cluster side by side (asks the daemon).")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
+def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     """Latest sample, each rule's counter, container state and recent events."""
     settings = _settings(ctx)
-    store = _store(settings)
-    snap = store.status_snapshot() or {}
-    latest = store.latest_sample()
-    events = store.events(limit=10)
-    running = (
-        bool(snap) and snap.get("running", True) and time.time() - snap.get("ts", 0) < STALE_S + 2 * settings.interval_s
-    )
+    if cluster:
+        _cluster_status(settings, as_json)
+        return
+    try:
+        store = _store(settings)
+        st = _snapshot(store)
+        latest = store.latest_sample()
+        events = store.events(limit=10)
+    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
+        raise StoreError(
+            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
+            "memory: see `sparkd doctor` and /api/status"
+        ) from None
+    running = st is not None and st.running and time.time() - st.ts < STALE_S + 2 * settings.interval_s
+    snap = st.model_dump(mode="json") if st else {}
     data = {
         "daemon_running": running,
-        "snapshot_age_s": (time.time() - snap["ts"]) if snap else None,
+        "snapshot_age_s": (time.time() - st.ts) if st else None,
         "sample": latest,
         "rules": snap.get("rules", []),
         "container": snap.get("container"),
@@ -160,38 +228,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
             )
     else:
         click.echo("no samples yet")
-    if data["rules"]:
-        click.echo("rules:")
-        for r in data["rules"]:
-            extra = f", near misses {r['near_misses']}" if r.get("evidence") else ""
-            if r.get("demoted"):
-                extra += f"  DEMOTED to warn: {r['demoted']}"
-            click.echo(
-                f"  {r['name']:<26} {r['counter']}/{r['samples']}  trips {r['trips']}{extra}  "
-                f"[{r['action']}: {' and '.join(r['when'])}]"
-            )
-    wm = data["watermark"] or {}
-    for w in wm.get("warnings") or []:
-        click.echo(f"WATERMARK WARNING: {w}")
-    leak = data["leak"] or {}
-    if leak.get("baseline_bytes") is not None:
-        click.echo(
-            f"driver memory: {fmt_gib(leak.get('current_bytes'))} now, baseline "
-            f"{fmt_gib(leak.get('baseline_bytes'))}, growth {fmt_gib(leak.get('growth_bytes'))} "
-            f"({leak.get('state')})"
-        )
-    elif leak:
-        click.echo(f"driver memory: {fmt_gib(leak.get('current_bytes'))} ({leak.get('state')})")
-    for g in data["gpu"] or []:
-        if g.get("available"):
-            mem = fmt_gib(g.get("memory_used_bytes")) if g.get("memory_supported") else "memory Not Supported"
-            click.echo(
-                f"GPU {g.get('index')}: {g.get('name')} util {g.get('utilization_pct')}% "
-                f"{g.get('temperature_c')} C {g.get('power_w')} W, {mem}"
-            )
-    c = data["container"] or {}
-    if c:
-        click.echo(f"container: {c.get('state') or c.get('mode')} {('— ' + c['reason']) if c.get('reason') else ''}")
+    if st is None:
+        click.echo("no status snapshot yet")
+    else:
+        _echo_snapshot(st)
     if events:
         click.echo("recent events:")
         for e in events:
@@ -309,6 +349,9 @@ def doctor(ctx: click.Context) -> None:
             proc_root=Path(settings.proc_root),
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
+            shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
+            db_file=settings.db_file,
+            rules=settings.rules,
         )
     )
     click.echo(doc.format_report(checks))
@@ -450,7 +493,7 @@ _RESIZE_OPTS = [
     ("--max-model-len", "max_model_len", int),
     ("--max-num-seqs", "max_num_seqs", int),
     ("--host-reserve-gib", "host_reserve_gib", float),
-    ("--kv-cache-dtype", "kv_cache_dtype", str),
+    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(KV_CACHE_DTYPES)),
     ("--gmu-override", "gmu_override", float),
     ("--docker-headroom-gib", "docker_headroom_gib", float),
 ]
@@ -483,19 +526,16 @@ def resize(ctx: click.Context, dry_run: bool, as_json: bool, **changes: Any) -> 
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
         return
+    r = ResizeResult.model_validate(out)
     click.echo(
         ("dry run: " if dry_run else "")
-        + "new plan: GMU {gmu}, budget {budget_gib:.2f} GiB, KV {kv_exp_gib:.2f}"
-        " GiB, --memory {docker_memory_gib:.2f} GiB".format(**out["plan"])
+        + f"new plan: GMU {r.plan.gmu}, budget {r.plan.budget_gib:.2f} GiB, KV {r.plan.kv_exp_gib:.2f}"
+        f" GiB, --memory {r.plan.docker_memory_gib:.2f} GiB"
     )
-    for k, (old, new) in (out.get("diff") or {}).items():
-        click.echo(f"  {k:<22} {old} -> {new}")
+    for k, change in r.diff.items():
+        click.echo(f"  {k:<22} {change.old} -> {change.new}")
     if not dry_run:
-        click.echo(
-            "applied"
-            if out.get("applied")
-            else f"NOT applied: {out.get('error')} (rolled back: {out.get('rolled_back', False)})"
-        )
+        click.echo("applied" if r.applied else f"NOT applied: {r.error} (rolled back: {r.rolled_back})")
 
 
 @main.command()
@@ -527,6 +567,10 @@ def launches(ctx: click.Context, as_json: bool, limit: int) -> None:
             f"KV {_f(act.get('kv_cache_available_gib'))} GiB = {act.get('kv_cache_tokens', '-')} tokens, concurrency "
             f"{_f(act.get('max_concurrency'))}x, graphs {_f(act.get('graph_capture_gib'))} GiB"
         )
+        if act.get("failure_summary"):
+            click.echo(f"    failed:   {act['failure_summary']}")
+        for text in (act.get("warnings") or {}).values():
+            click.echo(f"    warning:  {text}")
 
 
 _PLAN_OPTS = [
@@ -538,8 +582,9 @@ _PLAN_OPTS = [
     ("--kv-target-gib", "kv_target_gib", float, "KV cache wanted"),
     ("--host-reserve-gib", "host_reserve_gib", float, "left to the host"),
     ("--max-model-len", "max_model_len", int, "vLLM --max-model-len"),
-    ("--kv-bytes-per-token", "kv_bytes_per_token", int, "BF16 KV bytes per token"),
-    ("--kv-cache-dtype", "kv_cache_dtype", str, "auto|bf16|fp16|fp8|fp8_e4m3|fp8_e5m2"),
+    ("--kv-bytes-per-token", "kv_bytes_per_token", int, "16-bit KV bytes per token; default: from config.json"),
+    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(KV_CACHE_DTYPES), "vLLM --kv-cache-dtype"),
+    ("--kv-fp8-mult", "kv_fp8_mult", float, "KV_MULT of an fp8 KV cache; default 0.5 (0.58 for the notes' model)"),
     ("--max-num-seqs", "max_num_seqs", int, "vLLM --max-num-seqs"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "vLLM --max-num-batched-tokens"),
     ("--gmu-override", "gmu_override", float, "explicit --gpu-memory-utilization"),
@@ -568,9 +613,14 @@ def plan(
     as_json: bool,
     **inputs: Any,
 ) -> None:
-    """The memory budget without launching (the seed's --no-launch): inputs, intermediate values, results."""
-    from sparkd.core.budget import make_plan, render_plan_table
-    from sparkd.loop.launch import budget_inputs
+    """The memory budget without launching (the seed's --no-launch): inputs with their sources,
+    intermediate values, results. An incomplete checkpoint (a shard of the index missing or
+    short) is refused (exit 1)."""
+    from sparkd.core.budget import make_plan
+    from sparkd.core.plan_table import render_plan_table
+    from sparkd.errors import Refused
+    from sparkd.loop.launch import budget_inputs, setting_sources
+    from sparkd.sense.checkpoint import check_checkpoint
 
     settings = _settings(ctx)
     changes = {k: v for k, v in inputs.items() if v is not None}
@@ -592,15 +642,97 @@ def plan(
         from sparkd.sense.procfs import read_meminfo
 
         mem_total = read_meminfo(settings.proc_root).fields["MemTotal"]
-    p = make_plan(budget_inputs(b, c, mem_total))
+    check = check_checkpoint(c.model_dir) if c.model_dir else None
+    if check is not None and not check.ok:
+        raise Refused(
+            check.describe() + ": vLLM would fail on it after loading the rest; complete the download",
+            detail={"missing": list(check.missing), "problems": list(check.problems)},
+        )
+    sources = setting_sources(settings.budget, flags=changes)
+    mem_src = "flag" if mem_total_gib is not None else "measured"
+    p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
     if as_json:
-        click.echo(json.dumps(p.to_json(), indent=2))
+        out = p.to_json()
+        out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
+        click.echo(json.dumps(out, indent=2))
     else:
         click.echo(
             render_plan_table(
-                p, image=settings.container.image or "vllm/vllm-openai:latest", gpus=settings.container.gpu != "off"
+                p,
+                image=settings.container.image or "vllm/vllm-openai:latest",
+                gpus=settings.container.gpu != "off",
+                init=settings.container.init,
+                oom_score_adj=settings.container.oom_score_adj,
             )
         )
+        if check is not None:
+            click.echo(check.describe())
+
+
+def _cluster_status(settings: Any, as_json: bool) -> None:
+    """``sparkd status --cluster``: this node and its peers, through the running daemon's ``/api/cluster``."""
+    import httpx
+
+    base = f"http://127.0.0.1:{settings.api.port}"
+    try:
+        local = httpx.get(base + "/api/status", timeout=5).json()
+        view = httpx.get(base + "/api/cluster", timeout=15)
+    except httpx.HTTPError as e:
+        raise SparkdError(f"the daemon's API at {base} does not answer ({e}); is `sparkd run` running?") from None
+    if view.status_code == 404:
+        raise SparkdError("no cluster: [cluster] has no peers in this node's configuration")
+    nodes = [{"node": view.json()["node"], "reachable": True, "age_s": 0.0, "status": local}, *view.json()["peers"]]
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2, default=str))
+        return
+    click.echo(f"{'node':<16} {'reachable':<10} {'MemAvailable':>13} {'container':<12} last stop")
+    for n in nodes:
+        st = n.get("status") or {}
+        sample = st.get("sample") or {}
+        cont = st.get("container") or {}
+        seen = "yes" if n["reachable"] else f"no ({_age(n.get('age_s'))} old)" if n.get("age_s") is not None else "no"
+        last = next((e for e in st.get("events", []) if e.get("kind") in ("stopped", "killed")), None)
+        click.echo(
+            f"{n['node']:<16} {seen:<10} {fmt_gib(sample.get('mem_available')):>13} "
+            f"{cont.get('state', 'n/a')!s:<12} {last['message'][:60] if last else '-'}"
+        )
+
+
+@main.command("vllm-log")
+@click.argument("file", type=click.File("rb"))
+@click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
+def vllm_log(file: Any, as_json: bool) -> None:
+    """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
+    into the launch record: state, phase reached, figures, root cause and warnings."""
+    from sparkd.sense.vllm_log import LaunchLogParser
+
+    parser = LaunchLogParser()
+    for raw in file:
+        parser.feed(raw)
+    rec = parser.record
+    if as_json:
+        click.echo(json.dumps(rec.to_json(), indent=2))
+        return
+    if rec.lines_seen == 0:
+        click.echo("sparkd: the log is empty", err=True)
+        sys.exit(1)
+    state = rec.state + (" (the log ends before 'Application startup complete')" if rec.state == "starting" else "")
+    out = [f"state:   {state}", f"phase:   {rec.phase} (last start-up step the log shows)"]
+    if rec.failed:
+        out.append(f"cause:   {rec.failure_summary()}")
+        if rec.failure_message:
+            out.append(f"root cause line: {rec.failure_message}")
+        if rec.failure_generic:
+            out.append(f"generic line (not the reason): {rec.failure_generic}")
+    skip = {"state", "phase", "failed", "failure_message", "failure_generic", "failure_summary", "warnings"}
+    figures = {k: v for k, v in rec.to_json().items() if k not in skip and v not in (None, False)}
+    if figures:
+        out.append("figures:")
+        width = max(len(k) for k in figures) + 2
+        out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
+    for text in rec.warnings().values():
+        out.append(f"WARNING: {text}")
+    click.echo("\n".join(out))
 
 
 def _f(v: Any) -> str:

@@ -2,7 +2,7 @@
 
 A per-app ``CollectorRegistry`` holds one custom collector (no global registry,
 no metrics updated from the guard path). The endpoint takes a snapshot on the
-event loop (``status_json`` reads loop-owned state), lists the archive
+event loop (``status_json`` reads loop-owned state; a typed ``sparkd.loop.status.Status``), lists the archive
 directory in a worker thread, and hands both to the collector through a
 context variable, so concurrent scrapes do not mix.
 
@@ -26,12 +26,15 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from sparkd.core.choices import CONTAINER_MODES
+from sparkd.core.lifecycle import ContainerState
 from sparkd.face import presenters as views
+from sparkd.loop.status import Status
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 #: sample column → meminfo name (gauge ``sparkd_memory_<name>_bytes``)
 MEMINFO_GAUGES = {
@@ -48,12 +51,13 @@ MEMINFO_GAUGES = {
     "swap_total": "SwapTotal",
 }
 PSI_GAUGES = ("some_avg10", "some_avg60", "full_avg10", "full_avg60")
-CONTAINER_STATES = ("monitor-only", "absent", "created", "starting", "running", "stopping", "exited", "unknown")
+#: label values of ``sparkd_container_state``: every ``ContainerState`` (the same words as /api/status)
+CONTAINER_STATES: tuple[str, ...] = tuple(s.value for s in ContainerState)
 
 
 @dataclass
 class Snapshot:
-    status: dict[str, Any]
+    status: Status
     ticks: list[float] = field(default_factory=list)
     archives: tuple[int, int] = (0, 0)  # count, total bytes
 
@@ -61,7 +65,7 @@ class Snapshot:
 _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("sparkd_metrics_snapshot", default=None)
 
 
-def take_snapshot(daemon: Daemon) -> Snapshot:
+def take_snapshot(daemon: DaemonView) -> Snapshot:
     """In-memory state only; call on the event loop."""
     return Snapshot(status=views.status_view(daemon), ticks=sorted(daemon.tick_durations))
 
@@ -69,14 +73,19 @@ def take_snapshot(daemon: Daemon) -> Snapshot:
 class SparkdCollector(Collector):
     """Reads the snapshot set for this scrape (or ``take_snapshot`` when called directly)."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
 
     def collect(self) -> Iterator[Metric]:
         snap = _SNAPSHOT.get() or take_snapshot(self.daemon)
-        st = snap.status
-        sample = st.get("sample") or {}
+        yield from self._memory(snap.status)
+        yield from self._rules(snap.status)
+        yield from self._daemon(snap)
 
+    @staticmethod
+    def _memory(st: Status) -> Iterator[Metric]:
+        """meminfo gauges (node_exporter names), driver memory, /dev/shm, PSI."""
+        sample = st.sample.model_dump() if st.sample else {}
         for col, name in MEMINFO_GAUGES.items():
             if sample.get(col) is not None:
                 g = GaugeMetricFamily(f"sparkd_memory_{name}_bytes", f"/proc/meminfo {name} in bytes")
@@ -101,7 +110,10 @@ class SparkdCollector(Collector):
                 g.add_metric([], float(v))
                 yield g
 
-        rules = st.get("rules") or []
+    @staticmethod
+    def _rules(st: Status) -> Iterator[Metric]:
+        """Per-rule counters, samples required, trips and near misses; NVRM lines."""
+        rules = st.rules
         counter = GaugeMetricFamily(
             "sparkd_rule_counter", "Consecutive samples the rule's condition held", labels=["rule"]
         )
@@ -111,26 +123,40 @@ class SparkdCollector(Collector):
             "sparkd_rule_near_misses", "Samples a rule's condition held but its evidence gate did not", labels=["rule"]
         )
         for r in rules:
-            name = str(r.get("name"))
-            counter.add_metric([name], float(r.get("counter") or 0))
-            need.add_metric([name], float(r.get("samples") or 0))
-            trips.add_metric([name], float(r.get("trips") or 0))
-            near.add_metric([name], float(r.get("near_misses") or 0))
+            counter.add_metric([r.name], float(r.counter))
+            need.add_metric([r.name], float(r.samples))
+            trips.add_metric([r.name], float(r.trips))
+            near.add_metric([r.name], float(r.near_misses))
         yield from (counter, need, trips, near)
 
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
-        nvrm.add_metric([], float((st.get("kernel_log") or {}).get("nvrm_lines") or 0))
+        nvrm.add_metric([], float(st.kernel_log.nvrm_lines))
         yield nvrm
+        lines = CounterMetricFamily("sparkd_kernel_log_lines", "Kernel-log lines read since sparkd started")
+        lines.add_metric([], float(st.kernel_log.lines_read))
+        yield lines
+        lost = CounterMetricFamily(
+            "sparkd_kernel_log_lost", "Kernel-log records overwritten in the ring buffer before sparkd read them"
+        )
+        lost.add_metric([], float(st.kernel_log.lost))
+        yield lost
 
-        c = st.get("container") or {}
-        current = "monitor-only" if c.get("mode") == "monitor-only" else str(c.get("state") or "unknown")
+    @staticmethod
+    def _daemon(snap: Snapshot) -> Iterator[Metric]:
+        """Container state and stops, archives, tick quantiles, samples, writer drops, interval."""
+        st = snap.status
+        c = st.container
         cs = GaugeMetricFamily("sparkd_container_state", "1 for the container's current state", labels=["state"])
-        for s in dict.fromkeys((*CONTAINER_STATES, current)):
-            cs.add_metric([s], 1.0 if s == current else 0.0)
+        for s in CONTAINER_STATES:
+            cs.add_metric([s], 1.0 if s == c.state.value else 0.0)
         yield cs
+        mode = GaugeMetricFamily("sparkd_container_mode", "1 for how sparkd holds the container", labels=["mode"])
+        for m in CONTAINER_MODES:
+            mode.add_metric([m], 1.0 if m == c.mode else 0.0)
+        yield mode
         stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
-        stops.add_metric(["stop"], float(c.get("stops_total") or 0))
-        stops.add_metric(["kill"], float(c.get("kills_total") or 0))
+        stops.add_metric(["stop"], float(c.stops_total))
+        stops.add_metric(["kill"], float(c.kills_total))
         yield stops
 
         n, size = snap.archives
@@ -150,18 +176,33 @@ class SparkdCollector(Collector):
                 tick.add_metric([f"{q:g}"], ticks[min(len(ticks) - 1, int(q * len(ticks)))])
         yield tick
         samples = CounterMetricFamily("sparkd_samples", "Samples the guard took since sparkd started")
-        samples.add_metric([], float(st.get("samples_taken") or 0))
+        samples.add_metric([], float(st.samples_taken))
         yield samples
-        w = st.get("writer") or {}
         dropped = CounterMetricFamily("sparkd_db_dropped", "Records dropped because the database writer was behind")
-        dropped.add_metric([], float(w.get("dropped") or 0))
+        dropped.add_metric([], float(st.writer.dropped))
         yield dropped
+        refused = CounterMetricFamily("sparkd_db_refused", "Records the database refused for good (dropped)")
+        refused.add_metric([], float(st.writer.refused))
+        yield refused
+        db = GaugeMetricFamily("sparkd_db_up", "1 while the database records, 0 while sparkd guards from memory")
+        db.add_metric([], 1.0 if st.database is not None and st.database.state == "ok" else 0.0)
+        yield db
+        hr = CounterMetricFamily(
+            "sparkd_http_connections_refused", "API connections closed at once: over the connection cap"
+        )
+        hr.add_metric([], float(st.http.refused if st.http else 0))
+        yield hr
+        ht = CounterMetricFamily(
+            "sparkd_http_head_timeouts", "API connections closed for not sending a request head in time"
+        )
+        ht.add_metric([], float(st.http.head_timeouts if st.http else 0))
+        yield ht
         interval = GaugeMetricFamily("sparkd_sample_interval_seconds", "Current sampling interval")
-        interval.add_metric([], float(st.get("interval_s") or 0))
+        interval.add_metric([], float(st.interval_s))
         yield interval
 
 
-def build_registry(daemon: Daemon) -> CollectorRegistry:
+def build_registry(daemon: DaemonView) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SparkdCollector(daemon))
     return reg
@@ -174,7 +215,7 @@ def _archive_totals(archive_dir: Any) -> tuple[int, int]:
     return len(items), sum(a.size_bytes for a in items)
 
 
-async def metrics_response(app: FastAPI, daemon: Daemon) -> Response:
+async def metrics_response(app: FastAPI, daemon: DaemonView) -> Response:
     reg = getattr(app.state, "metrics_registry", None)
     if reg is None:
         reg = app.state.metrics_registry = build_registry(daemon)

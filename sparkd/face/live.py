@@ -29,7 +29,7 @@ from sparkd.face import incidents as inc
 from sparkd.face import presenters as views
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView, Status
 
 LIVE_PARTS = ("headline", "stopped", "summary", "rules", "container", "buttons", "budget")
 MARKER_KINDS = ("trip", "stopping", "stopped", "killed", "hard_floor_kill", "launched", "ready", "oom_kill", "resize")
@@ -70,7 +70,7 @@ def part_hash(data: Any) -> str:
 class LastStop:
     """The newest stop's summary, re-read from the store only after a new event was recorded and written."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
         self._key: Any = object()
         self._value: dict[str, Any] | None = None
@@ -88,18 +88,19 @@ class LastStop:
         return self._value
 
 
-def live_parts(status: dict[str, Any], last_stop: dict[str, Any] | None, logged_in: bool) -> dict[str, Any]:
+def live_parts(status: Status, last_stop: dict[str, Any] | None, logged_in: bool) -> dict[str, Any]:
     """Data of every live part (pure; ``status`` from ``views.status_view``)."""
-    stopped = views.stopped_card(status, last_stop)
+    raw = status.model_dump(mode="json")  # the headline, stopped card and buttons read its JSON form
+    stopped = views.stopped_card(raw, last_stop)
     c = views.container_from_status(status)
     return {
-        "headline": views.headline(status, stopped),
+        "headline": views.headline(raw, stopped),
         "stopped": stopped,
         "summary": views.summary_from_status(status),
         "rules": views.rules_from_status(status),
-        "container": {**c, "uptime_text": None},
-        "buttons": views.buttons_view(status, logged_in),
-        "budget": views.budget_from_status(status.get("plan"), status),
+        "container": c,
+        "buttons": views.buttons_view(raw, logged_in),
+        "budget": views.budget_from_status(status),
     }
 
 
@@ -108,7 +109,7 @@ def page_context(parts: dict[str, Any]) -> dict[str, Any]:
     return {**parts, "h": parts["headline"], "btn": parts["buttons"]}
 
 
-def install_live(app: FastAPI, daemon: Daemon) -> None:
+def install_live(app: FastAPI, daemon: DaemonView) -> None:
     from sparkd.face.web import _auth_ctx, templates
 
     last = LastStop(daemon)
@@ -160,7 +161,7 @@ def install_live(app: FastAPI, daemon: Daemon) -> None:
         return JSONResponse(out, headers={"Cache-Control": "no-store"})
 
 
-def _store_delta(daemon: Daemon, ev: int | None, since: float | None, step: float | None) -> dict[str, Any]:
+def _store_delta(daemon: DaemonView, ev: int | None, since: float | None, step: float | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     store = daemon.store
     if store is None:

@@ -19,7 +19,7 @@ from sparkd.face import presenters as views
 from sparkd.face.live import CHART_LIVE_FIELDS, MARKER_KINDS
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
 
 EVENTS_PAGE = 100
 BURST_GAP_S = 5.0  # same-kind events closer than this fold into one row ("25 × nvrm_no_memory in 4 s")
@@ -40,7 +40,7 @@ def group_bursts(events: list[dict[str, Any]], gap_s: float = BURST_GAP_S) -> li
     return rows
 
 
-def _incident_data(daemon: Daemon, incident_id: int, reader: bool) -> dict[str, Any]:
+def _incident_data(daemon: DaemonView, incident_id: int, reader: bool) -> dict[str, Any]:
     store = daemon.store
     if store is None:
         raise InvalidInput("id", incident_id, "an incident recorded in the database (no database is open)")
@@ -62,7 +62,7 @@ def _incident_data(daemon: Daemon, incident_id: int, reader: bool) -> dict[str, 
     return {**data, "samples": samples, "marks": marks, "table": table}
 
 
-def install_pages(app: FastAPI, daemon: Daemon) -> None:
+def install_pages(app: FastAPI, daemon: DaemonView) -> None:
     from sparkd.face.web import _is_reader, render
 
     async def incident_data(request: Request, incident_id: int) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Two kinds, because the guard must never wait on the web side:
 
-* ``*_from_status(status)`` — pure functions over ``Daemon.status_json()`` (call
-  ``status_json`` on the event loop: it reads in-memory state the loop mutates);
+* ``*_from_status(status)`` — pure functions over the typed ``sparkd.loop.status.Status``
+  (``Daemon.status_json()``; call it on the event loop: it reads in-memory state the loop mutates);
 * ``events_view`` / ``launches_view`` / ``archives_view`` — blocking (SQLite,
   directory listing): call them in a worker thread (``asyncio.to_thread``).
 
@@ -17,10 +17,14 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparkd.core.choices import RuleAction
+from sparkd.core.lifecycle import ContainerState
+from sparkd.loop.status import Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.reads import Reads
+    from sparkd.loop.status import DaemonView
     from sparkd.store.store import Store
 
 #: Chart series: sample column → label (node_exporter/meminfo words).
@@ -62,29 +66,12 @@ def gib(v: float | None) -> float | None:
     return None if v is None else v / GiB
 
 
-def current_plan(daemon: Daemon, status: dict[str, Any]) -> dict[str, Any] | None:
-    """The plan the container runs with (``Plan.to_json()``), if the supervisor has one."""
-    c = status.get("container") or {}
-    if isinstance(c.get("plan"), dict):
-        return dict(c["plan"])
-    plan = getattr(daemon.actions, "plan", None)
-    if plan is None:
-        return None
-    to_json = getattr(plan, "to_json", None)
-    if callable(to_json):
-        out = to_json()
-        return out if isinstance(out, dict) else None
-    return plan if isinstance(plan, dict) else None
+def status_view(daemon: DaemonView) -> Status:
+    """``/api/status``: ``Daemon.status_json()`` (its ``plan`` is the container's, or None). Loop only."""
+    return daemon.status_json()
 
 
-def status_view(daemon: Daemon) -> dict[str, Any]:
-    """``/api/status``: ``Daemon.status_json()`` plus ``plan`` (None without one). Loop only."""
-    status = daemon.status_json()
-    status["plan"] = current_plan(daemon, status)
-    return status
-
-
-def guard_age_s(daemon: Daemon) -> float | None:
+def guard_age_s(daemon: DaemonView) -> float | None:
     """Seconds since the guard's last sample (monotonic), None before the first."""
     g = daemon.guard
     if g is None or g.last is None:
@@ -92,7 +79,7 @@ def guard_age_s(daemon: Daemon) -> float | None:
     return max(0.0, g.mono() - g.last.mono)
 
 
-def health(daemon: Daemon) -> dict[str, Any]:
+def health(daemon: DaemonView) -> dict[str, Any]:
     """``/healthz``: ok when the daemon runs and the guard sampled within 3 intervals (≥ 3 s)."""
     age = guard_age_s(daemon)
     limit = max(3.0, 3 * daemon.settings.interval_s)
@@ -106,100 +93,100 @@ def health(daemon: Daemon) -> dict[str, Any]:
     }
 
 
-def _floors(status: dict[str, Any], attr: str, action: str = "stop") -> list[float]:
+def _floors(status: Status, attr: str, action: RuleAction = "stop") -> list[float]:
     out = []
-    for r in status.get("rules") or []:
-        if r.get("action", "stop") != action:
+    for r in status.rules:
+        if r.action != action:
             continue
-        for t in r.get("thresholds") or []:
-            if t.get("field") == attr and t.get("is_size") and t.get("op") in ("<", "<="):
-                out.append(float(t["value"]))
+        for t in r.thresholds:
+            if t.field == attr and t.is_size and t.op in ("<", "<="):
+                out.append(float(t.value))
     return out
 
 
-def summary_from_status(status: dict[str, Any]) -> dict[str, Any]:
+def summary_from_status(status: Status) -> dict[str, Any]:
     """Memory now (bytes and GiB), sampling mode and the nearest stop's level (``unknown`` before a sample)."""
-    s = status.get("sample") or {}
-    avail = s.get("mem_available")
-    ns = status.get("nearest_stop")
+    s = status.sample
+    avail = s.mem_available if s else None
     # one level for the page: the nearest stop line's (core.headroom), never an arming threshold
-    level = ns["level"] if ns else "unknown"
-    rows = [{"key": k, "label": label, "bytes": s.get(k), "gib": gib(s.get(k))} for k, label in MEMORY_ROWS.items()]
-    total = s.get("mem_total")
+    level = status.nearest_stop.level if status.nearest_stop else "unknown"
+    row = s.model_dump() if s else {}
+    rows = [{"key": k, "label": label, "bytes": row.get(k), "gib": gib(row.get(k))} for k, label in MEMORY_ROWS.items()]
+    total = s.mem_total if s else None
     used_pct = None if not total or avail is None else 100.0 * (total - avail) / total
     return {
-        "ts": s.get("ts"),
+        "ts": s.ts if s else None,
         "level": level,
-        "mode": status.get("mode"),
-        "mode_reason": status.get("mode_reason"),
-        "interval_s": status.get("interval_s"),
-        "dry_run": status.get("dry_run"),
-        "samples_taken": status.get("samples_taken"),
+        "mode": status.mode,
+        "mode_reason": status.mode_reason,
+        "interval_s": status.interval_s,
+        "dry_run": status.dry_run,
+        "samples_taken": status.samples_taken,
         "memory": rows,
         "used_pct": used_pct,
-        "psi_some_avg10": s.get("psi_some_avg10"),
-        "psi_full_avg10": s.get("psi_full_avg10"),
-        "nvrm_recent": s.get("nvrm_recent"),
-        "kernel_log": status.get("kernel_log"),
-        "writer": status.get("writer"),
+        "psi_some_avg10": s.psi_some_avg10 if s else None,
+        "psi_full_avg10": s.psi_full_avg10 if s else None,
+        "nvrm_recent": s.nvrm_recent if s else None,
+        "kernel_log": status.kernel_log.model_dump(),
+        "writer": status.writer.model_dump(),
     }
 
 
-def rules_from_status(status: dict[str, Any]) -> list[dict[str, Any]]:
+def rules_from_status(status: Status) -> list[dict[str, Any]]:
     """Each rule: counter/samples, near misses, trips, its conditions and a level."""
     out = []
-    for r in status.get("rules") or []:
-        counter, need = int(r.get("counter") or 0), int(r.get("samples") or 1)
+    for r in status.rules:
+        counter, need = r.counter, max(1, r.samples)
         level = "ok" if counter == 0 else ("critical" if counter * 2 >= need else "warn")
         out.append(
             {
-                "name": r.get("name"),
-                "kind": r.get("kind"),
-                "action": r.get("action"),
+                "name": r.name,
+                "kind": r.kind,
+                "action": r.action,
                 "counter": counter,
                 "samples": need,
                 "progress_pct": min(100.0, 100.0 * counter / need),
-                "near_misses": int(r.get("near_misses") or 0),
-                "trips": int(r.get("trips") or 0),
-                "when": list(r.get("when") or []),
-                "evidence": list(r.get("evidence") or []),
-                "last_reason": r.get("last_reason"),
+                "near_misses": r.near_misses,
+                "trips": r.trips,
+                "when": list(r.when),
+                "evidence": list(r.evidence),
+                "last_reason": r.last_reason,
                 "level": level,
             }
         )
     return out
 
 
-def container_from_status(status: dict[str, Any]) -> dict[str, Any]:
+#: Container states that are trouble (critical) rather than merely not ready (warn).
+CRITICAL_STATES = frozenset({ContainerState.EXITED, ContainerState.FAILED, ContainerState.UNKNOWN})
+
+
+def container_from_status(status: Status) -> dict[str, Any]:
     """The container card: monitor-only, or state/health/uptime/image/GMU/--memory."""
-    c = dict(status.get("container") or {})
-    monitor_only = c.get("mode") == "monitor-only"
-    state = c.get("state")
-    # supervisor states: starting, ready, unhealthy, stopping, stopped, exited, failed, none
+    c = status.container
+    monitor_only = c.mode == "monitor-only"
     level = "ok"
     if monitor_only:
         level = "warn"
-    elif state in ("exited", "failed") or (state or "").startswith("unknown"):
+    elif c.state in CRITICAL_STATES:
         level = "critical"
-    elif state != "ready" or c.get("health") not in (None, "healthy", "ok"):
+    elif c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
-    uptime = c.get("uptime_s")
-    mem = c.get("memory_bytes")
     return {
         "monitor_only": monitor_only,
-        "reason": c.get("reason"),
-        "state": state,
-        "health": c.get("health"),
-        "uptime_s": uptime,
-        "image": c.get("image"),
-        "name": c.get("name"),
-        "gmu": c.get("gmu"),
-        "memory_bytes": mem,
-        "memory_gib": gib(mem),
-        # the supervisor's action in progress ("starting", "stopping", …); ``busy`` is only a flag
-        "busy": c.get("action") if c.get("busy") else None,
+        "reason": c.reason,
+        "state": c.state.value,
+        "health": c.health,
+        "uptime_s": c.uptime_s,
+        "image": c.image,
+        "name": c.name,
+        "gmu": c.gmu,
+        "memory_bytes": c.memory_bytes,
+        "memory_gib": gib(c.memory_bytes),
+        # the supervisor's action in progress ("starting", "stopping", …); ``busy`` alone is only a flag
+        "busy": c.action or ("busy" if c.busy else None),
         "level": level,
-        "raw": c,
+        "raw": c.model_dump(mode="json"),
     }
 
 
@@ -282,75 +269,69 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
     }
 
 
-def budget_from_status(plan: dict[str, Any] | None, status: dict[str, Any]) -> dict[str, Any] | None:
+def budget_from_status(status: Status) -> dict[str, Any] | None:
     """Budget bar segments against MemTotal (GiB). None when there is no plan."""
-    if not plan:
+    plan = status.plan
+    if plan is None:
         return None
-    total = float(plan.get("mem_total_gib") or 0) or 1.0
-    inputs = plan.get("inputs") or {}
-    overhead = plan.get("overhead_gib", inputs.get("overhead_gib")) or 0.0
-    cap = float(plan.get("cap_gib") or total)
-    budget = float(plan.get("budget_gib") or 0.0)
+    total = plan.mem_total_gib or 1.0
+    cap, budget = plan.cap_gib, plan.budget_gib
     parts = [
-        ("weights", "Weights", float(plan.get("weights_gib") or 0.0)),
-        ("overhead", "Overhead", float(overhead)),
-        ("mtp", "MTP", float(plan.get("mtp_gib") or 0.0)),
-        ("kv", "KV cache (exp.)", max(0.0, float(plan.get("kv_exp_gib") or 0.0))),
+        ("weights", "Weights", plan.weights_gib),
+        ("overhead", "Overhead", plan.overhead_gib),
+        ("mtp", "MTP", plan.mtp_gib),
+        ("state", "Linear-attention state", plan.state_gib),
+        ("kv", "KV cache (exp.)", max(0.0, plan.kv_exp_gib)),
         ("slack", "Unallocated", max(0.0, cap - budget)),
         ("reserve", "Host reserve", max(0.0, total - cap)),
     ]
     segments = [{"key": k, "label": label, "gib": v, "pct": 100.0 * v / total} for k, label, v in parts if v > 0]
-    s = status.get("sample") or {}
+    s = status.sample
     used = None
-    if s.get("mem_total") and s.get("mem_available") is not None:
-        used = (s["mem_total"] - s["mem_available"]) / GiB
+    if s and s.mem_total and s.mem_available is not None:
+        used = (s.mem_total - s.mem_available) / GiB
     return {
         "mem_total_gib": total,
-        "gmu": plan.get("gmu"),
+        "gmu": plan.gmu,
         "budget_gib": budget,
         "cap_gib": cap,
-        "kv_exp_gib": plan.get("kv_exp_gib"),
-        "kv_need_gib": plan.get("kv_need_gib"),
-        "squeezed": bool(plan.get("squeezed")),
-        "docker_memory_gib": plan.get("docker_memory_gib"),
+        "kv_exp_gib": plan.kv_exp_gib,
+        "kv_need_gib": plan.kv_need_gib,
+        "squeezed": plan.squeezed,
+        "docker_memory_gib": plan.docker_memory_gib,
         "segments": segments,
         "used_gib": used,
         "used_pct": None if used is None else min(100.0, 100.0 * used / total),
-        "warnings": list(plan.get("warnings") or []),
-        "inputs": inputs,
+        "warnings": list(plan.warnings),
+        "inputs": plan.inputs.model_dump(),
     }
 
 
-def chart_config(status: dict[str, Any]) -> dict[str, Any]:
+def chart_config(status: Status) -> dict[str, Any]:
     """What the chart script needs besides samples: series and stop thresholds (bytes)."""
     lines = []
-    for r in status.get("rules") or []:
-        if r.get("kind") == "predictive" and r.get("floor_bytes") is not None:
+    for r in status.rules:
+        if r.kind == "predictive" and r.floor_bytes is not None:
             # its stop line is the projected floor; the when-gate only arms the projection (issue 14)
             lines.append(
-                {
-                    "rule": r.get("name"),
-                    "field": "mem_available",
-                    "label": "MemAvailable (projected)",
-                    "value": r["floor_bytes"],
-                }
+                {"rule": r.name, "field": "mem_available", "label": "MemAvailable (projected)", "value": r.floor_bytes}
             )
             continue
-        for t in r.get("thresholds") or []:
-            if t.get("is_size") and t.get("field") in CHART_SERIES:
-                lines.append({"rule": r.get("name"), "field": t["field"], "label": t.get("name"), "value": t["value"]})
+        for t in r.thresholds:
+            if t.is_size and t.field in CHART_SERIES:
+                lines.append({"rule": r.name, "field": t.field, "label": t.name, "value": t.value})
     return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS)}
 
 
 # --------------------------------------------------------------------------- blocking views
-def events_view(store: Store | None, *, limit: int = 30) -> list[dict[str, Any]]:
+def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
     """Recent events, newest first. Blocking (SQLite): call in a thread."""
     if store is None:
         return []
     return store.events(limit=limit)
 
 
-def launches_view(store: Store | None, *, limit: int = 20) -> list[dict[str, Any]]:
+def launches_view(store: Store | Reads | None, *, limit: int = 20) -> list[dict[str, Any]]:
     """Launches with the plan's estimate beside what vLLM reported. Blocking."""
     if store is None:
         return []

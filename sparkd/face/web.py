@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -26,11 +27,15 @@ from sparkd import __version__
 from sparkd.errors import SparkdError
 from sparkd.face import presenters as views
 from sparkd.face.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Auth
+from sparkd.face.replies import validation_detail
+from sparkd.face.schemas import ResizeRequest, form_to_resize
 from sparkd.resources import web_dir
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
-    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import DaemonView
+
+log = logging.getLogger("sparkd.face.web")
 
 STATUS_PARTS = ("summary", "rules", "container", "budget")
 STORE_PARTS = ("events", "launches", "archives")
@@ -163,30 +168,30 @@ def error_page(request: Request, status: int, body: dict[str, Any]) -> Response:
     return render(request, name, status, level="critical", title=body.get("error"), message=message, body=body)
 
 
-def _status_parts(daemon: Daemon) -> dict[str, Any]:
+def _status_parts(daemon: DaemonView) -> dict[str, Any]:
     status = views.status_view(daemon)
     return {
         "summary": views.summary_from_status(status),
         "rules": views.rules_from_status(status),
         "container": views.container_from_status(status),
-        "budget": views.budget_from_status(status.get("plan"), status),
+        "budget": views.budget_from_status(status),
         "chart": views.chart_config(status),
     }
 
 
-def _store_parts(daemon: Daemon, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
+def _store_parts(daemon: DaemonView, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
-        out["events"] = views.events_view(daemon.store, limit=30)
+        out["events"] = views.events_view(daemon.reads, limit=30)
     if "launches" in names:
-        out["launches"] = views.launches_view(daemon.store, limit=10)
+        out["launches"] = views.launches_view(daemon.reads, limit=10)
     if "archives" in names:
         # bundles hold container logs and configuration: listed for the token or a session only
         out["archives"] = views.archives_view(daemon.settings.archives_path) if reader else None
     return out
 
 
-async def view_data(daemon: Daemon, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
+async def view_data(daemon: DaemonView, names: tuple[str, ...], *, reader: bool = False) -> dict[str, Any]:
     """Data of the named parts: status parts on the loop, store parts in a worker thread.
 
     ``reader``: the request carries the token or a session; without it ``archives`` is None.
@@ -205,7 +210,7 @@ def _is_reader(request: Request) -> bool:
     return auth is not None and auth.reader(request.headers, request.cookies) is not None
 
 
-def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
+def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
         from sparkd.face.live import live_parts, page_context, part_hash, title_of
@@ -262,23 +267,39 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
         return resp
 
     @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
-    async def login_page(request: Request, token: str | None = None) -> Response:
-        if token is None:
-            return render(request, "login.html")
-        if auth.check_token(token):
-            return _login_response(request)  # redirect: the token leaves the address bar
-        return render(request, "login.html", 401, error="That token is not valid.")
+    async def login_page(request: Request) -> Response:
+        if "token" in request.query_params:  # never from the URL: it ends up in history and logs
+            return render(
+                request,
+                "login.html",
+                400,
+                error="The token is not taken from the address (it would stay in history and logs): "
+                "paste it into the form, or send 'Authorization: Bearer <token>'.",
+            )
+        return render(request, "login.html")
 
     @app.post("/login", response_class=HTMLResponse, include_in_schema=False)
     async def login_post(request: Request) -> Response:
+        client = request.client.host if request.client else "?"
+        wait = auth.logins.retry_after(client)
+        if wait is not None:
+            resp = render(request, "login.html", 429, error=f"Too many failed logins: try again in {wait:.0f} s.")
+            resp.headers["Retry-After"] = str(max(1, round(wait)))
+            return resp
         form = await request.form()
         token = form.get("token")
         if isinstance(token, str) and auth.check_token(token.strip()):
+            auth.logins.succeeded(client)
+            daemon.event("login", f"dashboard login from {client}", details={"client": client})
             return _login_response(request)
+        wait = auth.logins.failed(client)
+        n = auth.logins.failures(client)
+        log.warning("failed login from %s (%d in a row%s)", client, n, f"; next try in {wait:.0f} s" if wait else "")
         return render(request, "login.html", 401, error="That token is not valid.")
 
     @app.post("/logout", include_in_schema=False)
-    async def logout() -> RedirectResponse:
+    async def logout(request: Request) -> RedirectResponse:
+        auth.end_session(request.cookies.get(SESSION_COOKIE))  # the cookie is worthless from now on
         resp = RedirectResponse("/", status_code=303)
         resp.delete_cookie(SESSION_COOKIE, path="/")
         return resp
@@ -306,7 +327,6 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
 
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
     async def ui_resize(request: Request) -> HTMLResponse:
-        from sparkd.face.api import ResizeRequest, _validation_detail, form_to_resize
 
         who = await app.state.require_auth(request)
         form = {k: v for k, v in (await request.form()).items() if isinstance(v, str)}
@@ -316,7 +336,7 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
         except ValidationError as e:
             from fastapi.exceptions import RequestValidationError
 
-            detail = _validation_detail(RequestValidationError(e.errors()))
+            detail = validation_detail(RequestValidationError(e.errors()))
             msg = detail["message"]
             return _fragment(
                 request, "partials/_message.html", 422, level="critical", title="invalid input", message=msg
@@ -327,4 +347,10 @@ def install_web(app: FastAPI, daemon: Daemon, auth: Auth) -> None:
             return _error_fragment(request, e)
         # echo what was typed (``28``, not ``28.0``) into the Apply form
         changes = {k: form[k].strip() for k in values if k != "dry_run"}
-        return _fragment(request, "partials/_resize_result.html", result=result, changes=changes, dry_run=req.dry_run)
+        return _fragment(
+            request,
+            "partials/_resize_result.html",
+            result=result.model_dump(mode="json"),
+            changes=changes,
+            dry_run=req.dry_run,
+        )

@@ -28,6 +28,7 @@ import sdnotify
 from sparkd import __version__
 from sparkd.act.notify import Notifier
 from sparkd.config import Settings, effective_config
+from sparkd.core.choices import SamplingMode
 from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
 from sparkd.core.headroom import nearest_stop
 from sparkd.core.leak import LeakTracker
@@ -35,8 +36,37 @@ from sparkd.core.rules import Decision, still_holds
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop.guard import Guard, TickResult
+from sparkd.loop.httpserver import (
+    ACCEPT_BACKLOG,
+    HttpStats,
+    OncePerInterval,
+    RateLimitedLog,
+    connection_cap,
+    guarded_protocol,
+    install_exception_handler,
+    raise_nofile,
+)
+from sparkd.loop.reads import Reads
+from sparkd.loop.status import (
+    ContainerStatus,
+    DatabaseStatus,
+    EventRow,
+    GpuStatus,
+    HttpStatus,
+    KernelLogStatus,
+    LeakStatus,
+    NearestStopStatus,
+    NotifyStatus,
+    ResizeResult,
+    RuleStatus,
+    SampleRow,
+    Status,
+    WatermarkStatus,
+    WriterStatus,
+)
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
+from sparkd.store.keeper import DbKeeper
 from sparkd.store.store import Store, Writer
 from sparkd.units import fmt_gib, parse_size
 
@@ -44,6 +74,9 @@ log = logging.getLogger("sparkd.loop.daemon")
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
 STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old
+DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
+DB_CHECK_S = 0.5  # how often the database keeper looks at the writer and the file (inode)
+LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer
 
 
 class Actions(Protocol):
@@ -59,13 +92,13 @@ class Actions(Protocol):
 
     def observe(self, sample: Sample) -> None: ...
 
-    def status_json(self) -> dict[str, Any]: ...
+    def status_json(self) -> ContainerStatus: ...
 
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]: ...
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]: ...
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult: ...
 
     async def close(self) -> None: ...
 
@@ -98,15 +131,15 @@ class MonitorOnly:
     def observe(self, sample: Sample) -> None:
         return None
 
-    def status_json(self) -> dict[str, Any]:
-        return {"mode": "monitor-only", "reason": self.why, "state": None}
+    def status_json(self) -> ContainerStatus:
+        return ContainerStatus(mode="monitor-only", reason=self.why)
 
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]:
         raise Refused(f"monitor-only: {self.why}; cannot {action} a container")
 
-    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> dict[str, Any]:
+    async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         raise Refused(f"monitor-only: {self.why}; nothing to resize")
 
     async def close(self) -> None:
@@ -138,6 +171,12 @@ class Daemon:
         self.actions: Actions = actions or MonitorOnly()
         self.store: Store | None = None
         self.writer: Writer | None = None
+        self.db = DbKeeper(settings.db_file)
+        # the live view: what the read side answers from when the database cannot (newest last)
+        self.live_samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=LIVE_SAMPLES)
+        self.reads = Reads(self)
+        self._db_opened = asyncio.Event()
+        self._db_good_at = time.time()  # wall time of the last check that found the database file in place
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face
         self.app_factory = app_factory
@@ -147,7 +186,7 @@ class Daemon:
         self.started_at = time.time()
         self.samples_taken = 0
         self.tick_durations: collections.deque[float] = collections.deque(maxlen=600)
-        self.mode = "normal"
+        self.mode: SamplingMode = "normal"
         self.mode_reason: str | None = None
         self._fast_until = 0.0
         self._last_status = 0.0
@@ -158,9 +197,14 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._read_error_logged = False
         self.api_server: Any = None
+        self.http_stats = HttpStats()
+        self.http_log: RateLimitedLog | None = None
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
+        # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
+        self.stop_hooks: list[Callable[[Decision], None]] = []
+        self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
         self.event_notifier: Notifier | None = None
@@ -217,7 +261,7 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
-        if kind in ("launched", "adopted"):
+        if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())
@@ -247,52 +291,78 @@ class Daemon:
                 self._reported_floors.add(w.message)
                 self.event("watermark", w.message, severity="warning", details=w.details())
 
-    def status_json(self) -> dict[str, Any]:
-        """The in-memory state as JSON (``sparkd status``, ``/api/status``). Sizes in bytes."""
+    def status_json(self) -> Status:
+        """The in-memory state (``sparkd status``, ``/api/status``): a ``sparkd.loop.status.Status``.
+
+        Sizes in bytes. Call on the event loop: it reads state the loop mutates.
+
+        Raises:
+            pydantic.ValidationError: a part no longer matches the contract (a bug, not input).
+        """
         g = self.guard
         last = g.last if g else None
         ticks = sorted(self.tick_durations)
-        return {
-            "ts": time.time(),
-            "running": not self.should_exit.is_set(),
-            "version": __version__,
-            "pid": os.getpid(),
-            "started_at": self.started_at,
-            "samples_taken": self.samples_taken,
-            "interval_s": self.current_interval(),
-            "mode": self.mode,
-            "mode_reason": self.mode_reason,
-            "dry_run": self.settings.dry_run,
-            "sample": last.to_row() if last else None,
-            "rules": g.rules_json() if g else [],
-            "nearest_stop": self.nearest_stop_json(),
-            "kernel_log": {"source": self.kern_source_name, "nvrm_lines": g.nvrm_lines_total if g else 0},
-            "container": self.actions.status_json(),
-            "writer": {
-                "queued": self.writer.queue.qsize() if self.writer else 0,
-                "written": self.writer.written if self.writer else 0,
-                "dropped": self.writer.dropped if self.writer else 0,
-            },
-            "tick_s_p50": ticks[len(ticks) // 2] if ticks else None,
-            "leak": self.leak.status(),
-            "watermark": {
-                "vm": self.vm_tunables,
-                "low_watermark_bytes": g.low_watermark if g else None,
-                **self.loop_guard.status(),
-                "warnings": [w.message for w in self.floor_warnings],
-            },
-            "notify": self.event_notifier.stats.to_json() if self.event_notifier else None,
-            "gpu": self.gpu,
-            "events": list(self.recent_events)[:20],
-        }
+        container = self.actions.status_json()
+        w = self.writer
+        return Status(
+            ts=time.time(),
+            running=not self.should_exit.is_set(),
+            version=__version__,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            samples_taken=self.samples_taken,
+            interval_s=self.current_interval(),
+            mode=self.mode,
+            mode_reason=self.mode_reason,
+            dry_run=self.settings.dry_run,
+            sample=SampleRow.model_validate(last.to_row()) if last else None,
+            rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
+            nearest_stop=self.nearest_stop(),
+            kernel_log=KernelLogStatus(
+                source=self.kern_source_name,
+                nvrm_lines=g.nvrm_lines_total if g else 0,
+                lines_read=g.kern_lines_total if g else 0,
+                # records the kernel's ring buffer overwrote before sparkd read them (/dev/kmsg: EPIPE
+                # and the sequence-number gap); 0 for readers that cannot tell
+                lost=getattr(g.kern_source, "lost_records", 0) if g else 0,
+            ),
+            container=container,
+            writer=WriterStatus(
+                queued=w.queue.qsize() if w else 0,
+                written=w.written if w else 0,
+                dropped=w.dropped if w else 0,
+                refused=w.refused if w else 0,
+                last_error=w.last_error if w else None,
+            ),
+            database=DatabaseStatus.model_validate(self.db.status()),
+            http=HttpStatus(
+                connection_cap=self.http_stats.cap,
+                refused=self.http_stats.refused,
+                head_timeouts=self.http_stats.head_timeouts,
+            ),
+            tick_s_p50=ticks[len(ticks) // 2] if ticks else None,
+            leak=LeakStatus.model_validate(self.leak.status()),
+            watermark=WatermarkStatus.model_validate(
+                {
+                    "vm": self.vm_tunables,
+                    "low_watermark_bytes": g.low_watermark if g else None,
+                    **self.loop_guard.status(),
+                    "warnings": [fw.message for fw in self.floor_warnings],
+                }
+            ),
+            notify=NotifyStatus.model_validate(self.event_notifier.stats.to_json()) if self.event_notifier else None,
+            gpu=[GpuStatus.model_validate(x) for x in self.gpu],
+            events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
+            plan=container.plan,
+        )
 
-    def nearest_stop_json(self) -> dict[str, Any] | None:
+    def nearest_stop(self) -> NearestStopStatus | None:
         """``core.headroom.nearest_stop`` over the guard's last sample (None before the first)."""
         g = self.guard
         if g is None or g.last is None:
             return None
         ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono)
-        return ns.to_json() if ns else None
+        return NearestStopStatus.model_validate(ns.to_json()) if ns else None
 
     def current_interval(self) -> float:
         return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s
@@ -310,7 +380,7 @@ class Daemon:
         return (
             f"MemAvailable {fmt_gib(last.mem_available)}, MemFree {fmt_gib(last.mem_free)}; "
             f"{'rules: ' + ', '.join(counting) if counting else 'rules quiet'}; "
-            f"container: {c.get('state') or c.get('mode')}; sampling {self.mode}"
+            f"container: {c.mode if c.mode == 'monitor-only' else c.state}; sampling {self.mode}"
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -324,8 +394,10 @@ class Daemon:
 
         path = Path(self.settings.state_dir) / "sparkd.lock"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if (path.parent.stat().st_mode & 0o777) != 0o700 and path.parent.stat().st_uid == os.geteuid():
+                os.chmod(path.parent, 0o700)  # whatever the umask: samples, events and the token are ours
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise StoreError(f"cannot use state directory {path.parent}: {e}") from None
         try:
@@ -337,22 +409,24 @@ class Daemon:
                 f"another sparkd (pid {other}) is running with state directory {path.parent}; "
                 "stop it first, or give this one its own state_dir (SPARKD_STATE_DIR)"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:  # the pid is for the message above; a full disk must not stop the guard
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            log.warning("cannot write the pid into %s: %s (ignoring)", path, e.strerror)
         self._lock_fd = fd
 
     async def startup(self) -> None:
         s = self.settings
         self._lock_state_dir()
-        self.store = Store.open(s.db_file)
-        self.writer = Writer(self.store, maxsize=s.queue_max)
-        self.run_id = await asyncio.to_thread(
-            self.store.start_run,
-            pid=os.getpid(),
-            version=__version__,
-            hostname=socket.gethostname(),
-            config=effective_config(s),
-        )
+        # the guard never depends on the database: a full disk, a corrupt file or a lock held by
+        # another process is an event and a status FAIL, retried with back-off (store.keeper)
+        # The first open runs beside the guard: start-up waits for it at most DB_FIRST_WAIT_S (a
+        # write lock held elsewhere costs SQLite's busy timeout), then sampling starts regardless.
+        self.writer = Writer(None, maxsize=s.queue_max)
+        db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
+        self._tasks.append(db_task)
+        await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=DB_FIRST_WAIT_S)
         kern = None
         if s.kernlog_source != "off":
             kern = open_source(s.kernlog_source)
@@ -383,10 +457,18 @@ class Daemon:
         result = self._tick_once()
         if result is not None:
             await self._handle(result)
-        await asyncio.to_thread(self.writer.flush)
+        if self.store is not None:
+            await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
         self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
         if self.serve_api:
-            await self._start_api()
+            try:
+                await self._start_api()
+            except ConfigError as e:  # the token file cannot be made (state dir full): guard without the API
+                self.event(
+                    "api_unavailable",
+                    f"API not served: {e.message}; the guard runs without it (fix and restart sparkd)",
+                    severity="critical",
+                )
         await self.actions.start(self)
         self.event(
             "daemon_started",
@@ -416,9 +498,26 @@ class Daemon:
                 f"the API cannot listen on {host}:{port}: {e.strerror} (another sparkd? set api.port "
                 "or SPARKD_API__PORT)"
             ) from None
-        sock.listen(128)
+        sock.listen(ACCEPT_BACKLOG)
         sock.set_inheritable(True)
         self.api_socket = sock
+        api = self.settings.api
+        soft, hard = raise_nofile()
+        cap = connection_cap(api.max_connections, soft)
+        self.http_stats = HttpStats(cap=cap)
+        limited = RateLimitedLog(logging.getLogger("sparkd.api.server"))
+        self.http_log = limited
+        install_exception_handler(asyncio.get_running_loop(), limited)
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).addFilter(OncePerInterval())
+        log.info(
+            "API: at most %d connections (descriptor limit %d/%d), request head within %g s",
+            cap,
+            soft,
+            hard,
+            api.header_timeout_s,
+        )
+        sockets = [sock, *self._link_sockets(port)]
         cfg = uvicorn.Config(
             app,
             host=self.settings.api.host,
@@ -426,12 +525,16 @@ class Daemon:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=guarded_protocol(cap, api.header_timeout_s, self.http_stats, limited),
+            h11_max_incomplete_event_size=api.max_header_bytes,
+            timeout_keep_alive=5,
+            backlog=ACCEPT_BACKLOG,
         )
         server = uvicorn.Server(cfg)
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
-        self._tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="sparkd-api"))
+        self._tasks.append(asyncio.create_task(server.serve(sockets=sockets), name="sparkd-api"))
         for _ in range(200):
             if server.started:
                 break
@@ -444,6 +547,23 @@ class Daemon:
                 self.settings.api.host,
                 self.settings.api.port,
             )
+
+    def _link_sockets(self, port: int) -> list[socket.socket]:
+        """Sockets on ``cluster.listen`` (the link network, for peer calls only; see face/peer.py)."""
+        out = []
+        for host in self.settings.cluster.listen:
+            s = socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+            )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                s.close()
+                raise OSError(f"cluster.listen: the API cannot listen on {host}:{port}: {e.strerror}") from None
+            s.listen(ACCEPT_BACKLOG)
+            out.append(s)
+        return out
 
     def _tick_once(self) -> TickResult | None:
         assert self.guard is not None
@@ -463,7 +583,9 @@ class Daemon:
     async def _handle(self, result: TickResult) -> None:
         assert self.writer is not None
         sample = result.sample
-        self.writer.submit("sample", sample.to_row())
+        row = sample.to_row()
+        self.live_samples.append(row)
+        self.writer.submit("sample", row)
         self.actions.observe(sample)
         alert = self.leak.observe(sample.ts, sample.driver_bytes)
         if alert is not None:
@@ -481,7 +603,7 @@ class Daemon:
         for d in result.decisions:
             await self._decide(d)
         now = self.mono()
-        for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
+        for start, count in self.guard.nvrm.closed_windows(self.guard.mono()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
         since = now - self._last_status
         if since >= STATUS_EVERY_S:
@@ -489,12 +611,12 @@ class Daemon:
             key = (
                 tuple(st.counter for st in g.states.values()) if g else (),
                 self.mode,
-                self.actions.status_json().get("state"),
+                self.actions.status_json().state,
                 id(self.recent_events[0]) if self.recent_events else None,
             )
             if key != self._status_key or since >= STATUS_QUIET_S:
                 self._status_key, self._last_status = key, now
-                self.writer.submit("status", self.status_json())
+                self.writer.submit("status", self.status_json().model_dump(mode="json"))
                 self.notifier.notify(f"STATUS={self.summary_line()}")
 
     def _record_kernel(self, rec: KernRecord, sample: Any) -> None:
@@ -568,6 +690,8 @@ class Daemon:
                     details={"rule": d.rule},
                 )
                 return
+        for hook in self.stop_hooks:
+            hook(d)
         await self.actions.on_stop(d)
 
     def _update_mode(self, result: TickResult | None) -> None:
@@ -593,7 +717,8 @@ class Daemon:
         """Prune and aggregate the store, cap the archives (oldest first, never the newest)."""
         from sparkd.act.archive import prune_archives
 
-        assert self.store is not None
+        if self.store is None:
+            return {}
         r = self.settings.retention
         removed = await asyncio.to_thread(
             self.store.prune,
@@ -658,6 +783,111 @@ class Daemon:
                 return  # no NVML here: asked once, answered once
             await asyncio.sleep(self.settings.gpu_interval_s)
 
+    async def _begin_run(self) -> bool:
+        """Record this run in a just-opened store; False (store dropped, retried later) when the
+        database refuses the first write (a write lock held by another process, a full disk)."""
+        assert self.store is not None and self.writer is not None
+        try:
+            self.run_id = await asyncio.to_thread(
+                self.store.start_run,
+                pid=os.getpid(),
+                version=__version__,
+                hostname=socket.gethostname(),
+                config=effective_config(self.settings),
+            )
+        except Exception as e:
+            self.store = self.writer.store = None
+            self.db.lost(_one_line(e), self.mono(), at_once=False)
+            return False
+        return True
+
+    def _db_down_event(self) -> None:
+        nxt = max(0.0, self.db.next_attempt_mono - self.mono())
+        self.event(
+            "database_unavailable",
+            f"database {self.db.path} unusable: {self.db.error}; guarding from memory (samples, rules and "
+            f"stops go on, records wait in a bounded queue); retrying in {nxt:.0f} s with back-off",
+            severity="critical",
+            details=self.db.status(),
+        )
+
+    async def _db_loop(self) -> None:
+        """Watch the database without ever holding up the guard: a corrupt file (from the writer),
+        a deleted or replaced file (inode), records refused for good; reopen with back-off."""
+        try:
+            self.store = await asyncio.to_thread(self.db.attempt, self.mono())
+            if self.store is not None and self.writer is not None:
+                self.writer.attach(self.store)
+            if self.store is None or not await self._begin_run():
+                self._db_down_event()
+            if self.db.moved_aside:
+                self.event(
+                    "database_corrupt",
+                    f"database {self.db.path} was corrupt: kept as {', '.join(self.db.moved_aside)}; "
+                    "a new database was created and recording goes on",
+                    severity="critical",
+                    details=self.db.status(),
+                )
+        finally:
+            self._db_opened.set()
+        while True:
+            try:
+                await self._db_step()
+            except Exception as e:  # never let the keeper die: it is what brings recording back
+                log.error("database keeper: %s", _one_line(e))
+            await asyncio.sleep(DB_CHECK_S)
+
+    async def _db_step(self) -> None:
+        w, now = self.writer, self.mono()
+        if w is None:
+            return
+        while w.refusals:
+            kind, refusal = w.refusals.pop(0)
+            self.event(
+                "record_refused",
+                f"the database refused a {kind} record for good ({refusal}); dropped, later records go on",
+                severity="warning",
+                details={"kind": kind, "error": refusal},
+            )
+        if self.db.state == "ok":
+            checked_at = time.time()
+            why: str | None = w.fatal or await asyncio.to_thread(self.db.replaced)
+            if why is None:
+                self._db_good_at = checked_at
+                return
+            w.fatal, self.store = None, None
+            w.attach(None)
+            self.db.lost(why, now)
+            if "deleted" in why or "replaced" in why:
+                # what went into the unlinked file since the last good check is written again, from memory
+                for row in [r for r in self.live_samples if r["ts"] >= self._db_good_at]:
+                    w.submit("sample", row)
+                for ev in [e for e in reversed(self.recent_events) if e["ts"] >= self._db_good_at]:
+                    w.submit("event", dict(ev))
+            self._db_down_event()
+            return
+        if now < self.db.next_attempt_mono:
+            return
+        was_error, moved = self.db.error, len(self.db.moved_aside)
+        store = await asyncio.to_thread(self.db.attempt, now)
+        if store is None:
+            if self.db.error != was_error:  # said once per distinct reason, not once per attempt
+                self._db_down_event()
+            return
+        self.store = store
+        w.attach(store)
+        if not await self._begin_run():
+            self._db_down_event()
+            return
+        aside = self.db.moved_aside[moved:]
+        self.event(
+            "database_corrupt" if aside else "database_recovered",
+            f"database {self.db.path} usable again; recording resumes"
+            + (f" (corrupt file kept as {', '.join(aside)})" if aside else ""),
+            severity="warning",
+            details=self.db.status(),
+        )
+
     def _ping_watchdog(self) -> None:
         if self._watchdog_s is None:
             return
@@ -715,7 +945,7 @@ class Daemon:
             self.api_server.should_exit = True
         self.event("daemon_stopped", f"sparkd stopping ({reason})")
         if self.writer:
-            self.writer.submit("status", self.status_json())
+            self.writer.submit("status", self.status_json().model_dump(mode="json"))
         if self.event_notifier is not None:
             await asyncio.to_thread(self.event_notifier.close, 5.0)
         for t in self._tasks:
@@ -726,25 +956,18 @@ class Daemon:
             if self.guard:
                 for start, count in self.guard.nvrm.flush():
                     self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
-            self.writer.flush()
-            if self.store and self.run_id is not None:
-                self.store.write_batch(
-                    [
-                        (
-                            "run_end",
-                            {
-                                "id": self.run_id,
-                                "stopped_at": time.time(),
-                                "exit_reason": reason,
-                                "samples": self.samples_taken,
-                            },
-                        )
-                    ]
-                )
+            try:
+                self.writer.flush()
+                if self.store and self.run_id is not None:
+                    end = {"id": self.run_id, "stopped_at": time.time(), "exit_reason": reason}
+                    self.store.write_batch([("run_end", {**end, "samples": self.samples_taken})])
+            except Exception as e:  # a database that failed while running must not turn a stop into a traceback
+                log.error("database at shutdown: %s; %d records not written", _one_line(e), self.writer.queue.qsize())
         if self.guard and self.guard.kern_source is not None:
             self.guard.kern_source.close()
         if self.store:
-            self.store.close()
+            with contextlib.suppress(Exception):
+                self.store.close()
         if self._lock_fd is not None:  # releases the state-directory lock
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -770,6 +993,11 @@ class Daemon:
 def _wake_up(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e)
+    return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -64,6 +64,7 @@ class Guard:
         self._psi_missing_logged = False
         self.last: Sample | None = None
         self.nvrm_lines_total = 0
+        self.kern_lines_total = 0  # kernel-log lines read (all kinds)
         self.demoted: dict[str, str] = {}  # rule -> why it cannot protect this host (watermark.LoopGuard)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
@@ -95,7 +96,7 @@ class Guard:
             mi,
             psi,
             shm,
-            nvrm_recent=self.nvrm.recent(now_w),
+            nvrm_recent=self.nvrm.recent(now_m),  # monotonic: a wall-clock step must not move the window
             low_watermark_bytes=self.low_watermark,
         )
 
@@ -104,13 +105,15 @@ class Guard:
         if self.kern_source is None:
             return []
         out = []
-        now = self.wall()  # NVRM windows are stored, so they use epoch time
-        for line in self.kern_source.poll():
+        now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
+        lines = self.kern_source.poll()
+        self.kern_lines_total += len(lines)
+        for line in lines:
             rec = classify(line)
             if rec is None:
                 continue
             if rec.kind == "nvrm_no_memory":
-                self.nvrm.count_line(now)
+                self.nvrm.count_line(now_m, now_w)
                 self.nvrm_lines_total += 1
             out.append(rec)
         return out

@@ -1,19 +1,31 @@
 """From settings to what a launch runs: the budget ``Plan`` and the Docker ``LaunchSpec``.
 
 The budget formula lives in ``budget`` (pure). This module supplies its
-measured inputs: MemTotal read now (never assumed 121.69 GiB) and the weight
-bytes of the checkpoint directory, and turns the plan into container settings.
+measured inputs: MemTotal read now (never assumed 121.69 GiB), the weight
+bytes of the checkpoint directory and the KV layout of its ``config.json``,
+records where every input came from, and turns the plan into container settings.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sparkd.act.containerspec import LaunchSpec
 from sparkd.config import BudgetSettings, ContainerSettings, Settings
-from sparkd.core.budget import BudgetInputs, Plan, make_plan
+from sparkd.core.budget import (
+    NOTES_FP8_KV_MULT,
+    NOTES_FP8_REASON,
+    NOTES_KV_BYTES_PER_TOKEN,
+    WHOLE_FP8_KV_MULT,
+    BudgetInputs,
+    Plan,
+    kv_mult_table,
+    make_plan,
+)
+from sparkd.core.kvcache import KvLayout, kv_layout
 from sparkd.errors import InvalidInput
-from sparkd.sense.checkpoint import checkpoint_weight_bytes
+from sparkd.sense.checkpoint import checkpoint_weight_bytes, read_model_config
 from sparkd.units import GiB, parse_size
 
 # Fields an operator may change with ``sparkd resize`` / ``POST /api/resize``.
@@ -28,15 +40,55 @@ RESIZE_FIELDS: tuple[str, ...] = (
 )
 
 
-def budget_inputs(b: BudgetSettings, c: ContainerSettings, mem_total_bytes: int) -> BudgetInputs:
-    """Build the formula's inputs.
+def setting_sources(
+    b: BudgetSettings, flags: Iterable[str] = (), *, base: BudgetSettings | None = None
+) -> dict[str, str]:
+    """Where each budget setting of ``b`` came from: ``"flag"`` (named in ``flags``), ``"config file"``
+    (set in ``base``, i.e. the config file or a ``SPARKD_BUDGET__*`` variable, or changed from it by a
+    resize), else ``"default"``. ``base`` defaults to ``b`` (pass the configuration's budget when ``b``
+    is a stored revision, which has every field set)."""
+    flagged, ref = set(flags), base or b
+
+    def source(name: str) -> str:
+        if name in flagged:
+            return "flag"
+        if name in ref.model_fields_set or getattr(b, name) != getattr(ref, name):
+            return "config file"
+        return "default"
+
+    return {name: source(name) for name in type(b).model_fields}
+
+
+def budget_inputs(
+    b: BudgetSettings,
+    c: ContainerSettings,
+    mem_total_bytes: int,
+    *,
+    sources: Mapping[str, str] | None = None,
+    mem_total_source: str = "measured",
+) -> BudgetInputs:
+    """Build the formula's inputs, each with its source (``BudgetInputs.sources``).
 
     Weights: ``budget.weights_gib`` when set, else the checkpoint at
     ``container.model_dir`` (weight files) minus ``budget.ple_gib``.
+    KV bytes per token: ``budget.kv_bytes_per_token`` when set, else derived
+    from the checkpoint's ``config.json`` (``sparkd.core.kvcache``; its
+    linear-attention state goes to ``state_bytes_per_seq``). The fp8 KV_MULT:
+    ``budget.kv_fp8_mult`` when set; else the derived layout's (0.5); else the
+    notes' 0.58 for the notes' 29,482 B/token; else 0.5, an assumption the plan
+    warns about. ``sources``: per budget setting (``setting_sources``); missing
+    names count as ``"default"``.
 
     Raises:
-        InvalidInput: neither weights_gib nor a readable model_dir is configured.
+        InvalidInput: neither weights_gib nor a readable model_dir is configured;
+            no KV bytes per token and no model_dir / config.json to derive them.
+        UnknownKvLayout: config.json is not a layout sparkd can size (says what it found).
     """
+    src = dict(sources or {})
+
+    def s(name: str) -> str:
+        return src.get(name, "default")
+
     weight_bytes = None
     if b.weights_gib is None:
         if not c.model_dir:
@@ -45,10 +97,71 @@ def budget_inputs(b: BudgetSettings, c: ContainerSettings, mem_total_bytes: int)
             weight_bytes = checkpoint_weight_bytes(c.model_dir)
         except OSError as e:
             raise InvalidInput("container.model_dir", c.model_dir, f"a readable checkpoint directory ({e})") from None
+    layout: KvLayout | None = None
+    if b.kv_bytes_per_token is None:
+        if not c.model_dir:
+            raise InvalidInput(
+                "budget.kv_bytes_per_token",
+                None,
+                "the 16-bit KV bytes per token (--kv-bytes-per-token), or container.model_dir (--model-dir) "
+                "with the checkpoint's config.json to derive them from",
+            )
+        layout = kv_layout(read_model_config(c.model_dir))
+    sources_out = {
+        "mem_total_bytes": mem_total_source,
+        "mtp_enabled": s("mtp"),
+        **{
+            n: s(n)
+            for n in (
+                "overhead_gib",
+                "mtp_gib",
+                "mtp_off_credit_gib",
+                "kv_target_gib",
+                "host_reserve_gib",
+                "max_model_len",
+                "kv_cache_dtype",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "docker_headroom_gib",
+            )
+        },
+    }
+    explain: dict[str, str] = {}
+    if weight_bytes is not None:
+        sources_out["weight_bytes"] = "measured"
+        explain["weight_bytes"] = f"weight files in {c.model_dir}"
+        sources_out["ple_bytes"] = s("ple_gib")
+    else:
+        sources_out["weights_gib"] = s("weights_gib")
+    if b.gmu_override is not None:
+        sources_out["gmu_override"] = s("gmu_override")
+    if layout is None:
+        sources_out["kv_bytes_per_token"] = s("kv_bytes_per_token")
+    else:
+        sources_out["kv_bytes_per_token"] = "checkpoint config.json"
+        explain["kv_bytes_per_token"] = f"{layout.family}: {layout.formula}"
+        if layout.state_bytes_per_seq:
+            sources_out["state_bytes_per_seq"] = "checkpoint config.json"
+            explain["state_bytes_per_seq"] = layout.state_formula
+    if b.kv_fp8_mult is not None:
+        fp8_mult, sources_out["kv_mult"] = b.kv_fp8_mult, s("kv_fp8_mult")
+        explain["kv_mult"] = "fp8 KV_MULT set by hand (budget.kv_fp8_mult)"
+    elif layout is not None:
+        fp8_mult, sources_out["kv_mult"] = layout.fp8_mult, "checkpoint config.json"
+        explain["kv_mult"] = f"fp8 KV_MULT {layout.fp8_mult:g}: {layout.fp8_reason}"
+    elif b.kv_bytes_per_token == NOTES_KV_BYTES_PER_TOKEN:
+        fp8_mult, sources_out["kv_mult"] = NOTES_FP8_KV_MULT, "default"
+        explain["kv_mult"] = f"fp8 KV_MULT {NOTES_FP8_KV_MULT:g}: {NOTES_FP8_REASON}"
+    else:
+        fp8_mult, sources_out["kv_mult"] = WHOLE_FP8_KV_MULT, "default"
+        explain["kv_mult"] = f"fp8 KV_MULT {WHOLE_FP8_KV_MULT:g}: assumed whole KV cache in fp8"
     return BudgetInputs(
         mem_total_bytes=mem_total_bytes,
         max_model_len=b.max_model_len,
-        kv_bytes_per_token=b.kv_bytes_per_token,
+        kv_bytes_per_token=layout.bytes_per_token if layout else int(b.kv_bytes_per_token or 0),
+        kv_window_groups=layout.window_groups if layout else (),
+        state_bytes_per_seq=layout.state_bytes_per_seq if layout else 0,
+        model_max_len=layout.max_position_embeddings if layout else None,
         weight_bytes=weight_bytes,
         ple_bytes=int(b.ple_gib * GiB) if weight_bytes is not None else 0,
         weights_gib=b.weights_gib,
@@ -59,24 +172,30 @@ def budget_inputs(b: BudgetSettings, c: ContainerSettings, mem_total_bytes: int)
         kv_target_gib=b.kv_target_gib,
         host_reserve_gib=b.host_reserve_gib,
         kv_cache_dtype=b.kv_cache_dtype,
+        kv_mult_table=kv_mult_table(fp8_mult),
         max_num_seqs=b.max_num_seqs,
         max_num_batched_tokens=b.max_num_batched_tokens,
         gmu_override=b.gmu_override,
         docker_headroom_gib=b.docker_headroom_gib,
         model=c.served_model or (c.model_mount if c.model_dir else None),
+        sources=sources_out,
+        explain=explain,
     )
 
 
-def plan_for(settings: Settings, mem_total_bytes: int) -> Plan | None:
-    """The plan when the budget is enabled, else ``None``. Raises ``InvalidInput`` / ``Refused``."""
+def plan_for(settings: Settings, mem_total_bytes: int, *, base: BudgetSettings | None = None) -> Plan | None:
+    """The plan when the budget is enabled, else ``None``. ``base``: the configuration's budget
+    when ``settings.budget`` is a revision (for the sources). Raises ``InvalidInput`` / ``Refused``."""
     if not settings.budget.enabled:
         return None
-    return make_plan(budget_inputs(settings.budget, settings.container, mem_total_bytes))
+    b = settings.budget
+    return make_plan(budget_inputs(b, settings.container, mem_total_bytes, sources=setting_sources(b, base=base)))
 
 
 def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:
     """The container to run: vLLM args (plan + ``container.args``), ``--port``,
-    ``--shutdown-timeout`` (the drain inside the 30 s stop window), limits, mounts.
+    ``--shutdown-timeout`` (the drain inside the 30 s stop window), limits, mounts,
+    ``--init`` and ``--oom-score-adj`` (``container.init`` / ``container.oom_score_adj``).
 
     Raises:
         InvalidInput: no image configured.
@@ -102,6 +221,8 @@ def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:
         mem_limit_bytes=mem,
         memswap_limit_bytes=mem,
         gpu=gpu,
+        init=c.init,
+        oom_score_adj=c.oom_score_adj,
     )
 
 
@@ -122,9 +243,3 @@ def apply_resize(b: BudgetSettings, changes: dict[str, Any]) -> BudgetSettings:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise InvalidInput(field, err.get("input"), err["msg"]) from None
-
-
-def plan_diff(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
-    """``{key: [old, new]}`` for the top-level plan figures that changed."""
-    old = old or {}
-    return {k: [old.get(k), v] for k, v in new.items() if not isinstance(v, dict | list) and old.get(k) != v}

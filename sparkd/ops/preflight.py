@@ -5,6 +5,9 @@ Checks (issue "Memory budget, launch preflight"):
   ("Free memory on device ... is less than desired GPU memory utilization",
   fixtures/vllm/startup-fail-free-memory.log);
 * no other sparkd-labelled container running;
+* the checkpoint in ``container.model_dir`` is complete: every shard its index names
+  exists and is whole (``sparkd.sense.checkpoint.check_checkpoint``; vLLM fails on a
+  missing shard only after loading the others — issue 19);
 * leftover /dev/shm entries of earlier runs: reported, removed when provably dead;
 * swap state: reported.
 """
@@ -15,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkd.act import shm
+from sparkd.errors import InvalidInput
 from sparkd.sense import procfs
+from sparkd.sense.checkpoint import check_checkpoint
 from sparkd.units import GiB, fmt_gib
 
 
@@ -45,10 +50,22 @@ def run_preflight(
     shm_dir: str = "/dev/shm",
     clean_shm: bool = True,
     ignore_unreadable_pids: list[int] | None = None,
+    model_dir: str | None = None,
 ) -> Preflight:
     """Run the checks. ``gmu`` None (no budget): the memory check is skipped.
-    ``running_managed``: names of sparkd-labelled containers running now."""
+    ``running_managed``: names of sparkd-labelled containers running now.
+    ``model_dir``: the checkpoint directory to check for completeness (None: not checked)."""
     pf = Preflight()
+    if model_dir:
+        try:
+            check = check_checkpoint(model_dir)
+        except InvalidInput as e:
+            pf.fail(f"checkpoint not readable: {e.message}")
+        else:
+            if check.ok:
+                pf.notes.append(check.describe())
+            else:
+                pf.fail(check.describe() + ": vLLM would fail on it after loading the rest")
     m = procfs.read_meminfo(proc_root).fields
     total, avail = m.get("MemTotal"), m.get("MemAvailable")
     if gmu is not None and total and avail is not None:

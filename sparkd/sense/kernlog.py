@@ -283,10 +283,14 @@ class OomJoiner:
 class NvrmWindows:
     """Count driver-error lines in tumbling windows ``[k*W, (k+1)*W)``.
 
-    Each line is assigned by its arrival time ``now`` (seconds on the caller's
-    clock; pass epoch seconds when the window starts go to storage) to exactly
-    one window. Time must not go backwards; if it does, the line is counted in
-    the current open window (never lost, never twice).
+    Each line is assigned by its arrival time ``now`` to exactly one window.
+    ``now`` is the **monotonic** clock (issue 13: on the wall clock a 1 h step
+    back kept one driver error "recent" for an hour and held the MemFree rule's
+    evidence gate open). Wall time only labels the stored window: pass ``wall``
+    (epoch s at ``now``) and the window start is reported in epoch seconds;
+    without it the label is on ``now``'s clock. Time must not go backwards; if
+    it does, the line is counted in the current open window (never lost, never
+    twice).
 
     * :meth:`recent` = lines in the current window + the previous one, i.e.
       an evidence window between W and 2W seconds long (10-20 s with the
@@ -309,28 +313,37 @@ class NvrmWindows:
         self._count = 0
         self._prev: tuple[int, int] | None = None  # (index, count) of the last closed window
         self._closed: list[tuple[float, int]] = []
+        self._offset = 0.0  # wall − monotonic when the open window began: labels it in epoch seconds
 
-    def _advance(self, now: float) -> int:
+    def _label(self, k: int) -> float:
+        return k * self.window_s + self._offset
+
+    def _advance(self, now: float, wall: float | None = None) -> int:
         k = math.floor(now / self.window_s)
         if self._k is None:
             self._k = k
+            if wall is not None:
+                self._offset = wall - now
         elif k > self._k:
             if self._count:
-                self._closed.append((self._k * self.window_s, self._count))
+                self._closed.append((self._label(self._k), self._count))
             self._prev, self._k, self._count = (self._k, self._count), k, 0
+            if wall is not None:
+                self._offset = wall - now
         return self._k
 
-    def add(self, n: int, now: float) -> None:
-        """Count ``n`` (>= 0) lines that arrived at ``now``. Raises ValueError if n < 0."""
+    def add(self, n: int, now: float, wall: float | None = None) -> None:
+        """Count ``n`` (>= 0) lines that arrived at ``now`` (monotonic s; ``wall``: epoch s then, for
+        the stored label). Raises ValueError if n < 0."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self._advance(now)
+        self._advance(now, wall)
         self._count += n
         self.total += n
 
-    def count_line(self, now: float) -> None:
-        """Count one line that arrived at ``now``."""
-        self.add(1, now)
+    def count_line(self, now: float, wall: float | None = None) -> None:
+        """Count one line that arrived at ``now`` (see ``add``)."""
+        self.add(1, now, wall)
 
     def recent(self, now: float) -> int:
         """Lines in the current window plus the immediately previous window."""
@@ -358,7 +371,7 @@ class NvrmWindows:
         """Drain every window including the open one (for shutdown)."""
         out = self.closed_windows()
         if self._k is not None and self._count:
-            out.append((self._k * self.window_s, self._count))
+            out.append((self._label(self._k), self._count))
             self._prev, self._count = (self._k, self._count), 0
         return out
 

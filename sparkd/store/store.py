@@ -12,6 +12,7 @@ sizes bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sqlite3
@@ -501,6 +502,17 @@ class Writer:
         self._drop_logged = False
         self._fail_logged = False
         self._pending: list[tuple[str, Any]] = []
+        self.refused = 0
+        self.refusals: list[tuple[str, str]] = []
+        self.last_error: str | None = None
+        self.fatal: str | None = None
+        self._kick = asyncio.Event()
+
+    def attach(self, store: Store | None) -> None:
+        """Write into ``store`` from now on (None: no database; records wait in the queue)."""
+        self.store = store
+        if store is not None:
+            self._kick.set()
 
     def submit(self, kind: str, payload: Any) -> bool:
         try:
@@ -526,30 +538,67 @@ class Writer:
         return batch
 
     def _write(self, batch: list[tuple[str, Any]]) -> bool:
-        """Write one batch; False (and logged once per episode) when the database refused it."""
-        if self.store is None:
-            self.dropped += len(batch)
-            return True
+        """Write one batch; False (and logged once per episode) when the database refused it.
+
+        A batch refused for a reason that passes (locked, busy, disk full, no database yet) is kept
+        for a retry. A batch refused *permanently* (``keeper.is_permanent``: a constraint, a value
+        SQLite cannot store) is written item by item: each refused item is dropped, counted in
+        ``refused`` and listed in ``refusals`` (kind, reason) for the daemon to report; the rest is
+        written. A corrupt database sets ``fatal`` (the daemon moves it aside and reopens).
+        """
+        from sparkd.store.keeper import is_corrupt, is_permanent
+
+        store = self.store
+        if store is None:
+            return False
         try:
-            self.store.write_batch(batch)
+            store.write_batch(batch)
         except Exception as e:
+            if is_permanent(e):
+                return self._write_each(store, batch)
             self.failures += 1
+            self.last_error = _short(e)
+            if is_corrupt(e):
+                self.fatal = self.last_error
             if not self._fail_logged:
                 log.error(
                     "database write failed (%s); the guard goes on, records wait in the queue (%d max) "
                     "and are written when the database recovers",
-                    _short(e),
+                    self.last_error,
                     self.queue.maxsize,
                 )
                 self._fail_logged = True
             return False
-        self.written += len(batch)
+        self._ok(len(batch))
+        return True
+
+    def _write_each(self, store: Store, batch: list[tuple[str, Any]]) -> bool:
+        from sparkd.store.keeper import is_permanent
+
+        for i, item in enumerate(batch):
+            try:
+                store.write_batch([item])
+            except Exception as e:
+                if not is_permanent(e):
+                    self.failures += 1
+                    self.last_error = _short(e)
+                    del batch[:i]  # the rest waits for a retry; what is written is not written twice
+                    return False
+                self.refused += 1
+                self.refusals.append((item[0], _short(e)))
+                continue
+            self.written += 1
+        self._ok(0)
+        return True
+
+    def _ok(self, n: int) -> None:
+        self.written += n
         if self._fail_logged:
             log.info("database writes recovered")
         self._fail_logged = False
+        self.last_error = None
         if self.queue.qsize() < self.queue.maxsize // 2:
             self._drop_logged = False
-        return True
 
     async def run(self) -> None:
         backoff = 0.25
@@ -561,14 +610,23 @@ class Writer:
             if await asyncio.to_thread(self._write, pending):
                 pending, backoff, self._pending = [], 0.25, []
             else:  # keep the batch (a locked or full database is usually temporary) and retry
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
                 self._pending = pending
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), backoff)  # ``attach`` wakes it at once
+                self._kick.clear()
+                backoff = min(backoff * 2, 5.0)
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
         a batch the database keeps refusing after ``attempts`` tries is dropped and counted."""
         n = 0
+        if self.store is None:  # no database: what is queued cannot be written now
+            left = len(self._pending) + self.queue.qsize()
+            self._pending = []
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.dropped += left
+            return 0
         batches = [self._pending] if self._pending else []
         self._pending = []
         while not self.queue.empty():

@@ -1,0 +1,475 @@
+"""The status contract: one typed ``Status`` the daemon returns and every reader consumes.
+
+``Daemon.status_json()`` builds a ``Status``; ``GET /api/status`` declares it as its
+``response_model`` (so ``/openapi.json`` documents every field); the dashboard's
+presenters, the Prometheus exporter, ``sparkd status`` (from the snapshot the daemon
+stores) and the test fakes read it typed. Closed choices come from one place each:
+container states are ``sparkd.core.lifecycle.ContainerState``, rule kinds/actions,
+KV cache dtypes, severities and modes are the ``Literal`` aliases of
+``sparkd.core.choices``.
+
+Every model forbids unknown keys, so a producer that drifts (a new key, a renamed
+one, a state outside ``ContainerState``) fails with ``pydantic.ValidationError`` at
+once, and a typed fake that drifts is a mypy error (pydantic models are
+``dataclass_transform``s: mypy checks their keyword arguments).
+
+Units: sizes are bytes (``*_bytes`` or the meminfo column names of ``SampleRow``),
+times are UTC epoch seconds (``ts``, ``*_at``, ``*_t``) or seconds (``*_s``);
+the budget plan keeps the formula's GiB floats (``*_gib``, CONTEXT.md "memory budget").
+
+``DaemonView`` is what the face reads of the running daemon: the HTTP side is typed
+against this Protocol, not the concrete ``Daemon`` (which satisfies it: ``sparkd run``
+passes ``create_app`` as the daemon's ``app_factory``, and mypy checks that).
+
+The resize result (``ResizeResult``, with its one diff shape ``PlanChange``) lives
+here too: the supervisor returns it, ``POST /api/resize`` declares it, the dashboard
+and ``sparkd resize`` read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from sparkd.core.choices import ContainerMode, RuleAction, RuleKind, SamplingMode, Severity
+from sparkd.core.lifecycle import ContainerState
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from sparkd.config import Settings
+    from sparkd.loop.guard import Guard
+    from sparkd.loop.reads import Reads
+    from sparkd.store.store import Store
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --------------------------------------------------------------------------- the budget plan
+class BudgetInputsFigures(_Model):
+    """``sparkd.core.budget.BudgetInputs.to_json()``: the formula's inputs (bytes read, GiB knobs)."""
+
+    mem_total_bytes: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    weight_bytes: int | None
+    ple_bytes: int
+    weights_gib: float | None
+    overhead_gib: float
+    mtp_enabled: bool
+    mtp_gib: float
+    mtp_off_credit_gib: float
+    kv_target_gib: float
+    host_reserve_gib: float
+    kv_cache_dtype: str  # a KvCacheDtype from config; core also takes custom kv_mult_table keys
+    kv_mult_table: dict[str, float]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gmu_override: float | None
+    docker_headroom_gib: float
+    model: str | None
+    extra_vllm_args: list[str]
+    kv_window_groups: list[list[int]] = []  # (window_tokens, bytes_per_token) of sliding-window layers
+    state_bytes_per_seq: int = 0  # linear-attention/SSM state per sequence (fixed part × max_num_seqs)
+    model_max_len: int | None = None  # the checkpoint's max_position_embeddings
+    sources: dict[str, str] = {}  # input → flag | config file | checkpoint config.json | measured | default
+    explain: dict[str, str] = {}  # input → how it was derived
+
+
+class PlanFigures(_Model):
+    """``sparkd.core.budget.Plan.to_json()``: every figure of the budget formula, GiB floats unrounded
+    (CONTEXT.md "The memory budget"), plus what the launch passes (``gmu``, ``docker_memory_bytes``)."""
+
+    mem_total_gib: float
+    checkpoint_gib: float | None
+    ple_gib: float
+    mtp_off_credit_applied_gib: float
+    weights_gib: float
+    overhead_gib: float
+    mtp_gib: float
+    fixed_gib: float
+    kv_mult: float
+    kv_need_gib: float
+    kv_target_gib: float
+    wish_gib: float
+    cap_gib: float
+    squeezed: bool
+    gmu: float
+    gmu_source: Literal["formula", "override"]
+    budget_gib: float
+    kv_exp_gib: float
+    max_len_concurrency: float
+    docker_memory_gib: float
+    docker_memory_swap_gib: float
+    docker_memory_bytes: int
+    state_gib: float = 0.0  # linear-attention state × max_num_seqs, part of fixed
+    inputs: BudgetInputsFigures
+    provenance: dict[str, dict[str, str]] = {}  # input → {"source", "how"?}
+    vllm_args: list[str]
+    warnings: list[str]
+
+
+# --------------------------------------------------------------------------- the container side
+class ContainerStatus(_Model):
+    """The container side (``Actions.status_json()``): the supervisor's view, or monitor-only.
+
+    ``state`` is one ``ContainerState`` (``none`` in monitor-only mode and before a launch;
+    ``unknown`` while the Docker engine does not answer — ``engine`` then says ``down``).
+    ``uptime_s`` is set only while running. ``busy`` is true while a control action
+    (``action``: starting/stopping/restarting/resizing) holds the supervisor.
+    """
+
+    mode: ContainerMode
+    state: ContainerState = ContainerState.NONE
+    reason: str | None = None  # monitor-only: why there is no container side
+    name: str | None = None
+    engine: Literal["unknown", "up", "down"] | None = None
+    engine_error: str | None = None
+    state_since: float | None = None
+    state_reason: str | None = None
+    health: str | None = None  # "ok" when ready, else the last /health error
+    action: str | None = None
+    container_id: str | None = None
+    image: str | None = None
+    launch_id: str | None = None
+    started_at: float | None = None
+    uptime_s: float | None = None
+    ready_at: float | None = None
+    trough_bytes: int | None = None  # lowest MemAvailable seen during start-up
+    revision: int | None = None
+    plan: PlanFigures | None = None
+    gmu: float | None = None
+    memory_bytes: int | None = None  # docker --memory (= --memory-swap)
+    stay_stopped: bool = False
+    restarts_in_window: int = 0  # sparkd's auto-restarts and Docker's restarts seen, in container.restart_window_s
+    restart_count: int = 0  # Docker's RestartCount as last inspected (its restart policy's restarts)
+    restart_policy: str | None = None  # Docker's HostConfig.RestartPolicy.Name
+    docker_restarts_seen: int = 0  # Docker restarts sparkd has counted since it began watching this container
+    busy: bool = False
+    stops_total: int = 0
+    kills_total: int = 0
+
+
+# --------------------------------------------------------------------------- the guard
+class SampleRow(_Model):
+    """``sparkd.core.sample.Sample.to_row()``: one sample, sizes in bytes, PSI in percent.
+
+    The fields are ``sparkd.core.sample.ROW_FIELDS`` (a test compares them).
+    """
+
+    ts: float
+    mem_total: int | None = None
+    mem_free: int | None = None
+    mem_available: int | None = None
+    buffers: int | None = None
+    cached: int | None = None
+    swap_total: int | None = None
+    swap_free: int | None = None
+    shmem: int | None = None
+    anon_pages: int | None = None
+    slab: int | None = None
+    sreclaimable: int | None = None
+    sunreclaim: int | None = None
+    page_tables: int | None = None
+    kernel_stack: int | None = None
+    cma_total: int | None = None
+    cma_free: int | None = None
+    psi_some_avg10: float | None = None
+    psi_some_avg60: float | None = None
+    psi_some_total_us: int | None = None
+    psi_full_avg10: float | None = None
+    psi_full_avg60: float | None = None
+    psi_full_total_us: int | None = None
+    shm_bytes: int | None = None
+    shm_entries: int | None = None
+    driver_bytes: int | None = None
+    nvrm_recent: int = 0
+    low_watermark_bytes: int | None = None
+    mem_available_minus_cma: int | None = None
+
+
+class Threshold(_Model):
+    """One compiled ``when`` condition: ``field op value`` (bytes when ``is_size``)."""
+
+    field: str
+    name: str
+    op: Literal["<", "<=", ">", ">="]
+    value: float
+    is_size: bool
+
+
+class NearestStopStatus(_Model):
+    """``sparkd.core.headroom.NearestStop``: the nearest stop line now (the dashboard's headline).
+
+    Sizes in bytes; ``headroom_bytes`` = ``value_bytes`` − ``threshold_bytes`` (negative: below it).
+    ``fall_rate_bytes_per_s`` and ``time_to_floor_s`` are null when MemAvailable is not falling.
+    """
+
+    rule: str
+    kind: RuleKind
+    field: str
+    label: str
+    value_bytes: int
+    threshold_bytes: int
+    headroom_bytes: int
+    counter: int
+    samples: int
+    fall_rate_bytes_per_s: float | None
+    time_to_floor_s: float | None
+    level: Literal["ok", "warn", "critical"]
+    reason: str
+
+
+class RuleStatus(_Model):
+    """A rule as compiled (``Rule.to_json()``) with its counters (``RuleState.to_json()``)."""
+
+    name: str
+    kind: RuleKind
+    action: RuleAction
+    samples: int
+    for_s: float | None
+    when: list[str]
+    evidence: list[str]
+    thresholds: list[Threshold]
+    floor_bytes: int | None
+    demoted: str | None = None  # why the loop guard demoted it to warn
+    counter: int = 0
+    near_misses: int = 0
+    trips: int = 0
+    last_reason: str | None = None
+
+
+class KernelLogStatus(_Model):
+    source: str  # kmsg | journal | dmesg | off
+    nvrm_lines: int  # NV_ERR_NO_MEMORY lines seen since sparkd started
+    lines_read: int = 0  # kernel-log lines read since sparkd started
+    lost: int = 0  # records the ring buffer overwrote before sparkd read them (/dev/kmsg sequence gap)
+
+
+class WriterStatus(_Model):
+    queued: int
+    written: int
+    dropped: int
+    refused: int = 0  # records the database refused for good (dropped with a record_refused event)
+    last_error: str | None = None  # the last write error, one line; None while writes succeed
+
+
+class DatabaseStatus(_Model):
+    """``sparkd.store.keeper.DbKeeper.status()``: is the database recording, and if not, why."""
+
+    state: Literal["opening", "ok", "unavailable"]
+    path: str
+    error: str | None
+    since: float  # epoch s: when this state began
+    attempts: int
+    moved_aside: list[str]  # corrupt files kept as <name>.corrupt-<UTC time>
+
+
+class HttpStatus(_Model):
+    """The API's resource caps at work (``sparkd.loop.httpserver``)."""
+
+    connection_cap: int  # open connections allowed (api.max_connections, below the descriptor limit)
+    refused: int  # connections closed at once: over the cap
+    head_timeouts: int  # connections closed for not sending a request head within api.header_timeout_s
+
+
+class LeakStatus(_Model):
+    """``sparkd.core.leak.LeakTracker.status()``: driver memory against its post-warm-up baseline."""
+
+    state: str
+    launch_id: str | None
+    baseline_bytes: int | None
+    baseline_late: bool
+    current_bytes: int | None
+    peak_bytes: int | None
+    growth_bytes: int | None
+    threshold_bytes: int
+    window_s: tuple[float, float]
+    elapsed_s: float | None
+    alerts: int
+    last_alert_t: float | None
+
+
+class LoopRuleStatus(_Model):
+    trips: int
+    quick_streak: int
+    cannot_protect: bool
+    reason: str | None
+
+
+class WatermarkStatus(_Model):
+    """Kernel watermarks against the rules' floors (``sparkd.core.floors``)."""
+
+    vm: dict[str, int | None]  # min_free_kbytes, watermark_scale_factor as read from /proc/sys/vm
+    low_watermark_bytes: int | None
+    healthy_mem_available_bytes: int | None
+    healthy_t: float | None
+    launch_t: float | None
+    launches: int
+    rules: dict[str, LoopRuleStatus]
+    warnings: list[str]
+
+
+class NotifyStatus(_Model):
+    """``sparkd.act.notify.NotifyStats.to_json()``: event notification counters since start."""
+
+    submitted: int
+    filtered: int
+    suppressed: int
+    dropped: int
+    sent: int
+    failed: int
+
+
+class GpuStatus(_Model):
+    """``sparkd.sense.gpu.GpuReading.to_json()`` (NVML; ``memory_supported`` false on GB10)."""
+
+    index: int | None
+    name: str | None = None
+    driver_version: str | None = None
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    memory_supported: bool | None = None
+    available: bool = True
+    reason: str | None = None
+    notes: list[str] = []
+
+
+class EventRow(_Model):
+    ts: float
+    kind: str
+    severity: Severity
+    message: str
+    details: dict[str, Any] | None = None
+    launch_id: str | None = None
+
+
+class Status(_Model):
+    """``GET /api/status`` and ``Daemon.status_json()``: everything the daemon knows now.
+
+    ``plan`` is the budget plan the container runs with (the container's ``plan``), or null.
+    ``events`` are the 20 newest, newest first.
+    """
+
+    ts: float
+    running: bool
+    version: str
+    pid: int
+    started_at: float
+    samples_taken: int
+    interval_s: float
+    mode: SamplingMode
+    mode_reason: str | None
+    dry_run: bool
+    sample: SampleRow | None
+    rules: list[RuleStatus]
+    nearest_stop: NearestStopStatus | None = None
+    kernel_log: KernelLogStatus
+    container: ContainerStatus
+    writer: WriterStatus
+    database: DatabaseStatus | None = None  # None only from fakes that predate it
+    http: HttpStatus | None = None
+    tick_s_p50: float | None
+    leak: LeakStatus
+    watermark: WatermarkStatus
+    notify: NotifyStatus | None
+    gpu: list[GpuStatus]
+    events: list[EventRow]
+    plan: PlanFigures | None
+
+
+# --------------------------------------------------------------------------- resize
+Scalar = float | int | str | bool | None
+
+
+class PlanChange(_Model):
+    """One changed figure, keyed by its name in a diff: ``{"gmu": {"old": 0.786, "new": 0.77}}``
+    (the one diff shape: plan diffs, revision diffs, the API, the dashboard and the CLI)."""
+
+    old: Scalar
+    new: Scalar
+
+
+def diff_figures(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[str, PlanChange]:
+    """The top-level scalar figures of ``new`` that differ from ``old``, in ``new``'s order.
+
+    Nested values (``inputs``, ``vllm_args``, ``warnings``) are left out: the inputs that
+    changed show in their own figures. Used for the plan diff and the revision diff alike.
+    """
+    old = old or {}
+    return {
+        k: PlanChange(old=old.get(k), new=v)
+        for k, v in new.items()
+        if not isinstance(v, dict | list | tuple) and old.get(k) != v
+    }
+
+
+class ResizeResult(_Model):
+    """``POST /api/resize`` / ``Supervisor.resize``: the new plan beside the current one.
+
+    ``applied`` is false on a dry run and when the new revision failed to launch; then
+    ``rolled_back`` says whether the previous revision was restored (``rollback_ok``).
+    """
+
+    plan: PlanFigures
+    previous: PlanFigures | None
+    diff: dict[str, PlanChange]
+    applied: bool
+    dry_run: bool
+    revision: int | None = None
+    launch_id: str | None = None
+    message: str | None = None
+    rolled_back: bool = False
+    error: str | None = None
+    rollback_ok: bool | None = None
+    rollback_error: str | None = None
+
+
+# --------------------------------------------------------------------------- what the face reads
+class DaemonView(Protocol):
+    """The running daemon as the face sees it (``sparkd.loop.daemon.Daemon`` satisfies it).
+
+    Read on the event loop only: ``status_json()`` and the counters are loop-owned state.
+    ``actions`` is duck-typed by the face (``request``/``resize`` exist unless monitor-only).
+    """
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def store(self) -> Store | None: ...
+    @property
+    def reads(self) -> Reads: ...  # the database, or the live in-memory view when it cannot answer
+    @property
+    def actions(self) -> object: ...
+    @property
+    def guard(self) -> Guard | None: ...
+    @property
+    def samples_taken(self) -> int: ...
+    @property
+    def recent_events(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def should_exit(self) -> asyncio.Event: ...
+    @property
+    def tick_durations(self) -> Iterable[float]: ...
+    @property
+    def cluster(self) -> Any: ...  # sparkd.loop.cluster.Cluster when [cluster] has peers, else None
+
+    def status_json(self) -> Status: ...
+    def event(
+        self,
+        kind: str,
+        message: str,
+        *,
+        severity: str = "info",
+        details: dict[str, Any] | None = None,
+        launch_id: str | None = None,
+    ) -> dict[str, Any]: ...

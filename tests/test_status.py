@@ -1,0 +1,284 @@
+"""The status contract (``sparkd.loop.status``): one typed ``Status`` from the daemon to every reader.
+
+A real ``Daemon`` samples this machine's /proc into a real SQLite store; the app is
+served over ASGI. The supervisor's resize runs for real (dry run: the budget formula
+and /proc/meminfo, no Docker call). mypy runs on the typed fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakes import FakeActions
+from pydantic import BaseModel, ValidationError
+
+from sparkd.config import load_settings
+from sparkd.core.budget import BudgetInputs, make_plan
+from sparkd.core.lifecycle import ContainerState
+from sparkd.core.sample import ROW_FIELDS
+from sparkd.face import presenters as views
+from sparkd.face.app import create_app
+from sparkd.face.exporter import CONTAINER_STATES
+from sparkd.loop.daemon import Daemon
+from sparkd.loop.launch import plan_for
+from sparkd.loop.status import (
+    BudgetInputsFigures,
+    ContainerStatus,
+    PlanFigures,
+    ResizeResult,
+    SampleRow,
+    Status,
+    diff_figures,
+)
+from sparkd.loop.supervisor import Supervisor
+from sparkd.store.store import Store
+from sparkd.units import GiB
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _daemon(tmp_path: Path, actions: Any = None) -> Daemon:
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "interval_s": 0.25}
+    )
+    d = Daemon(settings, actions=actions, serve_api=False)
+    await d.startup()
+    for _ in range(2):
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+    return d
+
+
+def _client(d: Daemon) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(d)), base_url="http://127.0.0.1:8741")
+
+
+def _worked_example() -> BudgetInputs:
+    # CONTEXT.md's worked example: GMU 0.786
+    return BudgetInputs(
+        mem_total_bytes=int(121.69 * GiB),
+        max_model_len=262144,
+        kv_bytes_per_token=29482,
+        weights_gib=71.75,
+        kv_cache_dtype="fp8",
+        host_reserve_gib=26.0,
+    )
+
+
+# --------------------------------------------------------------------------- the API declares it
+async def test_it_documents_every_status_field_in_openapi(tmp_path: Path) -> None:
+    d = await _daemon(tmp_path)
+    try:
+        async with _client(d) as c:
+            spec = (await c.get("/openapi.json")).json()
+    finally:
+        await d.shutdown("test")
+    schemas = spec["components"]["schemas"]
+    ok = spec["paths"]["/api/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok == {"$ref": "#/components/schemas/Status"}
+    assert set(schemas["Status"]["properties"]) == set(Status.model_fields)
+    assert set(schemas["ContainerStatus"]["properties"]) == set(ContainerStatus.model_fields)
+    # the one set of container states, as an enum in the schema
+    assert set(schemas["ContainerState"]["enum"]) == {s.value for s in ContainerState}
+    assert set(schemas["RuleStatus"]["properties"]["kind"]["enum"]) == {"threshold", "predictive"}
+    resize = spec["paths"]["/api/resize"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert resize == {"$ref": "#/components/schemas/ResizeResult"}
+    req = spec["components"]["schemas"]["ResizeRequest"]["properties"]["kv_cache_dtype"]["anyOf"][0]
+    assert set(req["enum"]) == {"auto", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2"}
+
+
+async def test_it_serves_exactly_the_contract(tmp_path: Path) -> None:
+    d = await _daemon(tmp_path, actions=FakeActions())
+    try:
+        async with _client(d) as c:
+            body = (await c.get("/api/status")).json()
+    finally:
+        await d.shutdown("test")
+    st = Status.model_validate(body)  # extra keys or a wrong type would raise
+    assert set(body) == set(Status.model_fields)
+    assert st.container.state is ContainerState.READY
+    assert st.plan is not None and st.plan.gmu == pytest.approx(0.786)
+    assert st.sample is not None and st.sample.mem_total and st.sample.mem_total > 0
+
+
+async def test_it_stores_the_same_contract_for_the_cli(tmp_path: Path) -> None:
+    d = await _daemon(tmp_path)
+    try:
+        assert d.writer is not None
+        taken = d.samples_taken
+        d.writer.submit("status", d.status_json().model_dump(mode="json"))
+        await asyncio.to_thread(d.writer.flush)
+        assert d.store is not None
+        stored = Status.model_validate(d.store.status_snapshot())
+    finally:
+        await d.shutdown("test")
+    assert stored.container.mode == "monitor-only" and stored.container.state is ContainerState.NONE
+    assert stored.samples_taken == taken > 0
+
+
+# --------------------------------------------------------------------------- the models match their producers
+def test_it_names_every_sample_column() -> None:
+    assert tuple(SampleRow.model_fields) == ROW_FIELDS
+
+
+def test_it_types_every_plan_figure() -> None:
+    plan = make_plan(_worked_example())
+    figures = PlanFigures.model_validate(plan.to_json())
+    assert figures.gmu == pytest.approx(0.786)
+    assert set(PlanFigures.model_fields) == set(plan.to_json())
+    assert set(BudgetInputsFigures.model_fields) == set(plan.inputs.to_json())
+
+
+def test_it_refuses_a_state_outside_the_one_set() -> None:
+    # the exporter's old "running"/"created" and the supervisor's "unknown (engine down)" are gone
+    for state in ("running", "created", "absent", "unknown (engine down)"):
+        with pytest.raises(ValidationError, match="state"):
+            ContainerStatus.model_validate({"mode": "guard", "state": state})
+    with pytest.raises(ValidationError, match="restarts_total"):
+        ContainerStatus.model_validate({"mode": "guard", "restarts_total": 3})  # a key nobody declared
+
+
+def test_it_exports_a_label_for_every_state() -> None:
+    assert set(CONTAINER_STATES) == {"monitor-only"} | {s.value for s in ContainerState}
+
+
+@pytest.mark.parametrize("state", list(ContainerState))
+async def test_it_gives_every_state_a_level_on_the_container_card(tmp_path: Path, state: ContainerState) -> None:
+    d = await _daemon(tmp_path, actions=FakeActions())
+    try:
+        st = d.status_json()
+    finally:
+        await d.shutdown("test")
+    card = views.container_from_status(
+        st.model_copy(update={"container": st.container.model_copy(update={"state": state})})
+    )
+    expected = {ContainerState.READY: "ok", ContainerState.EXITED: "critical", ContainerState.FAILED: "critical"}
+    expected[ContainerState.UNKNOWN] = "critical"
+    assert card["state"] == state.value
+    assert card["level"] == expected.get(state, "warn")
+
+
+# --------------------------------------------------------------------------- one resize-diff shape
+def test_it_diffs_figures_in_one_shape() -> None:
+    old = make_plan(_worked_example()).to_json()
+    new = make_plan(BudgetInputs(**{**_worked_example().__dict__, "host_reserve_gib": 28.0})).to_json()
+    diff = diff_figures(old, new)
+    assert diff["gmu"].old == pytest.approx(0.786) and diff["gmu"].new < 0.786
+    assert "inputs" not in diff and "vllm_args" not in diff  # nested figures are left out
+    assert "mem_total_gib" not in diff  # unchanged
+    assert diff_figures(None, {"gmu": 0.5})["gmu"].model_dump() == {"old": None, "new": 0.5}
+
+
+async def test_it_returns_the_typed_diff_from_the_real_supervisor(tmp_path: Path) -> None:
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "container": {"image": "sparkd-test-vllm:latest", "name": "sparkd-status-test"},
+            # small enough for any test host: 1 GiB of weights, 4 GiB left to the host
+            "budget": {
+                "enabled": True,
+                "weights_gib": 1.0,
+                "overhead_gib": 0.5,
+                "host_reserve_gib": 4.0,
+                "kv_target_gib": 1.0,
+                "max_model_len": 4096,
+                "kv_bytes_per_token": 131072,  # a Llama-3.1-8B-shaped model (2 × 32 × 8 × 128 × 2 B)
+            },
+        }
+    )
+    sup = Supervisor(settings)
+    mem_total = sup._mem_total()  # this host's MemTotal, read now
+    plan = plan_for(settings, mem_total)
+    assert plan is not None
+    sup.plan_json = plan.to_json()
+    out = await sup.resize({"host_reserve_gib": 5.0}, dry_run=True, source="test")
+    assert isinstance(out, ResizeResult) and out.applied is False and out.dry_run is True
+    assert out.previous is not None and out.previous.cap_gib == pytest.approx(plan.cap_gib)
+    assert out.diff["cap_gib"].old == pytest.approx(plan.cap_gib)
+    assert out.diff["cap_gib"].new == pytest.approx(plan.cap_gib - 1.0)
+    assert sup.budget.host_reserve_gib == 4.0  # a dry run changes nothing
+
+
+# --------------------------------------------------------------------------- a drifting fake is a type error
+def _mypy(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--no-error-summary",
+            "--cache-dir",
+            str(REPO / ".mypy_cache"),
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+
+
+def test_it_makes_a_drifting_fake_a_mypy_error(tmp_path: Path) -> None:
+    good = _mypy(REPO / "tests" / "fakes.py")
+    assert good.returncode == 0, good.stdout + good.stderr
+    src = (REPO / "tests" / "fakes.py").read_text()
+    assert "state=ContainerState.READY," in src and 'health="ok",' in src
+    drifts = {
+        "old_state.py": src.replace("state=ContainerState.READY,", 'state="running",'),
+        "new_key.py": src.replace('health="ok",', 'health="ok",\n            healthy=True,'),
+    }
+    for name, text in drifts.items():
+        (tmp_path / name).write_text(text)
+        bad = _mypy(tmp_path / name)
+        assert bad.returncode != 0, name
+        assert f"{name}:" in bad.stdout, bad.stdout
+    assert '"state"' in _mypy(tmp_path / "old_state.py").stdout
+    assert '"healthy"' in _mypy(tmp_path / "new_key.py").stdout
+
+
+# --------------------------------------------------------------------------- the CLI reads it typed
+def test_it_ignores_a_snapshot_of_another_shape_saying_so(tmp_path: Path) -> None:
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    store = Store.open(tmp_path / "sparkd.db")
+    store.write_batch([("status", {"ts": 1.0, "container": {"state": "running"}})])
+    store.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "status"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ignoring the stored status snapshot" in out.stderr
+    assert "no status snapshot yet" in out.stdout
+    as_json = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "status", "--json"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        check=True,
+    )
+    assert json.loads(as_json.stdout)["container"] is None
+
+
+def test_every_model_forbids_unknown_keys() -> None:
+    import sparkd.loop.status as mod
+
+    models = [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, BaseModel) and v is not BaseModel]
+    assert len(models) > 10
+    for m in models:
+        assert m.model_config.get("extra") == "forbid", m.__name__
