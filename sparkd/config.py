@@ -32,8 +32,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/sparkd/sparkd.toml")
 class RuleConfig(BaseModel):
     """One stop rule. ``when``: all must hold; ``evidence``: any must hold (empty = none needed).
 
-    ``kind = "predictive"`` adds the MemAvailable slope projection (``floor``,
-    ``within_s``, ``window_s``) on top of ``when``.
+    ``kind = "predictive"`` adds the usable-memory slope projection (``floor``,
+    ``within_s``, ``window_s``) on top of ``when``; ``within_s`` unset = the time a stop
+    takes (``container.stop_timeout_s``, or measured stops). ``for_s`` makes the rule
+    duration-based: it trips after ``for_s`` seconds *and* at least ``samples`` samples
+    (default 3); without it, after ``samples`` consecutive samples (default 5).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -41,12 +44,12 @@ class RuleConfig(BaseModel):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$")
     when: list[str] = Field(min_length=1)
     evidence: list[str] = Field(default_factory=list)
-    samples: int = Field(default=5, ge=1, le=3600)
+    samples: int | None = Field(default=None, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
     action: RuleAction = "stop"
     kind: RuleKind = "threshold"
     floor: str | None = None
-    within_s: float = Field(default=3.0, gt=0, le=600)
+    within_s: float | None = Field(default=None, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
 
     @field_validator("when", "evidence")
@@ -75,36 +78,45 @@ class RuleConfig(BaseModel):
         return self
 
 
-# Seed rules, CONTEXT.md "The watchdog": each with its own 5-sample counter.
+# Seed rules, CONTEXT.md "The watchdog": "5 consecutive samples" at the seed's 1 s sampling,
+# i.e. low water seen from the first sample to the fifth, 4 s apart. Written as a duration
+# (for_s = 4 s, at least 3 samples) so that fast sampling (0.25 s) does not turn them into 1 s
+# rules, which brought back the single-excursion false stops (issue 12, kind 7).
 SEED_RULES: list[dict[str, Any]] = [
-    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "for_s": 4.0, "samples": 3},
     {
         "name": "low_available_and_free",
         "when": ["MemAvailable < 10GiB", "MemFree < 2GiB"],
-        "samples": 5,
+        "for_s": 4.0,
+        "samples": 3,
     },
 ]
 
 # Defaults: the seed's rule 1; rule 2 gated on evidence (a MemFree sample counts only with
-# MemAvailable < 10 GiB and NV_ERR_NO_MEMORY in the window or MemAvailable < 3 GiB) because
-# ungated it stopped healthy servers during weight loading (MemFree 0.9 GiB at 32 GiB available)
-# and a vision request (MemFree 1.2–1.5 GiB for 5 s at ~7 GiB available, no driver errors);
-# the predictive rule closes the start-up gap (MemAvailable 29 → 6 GiB in ~6 s).
+# usable < 10 GiB and NV_ERR_NO_MEMORY in the window or usable < 3 GiB) because ungated it
+# stopped healthy servers during weight loading (MemFree 0.9 GiB at 32 GiB available) and a
+# vision request (MemFree 1.2–1.5 GiB for 5 s at ~7 GiB available, no driver errors); the
+# predictive rule closes the start-up gap (MemAvailable 29 → 6 GiB in ~6 s) and the slow fall
+# (0.5 GiB/s to a hang at ~7 GiB): its horizon is the time a stop takes.
+# All judge *usable* memory, MemAvailable − CmaFree: free CMA counts in MemAvailable but the
+# driver's allocations cannot use it (a host died at MemAvailable 10.45 GiB with 8.81 GiB of it
+# free CMA; field-2/homelab-kill7-cma.csv). Without CMA, usable = MemAvailable.
 DEFAULT_RULES: list[dict[str, Any]] = [
-    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {"name": "low_available", "when": ["usable < 6GiB"], "for_s": 4.0, "samples": 3},
     {
         "name": "low_free_with_evidence",
-        "when": ["MemFree < 2GiB", "MemAvailable < 10GiB"],
-        "evidence": ["nvrm_recent > 0", "MemAvailable < 3GiB"],
-        "samples": 5,
+        "when": ["MemFree < 2GiB", "usable < 10GiB"],
+        "evidence": ["nvrm_recent > 0", "usable < 3GiB"],
+        "for_s": 4.0,
+        "samples": 3,
     },
     {
         "name": "collapse_projected",
         "kind": "predictive",
-        "when": ["MemAvailable < 16GiB"],
+        "when": ["usable < 16GiB"],
         "floor": "4GiB",
-        "within_s": 3.0,
         "window_s": 2.0,
+        "for_s": 0.5,
         "samples": 2,
     },
 ]

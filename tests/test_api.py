@@ -27,6 +27,7 @@ from sparkd.errors import ConfigError
 from sparkd.face.app import create_app
 from sparkd.face.auth import SESSION_COOKIE, Auth, ensure_token
 from sparkd.loop.daemon import Daemon
+from tests.conftest import fixture
 
 BASE = "http://127.0.0.1:8741"
 
@@ -304,7 +305,13 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     if sample.get("psi_some_avg10") is not None:
         assert ("sparkd_pressure_memory_some_avg10", ()) in samples
     assert samples[("sparkd_rule_counter", (("rule", "low_available"),))] == 0
-    assert samples[("sparkd_rule_samples_required", (("rule", "low_available"),))] == 5
+    assert samples[("sparkd_rule_samples_required", (("rule", "low_available"),))] == 3
+    # usable memory beside MemAvailable (MemAvailable - CmaFree; equal without CMA)
+    assert samples[("sparkd_memory_usable_bytes", ())] == sample["mem_available_minus_cma"]
+    assert status["usable_bytes"] == sample["mem_available_minus_cma"]
+    assert samples[("sparkd_rule_blind", (("reason", ""), ("rule", "low_available")))] == 0
+    assert samples[("sparkd_kernel_log_lost_total", ())] == status["kernel_log"]["lost"] == 0
+    assert samples[("sparkd_nvrm_bursts_total", ())] == 0
     assert samples[("sparkd_rule_trips_total", (("rule", "low_available"),))] == 0
     assert ("sparkd_rule_near_misses_total", (("rule", "low_free_with_evidence"),)) in samples
     assert samples[("sparkd_nvrm_errors_total", ())] == 0
@@ -314,6 +321,36 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     assert samples[("sparkd_archives", ())] == 1
     assert samples[("sparkd_samples_total", ())] >= 5
     assert samples[("sparkd_tick_seconds", (("quantile", "0.5"),))] > 0
+
+
+async def test_a_blind_guard_names_each_rule_that_cannot_evaluate(tmp_path: Path) -> None:
+    # a container-virtualised /proc whose meminfo has no MemAvailable (field-2/proc-no-memavailable)
+    d = await _daemon(tmp_path, proc_root=str(fixture("field-2", "proc-no-memavailable")))
+    try:
+        async with _client(d) as c:
+            text = (await c.get("/metrics")).text
+            status = (await c.get("/api/status")).json()
+            rules_html = (await c.get("/ui/rules")).text
+    finally:
+        await d.shutdown("test")
+    why = "cannot evaluate: MemAvailable not read"
+    for rule in ("low_available", "low_free_with_evidence", "collapse_projected"):
+        assert f'sparkd_rule_blind{{reason="{why}",rule="{rule}"}} 1.0' in text
+    assert status["blind"]["rules"] == {
+        r: why for r in ("low_available", "low_free_with_evidence", "collapse_projected")
+    }
+    assert [r["blind"] for r in status["rules"]] == [why] * 3  # never a quiet 0/N
+    sensor = status["blind"]["sensors"]["MemAvailable"]
+    assert sensor.startswith("no MemAvailable line in ") and "needed by low_available" in sensor
+    assert 'sparkd_input_blind{input="MemAvailable"' in text
+    # the dashboard's rule cards say BLIND and why, with no counter
+    assert rules_html.count(">BLIND</span>") == 3
+    assert rules_html.count(f'<p class="reason small critical-text rule-blind">{why}</p>') == 3
+    assert '<span class="of">' not in rules_html
+    # one event at start, not one per sample
+    blind_events = [e for e in d.recent_events if e["kind"] == "sensor_blind"]
+    assert len(blind_events) == 1 and blind_events[0]["severity"] == "critical"
+    assert "rule low_available cannot evaluate: MemAvailable not read" in blind_events[0]["message"]
 
 
 async def test_it_marks_monitor_only_in_metrics(daemon: Daemon) -> None:

@@ -136,9 +136,14 @@ def _echo_snapshot(st: Status) -> None:
             extra = f", near misses {r.near_misses}" if r.evidence else ""
             if r.demoted:
                 extra += f"  DEMOTED to warn: {r.demoted}"
-            click.echo(
-                f"  {r.name:<26} {r.counter}/{r.samples}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]"
-            )
+            need = f"{r.counter}/{r.samples}" + (f" ({r.for_s:g} s)" if r.for_s else "")
+            if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
+                need = f"BLIND ({r.blind})"
+            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]")
+    for name, blind_why in st.blind.sensors.items():
+        click.echo(f"BLIND: {name}: {blind_why}")
+    if st.kernel_log.lost:
+        click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
     leak = st.leak
@@ -155,7 +160,18 @@ def _echo_snapshot(st: Status) -> None:
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
-    line = f"container: {what} {('— ' + c.reason) if c.reason else ''}"
+    line = f"container: {what}"
+    if c.name:
+        line += f" {c.name}" + (f" ({c.container_id[:12]})" if c.container_id else "")
+    if c.image:
+        line += f", image {c.image}"
+    if c.uptime_s is not None:
+        line += f", up {_span(c.uptime_s)}"
+    if c.memory_bytes:
+        line += f", --memory {fmt_gib(c.memory_bytes)}"
+    why = c.reason or c.state_reason
+    if why:
+        line += f" — {why}"
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
@@ -193,6 +209,8 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "mode": snap.get("mode"),
         "interval_s": snap.get("interval_s"),
         "kernel_log": snap.get("kernel_log"),
+        "blind": snap.get("blind"),
+        "usable_bytes": snap.get("usable_bytes"),
         "leak": snap.get("leak"),
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
@@ -203,8 +221,9 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
+    age = _age(data["snapshot_age_s"])
     click.echo(
-        f"sparkd {'running' if running else 'NOT running (last snapshot ' + _age(data['snapshot_age_s']) + ')'}"
+        f"sparkd {'running (status of ' + age + ')' if running else 'NOT running (last snapshot ' + age + ')'}"
         f" — db {settings.db_file}"
     )
     if latest:
@@ -212,6 +231,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         for key, label in (
             ("mem_total", "MemTotal"),
             ("mem_available", "MemAvailable"),
+            ("mem_available_minus_cma", "usable"),
             ("mem_free", "MemFree"),
             ("cached", "Cached"),
             ("anon_pages", "AnonPages"),
@@ -240,6 +260,15 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
 
 def _age(s: float | None) -> str:
     return "never" if s is None else f"{s:.0f} s ago"
+
+
+def _span(s: float) -> str:
+    """A duration for people: ``42 s``, ``17 min``, ``5.2 h``, ``3.1 d``."""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
 
 
 @main.command()
@@ -656,15 +685,15 @@ def plan(
         out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(
-            render_plan_table(
-                p,
-                image=settings.container.image or "vllm/vllm-openai:latest",
-                gpus=settings.container.gpu != "off",
-                init=settings.container.init,
-                oom_score_adj=settings.container.oom_score_adj,
-            )
+        from sparkd.loop.launch import launch_spec
+
+        spec = launch_spec(
+            settings.model_copy(
+                update={"container": c.model_copy(update={"image": c.image or "vllm/vllm-openai:latest"})}
+            ),
+            p,
         )
+        click.echo(render_plan_table(p, command=spec.docker_run_command()))
         if check is not None:
             click.echo(check.describe())
 
@@ -703,7 +732,8 @@ def _cluster_status(settings: Any, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
 def vllm_log(file: Any, as_json: bool) -> None:
     """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
-    into the launch record: state, phase reached, figures, root cause and warnings."""
+    into the launch record: state, phase reached, figures, root cause and warnings.
+    Exit status: 0 ready or still starting, 1 failed (or an empty log)."""
     from sparkd.sense.vllm_log import LaunchLogParser
 
     parser = LaunchLogParser()
@@ -712,7 +742,7 @@ def vllm_log(file: Any, as_json: bool) -> None:
     rec = parser.record
     if as_json:
         click.echo(json.dumps(rec.to_json(), indent=2))
-        return
+        sys.exit(1 if rec.failed else 0)
     if rec.lines_seen == 0:
         click.echo("sparkd: the log is empty", err=True)
         sys.exit(1)
@@ -732,7 +762,14 @@ def vllm_log(file: Any, as_json: bool) -> None:
         out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
     for text in rec.warnings().values():
         out.append(f"WARNING: {text}")
+    if rec.phase == "starting" and not rec.failed:
+        out.append(
+            f"NOTE: none of the {rec.lines_seen} lines is a vLLM start-up line sparkd knows "
+            "(is this vLLM's output? `docker logs` writes it to stderr: add 2>&1)"
+        )
     click.echo("\n".join(out))
+    if rec.failed:
+        sys.exit(1)  # a failed launch: scripts can branch on it (the report above says why)
 
 
 def _f(v: Any) -> str:

@@ -99,6 +99,13 @@ class SparkdCollector(Collector):
             )
             g.add_metric([], float(sample["driver_bytes"]))
             yield g
+        if sample.get("mem_available_minus_cma") is not None:
+            g = GaugeMetricFamily(
+                "sparkd_memory_usable_bytes",
+                "Usable memory the default rules judge: MemAvailable - CmaFree (MemAvailable without CMA)",
+            )
+            g.add_metric([], float(sample["mem_available_minus_cma"]))
+            yield g
         if sample.get("shm_bytes") is not None:
             g = GaugeMetricFamily("sparkd_dev_shm_bytes", "Bytes in /dev/shm")
             g.add_metric([], float(sample["shm_bytes"]))
@@ -128,6 +135,27 @@ class SparkdCollector(Collector):
             trips.add_metric([r.name], float(r.trips))
             near.add_metric([r.name], float(r.near_misses))
         yield from (counter, need, trips, near)
+        blind = GaugeMetricFamily(
+            "sparkd_rule_blind",
+            "1 when the rule cannot evaluate because an input it needs was not read (reason says which)",
+            labels=["rule", "reason"],
+        )
+        for r in rules:
+            blind.add_metric([r.name, r.blind or ""], 1.0 if r.blind else 0.0)
+        yield blind
+        sensors = GaugeMetricFamily(
+            "sparkd_input_blind",
+            "1 for each input a rule needs that cannot be read (MemAvailable, MemFree, PSI, kernel log, /dev/shm)",
+            labels=["input", "reason"],
+        )
+        for name, why in st.blind.sensors.items():
+            sensors.add_metric([name, why], 1.0)
+        yield sensors
+        bursts = CounterMetricFamily(
+            "sparkd_nvrm_bursts", "NV_ERR_NO_MEMORY bursts (nvrm_burst lines within nvrm_window_s), one per window"
+        )
+        bursts.add_metric([], float(st.kernel_log.nvrm_bursts))
+        yield bursts
 
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
         nvrm.add_metric([], float(st.kernel_log.nvrm_lines))

@@ -138,6 +138,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
     for r in status.rules:
         counter, need = r.counter, max(1, r.samples)
         level = "ok" if counter == 0 else ("critical" if counter * 2 >= need else "warn")
+        if r.blind:  # an input it needs was not read: never a quiet 0/N
+            level = "critical"
         out.append(
             {
                 "name": r.name,
@@ -152,6 +154,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "evidence": list(r.evidence),
                 "last_reason": r.last_reason,
                 "level": level,
+                "blind": r.blind,
+                "for_s": r.for_s,
             }
         )
     return out

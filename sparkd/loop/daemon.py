@@ -29,10 +29,10 @@ from sparkd import __version__
 from sparkd.act.notify import Notifier
 from sparkd.config import Settings, effective_config
 from sparkd.core.choices import SamplingMode
-from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
+from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, read_vm_tunables
 from sparkd.core.headroom import nearest_stop
 from sparkd.core.leak import LeakTracker
-from sparkd.core.rules import Decision, still_holds
+from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop.guard import Guard, TickResult
@@ -48,6 +48,7 @@ from sparkd.loop.httpserver import (
 )
 from sparkd.loop.reads import Reads
 from sparkd.loop.status import (
+    BlindStatus,
     ContainerStatus,
     DatabaseStatus,
     EventRow,
@@ -221,6 +222,7 @@ class Daemon:
         self.gpu: list[dict[str, Any]] = []
         self._cooldown_logged: dict[str, float] = {}
         self._lock_fd: int | None = None
+        self._blind_key: tuple[tuple[str, str], ...] | None = None
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -261,6 +263,10 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
+        if kind in ("stopped", "killed") and self.guard is not None:
+            took = ((details or {}).get("durations_s") or {}).get("stop")
+            if isinstance(took, int | float):
+                self.guard.engine.note_stop_duration(float(took))  # the predictive horizon learns it
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
@@ -325,7 +331,10 @@ class Daemon:
                 # records the kernel's ring buffer overwrote before sparkd read them (/dev/kmsg: EPIPE
                 # and the sequence-number gap); 0 for readers that cannot tell
                 lost=getattr(g.kern_source, "lost_records", 0) if g else 0,
+                nvrm_bursts=g.bursts.bursts if g else 0,
             ),
+            blind=BlindStatus.model_validate(self.blind_json()),
+            usable_bytes=last.mem_available_minus_cma if last else None,
             container=container,
             writer=WriterStatus(
                 queued=w.queue.qsize() if w else 0,
@@ -363,6 +372,42 @@ class Daemon:
             return None
         ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono)
         return NearestStopStatus.model_validate(ns.to_json()) if ns else None
+
+    def blind_json(self) -> dict[str, dict[str, str]]:
+        """``{"sensors": {input: why}, "rules": {rule: why}}``: each input a rule needs that
+        cannot be read (with the rules that need it), and each rule that therefore cannot
+        evaluate (never shown as a quiet 0/N). Inputs no rule reads are not listed."""
+        g = self.guard
+        if g is None:
+            return {"sensors": {}, "rules": {}}
+        users = g.sensor_users()
+        sensors = {
+            name: f"{why}; needed by {', '.join(users[name])}"
+            for name, why in g.blind_sensors().items()
+            if name in users
+        }
+        return {"sensors": sensors, "rules": g.engine.blind()}
+
+    def _check_blind(self) -> None:
+        """An event at start and whenever the set of blind inputs or rules changes."""
+        b = self.blind_json()
+        key = tuple(sorted(b["sensors"].items())) + tuple(sorted(("rule " + k, v) for k, v in b["rules"].items()))
+        if key == self._blind_key:
+            return
+        first = self._blind_key is None
+        self._blind_key = key
+        if not key:
+            if not first:
+                self.event("sensors_restored", "every input the rules need is read again")
+            return
+        parts = [f"{k}: {v}" for k, v in b["sensors"].items()]
+        parts += [f"rule {k} {v}" for k, v in b["rules"].items()]
+        self.event(
+            "sensor_blind",
+            "blind: " + "; ".join(parts),
+            severity="critical" if b["rules"] else "warning",
+            details=b,
+        )
 
     def current_interval(self) -> float:
         return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s
@@ -600,8 +645,21 @@ class Daemon:
                         "nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1
                     )
                 )
+        if result.nvrm_burst is not None:
+            self.event(
+                "nvrm_burst",
+                f"{result.nvrm_burst} NV_ERR_NO_MEMORY lines within {self.settings.nvrm_window_s:g} s "
+                f"(threshold {self.settings.nvrm_burst}; usable {fmt_gib(sample.mem_available_minus_cma)})",
+                severity="warning",
+                details={
+                    "lines": result.nvrm_burst,
+                    "threshold": self.settings.nvrm_burst,
+                    "context": sample.context(),
+                },
+            )
         for d in result.decisions:
-            await self._decide(d)
+            await self._decide(d, sample)
+        self._check_blind()
         now = self.mono()
         for start, count in self.guard.nvrm.closed_windows(self.guard.mono()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
@@ -629,17 +687,9 @@ class Daemon:
             if getattr(rec, key, None) is not None:
                 details[key] = getattr(rec, key)
         self.event(rec.kind, rec.message, severity=severity, details=details)
-        if rec.kind == "nvrm_no_memory" and self.guard and self.guard.nvrm.open_count == self.settings.nvrm_burst:
-            self.event(
-                "nvrm_burst",
-                f"{self.settings.nvrm_burst} NV_ERR_NO_MEMORY lines within one "
-                f"{self.settings.nvrm_window_s:g} s window (MemAvailable {fmt_gib(sample.mem_available)})",
-                severity="warning",
-                details={"context": sample.context()},
-            )
         self.actions.on_kernel_record(rec)
 
-    async def _decide(self, d: Decision) -> None:
+    async def _decide(self, d: Decision, sample: Sample | None = None) -> None:
         if d.kind == "near_miss":
             # one event per streak start keeps the log readable; every near miss is counted in the rule state
             if self.guard and self.guard.states[d.rule].near_misses % 10 == 1:
@@ -662,7 +712,13 @@ class Daemon:
             "trip",
             d.reason,
             severity="critical" if d.action == "stop" else "warning",
-            details={"rule": d.rule, "action": d.action, "count": d.counter, **_jsonable(d.values)},
+            details={
+                "rule": d.rule,
+                "action": d.action,
+                "count": d.counter,
+                "sample_ts": sample.ts if sample is not None else None,
+                **_jsonable(d.values),
+            },
         )
         if d.action != "stop":
             return
@@ -670,8 +726,7 @@ class Daemon:
         if self.guard and rule is not None:
             verdict = self.loop_guard.record_trip(rule, time.time())
             if verdict is not None:
-                self.guard.demoted[verdict.rule] = verdict.reason
-                self.guard.rules = demote(self.guard.rules, self.guard.demoted)
+                self.guard.engine.demote(verdict.rule, verdict.reason)
                 self.event("watermark", verdict.reason, severity="warning", details=verdict.details())
                 return
         if self.settings.dry_run:
@@ -679,12 +734,11 @@ class Daemon:
             return
         if self.settings.recheck and self.guard:
             fresh = self.guard.read_sample()
-            rule = self.guard.rule(d.rule)
-            self.guard.slope.add(fresh.mono, fresh.mem_available)
-            if rule is not None and not still_holds(rule, fresh, self.guard.slope, fresh.mono):
+            if self.guard.rule(d.rule) is not None and not self.guard.engine.recheck(d.rule, fresh):
                 self.event(
                     "recovered_before_stop",
                     f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "
+                    f"usable {fmt_gib(fresh.mem_available_minus_cma)}, "
                     f"MemFree {fmt_gib(fresh.mem_free)} on re-check)",
                     severity="warning",
                     details={"rule": d.rule},

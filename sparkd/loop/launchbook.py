@@ -83,7 +83,17 @@ class LaunchBook:
         if last and last[0]["status"] not in ("starting", "ready"):
             self.autostart_pending = False
             self.stay_stopped = True
-            self.state_reason = f"last launch {last[0]['id']} ended: {last[0]['status']}"
+            rec = last[0]
+            # show the container as it was left (its name and image), not as "none"
+            ended = {
+                "failed": ContainerState.FAILED,
+                "exited": ContainerState.EXITED,
+                "oom_killed": ContainerState.EXITED,
+            }
+            if rec["status"] != "removed":
+                self.state = ended.get(rec["status"], ContainerState.STOPPED)
+                self.image = rec.get("image") or self.image
+            self.state_reason = f"last launch {rec['id']} ended: {rec['status']}; stays stopped until `sparkd start`"
             self._event(
                 "staying_stopped",
                 f"not launching at start: the last launch ({last[0]['id']}) ended "

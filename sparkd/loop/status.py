@@ -236,11 +236,15 @@ class RuleStatus(_Model):
     evidence: list[str]
     thresholds: list[Threshold]
     floor_bytes: int | None
+    duration_based: bool = False  # for_s set: trips after for_s seconds and at least ``samples`` samples
+    within_s: float | None = None  # predictive: a fixed horizon, or None = the time a stop takes
+    window_s: float | None = None  # predictive: the shortest fit window
     demoted: str | None = None  # why the loop guard demoted it to warn
     counter: int = 0
     near_misses: int = 0
     trips: int = 0
     last_reason: str | None = None
+    blind: str | None = None  # why the rule cannot evaluate (an input it needs was not read), else None
 
 
 class KernelLogStatus(_Model):
@@ -248,6 +252,15 @@ class KernelLogStatus(_Model):
     nvrm_lines: int  # NV_ERR_NO_MEMORY lines seen since sparkd started
     lines_read: int = 0  # kernel-log lines read since sparkd started
     lost: int = 0  # records the ring buffer overwrote before sparkd read them (/dev/kmsg sequence gap)
+    nvrm_bursts: int = 0  # nvrm_burst events (one per window at most)
+
+
+class BlindStatus(_Model):
+    """Inputs a rule needs that cannot be read (``{input: why; needed by …}``) and the rules
+    that therefore cannot evaluate (``{rule: why}``) — never shown as a quiet 0/N."""
+
+    sensors: dict[str, str] = {}
+    rules: dict[str, str] = {}
 
 
 class WriterStatus(_Model):
@@ -372,6 +385,8 @@ class Status(_Model):
     rules: list[RuleStatus]
     nearest_stop: NearestStopStatus | None = None
     kernel_log: KernelLogStatus
+    blind: BlindStatus = BlindStatus()
+    usable_bytes: int | None = None  # MemAvailable - CmaFree (MemAvailable without CMA): what the rules judge
     container: ContainerStatus
     writer: WriterStatus
     database: DatabaseStatus | None = None  # None only from fakes that predate it

@@ -144,6 +144,7 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
         check_swap,
         check_watermarks,
         check_memtotal,
+        check_rule_inputs,
         check_shm,
         check_proc_visibility,
         check_dev_char_symlinks,
@@ -288,6 +289,42 @@ def check_memtotal(ctx: DoctorContext) -> list[Check]:
     if not total:
         return [Check("FAIL", "MemTotal", "not found in meminfo", f"check {ctx.proc_root}")]
     return [Check("OK", "MemTotal", f"{total / GiB:.2f} GiB")]
+
+
+def check_rule_inputs(ctx: DoctorContext) -> list[Check]:
+    """The inputs every default rule reads: MemAvailable and MemFree must be in meminfo.
+
+    FAIL without MemAvailable (a container-virtualised /proc such as lxcfs omits it): the
+    guard would be blind — every memory rule needs it — and must not look quiet. With CMA
+    (CmaTotal/CmaFree), OK with usable memory = MemAvailable − CmaFree, what the rules judge.
+    """
+    mi = read_meminfo(ctx.proc_root).fields
+    where = f"{ctx.proc_root}/meminfo"
+    out: list[Check] = []
+    for name in ("MemAvailable", "MemFree"):
+        if name not in mi:
+            out.append(
+                Check(
+                    "FAIL",
+                    name,
+                    f"not in {where}: the rules that need it cannot evaluate (sparkd would be blind)",
+                    "run sparkd on the host's own /proc (proc_root), not a container-virtualised one (e.g. lxcfs)",
+                )
+            )
+    avail = mi.get("MemAvailable")
+    if avail is not None and "CmaFree" in mi:
+        cma = mi["CmaFree"]
+        out.append(
+            Check(
+                "OK",
+                "usable memory",
+                f"{(avail - cma) / GiB:.2f} GiB = MemAvailable {avail / GiB:.2f} GiB - CmaFree {cma / GiB:.2f} GiB "
+                "(free CMA is not usable by the driver; the rules judge usable)",
+            )
+        )
+    elif avail is not None:
+        out.append(Check("OK", "MemAvailable", f"{avail / GiB:.2f} GiB (no CMA: usable = MemAvailable)"))
+    return out
 
 
 def check_shm(ctx: DoctorContext) -> list[Check]:
