@@ -6,18 +6,18 @@ A *stop line* is what a stop rule (``action = "stop"``) must cross to count:
   several conditions counts only when all hold, so its distance is the *largest* of their
   headrooms (the condition furthest from holding binds); a gated rule whose evidence does not
   hold now must also cross the nearest size line of its evidence (``MemAvailable < 3GiB``);
-* a predictive rule: its ``floor`` on MemAvailable (the line the projection is about),
+* a predictive rule: its ``floor`` on usable memory (MemAvailable − CmaFree, the line the projection is about),
   never its ``when`` gate — the gate (``MemAvailable < 16GiB``) only arms the projection, and
   using it as a floor made the page say "critical at 8.5 GiB while every rule was 0/N"
   (issue 14).
 
 The nearest line is the smallest headroom among the stop rules (ties: the higher counter).
 
-Fall rate: the Theil–Sen slope of MemAvailable (``SlopeWindow``) over ``window_s``; "falling"
+Fall rate: the Theil–Sen slope of usable memory (``SlopeWindow``) over ``window_s``; "falling"
 only when it falls faster than ``min_fall_bytes_per_s`` (default 32 MiB/s: CONTEXT.md gives
 MemAvailable noise as ~107 MiB per 5 s ≈ 21 MiB/s, so a slower fall is not told apart from
-noise). Time to floor = headroom / fall rate, for a line on MemAvailable only (the window
-holds MemAvailable alone).
+noise). Time to floor = headroom / fall rate, for a line on usable memory or MemAvailable only
+(the window holds usable memory alone).
 
 Level (``ok`` / ``warn`` / ``critical``):
 
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from sparkd.core.rules import Condition, Rule, RuleState, SlopeWindow
+from sparkd.core.rules import Condition, Rule, RuleState, SlopeWindow, usable_bytes
 from sparkd.core.sample import Sample
 from sparkd.units import GiB, MiB
 
@@ -48,6 +48,9 @@ MIN_FALL_BYTES_PER_S = 32 * MiB
 WARN_MARGIN_BYTES = 4 * GiB
 STOP_TIME_S = 30.0
 FALL_WINDOW_S = 10.0
+# the slope window holds usable memory (MemAvailable − CmaFree); CmaFree barely moves, so its fall is
+# MemAvailable's too
+SLOPE_ATTRS = ("mem_available_minus_cma", "mem_available")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +83,10 @@ class NearestStop:
 def _lines(rule: Rule, sample: Sample) -> list[tuple[str, str, int, int]]:
     """(attr, label, value, threshold) of each stop line of ``rule`` that the sample has a value for."""
     if rule.kind == "predictive":
-        if rule.floor_bytes is None or sample.mem_available is None:
+        usable = usable_bytes(sample)
+        if rule.floor_bytes is None or usable is None:
             return []
-        return [("mem_available", "MemAvailable", sample.mem_available, int(rule.floor_bytes))]
+        return [("mem_available_minus_cma", "usable", usable, int(rule.floor_bytes))]
     out = _size_lines(rule.when, sample)
     if rule.evidence and not any(c.holds(sample) is True for c in rule.evidence):
         # no evidence now: the nearest size line among the evidence must be crossed too
@@ -141,7 +145,7 @@ def nearest_stop(
     head, counter, rule, (attr, label, value, threshold) = best
     fall: float | None = None
     ttf: float | None = None
-    if attr == "mem_available" and slope is not None:
+    if attr in SLOPE_ATTRS and slope is not None:
         s = slope.slope(now, window_s)
         if s is not None and -s > min_fall_bytes_per_s:
             fall = -s
