@@ -59,7 +59,11 @@ def test_restart_with_confirmation_and_a_dry_run_resize_in_the_browser(
     _login(page, s)
     state_cell = page.locator("#part-container table.kv tr:nth-child(2) td")
     assert wait_for(lambda: "ready" in state_cell.inner_text(), 10)
-    page.click("form[action='/ui/container/restart'] button")
+    # the controls follow the state: Restart is enabled once the page has seen it ready
+    restart = page.locator("form[action='/ui/container/restart'] button")
+    assert wait_for(lambda: restart.is_enabled(), 10)
+    page.wait_for_timeout(500)  # let a live update that is in flight land before clicking
+    restart.click()
     assert dialogs and "Restart the model container?" in dialogs[0]
     # the page shows the container going through the restart, then ready with a new container
     assert wait_for(lambda: s.container()["container_id"] != before["container_id"], 60)
