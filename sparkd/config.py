@@ -222,6 +222,7 @@ class BudgetSettings(BaseModel):
     gmu_override: float | None = Field(default=None, gt=0, le=1)
     docker_headroom_gib: float = Field(default=5.0, ge=0)
     preflight_margin_gib: float = Field(default=2.0, ge=0)
+    apply_learned_reserve: bool = False  # raise host_reserve_gib to what past launches of this configuration needed
 
 
 class NotifySettings(BaseModel):
@@ -312,6 +313,45 @@ class ClusterSettings(BaseModel):
         return self
 
 
+class ConsumersSettings(BaseModel):
+    """Who holds the memory: the periodic process scan (``sparkd.sense.consumers``) and co-tenant warnings."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = True
+    interval_s: float = Field(default=10.0, ge=1, le=3600)
+    top_n: int = Field(default=10, ge=1, le=100)
+    uss_top: int = Field(default=5, ge=0, le=100)
+    cotenant_limit: str | None = None  # a size ("12GiB"); unset: what the plan leaves the host minus the margin
+    cotenant_margin_gib: float = Field(default=8.0, ge=0)
+    cotenant_repeat_s: float = Field(default=600.0, ge=10)
+    history: int = Field(default=30, ge=2, le=720)  # scans kept in memory for the "before the fall" scan
+
+    @field_validator("cotenant_limit")
+    @classmethod
+    def _limit(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+
+class ReliefSettings(BaseModel):
+    """Relief before stopping: drop clean page cache once while a MemFree rule counts (CONTEXT.md "Relief")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = False
+    min_reclaimable: str = "1GiB"
+    min_interval_s: float = Field(default=60.0, ge=1)
+    timeout_s: float = Field(default=10.0, gt=0, le=120)
+
+    @field_validator("min_reclaimable")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -364,6 +404,8 @@ class Settings(BaseSettings):
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    consumers: ConsumersSettings = Field(default_factory=ConsumersSettings)
+    relief: ReliefSettings = Field(default_factory=ReliefSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
@@ -600,7 +642,10 @@ FIELD_DOCS: dict[str, str] = {
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
     "budget.docker_headroom_gib": "Docker --memory = budget + this (notes: 5).",
-    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this.",
+    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this (or by the "
+    "start-up overshoot learned from past launches of the same configuration); also the learned reserve's margin.",
+    "budget.apply_learned_reserve": "Raise host_reserve_gib to the reserve learned from past launches of the same "
+    "configuration (their start-up troughs); shown with its evidence in `sparkd plan`.",
     "notify.kinds": "Event kinds that are sent out.",
     "notify.command": "argv run for each event (no shell); fields in SPARKD_EVENT_* variables.",
     "notify.webhook_url": "URL that receives a JSON POST for each event.",
@@ -620,6 +665,20 @@ FIELD_DOCS: dict[str, str] = {
     "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
     "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
     "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
+    "consumers.enabled": "Scan processes for who holds the memory (container, host co-tenants, system services).",
+    "consumers.interval_s": "Seconds between process scans (and one at every trip); in a worker thread.",
+    "consumers.top_n": "Processes and command names kept per scan.",
+    "consumers.uss_top": "How many of the top processes also get USS (smaps_rollup; costs a page-table walk).",
+    "consumers.cotenant_limit": "Warn when host co-tenants hold more RSS than this; unset: MemTotal minus the "
+    "plan's budget (or budget.host_reserve_gib without a plan) minus cotenant_margin_gib.",
+    "consumers.cotenant_margin_gib": "Left for the kernel, page cache and the stop lines when the limit is derived.",
+    "consumers.cotenant_repeat_s": "A co-tenant warning repeats at most this often while it lasts.",
+    "relief.enabled": "Drop clean page cache once (root) while a MemFree-based rule counts, before it stops; "
+    "never for MemAvailable-only rules. Off by default, as in the field.",
+    "relief.min_reclaimable": "Only when Active(file)+Inactive(file)-Mapped-Dirty-Writeback is at least this.",
+    "relief.min_interval_s": "At most one relief per this many seconds.",
+    "relief.timeout_s": "A drop that takes longer counts as hung: relief is off for the rest of the run.",
+    "consumers.history": "Scans kept in memory; a trip's fall shares compare with the one of highest MemAvailable.",
 }
 
 

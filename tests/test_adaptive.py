@@ -114,11 +114,12 @@ def test_fast_reason_a_predictive_rules_floor_counts(tmp_path: Path) -> None:
     g = _guard(tmp_path, rules=[rule])
     assert g.fast_reason(_steady(g, 5.0)) is None
     assert g.fast_reason(_steady(g, 4.5)) == "usable within 1GiB of collapse's floor"
-    # a '<' size gate is a floor as well: below it, sampling is always fast
+    # a '<' size gate is where the projection starts (not a stop line): near or below it, sampling is fast
     g = _guard(tmp_path, rules=[{**rule, "when": ["MemAvailable < 16GiB"]}])
     assert g.fast_reason(_steady(g, 17.5)) is None
-    assert g.fast_reason(_steady(g, 16.5)) == "mem_available within 1GiB of collapse's floor"
-    assert g.fast_reason(_steady(g, 10.0)) == "mem_available within 1GiB of collapse's floor"
+    watch = "mem_available near or below collapse's watch level 16.00 GiB (projecting; not a stop line)"
+    assert g.fast_reason(_steady(g, 16.5)) == watch
+    assert g.fast_reason(_steady(g, 10.0)) == watch
 
 
 def test_fast_reason_falling_faster_than_the_rate_means_fast(tmp_path: Path) -> None:

@@ -377,7 +377,9 @@ def test_the_dashboard_budget_bar_shows_the_linear_attention_state(tmp_path: Pat
 
     d = _ckpt(tmp_path, QWEN3_NEXT_80B, 40)
     p = _json(tmp_path, "--model-dir", d, "--max-model-len", "262144", "--max-num-seqs", "8")
-    figures = PlanFigures.model_validate({k: v for k, v in p.items() if k != "checkpoint"})  # the CLI adds "checkpoint"
+    figures = PlanFigures.model_validate(
+        {k: v for k, v in p.items() if k not in ("checkpoint", "learned")}  # the CLI adds these two
+    )
     bar = budget_from_status(SimpleNamespace(plan=figures, sample=None))  # type: ignore[arg-type]
     assert bar is not None
     seg = {s["key"]: s["gib"] for s in bar["segments"]}

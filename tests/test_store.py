@@ -18,7 +18,7 @@ def _row(ts: float, avail: int) -> dict:
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0002"
+    assert s.current_revision() == "0003"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:

@@ -90,6 +90,10 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
             f"page cache:   {fmt_gib(last.cached)}   anon: {fmt_gib(last.anon_pages)}   slab: {fmt_gib(last.slab)}",
             f"driver (est): {fmt_gib(last.driver_bytes)}   NVRM errors in window: {last.nvrm_recent}",
         ]
+    watch = getattr(d, "consumers", None) if d else None
+    line = watch.summary_line() if watch is not None else None
+    if line:
+        lines.append(f"consumers:    {line}")
     if sup.plan_json:
         p = sup.plan_json
         lines.append(
@@ -99,7 +103,8 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
     lines += [
         "",
         "files: container.log (since launch), sparkd.log, samples.csv (window before the trip, bytes),",
-        "       kernel.log (NVRM/OOM lines since launch), inspect.json, config.json, plan.json, events.json",
+        "       kernel.log (NVRM/OOM lines since launch), inspect.json, config.json, plan.json, events.json,",
+        "       consumers.json (who held the memory: the last process scans, the trip's fall shares)",
     ]
     return "\n".join(lines) + "\n"
 
@@ -176,6 +181,18 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
         "plan.json": json.dumps(sup.plan_json, indent=2),
         "events.json": part("events.json", events, lambda v: json.dumps(list(reversed(v)), indent=2, default=str)),
     }
+    watch = getattr(d, "consumers", None)
+    if watch is not None:  # who holds the memory: the last scan, the trip's shares, the kept history
+        try:
+            pm = watch.postmortem()
+            why = None if pm is not None else "no process scan finished before the stop"
+        except Exception as e:
+            pm, why = None, f"reading the process scans failed: {e}"
+        if why is None:
+            parts["consumers.json"] = json.dumps(pm, indent=2)
+        else:
+            parts["consumers.json"] = archive.Missing(why)
+            missing["consumers.json"] = why
     summary = _summary(sup, rep, cid, inspect or {})
     if missing:
         summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(

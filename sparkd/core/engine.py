@@ -44,12 +44,13 @@ from sparkd.core.sample import Sample
 @dataclass(frozen=True, slots=True)
 class EngineChange:
     """Something the daemon tells the engine between samples, at ``ts`` (UTC epoch s): a measured
-    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``) or a
-    restart (``reset``). The daemon records each as an event; ``engine_changes`` reads them
-    back so a replay of stored samples applies them where the guard did."""
+    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``), a relief
+    that raised MemFree (``relief``, ``rule``: its counter starts again) or a restart (``reset``).
+    The daemon records each as an event; ``engine_changes`` reads them back so a replay of stored
+    samples applies them where the guard did."""
 
     ts: float
-    kind: Literal["stop_duration", "demote", "reset"]
+    kind: Literal["stop_duration", "demote", "relief", "reset"]
     seconds: float | None = None
     rule: str | None = None
     reason: str | None = None
@@ -59,7 +60,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
     """``EngineChange``s, oldest first, from stored events (``ts``, ``kind``, ``details``) and the
     start times of daemon runs (UTC epoch s, taken before a run's first sample): a run start →
     reset, ``stopped``/``killed`` with ``durations_s.stop`` → a measured stop, ``watermark``
-    with ``action = "demoted to warn"`` → a demotion."""
+    with ``action = "demoted to warn"`` → a demotion, ``relief`` with ``counters_reset`` → one
+    ``relief`` change per rule it names."""
     out = [EngineChange(float(t), "reset") for t in run_starts]
     for e in events:
         d = e.get("details") or {}
@@ -70,6 +72,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
                 out.append(EngineChange(float(e["ts"]), "stop_duration", seconds=float(took)))
         elif kind == "watermark" and d.get("action") == "demoted to warn" and d.get("rule"):
             out.append(EngineChange(float(e["ts"]), "demote", rule=str(d["rule"]), reason=str(e.get("message"))))
+        elif kind == "relief" and d.get("counters_reset"):
+            out += [EngineChange(float(e["ts"]), "relief", rule=str(r)) for r in d.get("rules") or []]
     return sorted(out, key=lambda c: c.ts)
 
 
@@ -200,8 +204,17 @@ class RuleEngine:
             self.note_stop_duration(change.seconds)
         elif change.kind == "demote" and change.rule is not None:
             self.demote(change.rule, change.reason or "demoted")
+        elif change.kind == "relief" and change.rule is not None:
+            self.relieved(change.rule)
         elif change.kind == "reset":
             self.reset()
+
+    def relieved(self, rule_name: str) -> None:
+        """Relief before stopping raised MemFree (``loop.relief``): ``rule_name``'s counter starts again
+        (CONTEXT.md "Relief"). Unknown names are ignored."""
+        st = self.states.get(rule_name)
+        if st is not None:
+            st.counter, st.started_mono = 0, None
 
     def demote(self, rule_name: str, reason: str) -> None:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""

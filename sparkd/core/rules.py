@@ -189,9 +189,23 @@ class Rule:
             "window_s": self.window_s,
         }
 
+    def _size_limits(self) -> list[tuple[str, float]]:
+        return [(c.attr, c.threshold) for c in self.when if c.is_size and c.op in ("<", "<=")]
+
+    def watch_levels(self) -> list[tuple[str, float]]:
+        """A predictive rule's size gates (where it starts projecting; e.g. usable < 16 GiB), else none.
+
+        Below one the guard samples fast, so the projection has points to fit; it is no stop line.
+        """
+        return self._size_limits() if self.kind == "predictive" else []
+
     def floors(self) -> list[tuple[str, float]]:
-        """The size thresholds of ``<``/``<=`` conditions (what "near a floor" means)."""
-        out = [(c.attr, c.threshold) for c in self.when if c.is_size and c.op in ("<", "<=")]
+        """The size thresholds of ``<``/``<=`` conditions (what "near a floor" means).
+
+        A predictive rule's ``when`` is only where it starts watching (the arming gate, e.g. 16 GiB):
+        its floor is ``floor_bytes`` alone; the gate is never a stop line.
+        """
+        out = [] if self.kind == "predictive" else self._size_limits()
         if self.floor_bytes is not None:
             out.append(("mem_available_minus_cma", float(self.floor_bytes)))
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -24,7 +25,7 @@ from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.errors import SparkdError, StoreError
 from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import Store
-from sparkd.units import fmt_gib, parse_duration_s
+from sparkd.units import GiB, fmt_gib, parse_duration_s
 
 STALE_S = 10.0
 
@@ -175,6 +176,10 @@ def _echo_snapshot(st: Status) -> None:
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
+    if st.consumers is not None:
+        cs = st.consumers
+        over = f" — {fmt_gib(cs.cotenant_excess_bytes)} over the co-tenant limit" if cs.cotenant_excess_bytes else ""
+        click.echo(f"who holds the memory ({_ts(cs.at)} UTC): {cs.text}{over}")
 
 
 @main.command()
@@ -215,6 +220,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
         "gpu": snap.get("gpu"),
+        "consumers": snap.get("consumers"),
         "events": events,
         "db_path": str(settings.db_file),
     }
@@ -680,9 +686,20 @@ def plan(
     sources = setting_sources(settings.budget, flags=changes)
     mem_src = "flag" if mem_total_gib is not None else "measured"
     p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
+    learned = _learned_reserve(settings.model_copy(update={"budget": b, "container": c}), mem_total, p)
+    if (
+        learned is not None
+        and b.apply_learned_reserve
+        and (learned.recommended_reserve_bytes or 0) > int(b.host_reserve_gib * GiB)
+    ):  # the learned reserve, applied: the plan is made again with it (its evidence is printed below)
+        b = b.model_copy(update={"host_reserve_gib": learned.recommended_reserve_bytes / GiB})
+        sources = {**sources, "host_reserve_gib": "measured"}  # from the launch records
+        p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
+        learned = dataclasses.replace(learned, applied=True)
     if as_json:
         out = p.to_json()
         out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
+        out["learned"] = learned.to_json() if learned is not None else None
         click.echo(json.dumps(out, indent=2))
     else:
         from sparkd.loop.launch import launch_spec
@@ -696,6 +713,28 @@ def plan(
         click.echo(render_plan_table(p, command=spec.docker_run_command()))
         if check is not None:
             click.echo(check.describe())
+        if learned is not None:
+            click.echo("\n".join(learned.lines()))
+
+
+def _learned_reserve(settings: Settings, mem_total: int, p: Any) -> Any:
+    """``loop.launch.learned_reserve`` over the daemon's stored launch records; None without a database."""
+    from sparkd.loop.launch import learned_reserve
+
+    if not settings.db_file.exists():
+        return None
+    store = _store(settings)
+    try:
+        launches = store.launches(limit=500)
+    finally:
+        store.close()
+    return learned_reserve(
+        settings,
+        launches,
+        mem_total_bytes=mem_total,
+        budget_bytes=int(p.budget_gib * GiB),
+        image=settings.container.image,
+    )
 
 
 def _cluster_status(settings: Any, as_json: bool) -> None:

@@ -116,6 +116,20 @@ class SparkdCollector(Collector):
                 g = GaugeMetricFamily(f"sparkd_pressure_memory_{p}", f"/proc/pressure/memory {p} (percent)")
                 g.add_metric([], float(v))
                 yield g
+        if st.consumers is not None:  # per-group totals only: process names stay out of the label space
+            g = GaugeMetricFamily(
+                "sparkd_memory_group_rss_bytes",
+                "RSS of the processes of one group at the last process scan (container, host co-tenants, system)",
+                labels=["group"],
+            )
+            for group, total in sorted(st.consumers.totals_bytes.items()):
+                g.add_metric([group], float(total))
+            yield g
+            g = GaugeMetricFamily(
+                "sparkd_cotenant_limit_bytes", "Host co-tenant RSS above which sparkd warns (consumers.cotenant_limit)"
+            )
+            g.add_metric([], float(st.consumers.cotenant_limit_bytes))
+            yield g
 
     @staticmethod
     def _rules(st: Status) -> Iterator[Metric]:

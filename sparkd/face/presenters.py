@@ -129,6 +129,7 @@ def summary_from_status(status: Status) -> dict[str, Any]:
         "nvrm_recent": s.nvrm_recent if s else None,
         "kernel_log": status.kernel_log.model_dump(),
         "writer": status.writer.model_dump(),
+        "consumers": status.consumers.model_dump() if status.consumers else None,
     }
 
 

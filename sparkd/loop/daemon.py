@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
+from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.httpserver import (
     ACCEPT_BACKLOG,
@@ -47,8 +49,10 @@ from sparkd.loop.httpserver import (
     raise_nofile,
 )
 from sparkd.loop.reads import Reads
+from sparkd.loop.relief import ReliefRunner
 from sparkd.loop.status import (
     BlindStatus,
+    ConsumersStatus,
     ContainerStatus,
     DatabaseStatus,
     EventRow,
@@ -58,6 +62,7 @@ from sparkd.loop.status import (
     LeakStatus,
     NearestStopStatus,
     NotifyStatus,
+    ReliefStatus,
     ResizeResult,
     RuleStatus,
     SampleRow,
@@ -69,7 +74,7 @@ from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
 from sparkd.store.keeper import DbKeeper
 from sparkd.store.store import Store, Writer
-from sparkd.units import fmt_gib, parse_size
+from sparkd.units import GiB, fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
 
@@ -222,6 +227,14 @@ class Daemon:
         self.gpu: list[dict[str, Any]] = []
         self._cooldown_logged: dict[str, float] = {}
         self._lock_fd: int | None = None
+        self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
+        self.relief = ReliefRunner(
+            settings.relief,
+            proc_root=settings.proc_root,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            relieved=self._relieved,
+            mono=mono,
+        )
         self._blind_key: tuple[tuple[str, str], ...] | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -363,6 +376,43 @@ class Daemon:
             gpu=[GpuStatus.model_validate(x) for x in self.gpu],
             events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
             plan=container.plan,
+            consumers=ConsumersStatus.model_validate(cs) if (cs := self._consumers_status()) else None,
+            relief=ReliefStatus.model_validate(self.relief.status()),
+        )
+
+    def _relieved(self, rule: str) -> None:
+        if self.guard is not None:
+            self.guard.engine.relieved(rule)
+
+    def _consumers_status(self) -> dict[str, Any] | None:
+        return self.consumers.status() if self.consumers else None
+
+    def _make_consumer_watch(self) -> ConsumerWatch:
+        """The process scan, fed with the supervisor's container id, the guard's MemAvailable and the plan."""
+        s = self.settings
+
+        def container_ids() -> list[str]:
+            cid = self.actions.status_json().container_id
+            return [cid] if cid else []
+
+        def mem_available() -> int | None:
+            last = self.guard.last if self.guard else None
+            return last.mem_available if last else None
+
+        def plan_left() -> int | None:
+            plan = self.actions.status_json().plan
+            if plan is None:
+                return None
+            return int((plan.mem_total_gib - plan.budget_gib) * GiB)
+
+        return ConsumerWatch(
+            s.consumers,
+            host_reserve_bytes=int(s.budget.host_reserve_gib * GiB),
+            container_ids=container_ids,
+            mem_available=mem_available,
+            plan_left_bytes=plan_left,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            submit=self.writer.submit if self.writer else None,
         )
 
     def nearest_stop(self) -> NearestStopStatus | None:
@@ -486,6 +536,8 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
         self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
+        if s.consumers.enabled:
+            self.consumers = self._make_consumer_watch()
         loop = asyncio.get_running_loop()
         self.event_notifier = Notifier(
             s.notify,
@@ -515,6 +567,8 @@ class Daemon:
                     severity="critical",
                 )
         await self.actions.start(self)
+        if self.consumers is not None:  # after the supervisor has attached: the first scan knows the container
+            self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
@@ -660,6 +714,8 @@ class Daemon:
         for d in result.decisions:
             await self._decide(d, sample)
         self._check_blind()
+        if self.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
+            self.relief.consider(self.guard.rules, self.guard.states)
         now = self.mono()
         for start, count in self.guard.nvrm.closed_windows(self.guard.mono()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
@@ -708,6 +764,9 @@ class Daemon:
                     details={"rule": d.rule},
                 )
             return
+        shares = await self.consumers.at_trip() if self.consumers else None
+        if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
+            d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
         self.event(
             "trip",
             d.reason,
@@ -718,6 +777,7 @@ class Daemon:
                 "count": d.counter,
                 "sample_ts": sample.ts if sample is not None else None,
                 **_jsonable(d.values),
+                **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
             },
         )
         if d.action != "stop":
@@ -1002,6 +1062,8 @@ class Daemon:
             self.writer.submit("status", self.status_json().model_dump(mode="json"))
         if self.event_notifier is not None:
             await asyncio.to_thread(self.event_notifier.close, 5.0)
+        if self.relief.task is not None:
+            self.relief.task.cancel()
         for t in self._tasks:
             if t.get_name() != "sparkd-api":
                 t.cancel()

@@ -20,7 +20,7 @@ from sparkd.core.rules import Decision, Rule, RuleState, SlopeWindow
 from sparkd.core.sample import Sample, build_sample
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, NvrmWindows, classify
-from sparkd.units import parse_size
+from sparkd.units import fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.guard")
 
@@ -232,6 +232,11 @@ class Guard:
                 if v is not None and v - floor < margin:
                     name = "usable" if attr == "mem_available_minus_cma" else attr
                     return f"{name} within {self.settings.fast_margin} of {r.name}'s floor"
+            for attr, level in r.watch_levels():
+                v = getattr(sample, attr)
+                if v is not None and v - level < margin:
+                    name = "usable" if attr == "mem_available_minus_cma" else attr
+                    return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
         s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)

@@ -8,6 +8,7 @@ itself: a launch ends in ``_launched`` (the supervisor's LAUNCHED transition).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -15,12 +16,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
 from sparkd.errors import Refused, SparkdError
-from sparkd.loop.launch import launch_spec, plan_for
+from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
 from sparkd.loop.status import diff_figures
 from sparkd.ops.preflight import run_preflight
+from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, read_vllm_metrics
 from sparkd.sense.vllm_log import LaunchLogParser
@@ -66,6 +69,7 @@ class LaunchBook:
     _oom_record: KernRecord | None
     _figures_saved: set[str]
     _obs_lock: asyncio.Lock
+    _launch_actual: dict[str, Any]  # what this launch measured, kept in the record beside vLLM's figures
 
     def _event(self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
         raise NotImplementedError
@@ -135,6 +139,13 @@ class LaunchBook:
         assert d is not None
         s = self.settings.model_copy(update={"budget": self.budget})
         plan = plan_for(s, self._mem_total(), base=self.settings.budget)
+        learned = await self._learned(s, plan)  # the learned start-up overshoot (preflight) and reserve
+        if learned is not None and learned.applied and learned.recommended_reserve_bytes is not None:
+            # budget.apply_learned_reserve: the plan with the learned reserve
+            reserve_gib = learned.recommended_reserve_bytes / GiB
+            s = s.model_copy(update={"budget": s.budget.model_copy(update={"host_reserve_gib": reserve_gib})})
+            plan = plan_for(s, self._mem_total(), base=self.settings.budget)
+            self._event("learned_reserve_applied", " ".join(learned.lines()), details=learned.to_json())
         spec = launch_spec(s, plan)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
@@ -147,6 +158,7 @@ class LaunchBook:
             shm_dir=s.shm_dir,
             ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
             model_dir=s.container.model_dir,
+            learned_overshoot_bytes=learned.learned.overshoot_bytes if learned and learned.learned else None,
         )
         if not pf.ok and not force:
             self._event(
@@ -156,6 +168,11 @@ class LaunchBook:
         for old in managed:  # a stopped container of ours with the same name blocks the new one
             if old.name == spec.name and old.status != "running":
                 await asyncio.to_thread(self.manager.remove, old.id)
+        evicted = await self._evict_checkpoint(s.container.model_dir)
+        try:  # the start-up overshoot is learned against this (core.learned)
+            avail_at_launch = procfs.read_meminfo(s.proc_root).fields.get("MemAvailable")
+        except OSError:
+            avail_at_launch = None
         launch_id = uuid.uuid4().hex[:12]
         self.launch_id, self.plan_json = launch_id, plan.to_json() if plan else None
         self.launch_started_at, self.ready_at, self.trough_bytes = time.time(), None, None
@@ -166,6 +183,13 @@ class LaunchBook:
             self.image, self.name, self.container_started_at = info.image, info.name, info.started_at
             self.mem_limit_bytes = spec.mem_limit_bytes
             self._figures_saved = set()
+            self._launch_actual = {
+                "preflight": pf.to_json(),
+                "args": spec.command,
+                "mem_available_at_launch_bytes": avail_at_launch,
+                "config_key": launch_config_key(s, spec.image),
+                **({"checkpoint_evicted": evicted} if evicted is not None else {}),
+            }
             self._save_launch(
                 status="starting",
                 started_at=self.launch_started_at,
@@ -174,7 +198,7 @@ class LaunchBook:
                 revision=self.revision,
                 plan=self.plan_json,
                 forced=bool(force and not pf.ok),
-                actual={"preflight": pf.to_json(), "args": spec.command},
+                actual={},
             )
             await self._launched(source, info.started_at)
         self._event(
@@ -194,6 +218,53 @@ class LaunchBook:
         )
         self._follow_logs()
         return launch_id
+
+    async def _learned(self, s: Settings, plan: Any) -> LearnedReserve | None:
+        """The start-up overshoot learned from stored launches of this configuration; with
+        ``budget.apply_learned_reserve`` and a larger recommended reserve, ``applied``. None without a
+        store, a plan or a readable launch history."""
+        d = self.daemon
+        if d is None or d.store is None or plan is None:
+            return None
+        try:
+            launches = await asyncio.to_thread(d.store.launches, limit=500)
+        except Exception as e:
+            log.warning("launch history unreadable (ignoring the learned overshoot): %s", e)
+            return None
+        lr = learned_reserve(
+            s,
+            launches,
+            mem_total_bytes=self._mem_total(),
+            budget_bytes=int(plan.budget_gib * GiB),
+            image=s.container.image,
+        )
+        rec = lr.recommended_reserve_bytes
+        if s.budget.apply_learned_reserve and rec is not None and rec > lr.host_reserve_bytes:
+            return dataclasses.replace(lr, applied=True)
+        return lr
+
+    async def _evict_checkpoint(self, model_dir: str | None) -> dict[str, Any] | None:
+        """Evict the checkpoint's files from the page cache before a launch (CONTEXT.md "Who holds the memory":
+        a freshly written checkpoint's page cache caused an out-of-memory in the middle of weight loading).
+
+        ``posix_fadvise(DONTNEED)`` per file (``act.pagecache.evict``; no root needed). Returns the report
+        (bytes cached before/after, evicted) for the launch record, or None without a model directory.
+        Never raises: a failure is an event and the launch goes on."""
+        if not model_dir:
+            return None
+        try:
+            rep = await asyncio.to_thread(evict, model_dir)
+        except OSError as e:
+            self._event("checkpoint_evict_failed", f"evicting {model_dir} from the page cache failed: {e}")
+            return {"error": str(e)}
+        out = rep.to_json()
+        self._event(
+            "checkpoint_evicted",
+            f"evicted {fmt_gib(rep.evicted_bytes)} of {model_dir} from the page cache before launch "
+            f"({fmt_gib(rep.cached_after_bytes)} of {fmt_gib(rep.total_bytes)} still cached, {rep.files} files)",
+            details={"model_dir": model_dir, **out},
+        )
+        return out
 
     async def _launch_and_wait(self, source: str) -> tuple[bool, str | None]:
         try:
@@ -291,7 +362,8 @@ class LaunchBook:
             return
         row: dict[str, Any] = {"id": self.launch_id, **cols}
         if actual_figures is not None or "actual" in cols:
-            base = dict(cols.get("actual") or {})
+            # what the launch recorded (preflight, args, MemAvailable at launch, eviction) stays beside vLLM's figures
+            base = {**self._launch_actual, **(cols.get("actual") or {})}
             base.update(self.parser.record.to_json() if self.parser else {})
             row["actual"] = base
         if "started_at" not in row:

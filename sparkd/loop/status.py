@@ -364,6 +364,56 @@ class EventRow(_Model):
     launch_id: str | None = None
 
 
+class ConsumerProcess(_Model):
+    """One of the top processes of a scan (``sparkd.core.consumers.ProcessMem``)."""
+
+    pid: int
+    name: str
+    group: Literal["container", "host", "system"]
+    rss_bytes: int
+    uss_bytes: int | None
+
+
+class ConsumerName(_Model):
+    """Processes of one command name in one group."""
+
+    name: str
+    group: Literal["container", "host", "system"]
+    count: int
+    rss_bytes: int
+
+
+class ConsumersStatus(_Model):
+    """Who holds the memory (``sparkd.loop.consumers.ConsumerWatch.status()``): the last process scan.
+
+    ``totals_bytes``: RSS per group (container, host, system); ``text``: the one-line summary;
+    ``cotenant_limit_bytes``/``cotenant_excess_bytes``: the co-tenant warning's limit and how far
+    host co-tenants are over it; ``last_trip``: the last trip's "who grew" sentence.
+    """
+
+    at: float
+    text: str
+    totals_bytes: dict[str, int]
+    top: list[ConsumerProcess]
+    by_name: list[ConsumerName]
+    scanned: int
+    cpu_s: float
+    scans: int
+    cotenant_limit_bytes: int
+    cotenant_excess_bytes: int
+    last_trip: str | None
+
+
+class ReliefStatus(_Model):
+    """Relief before stopping (``sparkd.loop.relief.ReliefRunner.status()``): ``disabled_reason`` set once a
+    drop failed or hung (off for the rest of the run); ``reliefs``: drops done."""
+
+    enabled: bool
+    disabled_reason: str | None
+    reliefs: int
+    running: bool
+
+
 class Status(_Model):
     """``GET /api/status`` and ``Daemon.status_json()``: everything the daemon knows now.
 
@@ -398,6 +448,8 @@ class Status(_Model):
     gpu: list[GpuStatus]
     events: list[EventRow]
     plan: PlanFigures | None
+    consumers: ConsumersStatus | None = None
+    relief: ReliefStatus | None = None
 
 
 # --------------------------------------------------------------------------- resize

@@ -117,6 +117,7 @@ class Supervisor(RunBook):
         self._last_nvml_check = 0.0
         self._last_probe = 0.0
         self._figures_saved: set[str] = set()
+        self._launch_actual: dict[str, Any] = {}
         self.shm_witness: ShmWitness | None = None
         self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None

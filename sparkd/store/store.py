@@ -34,6 +34,7 @@ from sparkd.store.schema import (
     AGGREGATE_FIELDS,
     SAMPLE_COLUMNS,
     ConfigRevision,
+    ConsumerScan,
     DaemonRun,
     Event,
     GpuSample,
@@ -128,16 +129,19 @@ class Store:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
         ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
-        ``run_end`` (dict).
+        ``run_end`` (dict), ``gpu`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data).
         """
         samples = [p for k, p in items if k == "sample"]
         events = [p for k, p in items if k == "event"]
         gpu = [p for k, p in items if k == "gpu"]
+        scans = [p for k, p in items if k == "consumers"]
         with self.engine.begin() as conn:
             if samples:
                 conn.execute(insert(SampleRow), samples)
             if gpu:
                 conn.execute(insert(GpuSample), gpu)
+            if scans:
+                conn.execute(insert(ConsumerScan), scans)
             if events:
                 conn.execute(insert(Event), events)
             for kind, p in items:
@@ -332,6 +336,13 @@ class Store:
         with Session(self.engine) as conn:
             return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
 
+    def consumer_scans(self, *, since: float, limit: int = 1000) -> list[dict[str, Any]]:
+        """Process scans since ``since`` (UTC epoch s), oldest first: ts, group totals (bytes), data."""
+        q = select(ConsumerScan).where(ConsumerScan.ts >= since).order_by(ConsumerScan.ts).limit(limit)
+        cols = ("ts", "container_bytes", "host_bytes", "system_bytes", "data")
+        with Session(self.engine) as conn:
+            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+
     def runs(self, *, limit: int = 20) -> list[dict[str, Any]]:
         q = select(DaemonRun).order_by(DaemonRun.id.desc()).limit(limit)
         with Session(self.engine) as conn:
@@ -437,6 +448,9 @@ class Store:
             )
             removed["gpu_samples"] = (
                 conn.execute(delete(GpuSample).where(GpuSample.ts < now - raw_keep_s)).rowcount or 0
+            )
+            removed["consumer_scans"] = (
+                conn.execute(delete(ConsumerScan).where(ConsumerScan.ts < now - raw_keep_s)).rowcount or 0
             )
             removed["nvrm_windows"] = (
                 conn.execute(delete(NvrmWindow).where(NvrmWindow.window_start < now - minutes_keep_s)).rowcount or 0

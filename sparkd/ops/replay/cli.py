@@ -87,7 +87,7 @@ def db_engine_changes(store: Any, trace: Trace) -> list[EngineChange]:
     first = trace.samples[0].ts
     starts = sorted(float(r["started_at"]) for r in store.runs(limit=10_000))
     since = max((t for t in starts if t <= first), default=first)
-    events = store.events(since=since, kinds=["stopped", "killed", "watermark"], limit=100_000)
+    events = store.events(since=since, kinds=["stopped", "killed", "watermark", "relief"], limit=100_000)
     return engine_changes(events, [t for t in starts if t >= since])
 
 
