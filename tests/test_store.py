@@ -129,3 +129,38 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
     assert store.count_samples() == 20
     msgs = [r.getMessage() for r in caplog.records if "database write failed" in r.getMessage()]
     assert len(msgs) == 1 and "INSERT" not in msgs[0] and "locked" in msgs[0]
+
+
+def test_a_batch_in_flight_when_shutdown_cancels_the_writer_is_written_once() -> None:
+    """Shutdown cancels ``Writer.run`` while its worker thread writes; ``flush`` then waits for that
+    write and neither loses nor repeats the batch (seen as a lost last status snapshot)."""
+    import asyncio
+    import threading
+
+    from sparkd.store.store import Writer
+
+    class SlowStore:  # the edge: a database whose write takes a while
+        def __init__(self) -> None:
+            self.rows: list[tuple[str, object]] = []
+            self.started = threading.Event()
+
+        def write_batch(self, batch: list[tuple[str, object]]) -> None:
+            self.started.set()
+            time.sleep(0.3)
+            self.rows.extend(batch)
+
+    async def go() -> SlowStore:
+        store = SlowStore()
+        w = Writer(store)  # type: ignore[arg-type]
+        task = asyncio.create_task(w.run())
+        for i in range(3):
+            w.submit("event", i)
+        await asyncio.to_thread(store.started.wait, 5)
+        w.submit("event", 3)  # queued behind the batch in flight
+        task.cancel()  # shutdown
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(w.flush)
+        return store
+
+    store = asyncio.run(go())
+    assert [p for _, p in store.rows] == [0, 1, 2, 3]

@@ -15,7 +15,14 @@ from starlette.middleware.gzip import GZipMiddleware
 
 from sparkd import __version__
 from sparkd.face.alertmanager import install_alertmanager
-from sparkd.face.api import install_control_routes, install_read_routes, make_control, make_resize, require_auth
+from sparkd.face.api import (
+    install_control_routes,
+    install_read_routes,
+    install_supervision_routes,
+    make_control,
+    make_resize,
+    require_auth,
+)
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
 from sparkd.face.live import install_live
 from sparkd.face.pages import install_pages
@@ -63,6 +70,7 @@ def create_app(daemon: DaemonView) -> FastAPI:
     app.state.control, app.state.resize = control, resize
     install_read_routes(app, daemon)
     install_control_routes(app, control, resize)
+    install_supervision_routes(app, daemon)
     install_alertmanager(app, daemon)
     if daemon.cluster is not None:
         from sparkd.face.peer import install_peer

@@ -523,6 +523,51 @@ def restart(ctx: click.Context, as_json: bool) -> None:
     _control(ctx, "restart", as_json)
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def rearm(ctx: click.Context, as_json: bool) -> None:
+    """Re-arm the circuit breaker (recorded with who and when); relaunches after an emergency stop."""
+    out = _api(_settings(ctx), "POST", "/api/breaker/rearm")
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    click.echo(
+        f"breaker re-armed by {out['rearmed_by']}" + (f"; launched {out['launch_id']}" if out.get("launch_id") else "")
+    )
+
+
+@main.group("maintenance")
+def maintenance_group() -> None:
+    """Planned drain-and-relaunch."""
+
+
+@maintenance_group.command("run")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def maintenance_run(ctx: click.Context, as_json: bool) -> None:
+    """Drain (vllm:num_requests_running = 0, at most supervision.drain_limit_s), stop, start the same plan,
+    smoke test; release the maintenance intent on pass, alert and hold on fail (exit 1)."""
+    settings = _settings(ctx)
+    c, u = settings.container, settings.supervision
+    out = _api(
+        settings,
+        "POST",
+        "/api/maintenance/run",
+        timeout_s=u.drain_limit_s + c.stop_timeout_s + c.startup_timeout_s + u.probe_timeout_s + 60,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        d = out["drain"]
+        click.echo(f"drain: {'drained' if d['drained'] else 'limit reached'} after {d['waited_s']:.1f} s")
+        click.echo(f"relaunched: {out['relaunched']} (launch {out.get('launch_id')})")
+        for name, check in out["smoke"]["checks"].items():
+            click.echo(f"  {name}: {'ok' if check.get('ok') else 'FAILED'} {check.get('error') or ''}".rstrip())
+        click.echo("released: maintenance intent cleared" if out["released"] else "HOLD: maintenance intent kept")
+    sys.exit(0 if out["released"] else 1)
+
+
 _RESIZE_OPTS = [
     ("--kv-target-gib", "kv_target_gib", float),
     ("--max-model-len", "max_model_len", int),

@@ -190,7 +190,12 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "memory_gib": gib(c.memory_bytes),
         # the supervisor's action in progress ("starting", "stopping", …); ``busy`` alone is only a flag
         "busy": c.action or ("busy" if c.busy else None),
-        "level": level,
+        "intent": c.supervision.intent.intent if c.supervision and c.supervision.intent else None,
+        "intent_who": c.supervision.intent.who if c.supervision and c.supervision.intent else None,
+        "breaker_open": bool(c.supervision and c.supervision.breaker.open),
+        "breaker_count": c.supervision.breaker.count if c.supervision else None,
+        "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,
+        "level": "critical" if c.supervision and c.supervision.breaker.open else level,
         "raw": c.model_dump(mode="json"),
     }
 
@@ -271,6 +276,7 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         "start_why": None if can and not running else (why or f"already running ({state})"),
         "stop_why": None if can and running else (why or f"not running ({state or 'none'})"),
         "last_ready_s": _ready_s(c),
+        "rearm": can and bool(((c.get("supervision") or {}).get("breaker") or {}).get("open")),
     }
 
 

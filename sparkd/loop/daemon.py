@@ -542,6 +542,7 @@ class Daemon:
         self.event_notifier = Notifier(
             s.notify,
             dispatch=loop.call_soon_threadsafe,
+            collapse_s=s.supervision.alert_collapse_s,
             on_failure=lambda k, m, d: self.event(k, m, severity="warning", details=d),
         )
         self.notify_hooks.append(self.event_notifier.submit)
