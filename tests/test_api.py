@@ -731,10 +731,31 @@ async def test_it_serves_each_part_with_a_json_twin(managed: Daemon, part: str) 
         html = await c.get(f"/ui/{part}")
         data = await c.get(f"/ui/{part}.json")
         whole = (await c.get("/dashboard.json")).json()
-    assert html.status_code == 200 and f'id="part-{part}"' in html.text and 'hx-trigger="every' in html.text
+    # no part polls by itself any more: /ui/live.json carries what changed (test_it_sends_only_what_changed)
+    assert html.status_code == 200 and f'id="part-{part}"' in html.text and 'hx-trigger="every' not in html.text
     assert html.text.lstrip().startswith("<section")  # the fragment alone, no page around it
     assert data.status_code == 200 and list(data.json()) == [part]
     assert part in whole
+
+
+async def test_it_sends_only_what_changed(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        first = (await c.get("/ui/live.json", params={"ev": 0})).json()
+        hashes = first["hashes"]
+        assert set(hashes) == {"headline", "stopped", "summary", "rules", "container", "buttons", "budget"}
+        # the headline figures always come; parts only when the page's hash differs from the server's
+        assert first["nearest_stop"] == (await c.get("/api/status")).json()["nearest_stop"]
+        have = ",".join(f"{k}:{v}" for k, v in hashes.items())
+        same = (await c.get("/ui/live.json", params={"have": have})).json()
+        changed = set(same["parts"])
+        assert changed == {k for k, v in same["hashes"].items() if hashes[k] != v}
+        stale = (await c.get("/ui/live.json", params={"have": "rules:stale,container:stale"})).json()
+        assert set(stale["parts"]) == {"rules", "container"}
+        assert 'id="part-rules"' in stale["parts"]["rules"]
+        # events: only those newer than the id the page has
+        newest = first["last_event_id"]
+        assert (await c.get("/ui/live.json", params={"ev": newest})).json().get("event_rows") is None
+        assert first["event_rows"].count("<li") >= 1
 
 
 async def test_it_shows_a_dry_run_plan_with_an_apply_button(managed: Daemon) -> None:

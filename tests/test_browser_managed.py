@@ -5,6 +5,7 @@ another origin cannot stop the container."""
 from __future__ import annotations
 
 import http.server
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +59,11 @@ def test_restart_with_confirmation_and_a_dry_run_resize_in_the_browser(
     _login(page, s)
     state_cell = page.locator("#part-container table.kv tr:nth-child(2) td")
     assert wait_for(lambda: "ready" in state_cell.inner_text(), 10)
-    page.click("form[action='/ui/container/restart'] button")
+    # the controls follow the state: Restart is enabled once the page has seen it ready
+    restart = page.locator("form[action='/ui/container/restart'] button")
+    assert wait_for(lambda: restart.is_enabled(), 10)
+    page.wait_for_timeout(500)  # let a live update that is in flight land before clicking
+    restart.click()
     assert dialogs and "Restart the model container?" in dialogs[0]
     # the page shows the container going through the restart, then ready with a new container
     assert wait_for(lambda: s.container()["container_id"] != before["container_id"], 60)
@@ -109,3 +114,83 @@ def test_a_page_on_another_origin_cannot_stop_the_container(
     finally:
         ctx.close()
         server.shutdown()
+
+
+def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+    image: str,
+    case_labels: dict[str, str],
+    launcher: Any,
+) -> None:
+    from sparkd.sense import procfs
+
+    # a stop line 1.5 GiB below MemAvailable now (the machine is shared: others' tests move it);
+    # the container then takes 1.9 GiB (≤ 2 GiB)
+    threshold = procfs.read_meminfo().fields["MemAvailable"] - 3 * 2**29
+    s = SparkdUnderTest(
+        tmp_path,
+        image,
+        case_labels,
+        budget=BUDGET,
+        container={"memory": None, "env": {"FAKEVLLM_STARTUP_S": "0.5"}},
+        rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}],
+    )
+    s.start()
+    try:
+        c = s.wait_state("ready", 60)
+        ctx = browser.new_context(viewport={"width": 1440, "height": 900})
+        page = ctx.new_page()
+        page.on("dialog", lambda d: d.accept())
+        base = _login(page, s)
+
+        # a resize to the values it runs with: the dry run shows no change and Apply is disabled
+        page.fill("input[name=kv_target_gib]", str(BUDGET["kv_target_gib"]))
+        page.click("#resize-form button[type=submit]")
+        page.locator("#resize-result .resize-result").wait_for(timeout=10000)
+        apply = page.locator("#apply")
+        assert apply.is_disabled() and "equals the running one" in (apply.get_attribute("title") or "")
+        assert "Nothing to apply" in page.inner_text("#apply-why")
+
+        # the guard stops the container on the rule
+        assert page.locator("#part-stopped").is_hidden()
+        s.vllm("POST", "/alloc?mib=1946")
+        stopped = s.wait_event("stopped", 90)
+        assert stopped["details"]["source"] == "rule low_available"
+        card = page.locator("#part-stopped")
+        card.wait_for(state="visible", timeout=10000)
+        text = card.inner_text()
+        assert "stopped by the guard" in text.lower() and "low_available" in text
+        assert "exit code" in text and str(stopped["details"]["exit_code"]) in text
+        assert "MemAvailable at the trip" in text
+        # never a green "ok" while the model stays stopped by the guard
+        assert page.inner_text("#overall") == "stopped by the guard"
+        assert "ok" not in (page.get_attribute("#overall", "class") or "").split()
+        assert "STOPPED" in page.title()
+        assert page.locator("#part-stopped button", has_text="Start again").is_enabled()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "stopped-1440x900.png"), full_page=True)
+
+        # the incident page: summary, chart with the trip mark, timeline, stop steps
+        page.click("#part-stopped a:has-text('Open the incident')")
+        page.wait_for_url(re.compile(r".*/incidents/\d+$"))
+        incident_id = int(page.url.rsplit("/", 1)[1])
+        data = s.api("GET", f"/incidents/{incident_id}.json").json()
+        assert data["rule"] == "low_available" and data["exit_code"] == stopped["details"]["exit_code"]
+        assert wait_for(lambda: page.evaluate("window.sparkdIncident && window.sparkdIncident.points()") > 5, 10)
+        assert "trip" in page.evaluate("window.sparkdIncident.marks()")
+        timeline = page.inner_text("#incident-timeline")
+        assert "trip" in timeline and "stopping" in timeline and "stopped" in timeline
+        steps = page.inner_text("#incident-steps")
+        assert "archive" in steps and "stop" in steps and "total" in steps
+        assert [st["step"] for st in data["steps"]][:2] == ["archive", "stop"]
+        # logged in: the container's last log lines from the bundle
+        assert data["log_tail"] and any("Application startup complete" in ln for ln in data["log_tail"])
+        page.screenshot(path=str(ARTIFACTS / "incident-1440x900.png"), full_page=True)
+        # the events page links the incident too
+        page.goto(f"{base}/events")
+        assert page.locator(f"a[href='/incidents/{incident_id}']").count() >= 1
+        ctx.close()
+        assert data["launch_id"] == c["launch_id"]
+    finally:
+        s.stop()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.gzip import GZipMiddleware
 
 from sparkd import __version__
 from sparkd.face.alertmanager import install_alertmanager
@@ -23,6 +24,8 @@ from sparkd.face.api import (
     require_auth,
 )
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
+from sparkd.face.live import install_live
+from sparkd.face.pages import install_pages
 from sparkd.face.replies import install_error_handlers
 from sparkd.face.web import error_page, install_web
 from sparkd.resources import web_dir
@@ -58,6 +61,9 @@ def create_app(daemon: DaemonView) -> FastAPI:
         allowed_hosts=[*settings.api.allowed_hosts, *settings.cluster.listen],
         max_body_bytes=settings.api.max_body_bytes,
     )
+    # outermost: compresses pages, JSON and static files over 500 bytes (the dashboard's live
+    # updates included); bundles (application/gzip) and event streams are left alone by default
+    app.add_middleware(GZipMiddleware, minimum_size=500)
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     control, resize = make_control(daemon), make_resize(daemon)
@@ -70,5 +76,7 @@ def create_app(daemon: DaemonView) -> FastAPI:
         from sparkd.face.peer import install_peer
 
         install_peer(app, daemon, daemon.cluster)
+    install_live(app, daemon)
+    install_pages(app, daemon)
     install_web(app, daemon, auth)
     return app

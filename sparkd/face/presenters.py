@@ -36,7 +36,17 @@ CHART_SERIES = {
     "slab": "Slab",
 }
 #: Event kinds drawn as vertical markers on the chart.
-MARKER_KINDS = ("trip", "nvrm_no_memory")
+MARKER_KINDS = (
+    "trip",
+    "stopped",
+    "killed",
+    "hard_floor_kill",
+    "launched",
+    "ready",
+    "oom_kill",
+    "resize",
+    "nvrm_no_memory",
+)
 #: Memory rows of the summary card: sample column → label.
 MEMORY_ROWS = {
     "mem_total": "MemTotal",
@@ -95,22 +105,11 @@ def _floors(status: Status, attr: str, action: RuleAction = "stop") -> list[floa
 
 
 def summary_from_status(status: Status) -> dict[str, Any]:
-    """Memory now (bytes and GiB), sampling mode and an overall level."""
+    """Memory now (bytes and GiB), sampling mode and the nearest stop's level (``unknown`` before a sample)."""
     s = status.sample
     avail = s.mem_available if s else None
-    floors = _floors(status, "mem_available")
-    level = "ok"
-    if avail is not None and floors:
-        top = max(floors)
-        if avail < top:
-            level = "critical"
-        elif avail < top + WARN_MARGIN_BYTES:
-            level = "warn"
-    warn_floors = _floors(status, "mem_available", "warn")
-    if level == "ok" and avail is not None and any(avail < f for f in warn_floors):
-        level = "warn"
-    if any(r.counter for r in status.rules):
-        level = "critical" if level == "critical" else "warn"
+    # one level for the page: the nearest stop line's (core.headroom), never an arming threshold
+    level = status.nearest_stop.level if status.nearest_stop else "unknown"
     row = s.model_dump() if s else {}
     rows = [{"key": k, "label": label, "bytes": row.get(k), "gib": gib(row.get(k))} for k, label in MEMORY_ROWS.items()]
     total = s.mem_total if s else None
@@ -189,6 +188,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "gmu": c.gmu,
         "memory_bytes": c.memory_bytes,
         "memory_gib": gib(c.memory_bytes),
+        # the supervisor's action in progress ("starting", "stopping", …); ``busy`` alone is only a flag
         "busy": c.action or ("busy" if c.busy else None),
         "intent": c.supervision.intent.intent if c.supervision and c.supervision.intent else None,
         "intent_who": c.supervision.intent.who if c.supervision and c.supervision.intent else None,
@@ -197,6 +197,86 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,
         "level": "critical" if c.supervision and c.supervision.breaker.open else level,
         "raw": c.model_dump(mode="json"),
+    }
+
+
+RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
+_LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
+
+
+def stopped_card(status: dict[str, Any], last_stop: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The "Stopped by the guard" card: the newest stop when a rule or the hard floor made it and the
+    model is not running again (monitor-only: never). None otherwise."""
+    c = status.get("container") or {}
+    if not last_stop or not last_stop.get("by_guard") or c.get("mode") == "monitor-only":
+        return None
+    if c.get("state") in RUNNING_STATES:
+        return None
+    return {**last_stop, "state": c.get("state"), "logged_in": None}
+
+
+def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str, Any]:
+    """The headline: the nearest stop line (``status.nearest_stop``) and the page's one level.
+
+    Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
+    nearest stop's level (``core.headroom``), raised to ``warn`` when the container failed or exited;
+    ``unknown`` before the first sample.
+    """
+    ns = status.get("nearest_stop")
+    s = status.get("sample") or {}
+    c = status.get("container") or {}
+    level = ns["level"] if ns else "unknown"
+    label = level
+    if stopped is not None:
+        level, label = "critical", "stopped by the guard"
+    elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
+        level, label = "warn", f"container {c.get('state')}"
+    return {
+        "level": level,
+        "label": label,
+        "nearest": ns,
+        "headroom_gib": gib(ns["headroom_bytes"]) if ns else None,
+        "sample_ts": s.get("ts"),
+        "status_ts": status.get("ts"),
+        "dry_run": status.get("dry_run"),
+        "interval_s": status.get("interval_s"),
+        "stopped": stopped is not None,
+        "monitor_only": c.get("mode") == "monitor-only",
+    }
+
+
+def _ready_s(c: dict[str, Any]) -> float | None:
+    ready, started = c.get("ready_at"), c.get("started_at")
+    if isinstance(ready, int | float) and isinstance(started, int | float):
+        return float(ready - started)
+    return None
+
+
+def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
+    """Which controls apply to the container's state now, and why a disabled one is disabled."""
+    c = status.get("container") or {}
+    state, busy = c.get("state"), c.get("action") if c.get("busy") else None
+    why: str | None = None
+    if c.get("mode") == "monitor-only":
+        why = "monitor-only: there is no container to start or stop"
+    elif not logged_in:
+        why = "log in with the API token to use the controls"
+    elif busy:
+        why = f"{busy} in progress"
+    running = state in RUNNING_STATES
+    can = why is None
+    return {
+        "why": why,
+        "state": state,
+        "managed": c.get("mode") == "managed",
+        "start": can and not running and c.get("mode") == "managed",
+        "stop": can and running,
+        "restart": can and running and c.get("mode") == "managed",
+        "resize": can and c.get("mode") == "managed",
+        "start_why": None if can and not running else (why or f"already running ({state})"),
+        "stop_why": None if can and running else (why or f"not running ({state or 'none'})"),
+        "last_ready_s": _ready_s(c),
+        "rearm": can and bool(((c.get("supervision") or {}).get("breaker") or {}).get("open")),
     }
 
 
@@ -242,6 +322,12 @@ def chart_config(status: Status) -> dict[str, Any]:
     """What the chart script needs besides samples: series and stop thresholds (bytes)."""
     lines = []
     for r in status.rules:
+        if r.kind == "predictive" and r.floor_bytes is not None:
+            # its stop line is the projected floor; the when-gate only arms the projection (issue 14)
+            lines.append(
+                {"rule": r.name, "field": "mem_available", "label": "MemAvailable (projected)", "value": r.floor_bytes}
+            )
+            continue
         for t in r.thresholds:
             if t.is_size and t.field in CHART_SERIES:
                 lines.append({"rule": r.name, "field": t.field, "label": t.name, "value": t.value})
@@ -293,6 +379,22 @@ def archives_view(archive_dir: str | Path) -> list[dict[str, Any]]:
         }
         for a in list_archives(archive_dir)
     ]
+
+
+def samples_columns(store: Store, since: float, until: float, step: float, fields: list[str]) -> dict[str, Any]:
+    """min/avg/max per bucket, columnar (uPlot-ready): ``ts``, ``n`` and ``<field>_<min|avg|max>``
+    arrays; buckets on a fixed grid (``since`` floored to ``step``) so incremental fetches line up.
+    Blocking (SQLite)."""
+    aligned = (since // step) * step
+    rows = store.downsampled(since=aligned, until=until, step_s=step, fields=fields)
+    out: dict[str, Any] = {"since": aligned, "until": until, "step": step, "fields": fields, "points": len(rows)}
+    out["ts"] = [r["ts"] for r in rows]
+    out["n"] = [r["n"] for r in rows]
+    for f in fields:
+        for agg in ("min", "avg", "max"):
+            key = f"{f}_{agg}"
+            out[key] = [r.get(key) for r in rows]
+    return out
 
 
 def pick_step(window_s: float) -> float:

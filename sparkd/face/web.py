@@ -106,6 +106,22 @@ def _fmt_size(n: Any) -> str:
     return f"{int(n)} B"
 
 
+_SIZE_KEYS = frozenset({"MemAvailable", "MemFree", "Cached", "AnonPages", "Slab", "MemAvailable-CmaFree"})
+
+
+def _fmt_tripval(v: Any, key: str = "") -> str:
+    """A value recorded at a trip, by its key: sizes in GiB, slopes in GiB/s, times in s."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return "n/a" if v is None else str(v)
+    if key.endswith("_bytes_per_s"):
+        return f"{v / GiB:+.2f} GiB/s"
+    if key.endswith("_s"):
+        return f"{v:.1f} s"
+    if key in _SIZE_KEYS or key.endswith("_bytes") or abs(v) >= 2**20:
+        return f"{v / GiB:.2f} GiB"
+    return _fmt_value(v)
+
+
 def make_templates() -> Jinja2Templates:
     t = Jinja2Templates(directory=str(web_dir() / "templates"))
     t.env.filters.update(
@@ -116,6 +132,7 @@ def make_templates() -> Jinja2Templates:
         datetime=_fmt_datetime,
         duration=_fmt_duration,
         size=_fmt_size,
+        tripval=_fmt_tripval,
     )
     t.env.globals.update(version=__version__, plan_rows=PLAN_ROWS)
     return t
@@ -196,8 +213,22 @@ def _is_reader(request: Request) -> bool:
 def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
+        from sparkd.face.live import live_parts, page_context, part_hash, title_of
+
         data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
-        return render(request, "index.html", **data, chart_json=json.dumps(data["chart"]))
+        status = views.status_view(daemon)
+        parts = live_parts(status, await app.state.last_stop.get(), _auth_ctx(request)["logged_in"])
+        hashes = ",".join(f"{k}:{part_hash(v)}" for k, v in parts.items())
+        last_id = max((e.get("id") or 0 for e in data["events"]), default=0)
+        return render(
+            request,
+            "index.html",
+            **{**data, **page_context(parts)},
+            title=title_of(parts["headline"]),
+            have=hashes,
+            last_event_id=last_id,
+            chart_json=json.dumps(data["chart"]),
+        )
 
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon() -> RedirectResponse:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.core.floors import check_floors
+from sparkd.core.headroom import nearest_stop
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.status import (
     BlindStatus,
@@ -24,6 +25,7 @@ from sparkd.loop.status import (
     HttpStatus,
     KernelLogStatus,
     LeakStatus,
+    NearestStopStatus,
     NotifyStatus,
     ReliefStatus,
     RuleStatus,
@@ -72,6 +74,7 @@ def status_json(daemon: Daemon) -> Status:
         dry_run=daemon.settings.dry_run,
         sample=SampleRow.model_validate(last.to_row()) if last else None,
         rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
+        nearest_stop=nearest_stop_status(daemon),
         kernel_log=KernelLogStatus(
             source=daemon.kern_source_name,
             nvrm_lines=g.nvrm_lines_total if g else 0,
@@ -223,3 +226,12 @@ def make_consumer_watch(daemon: Daemon) -> ConsumerWatch:
         emit=lambda k, m, sev, det: daemon.event(k, m, severity=sev, details=det),
         submit=daemon.writer.submit if daemon.writer else None,
     )
+
+
+def nearest_stop_status(daemon: Daemon) -> NearestStopStatus | None:
+    """``core.headroom.nearest_stop`` over the guard's last sample (None before the first)."""
+    g = daemon.guard
+    if g is None or g.last is None:
+        return None
+    ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono)
+    return NearestStopStatus.model_validate(ns.to_json()) if ns else None

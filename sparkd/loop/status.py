@@ -240,6 +240,28 @@ class Threshold(_Model):
     is_size: bool
 
 
+class NearestStopStatus(_Model):
+    """``sparkd.core.headroom.NearestStop``: the nearest stop line now (the dashboard's headline).
+
+    Sizes in bytes; ``headroom_bytes`` = ``value_bytes`` − ``threshold_bytes`` (negative: below it).
+    ``fall_rate_bytes_per_s`` and ``time_to_floor_s`` are null when MemAvailable is not falling.
+    """
+
+    rule: str
+    kind: RuleKind
+    field: str
+    label: str
+    value_bytes: int
+    threshold_bytes: int
+    headroom_bytes: int
+    counter: int
+    samples: int
+    fall_rate_bytes_per_s: float | None
+    time_to_floor_s: float | None
+    level: Literal["ok", "warn", "critical"]
+    reason: str
+
+
 class RuleStatus(_Model):
     """A rule as compiled (``Rule.to_json()``) with its counters (``RuleState.to_json()``)."""
 
@@ -450,6 +472,7 @@ class Status(_Model):
     dry_run: bool
     sample: SampleRow | None
     rules: list[RuleStatus]
+    nearest_stop: NearestStopStatus | None = None
     kernel_log: KernelLogStatus
     blind: BlindStatus = BlindStatus()
     usable_bytes: int | None = None  # MemAvailable - CmaFree (MemAvailable without CMA): what the rules judge

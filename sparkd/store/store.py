@@ -61,6 +61,18 @@ def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur.close()
 
 
+def _event_dict(e: Event) -> dict[str, Any]:
+    return {
+        "id": e.id,
+        "ts": e.ts,
+        "kind": e.kind,
+        "severity": e.severity,
+        "message": e.message,
+        "details": e.details,
+        "launch_id": e.launch_id,
+    }
+
+
 class Store:
     """Owns the engine. ``Store.open(path)`` creates the directory and migrates.
 
@@ -259,27 +271,37 @@ class Store:
         return [out[b] for b in sorted(out)]
 
     def events(
-        self, *, since: float | None = None, kinds: Iterable[str] | None = None, limit: int = 100
+        self,
+        *,
+        since: float | None = None,
+        kinds: Iterable[str] | None = None,
+        limit: int = 100,
+        until: float | None = None,
+        after_id: int | None = None,
+        before_id: int | None = None,
     ) -> list[dict[str, Any]]:
+        """Events newest first. ``since``/``until``: epoch s, inclusive; ``after_id``/``before_id``:
+        only ids above/below (live updates and paging)."""
         q = select(Event).order_by(Event.ts.desc(), Event.id.desc()).limit(limit)
         if since is not None:
             q = q.where(Event.ts >= since)
+        if until is not None:
+            q = q.where(Event.ts <= until)
+        if after_id is not None:
+            q = q.where(Event.id > after_id)
+        if before_id is not None:
+            q = q.where(Event.id < before_id)
         if kinds:
             q = q.where(Event.kind.in_(list(kinds)))
         with Session(self.engine) as conn:
             rows = [r[0] for r in conn.execute(q)]
-        return [
-            {
-                "id": e.id,
-                "ts": e.ts,
-                "kind": e.kind,
-                "severity": e.severity,
-                "message": e.message,
-                "details": e.details,
-                "launch_id": e.launch_id,
-            }
-            for e in rows
-        ]
+        return [_event_dict(e) for e in rows]
+
+    def event(self, event_id: int) -> dict[str, Any] | None:
+        """One event by id, or None."""
+        with Session(self.engine) as conn:
+            e = conn.get(Event, event_id)
+            return _event_dict(e) if e is not None else None
 
     def status_snapshot(self) -> dict[str, Any] | None:
         with Session(self.engine) as conn:

@@ -1,7 +1,8 @@
-/* sparkd live memory chart (uPlot). Fetches /api/samples once per range, then
- * incrementally every 2 s (only the buckets since the last one). Stop thresholds
- * are dashed horizontal lines; trips and NV_ERR_NO_MEMORY lines are vertical marks.
- * No inline script: the page's CSP allows only 'self' scripts. */
+/* sparkd live memory chart (uPlot). Fetches /api/samples and the marks once per range; after
+ * that live.js hands it only the new buckets and events (append). Stop thresholds are dashed
+ * horizontal lines, labelled once per value; events are vertical marks (trip drawn last, on
+ * top); a gap of more than max(3 buckets, 10 s) breaks the lines. Clicking near a trip/stop
+ * mark opens its incident. No inline script: the page's CSP allows only 'self' scripts. */
 (function () {
   "use strict";
   const GiB = 1073741824;
@@ -17,7 +18,20 @@
     ["slab", "avg", "Slab", "#e08a5b", 1.5],
   ];
   const FIELDS = [...new Set(SERIES.map((s) => s[0]))].join(",");
-  const MARK_COLORS = { trip: "#f0616d", nvrm_no_memory: "#ff9f43" };
+  const MARK_COLORS = {
+    trip: "#f0616d",
+    stopping: "#f0616d",
+    stopped: "#e05cc4",
+    killed: "#ff4d4d",
+    hard_floor_kill: "#ff4d4d",
+    launched: "#6aa8ff",
+    ready: "#3fb68b",
+    oom_kill: "#ff4d4d",
+    resize: "#b48cf0",
+    nvrm_no_memory: "#ff9f43",
+  };
+  const MARK_ORDER = ["nvrm_no_memory", "nvrm_other", "launched", "ready", "resize", "stopping", "stopped", "killed", "hard_floor_kill", "oom_kill", "trip"];
+  const GAP_MIN_S = 10;
   const thresholds = cfg.thresholds || [];
   const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
 
@@ -58,6 +72,7 @@
     ctx.font = `${11 * dpr}px system-ui, sans-serif`;
     ctx.textAlign = "left";
     ctx.textBaseline = "bottom";
+    const labelled = new Set();
     for (const t of thresholds) {
       const y = u.valToPos(t.value / GiB, "y", true);
       if (y < top || y > top + h) continue;
@@ -69,14 +84,19 @@
       ctx.lineTo(left + width, y);
       ctx.stroke();
       ctx.setLineDash([]);
+      const key = `${t.label}${t.value}`;
+      if (labelled.has(key)) continue; // one label per line: rules sharing a threshold do not pile up
+      labelled.add(key);
+      const same = thresholds.filter((x) => x.label === t.label && x.value === t.value).map((x) => x.rule);
       ctx.fillStyle = "rgba(240,97,109,0.95)";
-      ctx.fillText(`${t.rule}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`, left + 6 * dpr, y - 4 * dpr);
+      ctx.fillText(`${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`, left + 6 * dpr, y - 4 * dpr);
     }
-    for (const m of markers) {
+    const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));
+    for (const m of sorted) {
       const x = u.valToPos(m.ts, "x", true);
       if (x < left || x > left + width) continue;
       ctx.strokeStyle = MARK_COLORS[m.kind] || "#f0616d";
-      ctx.lineWidth = (m.kind === "trip" ? 2 : 1) * dpr;
+      ctx.lineWidth = (m.kind === "trip" ? 3 : 1) * dpr;
       ctx.beginPath();
       ctx.moveTo(x, top);
       ctx.lineTo(x, top + h);
@@ -85,7 +105,14 @@
     ctx.restore();
   }
 
+  function css(name, fallback) {
+    const v = getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+    return v || fallback;
+  }
+
   function makePlot() {
+    const axis = css("--muted", "#9aa4b1");
+    const grid = css("--line", "#1f2731");
     const opts = {
       width: el.clientWidth || 600,
       height: height(),
@@ -103,17 +130,17 @@
       },
       axes: [
         {
-          stroke: "#8b95a3",
+          stroke: axis,
           space: 80,
-          grid: { stroke: "#1f2731", width: 1 },
-          ticks: { stroke: "#262f3b", width: 1 },
+          grid: { stroke: grid, width: 1 },
+          ticks: { stroke: grid, width: 1 },
           values: (u, splits) => splits.map(fmtTick),
         },
         {
-          stroke: "#8b95a3",
+          stroke: axis,
           size: 64,
-          grid: { stroke: "#1f2731", width: 1 },
-          ticks: { stroke: "#262f3b", width: 1 },
+          grid: { stroke: grid, width: 1 },
+          ticks: { stroke: grid, width: 1 },
           values: (u, splits) => splits.map((v) => v + " GiB"),
         },
       ],
@@ -158,15 +185,8 @@
     if (gen !== generation) return; // the range changed meanwhile
     markers = ev.events || [];
     const cols = columns(resp);
-    if (full || !data || !data[0].length) {
-      step = resp.step;
-      data = cols;
-    } else if (cols[0].length) {
-      const first = cols[0][0];
-      let keep = data[0].findIndex((t) => t >= first);
-      if (keep < 0) keep = data[0].length;
-      data = data.map((arr, i) => arr.slice(0, keep).concat(cols[i]));
-    }
+    step = resp.step;
+    data = withGaps(cols);
     const cutoff = now - range;
     const drop = data[0].findIndex((t) => t >= cutoff);
     if (drop > 0) data = data.map((arr) => arr.slice(drop));
@@ -175,19 +195,60 @@
     el.dataset.points = String(data[0].length);
   }
 
-  function schedule() {
-    clearTimeout(timer);
-    timer = setTimeout(async () => {
-      if (!document.hidden) {
-        try {
-          await refresh(false);
-        } catch (e) {
-          /* the daemon may be restarting; try again next tick */
-        }
+  function withGaps(cols) {
+    // a missing stretch (daemon down, host frozen) is a break in the lines, not a straight line
+    const limit = Math.max(3 * (step || 1), GAP_MIN_S);
+    const out = cols.map(() => []);
+    for (let i = 0; i < cols[0].length; i++) {
+      if (i > 0 && cols[0][i] - cols[0][i - 1] > limit) {
+        out[0].push(cols[0][i - 1] + limit / 2);
+        for (let k = 1; k < cols.length; k++) out[k].push(null);
       }
-      schedule();
-    }, 2000);
+      for (let k = 0; k < cols.length; k++) out[k].push(cols[k][i]);
+    }
+    return out;
   }
+
+  function append(resp, newMarkers) {
+    if (!data || !plot) return;
+    if (newMarkers && newMarkers.length) {
+      const seen = new Set(markers.map((m) => m.id));
+      markers = markers.concat(newMarkers.filter((m) => !seen.has(m.id)));
+    }
+    if (resp && resp.ts && resp.ts.length && resp.step === step) {
+      const cols = columns(resp);
+      const first = cols[0][0];
+      let keep = data[0].findIndex((t) => t >= first);
+      if (keep < 0) keep = data[0].length;
+      data = withGaps(data.map((arr, i) => arr.slice(0, keep).concat(cols[i])));
+    }
+    const cutoff = Date.now() / 1000 - range;
+    const drop = data[0].findIndex((t) => t >= cutoff);
+    if (drop > 0) data = data.map((arr) => arr.slice(drop));
+    markers = markers.filter((m) => m.ts >= cutoff);
+    plot.setData(data);
+    el.dataset.points = String(data[0].length);
+  }
+
+  function cursorPos() {
+    if (!data || !data[0].length || !step) return null;
+    return { since: data[0][data[0].length - 1], step };
+  }
+
+  el.addEventListener("click", (ev) => {
+    // a click on (or within 4 px of) a trip or stop mark opens its incident
+    if (!plot) return;
+    const rect = plot.over.getBoundingClientRect();
+    const x = ev.clientX - rect.left;
+    for (const m of markers) {
+      if (!["stopped", "killed"].includes(m.kind)) continue;
+      const mx = plot.valToPos(m.ts, "x");
+      if (Math.abs(mx - x) <= 4) {
+        window.location.href = `/incidents/${m.id}`;
+        return;
+      }
+    }
+  });
 
   document.querySelectorAll("button.range").forEach((b) => {
     b.addEventListener("click", async () => {
@@ -210,6 +271,9 @@
   window.sparkdChart = {
     points: () => (data ? data[0].length : 0),
     plot: () => plot,
+    markers: () => markers,
+    append,
+    cursor: cursorPos,
   };
-  refresh(true).catch(() => {}).finally(schedule);
+  refresh(true).catch(() => {});
 })();

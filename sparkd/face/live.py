@@ -1,0 +1,188 @@
+"""Live updates for one open dashboard: one small request every poll, carrying only what changed.
+
+``GET /ui/live.json`` with what the page already has:
+
+* ``have`` — ``part:hash,part:hash`` of the parts it shows; a part comes back (as HTML, rendered
+  by the same partial as the page) only when its data hash differs;
+* ``ev`` — the newest event id it shows; only newer events come back (HTML rows, and the chart's
+  marker kinds as JSON);
+* ``since`` and ``step`` — the chart's last bucket; only buckets from there on come back
+  (the columnar shape of ``/api/samples``).
+
+Always: the headline figures (``level``, ``title``, ``nearest_stop``), the sample's time and the
+server's time (the page shows the sample's age from them), ``logged_in`` (the page notices an
+expired session). Measured in ``bench/ui.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse
+
+from sparkd.face import incidents as inc
+from sparkd.face import presenters as views
+
+if TYPE_CHECKING:
+    from sparkd.loop.status import DaemonView, Status
+
+LIVE_PARTS = ("headline", "stopped", "summary", "rules", "container", "buttons", "budget")
+MARKER_KINDS = ("trip", "stopping", "stopped", "killed", "hard_floor_kill", "launched", "ready", "oom_kill", "resize")
+CHART_LIVE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab")
+CHART_LIVE_COLUMNS = (
+    "mem_available_avg",
+    "mem_available_min",
+    "mem_free_avg",
+    "cached_avg",
+    "anon_pages_avg",
+    "slab_avg",
+)
+
+
+_VOLATILE = frozenset({"raw", "uptime_s", "status_ts", "sample_ts", "ts", "samples_taken", "writer"})
+
+
+def _rounded(x: Any) -> Any:
+    """What a part shows, for its hash: sizes to 0.01 GiB, other floats to 1 decimal, no clocks or
+    counters that the part does not display. A part is re-sent only when what it shows changes."""
+    if isinstance(x, bool):
+        return x
+    if isinstance(x, int) and abs(x) >= 2**20:
+        return round(x / 2**30, 2)
+    if isinstance(x, float):
+        return round(x / 2**30, 2) if abs(x) >= 2**20 else round(x, 1)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items() if k not in _VOLATILE}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def part_hash(data: Any) -> str:
+    return format(zlib.crc32(json.dumps(_rounded(data), sort_keys=True, default=str).encode()), "08x")
+
+
+class LastStop:
+    """The newest stop's summary, re-read from the store only after a new event was recorded and written."""
+
+    def __init__(self, daemon: DaemonView) -> None:
+        self.daemon = daemon
+        self._key: Any = object()
+        self._value: dict[str, Any] | None = None
+
+    async def get(self) -> dict[str, Any] | None:
+        d = self.daemon
+        newest = d.recent_events[0] if d.recent_events else None
+        key = id(newest)
+        if key != self._key:
+            self._value = await asyncio.to_thread(inc.last_stop, d.store)
+            # a stop event reaches the store through the writer queue: until it is there, ask again
+            pending = newest is not None and newest["kind"] in inc.STOP_KINDS
+            written = self._value is not None and self._value["ts"] >= newest["ts"] - 1e-6 if newest else True
+            self._key = key if (not pending or written) else object()
+        return self._value
+
+
+def live_parts(status: Status, last_stop: dict[str, Any] | None, logged_in: bool) -> dict[str, Any]:
+    """Data of every live part (pure; ``status`` from ``views.status_view``)."""
+    raw = status.model_dump(mode="json")  # the headline, stopped card and buttons read its JSON form
+    stopped = views.stopped_card(raw, last_stop)
+    c = views.container_from_status(status)
+    return {
+        "headline": views.headline(raw, stopped),
+        "stopped": stopped,
+        "summary": views.summary_from_status(status),
+        "rules": views.rules_from_status(status),
+        "container": c,
+        "buttons": views.buttons_view(raw, logged_in),
+        "budget": views.budget_from_status(status),
+    }
+
+
+def page_context(parts: dict[str, Any]) -> dict[str, Any]:
+    """The template names of the parts (``headline`` → ``h``)."""
+    return {**parts, "h": parts["headline"], "btn": parts["buttons"]}
+
+
+def install_live(app: FastAPI, daemon: DaemonView) -> None:
+    from sparkd.face.web import _auth_ctx, templates
+
+    last = LastStop(daemon)
+    app.state.last_stop = last
+
+    @app.get("/ui/live.json", tags=["dashboard"])
+    async def live(
+        request: Request,
+        have: str = "",
+        ev: int | None = Query(default=None, ge=0),
+        since: float | None = Query(default=None, allow_inf_nan=False),
+        step: float | None = Query(default=None, gt=0, allow_inf_nan=False),
+    ) -> JSONResponse:
+        """What changed since the page's last update (see ``sparkd.face.live``)."""
+        auth = _auth_ctx(request)
+        status = views.status_view(daemon)
+        parts = live_parts(status, await last.get(), auth["logged_in"])
+        known = dict(p.split(":", 1) for p in have.split(",") if ":" in p)
+        out: dict[str, Any] = {"parts": {}, "hashes": {}}
+        env = templates().env
+        ctx = {**auth, **page_context(parts)}
+        for name in LIVE_PARTS:
+            h = part_hash(parts[name])
+            out["hashes"][name] = h
+            if name in known and known[name] != h:
+                out["parts"][name] = env.get_template(f"partials/_{name}.html").render(ctx)
+        hl = parts["headline"]
+        out.update(
+            level=hl["level"],
+            label=hl["label"],
+            title=title_of(hl),
+            nearest_stop=hl["nearest"],
+            sample_ts=hl["sample_ts"],
+            server_ts=time.time(),
+            logged_in=auth["logged_in"],
+        )
+        if ev is not None or since is not None:
+            out.update(await asyncio.to_thread(_store_delta, daemon, ev, since, step))
+            if out.get("events"):
+                tpl = env.get_template("partials/_event_rows.html")
+                out["event_rows"] = tpl.render(events=out["events"])
+                out["markers"] = [
+                    {k: e[k] for k in ("id", "ts", "kind", "message")}
+                    for e in out["events"]
+                    if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
+                ]
+                out["last_event_id"] = out["events"][0]["id"]
+                del out["events"]
+        return JSONResponse(out, headers={"Cache-Control": "no-store"})
+
+
+def _store_delta(daemon: DaemonView, ev: int | None, since: float | None, step: float | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    store = daemon.store
+    if store is None:
+        return out
+    if ev is not None:
+        out["events"] = store.events(after_id=ev, limit=100)
+    if since is not None and step is not None:
+        cols = views.samples_columns(store, since, time.time(), step, list(CHART_LIVE_FIELDS))
+        # only the columns the chart draws, as whole bytes (the page's chart: dashboard.js SERIES)
+        out["samples"] = {
+            k: ([None if v is None else round(v) for v in cols[k]] if k in CHART_LIVE_COLUMNS else cols[k])
+            for k in ("since", "until", "step", "points", "ts", *CHART_LIVE_COLUMNS)
+        }
+    return out
+
+
+def title_of(h: dict[str, Any]) -> str:
+    """The tab title: the level and the distance, so a background tab tells the story."""
+    ns = h.get("nearest")
+    if h.get("stopped"):
+        return "sparkd · STOPPED by the guard"
+    if not ns:
+        return f"sparkd · {h['label']}"
+    return f"sparkd · {h['label']} · {ns['headroom_bytes'] / 2**30:.1f} GiB to {ns['rule']}"

@@ -1,0 +1,85 @@
+"""The nearest stop line (``core.headroom``) over the default rules and CONTEXT.md's figures."""
+
+from __future__ import annotations
+
+from sparkd.config import DEFAULT_RULES, RuleConfig
+from sparkd.core.headroom import nearest_stop
+from sparkd.core.rules import RuleState, SlopeWindow, compile_rules
+from sparkd.core.sample import Sample
+from sparkd.units import GiB, MiB
+
+MEM_TOTAL = round(121.69 * GiB)
+
+
+def rules() -> list:  # type: ignore[type-arg]
+    return compile_rules([RuleConfig(**r) for r in DEFAULT_RULES], MEM_TOTAL)
+
+
+def S(t: float, avail_gib: float, free_gib: float = 20.0, nvrm: int = 0) -> Sample:
+    return Sample(
+        ts=1e9 + t,
+        mono=t,
+        mem_total=MEM_TOTAL,
+        mem_available=round(avail_gib * GiB),
+        mem_available_minus_cma=round(avail_gib * GiB),  # no CMA here: usable = MemAvailable
+        mem_free=round(free_gib * GiB),
+        nvrm_recent=nvrm,
+    )
+
+
+def test_it_measures_from_the_nearest_line_not_the_predictive_gate() -> None:
+    # issue 14: 8.5 GiB with every rule 0/N was "critical" because of the predictive rule's 16 GiB gate
+    ns = nearest_stop(S(0, 8.5), rules(), {}, None, 0.0)
+    assert ns is not None
+    # low_available (6 GiB) is nearer than collapse_projected's 4 GiB floor; the gate plays no part
+    assert (ns.rule, ns.field, ns.threshold_bytes) == ("low_available", "mem_available_minus_cma", 6 * GiB)
+    assert ns.headroom_bytes == round(8.5 * GiB) - 6 * GiB
+    assert (ns.counter, ns.samples) == (0, 3)
+    assert ns.level == "warn"  # within 4 GiB, but no counter: not critical
+    assert ns.fall_rate_bytes_per_s is None and ns.time_to_floor_s is None
+    # far from every line: ok
+    far = nearest_stop(S(0, 30), rules(), {}, None, 0.0)
+    assert far is not None and far.level == "ok" and far.headroom_bytes == 24 * GiB
+
+
+def test_a_two_condition_rule_is_as_far_as_its_furthest_condition() -> None:
+    # MemFree 1 GiB is under 2 GiB already; MemAvailable 11 GiB must still fall under 10 GiB: 1 GiB away
+    rs = [r for r in rules() if r.name == "low_free_with_evidence"]
+    ns = nearest_stop(S(0, 11, free_gib=1, nvrm=1), rs, {}, None, 0.0)
+    assert ns is not None and ns.field == "mem_available_minus_cma" and ns.headroom_bytes == 1 * GiB
+    # without a driver error the evidence needs MemAvailable < 3 GiB: 8 GiB away
+    ns = nearest_stop(S(0, 11, free_gib=1), rs, {}, None, 0.0)
+    assert ns is not None and ns.threshold_bytes == 3 * GiB and ns.headroom_bytes == 8 * GiB
+
+
+def test_counters_raise_the_level() -> None:
+    st = {"low_available": RuleState(counter=1)}
+    assert nearest_stop(S(0, 30), rules(), st, None, 0.0).level == "warn"  # type: ignore[union-attr]
+    st = {"low_available": RuleState(counter=2)}
+    ns = nearest_stop(S(0, 30), rules(), st, None, 0.0)
+    assert ns is not None and ns.level == "critical" and ns.counter == 2
+
+
+def test_a_fall_gives_a_rate_and_a_time_to_the_floor() -> None:
+    # 7.1 -> 5.7 GiB in 9 s (CONTEXT.md's collapse) seen from 20 GiB: 1.4/9 GiB/s
+    w = SlopeWindow(max_window_s=30.0)
+    rate = 1.4 * GiB / 9
+    for i in range(11):
+        w.add(float(i), round(20 * GiB - rate * i))
+    last = S(10, (20 * GiB - rate * 10) / GiB)
+    ns = nearest_stop(last, rules(), {}, w, 10.0)
+    assert ns is not None and ns.fall_rate_bytes_per_s is not None and ns.time_to_floor_s is not None
+    assert abs(ns.fall_rate_bytes_per_s - rate) < 1 * MiB
+    assert abs(ns.time_to_floor_s - ns.headroom_bytes / rate) < 1.0
+    assert ns.level == "warn"  # ~80 s away: more than a 30 s stop, less than 120 s
+    # a noise-sized drift (10 MiB/s < 32 MiB/s) is not a fall
+    w2 = SlopeWindow(max_window_s=30.0)
+    for i in range(11):
+        w2.add(float(i), round(20 * GiB - 10 * MiB * i))
+    assert nearest_stop(S(10, 19.9), rules(), {}, w2, 10.0).fall_rate_bytes_per_s is None  # type: ignore[union-attr]
+
+
+def test_no_sample_or_no_stop_rule_gives_none() -> None:
+    assert nearest_stop(None, rules(), {}, None, 0.0) is None
+    warn_only = compile_rules([RuleConfig(name="w", when=["MemAvailable < 6GiB"], action="warn")], MEM_TOTAL)
+    assert nearest_stop(S(0, 30), warn_only, {}, None, 0.0) is None
