@@ -233,3 +233,21 @@ def test_it_refuses_a_page_on_another_origin(browser: Any, sparkd: dict[str, Any
     finally:
         ctx.close()
         server.shutdown()
+
+
+def test_the_api_docs_work_offline(browser: Any, sparkd: dict[str, Any]) -> None:
+    """/docs is Swagger UI from the vendored bundle: it renders with no request leaving this host and
+    no Content-Security-Policy violation (FastAPI's own page needs a CDN and an inline script)."""
+    page = browser.new_page()
+    errors: list[str] = []
+    foreign: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("request", lambda r: foreign.append(r.url) if not r.url.startswith(sparkd["base"]) else None)
+    try:
+        page.goto(sparkd["base"] + "/docs")
+        page.wait_for_selector("#swagger-ui .opblock", timeout=20000)
+        text = page.inner_text("#swagger-ui")
+        assert "/api/status" in text and "sparkd" in text
+        assert foreign == [] and errors == [], (foreign, errors)
+    finally:
+        page.close()

@@ -24,6 +24,7 @@ from sparkd.face.api import (
     require_auth,
 )
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
+from sparkd.face.docs import install_docs
 from sparkd.face.live import install_live
 from sparkd.face.pages import install_pages
 from sparkd.face.replies import install_error_handlers
@@ -50,6 +51,8 @@ def create_app(daemon: DaemonView) -> FastAPI:
         title="sparkd",
         version=__version__,
         description="Memory guard for vLLM on DGX Spark: status, samples, events, container control.",
+        docs_url=None,  # face/docs.py serves /docs from the vendored Swagger UI (offline, CSP-clean)
+        redoc_url=None,  # ReDoc would need a CDN; /docs and /openapi.json cover the same
     )
     app.state.daemon = daemon
     app.state.auth = auth
@@ -78,5 +81,6 @@ def create_app(daemon: DaemonView) -> FastAPI:
         install_peer(app, daemon, daemon.cluster)
     install_live(app, daemon)
     install_pages(app, daemon)
+    install_docs(app)
     install_web(app, daemon, auth)
     return app
