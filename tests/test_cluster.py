@@ -116,6 +116,14 @@ def test_a_trip_on_the_worker_stops_both_gracefully_at_once(pair: Any, docker_cl
     assert "peer_emergency from spark-w: low_available" in h_stopping["message"]
     sent = worker.events("peer_stop_sent")
     assert sent and sent[-1]["details"]["peer"] == "spark-h"
+    # the originating node's incident names the peer it stopped (each node archives its own stop)
+    from sparkdproc import db_query
+
+    (stop_id,) = db_query(worker.db, "SELECT id FROM events WHERE kind='stopped' ORDER BY id DESC LIMIT 1")[0]
+    inc = httpx.get(f"http://127.0.0.1:{worker.api_port}/incidents/{stop_id}.json", timeout=10).json()
+    assert any(p["node"] == "spark-h" and p["kind"] == "peer_stop_sent" for p in inc["peers"]), inc["peers"]
+    page = httpx.get(f"http://127.0.0.1:{worker.api_port}/incidents/{stop_id}", timeout=10).text
+    assert 'id="incident-peers"' in page and "spark-h" in page
     assert head.events("peer_stop_requested")[-1]["details"]["origin"] == "spark-w"
     for c in (wc, hc):
         assert docker_client.containers.get(c["container_id"]).status == "exited"

@@ -34,6 +34,10 @@ WINDOW_AFTER_S = 30.0  # ... and after the stop finished
 LOG_TAIL_LINES = 40
 
 
+#: events that tie this node's stop to a peer's (loop/cluster.py)
+PEER_KINDS = ("peer_stop_sent", "peer_unreachable", "peer_stop_requested")
+
+
 def by_guard(stop: dict[str, Any]) -> bool:
     """A stop the guard decided (a rule, the hard floor, a driver-error action), not an operator's."""
     d = stop.get("details") or {}
@@ -158,6 +162,17 @@ def incident(store: Store, incident_id: int, archive_dir: str | Path, *, with_lo
             "message": (shm or {}).get("message"),
         },
         "kernel_lines": [(e.get("details") or {}).get("line") or e["message"] for e in kernel],
+        # a cluster of Sparks: the peers this stop was coordinated with, and where their own incident is
+        "peers": [
+            {
+                "node": (e.get("details") or {}).get("peer") or (e.get("details") or {}).get("origin"),
+                "kind": e["kind"],
+                "message": e["message"],
+                "ts": e["ts"],
+            }
+            for e in events
+            if e["kind"] in PEER_KINDS
+        ],
         "log_tail": _log_tail(archive_dir, s["archive"]) if with_logs else None,
     }
 
