@@ -22,6 +22,7 @@ Run: .venv/bin/python bench/idle.py [--window 60] [--warmup 15]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -47,10 +48,8 @@ def cpu_sched_s(pid: int) -> float:
     """Sum of run time of the live threads of ``pid`` (``/proc/PID/task/*/schedstat``), seconds."""
     total = 0
     for t in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError, IndexError, ValueError):
             total += int((t / "schedstat").read_text().split()[0])
-        except (OSError, IndexError, ValueError):
-            pass
     return total / 1e9
 
 

@@ -129,3 +129,72 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
     assert store.count_samples() == 20
     msgs = [r.getMessage() for r in caplog.records if "database write failed" in r.getMessage()]
     assert len(msgs) == 1 and "INSERT" not in msgs[0] and "locked" in msgs[0]
+
+
+def test_the_frequent_kinds_round_trip_through_the_prepared_statements(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "p.db")
+    t0 = 1_700_000_000.0
+    gpu = {"ts": t0, "gpu_index": 0, "name": "GB10", "utilization_pct": 3.0, "memory_supported": False}
+    s.write_batch(
+        [
+            ("sample", _row(t0, 7 << 30)),
+            ("sample", {**_row(t0 + 1, 6 << 30), "psi_some_avg10": 1.5}),
+            ("gpu", gpu),
+            ("kcount", (t0 - t0 % 60, "oom_kill", 1)),
+            ("kcount", (t0 - t0 % 60, "oom_kill", 2)),
+            ("status", {"ts": t0, "n": 1}),
+            ("status", {"ts": t0 + 1, "n": 2}),
+        ]
+    )
+    rows = s.samples(since=t0)
+    assert [(r["ts"], r["mem_available"], r["psi_some_avg10"]) for r in rows] == [
+        (t0, 7 << 30, None),
+        (t0 + 1, 6 << 30, 1.5),
+    ]
+    g = s.gpu_samples(since=t0)
+    assert len(g) == 1 and g[0]["name"] == "GB10" and g[0]["memory_supported"] is False
+    assert s.kernel_counts(since=t0 - 60) == [{"minute_ts": t0 - t0 % 60, "kind": "oom_kill", "count": 3}]
+    assert s.status_snapshot() == {"ts": t0 + 1, "n": 2}  # the newest of the batch
+
+
+def test_samples_are_gathered_for_write_every_s_and_an_event_is_written_at_once(tmp_path: Path) -> None:
+    db = tmp_path / "g.db"
+    store = Store.open(db)
+
+    def count(table: str) -> int:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            return int(con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        finally:
+            con.close()
+
+    async def go() -> tuple[list[tuple[float, int]], float]:
+        w = Writer(store, write_every_s=1.5)
+        task = asyncio.create_task(w.run())
+        t0 = time.monotonic()
+        seen: list[tuple[float, int]] = []  # (s since the first sample, rows in the database)
+        for i in range(6):
+            w.submit("sample", _row(float(i), i))
+            await asyncio.sleep(0.25)
+            seen.append((time.monotonic() - t0, await asyncio.to_thread(count, "samples")))
+        for _ in range(60):  # the first batch is due 1.5 s after the first sample
+            if await asyncio.to_thread(count, "samples") == 6:
+                break
+            await asyncio.sleep(0.05)
+        w.submit("sample", _row(10.0, 10))
+        t_event = time.monotonic()
+        w.submit("event", {"ts": 10.0, "kind": "trip", "severity": "critical", "message": "m"})
+        while await asyncio.to_thread(count, "events") == 0 and time.monotonic() - t_event < 5:
+            await asyncio.sleep(0.02)
+        event_after_s = time.monotonic() - t_event
+        task.cancel()
+        return seen, event_after_s
+
+    seen, event_after_s = asyncio.run(go())
+    # nothing is written before write_every_s has passed since the first sample of a batch
+    assert all(n == 0 for t, n in seen if t < 1.4), seen
+    assert store.count_samples() == 7
+    # an event does not wait for the gathering window, and takes the sample queued before it along
+    assert event_after_s < 1.0

@@ -57,7 +57,7 @@ from sparkd.units import fmt_gib, parse_size
 log = logging.getLogger("sparkd.loop.daemon")
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
-STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old
+STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
 
 
 class Actions(Protocol):

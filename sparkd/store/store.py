@@ -12,9 +12,11 @@ sizes bytes).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -46,6 +48,28 @@ from sparkd.store.schema import (
 
 log = logging.getLogger("sparkd.store.store")
 
+_GPU_COLUMNS = (
+    "ts",
+    "gpu_index",
+    "name",
+    "utilization_pct",
+    "temperature_c",
+    "power_w",
+    "memory_total_bytes",
+    "memory_used_bytes",
+    "memory_supported",
+)
+_INSERT_SAMPLE = f"INSERT INTO samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
+_INSERT_GPU = f"INSERT INTO gpu_samples ({', '.join(_GPU_COLUMNS)}) VALUES ({', '.join('?' * len(_GPU_COLUMNS))})"
+_UPSERT_KCOUNT = (
+    "INSERT INTO kernel_counts (minute_ts, kind, count) VALUES (?, ?, ?) "
+    "ON CONFLICT (minute_ts, kind) DO UPDATE SET count = count + excluded.count"
+)
+_UPSERT_STATUS = (
+    "INSERT INTO status (id, ts, data) VALUES (1, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET ts = excluded.ts, data = excluded.data"
+)
+
 CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
 
 
@@ -69,6 +93,7 @@ class Store:
     def __init__(self, engine: Engine, path: Path) -> None:
         self.engine = engine
         self.path = path
+        self._write_lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path, *, migrate: bool = True) -> Store:
@@ -113,33 +138,42 @@ class Store:
     # ------------------------------------------------------------------ writes
     def write_batch(self, items: list[tuple[str, Any]]) -> None:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
-        ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
+        ``gpu`` (row dict), ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
         ``run_end`` (dict).
+
+        The frequent kinds (samples, GPU rows, the status snapshot, kernel counts) go
+        through the DBAPI cursor as prepared statements (one ``executemany`` per kind):
+        building and compiling SQLAlchemy statements per batch was half of the idle
+        daemon's CPU (py-spy, issue 18). The rare kinds keep SQLAlchemy Core.
+        Thread-safe (a lock): the writer thread and ``save_launch`` may call it at once.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, sqlite3.Error: the database refused the batch
+                (nothing of it is kept: one transaction).
         """
-        samples = [p for k, p in items if k == "sample"]
+        samples = [tuple(p.get(c) for c in SAMPLE_COLUMNS) for k, p in items if k == "sample"]
+        gpu = [tuple(p.get(c) for c in _GPU_COLUMNS) for k, p in items if k == "gpu"]
+        kcounts = [p for k, p in items if k == "kcount"]
+        statuses = [p for k, p in items if k == "status"]
         events = [p for k, p in items if k == "event"]
-        gpu = [p for k, p in items if k == "gpu"]
-        with self.engine.begin() as conn:
-            if samples:
-                conn.execute(insert(SampleRow), samples)
-            if gpu:
-                conn.execute(insert(GpuSample), gpu)
+        with self._write_lock, self.engine.begin() as conn:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            try:
+                if samples:
+                    cur.executemany(_INSERT_SAMPLE, samples)
+                if gpu:
+                    cur.executemany(_INSERT_GPU, gpu)
+                if kcounts:
+                    cur.executemany(_UPSERT_KCOUNT, kcounts)
+                if statuses:  # one row: only the newest of the batch matters
+                    cur.execute(_UPSERT_STATUS, (statuses[-1]["ts"], json.dumps(statuses[-1])))
+            finally:
+                cur.close()
             if events:
                 conn.execute(insert(Event), events)
             for kind, p in items:
-                if kind == "status":
-                    stmt = sqlite_insert(StatusSnapshot).values(id=1, ts=p["ts"], data=p)
-                    conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={"ts": p["ts"], "data": p}))
-                elif kind == "kcount":
-                    minute, k, n = p
-                    stmt2 = sqlite_insert(KernelCount).values(minute_ts=minute, kind=k, count=n)
-                    conn.execute(
-                        stmt2.on_conflict_do_update(
-                            index_elements=["minute_ts", "kind"], set_={"count": KernelCount.count + n}
-                        )
-                    )
-                elif kind == "nvrm_window":
+                if kind == "nvrm_window":
                     start, w, n = p
                     stmt3 = sqlite_insert(NvrmWindow).values(window_start=start, window_s=w, count=n)
                     conn.execute(
@@ -427,6 +461,11 @@ class Store:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _short(e: BaseException) -> str:
     """An error in one line, without the SQL statement and its parameters."""
     orig = getattr(e, "orig", None)
@@ -462,15 +501,38 @@ def _launch_dict(r: Launch) -> dict[str, Any]:
     }
 
 
+WRITE_EVERY_S = 2.0
+"""The writer gathers samples (and the other frequent kinds, ``GATHERED``) for this long
+before it writes them in one transaction: a sample reaches the database at most this long
+(plus the write itself) after the guard took it, and a ``kill -9`` loses at most this much
+history. Any other item (an event, a launch, the end of a run) is written at once with what
+was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18)."""
+
+GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window"})
+
+
 class Writer:
     """Bounded queue → batched writes in a worker thread.
 
     ``submit`` never blocks and never raises: when the queue is full the item is
-    dropped and that is logged once until the queue drains again.
+    dropped and that is logged once until the queue drains again. Samples are
+    gathered for up to ``write_every_s`` (``WRITE_EVERY_S``) before a write; other
+    kinds are written at once.
     """
 
-    def __init__(self, store: Store | None, maxsize: int = 10000, batch_max: int = 1000) -> None:
+    def __init__(
+        self,
+        store: Store | None,
+        maxsize: int = 10000,
+        batch_max: int = 1000,
+        write_every_s: float = WRITE_EVERY_S,
+    ) -> None:
+        if write_every_s < 0:
+            raise ValueError(f"write_every_s = {write_every_s!r}: must be >= 0 (seconds)")
         self.store = store
+        self.write_every_s = write_every_s
+        self._urgent: asyncio.Future[None] | None = None
+        self._urgent_queued = False  # an item outside GATHERED waits in the queue
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=maxsize)
         self.batch_max = batch_max
         self.dropped = 0
@@ -483,6 +545,10 @@ class Writer:
     def submit(self, kind: str, payload: Any) -> bool:
         try:
             self.queue.put_nowait((kind, payload))
+            if kind not in GATHERED:
+                self._urgent_queued = True
+                if self._urgent is not None and not self._urgent.done():
+                    self._urgent.set_result(None)
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -500,6 +566,7 @@ class Writer:
             try:
                 batch.append(self.queue.get_nowait())
             except asyncio.QueueEmpty:
+                self._urgent_queued = False
                 break
         return batch
 
@@ -535,6 +602,8 @@ class Writer:
         while True:
             if not pending:
                 first = await self.queue.get()
+                if first[0] in GATHERED and self.write_every_s > 0:
+                    await self._gather()
                 pending = self._take_batch(first)
             if await asyncio.to_thread(self._write, pending):
                 pending, backoff, self._pending = [], 0.25, []
@@ -542,6 +611,21 @@ class Writer:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 self._pending = pending
+
+    async def _gather(self) -> None:
+        """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
+        (A timer and a future: ``wait_for`` would make a task each time.)"""
+        if self.queue.qsize() >= self.batch_max or self._urgent_queued:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._urgent = fut
+        handle = loop.call_later(self.write_every_s, _done, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._urgent = None
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
