@@ -417,6 +417,8 @@ class Daemon:
     async def _start_api(self) -> None:
         import uvicorn
 
+        from sparkd.loop.httpserver import QuietServer
+
         assert self.app_factory is not None
         app = self.app_factory(self)
         host, port = self.settings.api.host, self.settings.api.port
@@ -445,7 +447,7 @@ class Daemon:
             access_log=False,
             lifespan="off",
         )
-        server = uvicorn.Server(cfg)
+        server = QuietServer(cfg)  # no 0.1 s tick (uvicorn's Server wakes the loop ten times a second)
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         self.api_server = server
