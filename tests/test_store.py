@@ -107,7 +107,7 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
     store = Store.open(db)
 
     async def go() -> Writer:
-        w = Writer(store, maxsize=1000)
+        w = Writer(store, maxsize=1000, write_every_s=0)  # write each sample at once: the lock outlasts a try
         task = asyncio.create_task(w.run())
         holder = sqlite3.connect(db, timeout=0)
         holder.execute("BEGIN EXCLUSIVE")  # another process holds the database
@@ -198,3 +198,26 @@ def test_samples_are_gathered_for_write_every_s_and_an_event_is_written_at_once(
     assert store.count_samples() == 7
     # an event does not wait for the gathering window, and takes the sample queued before it along
     assert event_after_s < 1.0
+
+
+def test_the_parsed_head_is_alembics_head_and_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from sparkd.resources import migrations_dir
+    from sparkd.store.store import script_head
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    assert script_head() == ScriptDirectory.from_config(cfg).get_current_head()
+    db = tmp_path / "h.db"
+    Store.open(db).close()  # a new file: migrated by Alembic
+    code = (
+        "import sys; from sparkd.store.store import Store; s = Store.open(sys.argv[1]); "
+        "print(s.current_revision(), 'alembic' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [script_head(), "False"]

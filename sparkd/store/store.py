@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -22,8 +23,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
@@ -109,12 +108,25 @@ class Store:
         engine = create_engine(f"sqlite:///{p}", connect_args={"check_same_thread": False, "timeout": 2.0})
         event.listen(engine, "connect", _on_connect)
         store = cls(engine, p)
-        if migrate:
+        if migrate and not store._at_head():
             store.upgrade()
         return store
 
+    def _at_head(self) -> bool:
+        """True when the database is already at the newest migration (read from the scripts'
+        ``revision`` lines): then Alembic, a quarter of a second of imports, is not loaded."""
+        try:
+            with self.engine.connect() as conn:
+                current = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars().all()
+        except SQLAlchemyError:
+            return False  # a new file, or not made by sparkd: let Alembic decide
+        return current == [script_head()]
+
     def upgrade(self, revision: str = "head") -> None:
         """Run Alembic migrations up to ``revision``."""
+        from alembic import command
+        from alembic.config import Config
+
         cfg = Config()
         cfg.set_main_option("script_location", str(migrations_dir()))
         cfg.set_main_option("sqlalchemy.url", str(self.engine.url))
@@ -459,6 +471,22 @@ class Store:
         with self.engine.connect() as conn:
             conn.exec_driver_sql("PRAGMA incremental_vacuum")
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\s*=\s*(?:\"([^\"]*)\"|None)", re.M)
+
+
+def script_head() -> str | None:
+    """The newest revision of ``migrations/versions`` (the one no script revises), parsed
+    from the scripts' ``revision = "…"`` / ``down_revision = "…"`` lines without Alembic.
+    None when that is not a single head (Alembic then decides)."""
+    revs: set[str] = set()
+    downs: set[str] = set()
+    for f in (migrations_dir() / "versions").glob("*.py"):
+        for key, value in _REVISION_LINE.findall(f.read_text()):
+            (revs if key == "revision" else downs).add(value)
+    heads = revs - downs
+    return heads.pop() if len(heads) == 1 else None
 
 
 def _done(fut: asyncio.Future[None]) -> None:
