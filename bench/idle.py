@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -86,7 +87,7 @@ def max_gap_s(db: Path, since: float) -> float:
         ts = [r[0] for r in con.execute("SELECT ts FROM samples WHERE ts >= ? ORDER BY ts", (since,))]
     finally:
         con.close()
-    return max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
 
 
 def free_port() -> int:
