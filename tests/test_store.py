@@ -18,7 +18,7 @@ def _row(ts: float, avail: int) -> dict:
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0002"
+    assert s.current_revision() == "0003"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:
@@ -221,3 +221,36 @@ def test_the_parsed_head_is_alembics_head_and_a_current_database_opens_without_a
     )
     out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [script_head(), "False"]
+
+
+def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    old = Store.open(db, migrate=False)
+    old.upgrade("0002")  # the schema sparkd 0.1 made
+    old.close()
+    t0 = 1_700_000_000.0
+    con = sqlite3.connect(db)
+    con.executemany(
+        "INSERT INTO samples (ts, mem_total, mem_available, mem_free, psi_some_avg10) VALUES (?, ?, ?, ?, ?)",
+        [(t0 + i, 128 << 30, (60 << 30) + i, 1 << 30, 0.5) for i in range(100)] + [(t0 + 5, 1, 2, 3, 4.0)],
+    )
+    con.commit()
+    con.close()
+    s = Store.open(db)
+    assert s.current_revision() == "0003"
+    rows = s.samples(since=t0)
+    assert len(rows) == 100  # the duplicate ts kept its first row
+    assert rows[5]["mem_available"] == (60 << 30) + 5 and rows[5]["mem_total"] == 128 << 30
+    assert rows[99]["psi_some_avg10"] == 0.5
+    latest = s.latest_sample()
+    assert latest is not None and latest["ts"] == t0 + 99
+    s.write_batch([("sample", _row(t0 + 100, 7)), ("sample", _row(t0 + 100, 8))])  # same ts: the first is kept
+    assert s.count_samples() == 101 and s.samples(since=t0 + 100)[0]["mem_available"] == 7
+    with s.engine.connect() as c:
+        ddl = c.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'samples'").scalar_one()
+        indexes = c.exec_driver_sql("SELECT name FROM sqlite_master WHERE tbl_name = 'samples' AND type = 'index'")
+        assert "WITHOUT ROWID" in ddl and indexes.all() == []  # the table is its own ts index
+    s.upgrade("0002")  # and back: the rows survive a downgrade too
+    assert Store.open(db, migrate=False).count_samples() == 101

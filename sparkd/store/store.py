@@ -58,7 +58,11 @@ _GPU_COLUMNS = (
     "memory_used_bytes",
     "memory_supported",
 )
-_INSERT_SAMPLE = f"INSERT INTO samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
+# OR IGNORE: ts is the key; a second sample at the very same ts (a clock stepped back) is not a reason
+# to refuse the whole batch (and retry it forever)
+_INSERT_SAMPLE = (
+    f"INSERT OR IGNORE INTO samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
+)
 _INSERT_GPU = f"INSERT INTO gpu_samples ({', '.join(_GPU_COLUMNS)}) VALUES ({', '.join('?' * len(_GPU_COLUMNS))})"
 _UPSERT_KCOUNT = (
     "INSERT INTO kernel_counts (minute_ts, kind, count) VALUES (?, ?, ?) "
@@ -235,7 +239,7 @@ class Store:
     # ------------------------------------------------------------------ reads
     def latest_sample(self) -> dict[str, Any] | None:
         with Session(self.engine) as conn:
-            row = conn.execute(select(SampleRow).order_by(SampleRow.id.desc()).limit(1)).first()
+            row = conn.execute(select(SampleRow).order_by(SampleRow.ts.desc()).limit(1)).first()
         return _sample_dict(row[0]) if row else None
 
     def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
