@@ -72,6 +72,18 @@ def db_bytes(db: Path) -> int:
         con.close()
 
 
+def table_bytes(db: Path) -> dict[str, int]:
+    """Bytes in use per table or index (``dbstat``), and ``samples/row``: the samples table's bytes per row."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        out = {n: int(b) for n, b in con.execute("SELECT name, sum(pgsize - unused) FROM dbstat GROUP BY name")}
+        rows = con.execute("SELECT count(*) FROM samples").fetchone()[0]
+        out["samples/row"] = out.get("samples", 0) // max(rows, 1)
+        return out
+    finally:
+        con.close()
+
+
 def newest_sample_ts(db: Path) -> float | None:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
     try:
@@ -187,6 +199,7 @@ def main() -> None:
             if eo is not None:
                 procs["earlyoom"] = eo.pid
             db0 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
+            tb0 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
             c0 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
             w0, w0_wall = time.monotonic(), time.time()
             lag = {d1.proc.pid: 0.0, d4.proc.pid: 0.0}
@@ -200,6 +213,7 @@ def main() -> None:
             win = time.monotonic() - w0
             c1 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
             db1 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
+            tb1 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
             rss = {k: rss_bytes(p) for k, p in procs.items()}
             time.sleep(3)  # the last gathered batch lands
             gaps = {d.proc.pid: max_gap_s(d.db, w0_wall) for d in (d1, d4)}
@@ -235,6 +249,13 @@ def main() -> None:
             f"({grow_h * 24 / 1e6:.1f} MB/day, all tables and indexes); newest sample reached the DB "
             f"within {lag[d.proc.pid]:.1f} s (at {lag_at[d.proc.pid]:.0f} s; poll 0.5 s)"
             f"; largest gap between samples {gaps[d.proc.pid]:.1f} s)"
+        )
+    for name, d in (("1 Hz", d1), ("4 Hz", d4)):
+        a, b = tb0[d.proc.pid], tb1[d.proc.pid]
+        grew = {t: b[t] - a.get(t, 0) for t in b if t != "samples/row" and b[t] != a.get(t, 0)}
+        print(
+            f"sparkd {name}: samples table {b['samples/row']} B/row; grew in the window (bytes): "
+            + ", ".join(f"{t} {n:+d}" for t, n in sorted(grew.items(), key=lambda x: -abs(x[1])))
         )
     print("goals: 1 Hz <= 500 µs/s; 4 Hz <= 3000 µs/s; <= 10 MB/day at 1 Hz; RSS <= 80 MiB; READY <= 1.5 s")
     _ = (r1, r4)
