@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from sparkd.core.choices import KvCacheDtype, RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
@@ -32,8 +32,11 @@ DEFAULT_CONFIG_PATH = Path("/etc/sparkd/sparkd.toml")
 class RuleConfig(BaseModel):
     """One stop rule. ``when``: all must hold; ``evidence``: any must hold (empty = none needed).
 
-    ``kind = "predictive"`` adds the MemAvailable slope projection (``floor``,
-    ``within_s``, ``window_s``) on top of ``when``.
+    ``kind = "predictive"`` adds the usable-memory slope projection (``floor``,
+    ``within_s``, ``window_s``) on top of ``when``; ``within_s`` unset = the time a stop
+    takes (``container.stop_timeout_s``, or measured stops). ``for_s`` makes the rule
+    duration-based: it trips after ``for_s`` seconds *and* at least ``samples`` samples
+    (default 3); without it, after ``samples`` consecutive samples (default 5).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -41,12 +44,12 @@ class RuleConfig(BaseModel):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,47}$")
     when: list[str] = Field(min_length=1)
     evidence: list[str] = Field(default_factory=list)
-    samples: int = Field(default=5, ge=1, le=3600)
+    samples: int | None = Field(default=None, ge=1, le=3600)
     for_s: float | None = Field(default=None, gt=0, le=3600)
     action: RuleAction = "stop"
     kind: RuleKind = "threshold"
     floor: str | None = None
-    within_s: float = Field(default=3.0, gt=0, le=600)
+    within_s: float | None = Field(default=None, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
 
     @field_validator("when", "evidence")
@@ -75,36 +78,45 @@ class RuleConfig(BaseModel):
         return self
 
 
-# Seed rules, CONTEXT.md "The watchdog": each with its own 5-sample counter.
+# Seed rules, CONTEXT.md "The watchdog": "5 consecutive samples" at the seed's 1 s sampling,
+# i.e. low water seen from the first sample to the fifth, 4 s apart. Written as a duration
+# (for_s = 4 s, at least 3 samples) so that fast sampling (0.25 s) does not turn them into 1 s
+# rules, which brought back the single-excursion false stops (issue 12, kind 7).
 SEED_RULES: list[dict[str, Any]] = [
-    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "for_s": 4.0, "samples": 3},
     {
         "name": "low_available_and_free",
         "when": ["MemAvailable < 10GiB", "MemFree < 2GiB"],
-        "samples": 5,
+        "for_s": 4.0,
+        "samples": 3,
     },
 ]
 
 # Defaults: the seed's rule 1; rule 2 gated on evidence (a MemFree sample counts only with
-# MemAvailable < 10 GiB and NV_ERR_NO_MEMORY in the window or MemAvailable < 3 GiB) because
-# ungated it stopped healthy servers during weight loading (MemFree 0.9 GiB at 32 GiB available)
-# and a vision request (MemFree 1.2–1.5 GiB for 5 s at ~7 GiB available, no driver errors);
-# the predictive rule closes the start-up gap (MemAvailable 29 → 6 GiB in ~6 s).
+# usable < 10 GiB and NV_ERR_NO_MEMORY in the window or usable < 3 GiB) because ungated it
+# stopped healthy servers during weight loading (MemFree 0.9 GiB at 32 GiB available) and a
+# vision request (MemFree 1.2–1.5 GiB for 5 s at ~7 GiB available, no driver errors); the
+# predictive rule closes the start-up gap (MemAvailable 29 → 6 GiB in ~6 s) and the slow fall
+# (0.5 GiB/s to a hang at ~7 GiB): its horizon is the time a stop takes.
+# All judge *usable* memory, MemAvailable − CmaFree: free CMA counts in MemAvailable but the
+# driver's allocations cannot use it (a host died at MemAvailable 10.45 GiB with 8.81 GiB of it
+# free CMA; field-2/homelab-kill7-cma.csv). Without CMA, usable = MemAvailable.
 DEFAULT_RULES: list[dict[str, Any]] = [
-    {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5},
+    {"name": "low_available", "when": ["usable < 6GiB"], "for_s": 4.0, "samples": 3},
     {
         "name": "low_free_with_evidence",
-        "when": ["MemFree < 2GiB", "MemAvailable < 10GiB"],
-        "evidence": ["nvrm_recent > 0", "MemAvailable < 3GiB"],
-        "samples": 5,
+        "when": ["MemFree < 2GiB", "usable < 10GiB"],
+        "evidence": ["nvrm_recent > 0", "usable < 3GiB"],
+        "for_s": 4.0,
+        "samples": 3,
     },
     {
         "name": "collapse_projected",
         "kind": "predictive",
-        "when": ["MemAvailable < 16GiB"],
+        "when": ["usable < 16GiB"],
         "floor": "4GiB",
-        "within_s": 3.0,
         "window_s": 2.0,
+        "for_s": 0.5,
         "samples": 2,
     },
 ]
@@ -118,6 +130,12 @@ class ApiSettings(BaseModel):
     port: int = Field(default=8741, ge=0, le=65535)
     allow_remote: bool = False
     allowed_hosts: list[str] = Field(default_factory=lambda: ["127.0.0.1", "localhost", "[::1]"])
+    # Resource caps of the HTTP side (issue 13): the guard keeps its descriptors and memory whatever
+    # clients do. Control requests are a few hundred bytes; a browser's headers a few KiB.
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    max_body_bytes: int = Field(default=65536, ge=1024, le=16 * 2**20)
+    max_header_bytes: int = Field(default=16384, ge=4096, le=2**20)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -204,6 +222,7 @@ class BudgetSettings(BaseModel):
     gmu_override: float | None = Field(default=None, gt=0, le=1)
     docker_headroom_gib: float = Field(default=5.0, ge=0)
     preflight_margin_gib: float = Field(default=2.0, ge=0)
+    apply_learned_reserve: bool = False  # raise host_reserve_gib to what past launches of this configuration needed
 
 
 class NotifySettings(BaseModel):
@@ -241,6 +260,12 @@ class RetentionSettings(BaseModel):
     @classmethod
     def _dur(cls, v: Any) -> Any:
         return parse_duration_s(v)
+
+    @field_validator("archives_max_bytes")
+    @classmethod
+    def _bytes(cls, v: str) -> str:
+        parse_size(v)  # refuses negative and decimal (GB) sizes
+        return v
 
 
 class PeerSettings(BaseModel):
@@ -288,6 +313,45 @@ class ClusterSettings(BaseModel):
         return self
 
 
+class ConsumersSettings(BaseModel):
+    """Who holds the memory: the periodic process scan (``sparkd.sense.consumers``) and co-tenant warnings."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = True
+    interval_s: float = Field(default=10.0, ge=1, le=3600)
+    top_n: int = Field(default=10, ge=1, le=100)
+    uss_top: int = Field(default=5, ge=0, le=100)
+    cotenant_limit: str | None = None  # a size ("12GiB"); unset: what the plan leaves the host minus the margin
+    cotenant_margin_gib: float = Field(default=8.0, ge=0)
+    cotenant_repeat_s: float = Field(default=600.0, ge=10)
+    history: int = Field(default=30, ge=2, le=720)  # scans kept in memory for the "before the fall" scan
+
+    @field_validator("cotenant_limit")
+    @classmethod
+    def _limit(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+
+class ReliefSettings(BaseModel):
+    """Relief before stopping: drop clean page cache once while a MemFree rule counts (CONTEXT.md "Relief")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    enabled: bool = False
+    min_reclaimable: str = "1GiB"
+    min_interval_s: float = Field(default=60.0, ge=1)
+    timeout_s: float = Field(default=10.0, gt=0, le=120)
+
+    @field_validator("min_reclaimable")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        parse_size(v)
+        return v
+
+
 def _default_state_dir() -> str:
     if os.geteuid() == 0:
         return "/var/lib/sparkd"
@@ -317,6 +381,7 @@ class Settings(BaseSettings):
     rules: list[RuleConfig] = Field(default_factory=lambda: [RuleConfig(**r) for r in DEFAULT_RULES])
     cooldown_s: float = Field(default=60.0, ge=0, le=86400)
     dry_run: bool = False
+    monitor_only: bool = False  # sample and record only, explicitly (allows a rule set without a stop rule)
     recheck: bool = True
 
     kernlog_source: Literal["auto", "kmsg", "journal", "dmesg", "off"] = "auto"
@@ -339,11 +404,13 @@ class Settings(BaseSettings):
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
+    consumers: ConsumersSettings = Field(default_factory=ConsumersSettings)
+    relief: ReliefSettings = Field(default_factory=ReliefSettings)
 
     @field_validator("fast_margin", "fast_fall_rate", "leak_threshold")
     @classmethod
     def _size(cls, v: str) -> str:
-        parse_size(v)
+        parse_size(v)  # refuses negative and decimal (GB) sizes
         return v
 
     @model_validator(mode="after")
@@ -354,6 +421,11 @@ class Settings(BaseSettings):
             raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
         if self.fast_interval_s > self.interval_s:
             raise ValueError("fast_interval_s must be <= interval_s")
+        if not any(r.action == "stop" for r in self.rules) and not self.dry_run and not self.monitor_only:
+            raise ValueError(
+                f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop"), so nothing would ever '
+                "stop the container; add one, or say so explicitly with dry_run = true or monitor_only = true"
+            )
         if self.budget.enabled and self.container.memory is not None:
             raise ValueError(
                 "container.memory and budget.enabled = true both set Docker --memory; the budget derives it "
@@ -370,7 +442,12 @@ class Settings(BaseSettings):
     def logs_path(self) -> Path:
         if self.log_dir:
             return Path(self.log_dir)
-        return Path("/var/log/sparkd") if os.geteuid() == 0 else Path(self.state_dir) / "logs"
+        # /var/log/sparkd only for the system daemon (root, the default state dir): a daemon with a
+        # state dir of its own keeps its log beside it, so two daemons never share a log (or archive
+        # each other's lines in a postmortem)
+        if os.geteuid() == 0 and Path(self.state_dir) == Path("/var/lib/sparkd"):
+            return Path("/var/log/sparkd")
+        return Path(self.state_dir) / "logs"
 
     @property
     def archives_path(self) -> Path:
@@ -396,11 +473,11 @@ class Settings(BaseSettings):
 def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = ".".join(str(p) for p in e["loc"])
         value = e.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {key} = {shown}: {msg}")
+        lines.append(f"  {key} = {shown}: {msg}" if key else f"  {msg}")  # a check across keys names them itself
     return "\n".join(lines)
 
 
@@ -437,6 +514,14 @@ def load_settings(path: str | Path | None = None, *, overrides: dict[str, Any] |
         return Settings(**data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, source)) from None
+    except SettingsError as e:  # an environment value that is not JSON where JSON is needed
+        field = str(e).partition('field "')[2].partition('"')[0] or "?"
+        env = f"SPARKD_{field.upper()}"
+        shown = os.environ.get(env, "")
+        raise ConfigError(
+            f"{env} = {shown[:80]!r}: not valid JSON; {field} takes a JSON value from the environment "
+            f'(e.g. {env}=\'[{{"name": "low_available", "when": ["MemAvailable < 6GiB"]}}]\')'
+        ) from None
 
 
 REDACTED = "<redacted>"
@@ -464,10 +549,15 @@ def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, An
 FIELD_DOCS: dict[str, str] = {
     "state_dir": "SQLite store, API token and postmortem archives (/var/lib/sparkd as root).",
     "db_path": "SQLite file; default <state_dir>/sparkd.db.",
-    "log_dir": "sparkd's own rotated log; default /var/log/sparkd as root, else <state_dir>/logs.",
+    "log_dir": (
+        "sparkd's own rotated log; default /var/log/sparkd for the system daemon (root, state_dir "
+        "/var/lib/sparkd), else <state_dir>/logs."
+    ),
     "archive_dir": "Postmortem bundles (tar.gz); default <state_dir>/archives.",
     "proc_root": "Where /proc is read from (tests point it at fixture trees).",
     "shm_dir": "The host's POSIX shared memory directory (--ipc host puts the container's here).",
+    "monitor_only": "Sample, evaluate and record only; never act on a container. Needed (or dry_run) for a rule "
+    "set without a stop rule.",
     "interval_s": "Seconds between samples in normal mode (CONTEXT.md: about once a second). 0.1..60.",
     "fast_interval_s": "Seconds between samples in fast mode: start-up, a rule counting, near a floor. >= 0.1.",
     "fast_margin": "Sample fast while MemAvailable is within this of a rule's floor.",
@@ -494,6 +584,12 @@ FIELD_DOCS: dict[str, str] = {
     "api.port": "Listen port of the API and dashboard.",
     "api.allow_remote": "Allow binding beyond loopback (the API can stop containers: protect it).",
     "api.allowed_hosts": "Host header values accepted (DNS-rebinding protection).",
+    "api.max_connections": "Open HTTP connections at most (also kept below the descriptor limit minus a reserve "
+    "for the guard and the stop path); more are closed at once.",
+    "api.header_timeout_s": "A connection that has not sent a complete request head within this time is closed "
+    "(slow or idle clients: slowloris).",
+    "api.max_body_bytes": "Largest request body; a larger one is refused (413) before it is read.",
+    "api.max_header_bytes": "Largest request head (request line + headers); a larger one is refused (400).",
     "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
     "container.name": "Name of the container sparkd launches.",
     "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",
@@ -546,7 +642,10 @@ FIELD_DOCS: dict[str, str] = {
     "budget.max_num_batched_tokens": "vLLM --max-num-batched-tokens.",
     "budget.gmu_override": "Explicit --gpu-memory-utilization instead of the formula's.",
     "budget.docker_headroom_gib": "Docker --memory = budget + this (notes: 5).",
-    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this.",
+    "budget.preflight_margin_gib": "Preflight: MemAvailable must exceed GMU x MemTotal by this (or by the "
+    "start-up overshoot learned from past launches of the same configuration); also the learned reserve's margin.",
+    "budget.apply_learned_reserve": "Raise host_reserve_gib to the reserve learned from past launches of the same "
+    "configuration (their start-up troughs); shown with its evidence in `sparkd plan`.",
     "notify.kinds": "Event kinds that are sent out.",
     "notify.command": "argv run for each event (no shell); fields in SPARKD_EVENT_* variables.",
     "notify.webhook_url": "URL that receives a JSON POST for each event.",
@@ -566,6 +665,20 @@ FIELD_DOCS: dict[str, str] = {
     "cluster.peer_timeout_s": "Timeout of one call to a peer; a local stop never waits for it.",
     "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
     "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
+    "consumers.enabled": "Scan processes for who holds the memory (container, host co-tenants, system services).",
+    "consumers.interval_s": "Seconds between process scans (and one at every trip); in a worker thread.",
+    "consumers.top_n": "Processes and command names kept per scan.",
+    "consumers.uss_top": "How many of the top processes also get USS (smaps_rollup; costs a page-table walk).",
+    "consumers.cotenant_limit": "Warn when host co-tenants hold more RSS than this; unset: MemTotal minus the "
+    "plan's budget (or budget.host_reserve_gib without a plan) minus cotenant_margin_gib.",
+    "consumers.cotenant_margin_gib": "Left for the kernel, page cache and the stop lines when the limit is derived.",
+    "consumers.cotenant_repeat_s": "A co-tenant warning repeats at most this often while it lasts.",
+    "relief.enabled": "Drop clean page cache once (root) while a MemFree-based rule counts, before it stops; "
+    "never for MemAvailable-only rules. Off by default, as in the field.",
+    "relief.min_reclaimable": "Only when Active(file)+Inactive(file)-Mapped-Dirty-Writeback is at least this.",
+    "relief.min_interval_s": "At most one relief per this many seconds.",
+    "relief.timeout_s": "A drop that takes longer counts as hung: relief is off for the rest of the run.",
+    "consumers.history": "Scans kept in memory; a trip's fall shares compare with the one of highest MemAvailable.",
 }
 
 

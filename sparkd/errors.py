@@ -99,6 +99,13 @@ class BadHost(SparkdError):
     code = "bad_host"
 
 
+class TooLarge(SparkdError):
+    """A request body over ``api.max_body_bytes``: refused before it is read."""
+
+    status_code = 413
+    code = "too_large"
+
+
 class MetricsUnavailable(SparkdError):
     """vLLM's ``/metrics`` could not be fetched or parsed (server down, not vLLM, bad text)."""
 

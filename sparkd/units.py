@@ -20,37 +20,48 @@ _UNITS: dict[str, int] = {
     "kb": KiB,
     "kib": KiB,
     "m": MiB,
-    "mb": MiB,
     "mib": MiB,
     "g": GiB,
-    "gb": GiB,
     "gib": GiB,
     "t": 1024 * GiB,
-    "tb": 1024 * GiB,
     "tib": 1024 * GiB,
 }
-# "GB" is read as GiB on purpose: operators write "6GB" and mean what free -g shows.
+# Decimal names are refused, not guessed (issue 13: "4 GB" was read as 4 GiB, 7 % more than
+# written). The message gives both exact readings. "kB" stays binary: /proc/meminfo's own unit.
+_DECIMAL: dict[str, tuple[int, str]] = {"mb": (10**6, "MiB"), "gb": (10**9, "GiB"), "tb": (10**12, "TiB")}
 _SIZE_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int | float) -> int:
     """Parse ``"6GiB"``, ``"512 MiB"``, ``"1.5g"`` or a plain number of bytes into bytes.
 
-    Units are binary (KiB, MiB, GiB, TiB); ``kB``/``GB`` are read as binary too,
-    as /proc/meminfo does for ``kB``.
+    Units are binary (KiB, MiB, GiB, TiB; ``k``/``m``/``g``/``t`` alike); ``kB`` is
+    read as KiB, as /proc/meminfo does. Decimal ``MB``/``GB``/``TB`` are refused with
+    both exact readings in the message (``"4 GB"``: 4GiB, or 3.73GiB for 4×10⁹ bytes).
 
     Raises:
-        ValueError: the text is not a number followed by one of
-            B, KiB, MiB, GiB, TiB (case-insensitive).
+        ValueError: the text is not a number followed by one of B, KiB, MiB, GiB, TiB
+            (case-insensitive), names a decimal unit, or is negative.
     """
     if isinstance(text, bool):
         raise ValueError(f"not a size: {text!r}")
     if isinstance(text, int | float):
+        if text < 0:
+            raise ValueError(f"a size cannot be negative: {text!r} (allowed: 0 or more bytes)")
         return int(text)
     m = _SIZE_RE.match(text)
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. '6GiB', '512MiB', '1.5GiB')")
     number, unit = m.groups()
+    if number.startswith("-"):
+        raise ValueError(f"a size cannot be negative: {text!r} (allowed: 0 or more, e.g. '6GiB')")
+    if unit.lower() in _DECIMAL:
+        scale, binary = _DECIMAL[unit.lower()]
+        exact = float(number) * scale / _UNITS[binary.lower()]
+        raise ValueError(
+            f"{text!r}: decimal {unit} is ambiguous; write {number}{binary} (binary, what sparkd uses) "
+            f"or {exact:.4g}{binary} for {number} × 10^{len(str(scale)) - 1} bytes"
+        )
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown size unit {unit!r} in {text!r} (allowed: B, KiB, MiB, GiB, TiB)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import sqlite3
@@ -53,10 +54,16 @@ def sparkd_run(
     config: str = "",
     env: dict[str, str] | None = None,
     args: tuple[str, ...] = ("--no-api",),
+    state_dir: Path | None = None,
+    nofile: int | None = None,
 ) -> Iterator[subprocess.Popen[str]]:
-    """Run ``python -m sparkd.face.cli --config CFG run ARGS``; SIGTERM and wait on exit."""
+    """Run ``python -m sparkd.face.cli --config CFG run ARGS``; SIGTERM and wait on exit.
+
+    The config file is ``tmp_path/sparkd.toml``; the state directory ``state_dir`` (default ``tmp_path``);
+    ``nofile``: the daemon's descriptor limit (soft = hard), as ``ulimit -n`` would set it."""
     cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
+    state = state_dir or tmp_path
+    cfg.write_text(f'state_dir = "{state}"\nlog_dir = "{tmp_path / "logs"}"\n' + config)
     e = {
         k: v
         for k, v in os.environ.items()
@@ -69,6 +76,7 @@ def sparkd_run(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None,
     )
     try:
         yield p

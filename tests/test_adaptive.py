@@ -21,7 +21,7 @@ from hog import Hog
 from sparkdproc import db_query, sparkd_run, wait_for
 
 from sparkd.config import load_settings
-from sparkd.core.sample import Sample
+from sparkd.core.sample import Sample, derive
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.guard import Guard
 from sparkd.sense import procfs
@@ -58,13 +58,15 @@ def _guard(tmp_path: Path, **overrides: object) -> Guard:
 
 
 def _sample(mono: float, avail_gib: float, free_gib: float = 20.0) -> Sample:
-    return Sample(
+    s = Sample(
         ts=1_700_000_000.0 + mono,
         mono=mono,
         mem_total=int(100 * GiB),
         mem_available=int(avail_gib * GiB),
         mem_free=int(free_gib * GiB),
     )
+    derive(s)  # usable memory, as build_sample derives it
+    return s
 
 
 def _steady(g: Guard, avail_gib: float, free_gib: float = 20.0) -> Sample:
@@ -111,12 +113,13 @@ def test_fast_reason_a_predictive_rules_floor_counts(tmp_path: Path) -> None:
     rule = {"name": "collapse", "kind": "predictive", "when": ["nvrm_recent >= 0"], "floor": "4GiB", "samples": 2}
     g = _guard(tmp_path, rules=[rule])
     assert g.fast_reason(_steady(g, 5.0)) is None
-    assert g.fast_reason(_steady(g, 4.5)) == "mem_available within 1GiB of collapse's floor"
-    # a '<' size gate is a floor as well: below it, sampling is always fast
+    assert g.fast_reason(_steady(g, 4.5)) == "usable within 1GiB of collapse's floor"
+    # a '<' size gate is where the projection starts (not a stop line): near or below it, sampling is fast
     g = _guard(tmp_path, rules=[{**rule, "when": ["MemAvailable < 16GiB"]}])
     assert g.fast_reason(_steady(g, 17.5)) is None
-    assert g.fast_reason(_steady(g, 16.5)) == "mem_available within 1GiB of collapse's floor"
-    assert g.fast_reason(_steady(g, 10.0)) == "mem_available within 1GiB of collapse's floor"
+    watch = "mem_available near or below collapse's watch level 16.00 GiB (projecting; not a stop line)"
+    assert g.fast_reason(_steady(g, 16.5)) == watch
+    assert g.fast_reason(_steady(g, 10.0)) == watch
 
 
 def test_fast_reason_falling_faster_than_the_rate_means_fast(tmp_path: Path) -> None:
@@ -247,6 +250,7 @@ def _cfg(rule_floor: int, *, margin: str, fall: str) -> str:
     return (
         f"interval_s = {NORMAL}\nfast_interval_s = {FAST}\nfast_hold_s = {HOLD}\n"
         f'fast_margin = "{margin}"\nfast_fall_rate = "{fall}"\nkernlog_source = "off"\n'
+        "monitor_only = true\n"  # a warn-only rule set must say so (config refuses it otherwise)
         f"[[rules]]\n"
         f'name = "test_floor"\nwhen = ["MemAvailable < {rule_floor}B"]\nsamples = 3600\naction = "warn"\n'
     )

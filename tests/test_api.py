@@ -27,6 +27,7 @@ from sparkd.errors import ConfigError
 from sparkd.face.app import create_app
 from sparkd.face.auth import SESSION_COOKIE, Auth, ensure_token
 from sparkd.loop.daemon import Daemon
+from tests.conftest import fixture
 
 BASE = "http://127.0.0.1:8741"
 
@@ -78,7 +79,7 @@ def _bearer(d: Daemon) -> dict[str, str]:
 
 
 async def _login(c: httpx.AsyncClient, d: Daemon) -> str:
-    r = await c.get("/login", params={"token": _token(d)})
+    r = await c.post("/login", data={"token": _token(d)})
     assert r.status_code == 303
     page = await c.get("/")
     m = re.search(r'<meta name="csrf-token" content="([^"]+)"', page.text)
@@ -304,7 +305,13 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     if sample.get("psi_some_avg10") is not None:
         assert ("sparkd_pressure_memory_some_avg10", ()) in samples
     assert samples[("sparkd_rule_counter", (("rule", "low_available"),))] == 0
-    assert samples[("sparkd_rule_samples_required", (("rule", "low_available"),))] == 5
+    assert samples[("sparkd_rule_samples_required", (("rule", "low_available"),))] == 3
+    # usable memory beside MemAvailable (MemAvailable - CmaFree; equal without CMA)
+    assert samples[("sparkd_memory_usable_bytes", ())] == sample["mem_available_minus_cma"]
+    assert status["usable_bytes"] == sample["mem_available_minus_cma"]
+    assert samples[("sparkd_rule_blind", (("reason", ""), ("rule", "low_available")))] == 0
+    assert samples[("sparkd_kernel_log_lost_total", ())] == status["kernel_log"]["lost"] == 0
+    assert samples[("sparkd_nvrm_bursts_total", ())] == 0
     assert samples[("sparkd_rule_trips_total", (("rule", "low_available"),))] == 0
     assert ("sparkd_rule_near_misses_total", (("rule", "low_free_with_evidence"),)) in samples
     assert samples[("sparkd_nvrm_errors_total", ())] == 0
@@ -316,10 +323,43 @@ async def test_it_exports_prometheus_metrics(managed: Daemon) -> None:
     assert samples[("sparkd_tick_seconds", (("quantile", "0.5"),))] > 0
 
 
+async def test_a_blind_guard_names_each_rule_that_cannot_evaluate(tmp_path: Path) -> None:
+    # a container-virtualised /proc whose meminfo has no MemAvailable (field-2/proc-no-memavailable)
+    d = await _daemon(tmp_path, proc_root=str(fixture("field-2", "proc-no-memavailable")))
+    try:
+        async with _client(d) as c:
+            text = (await c.get("/metrics")).text
+            status = (await c.get("/api/status")).json()
+            rules_html = (await c.get("/ui/rules")).text
+    finally:
+        await d.shutdown("test")
+    why = "cannot evaluate: MemAvailable not read"
+    for rule in ("low_available", "low_free_with_evidence", "collapse_projected"):
+        assert f'sparkd_rule_blind{{reason="{why}",rule="{rule}"}} 1.0' in text
+    assert status["blind"]["rules"] == {
+        r: why for r in ("low_available", "low_free_with_evidence", "collapse_projected")
+    }
+    assert [r["blind"] for r in status["rules"]] == [why] * 3  # never a quiet 0/N
+    sensor = status["blind"]["sensors"]["MemAvailable"]
+    assert sensor.startswith("no MemAvailable line in ") and "needed by low_available" in sensor
+    assert 'sparkd_input_blind{input="MemAvailable"' in text
+    # the dashboard's rule cards say BLIND and why, with no counter
+    assert rules_html.count(">BLIND</span>") == 3
+    assert rules_html.count(f'<p class="reason small critical-text rule-blind">{why}</p>') == 3
+    assert '<span class="of">' not in rules_html
+    # one event at start, not one per sample
+    blind_events = [e for e in d.recent_events if e["kind"] == "sensor_blind"]
+    assert len(blind_events) == 1 and blind_events[0]["severity"] == "critical"
+    assert "rule low_available cannot evaluate: MemAvailable not read" in blind_events[0]["message"]
+
+
 async def test_it_marks_monitor_only_in_metrics(daemon: Daemon) -> None:
     async with _client(daemon) as c:
         text = (await c.get("/metrics")).text
-    assert 'sparkd_container_state{state="monitor-only"} 1.0' in text
+    # the same words as /api/status: state "none", mode "monitor-only"
+    assert 'sparkd_container_state{state="none"} 1.0' in text
+    assert 'sparkd_container_mode{mode="monitor-only"} 1.0' in text
+    assert 'state="monitor-only"' not in text
 
 
 # --------------------------------------------------------------------------- control
@@ -469,13 +509,19 @@ async def test_it_passes_the_budget_refusal_through(managed: Daemon) -> None:
 
 
 # --------------------------------------------------------------------------- sessions & CSRF
-async def test_it_logs_in_with_the_token_and_strips_it_from_the_url(managed: Daemon) -> None:
+async def test_it_never_takes_the_token_from_the_url(managed: Daemon) -> None:
     async with _client(managed) as c:
         r = await c.get("/login", params={"token": _token(managed)})
+        # refused even with the right token: a token in a URL stays in history and logs
+        assert r.status_code == 400 and "not taken from the address" in r.text
+        assert SESSION_COOKIE not in r.headers.get("set-cookie", "")
+        r = await c.post("/login", data={"token": _token(managed)})
         assert r.status_code == 303 and r.headers["location"] == "/"
         cookie = r.headers["set-cookie"].lower()
         assert "httponly" in cookie and "samesite=strict" in cookie and SESSION_COOKIE in cookie
         assert "Log out" in (await c.get("/")).text
+    # a successful login is an event
+    assert any(e["kind"] == "login" for e in managed.recent_events)
 
 
 async def test_it_logs_in_with_the_form(managed: Daemon) -> None:
@@ -483,17 +529,26 @@ async def test_it_logs_in_with_the_form(managed: Daemon) -> None:
         r = await c.post("/login", data={"token": _token(managed)})
         assert r.status_code == 303
         assert "csrf-token" in (await c.get("/")).text
+        kept = dict(c.cookies)
         r = await c.post("/logout")
         assert r.status_code == 303
         c.cookies.clear()
         assert "csrf-token" not in (await c.get("/")).text
+        # the old cookie, replayed after logout, is worth nothing: the session ended server-side
+        c.cookies.update(kept)
+        assert "csrf-token" not in (await c.get("/")).text
+        _err(await c.get("/api/archives"), 401, "unauthorized")
 
 
-async def test_it_refuses_a_wrong_login(managed: Daemon) -> None:
+async def test_it_refuses_a_wrong_login_and_backs_off_per_client(managed: Daemon) -> None:
     async with _client(managed) as c:
-        r = await c.get("/login", params={"token": "guess"})
+        r = await c.post("/login", data={"token": "guess"})
         assert r.status_code == 401 and "not valid" in r.text and SESSION_COOKIE not in r.headers.get("set-cookie", "")
-        assert (await c.post("/login", data={"token": "guess"})).status_code == 401
+        for _ in range(4):  # five failures are free
+            assert (await c.post("/login", data={"token": "guess"})).status_code == 401
+        assert (await c.post("/login", data={"token": "guess"})).status_code == 401  # the 6th: back-off starts
+        r = await c.post("/login", data={"token": _token(managed)})  # even the right token waits now
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
 
 
 async def test_it_requires_csrf_with_a_session(managed: Daemon) -> None:
@@ -744,3 +799,39 @@ async def test_it_refreshes_the_cached_status_on_each_sample(daemon: Daemon) -> 
         assert (await c.get("/api/status")).json()["samples_taken"] == first["samples_taken"] + 1
         daemon.event("test_event", "a new event without a new sample")
         assert (await c.get("/api/status")).json()["events"][0]["kind"] == "test_event"
+
+
+# --------------------------------------------------------------------------- limits and odd input (issue 13)
+async def test_it_refuses_two_host_headers_whatever_the_http_parser(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.get("/api/status", headers=[("Host", "attacker.example"), ("Host", "127.0.0.1:8741")])
+    assert "2 Host headers; send exactly one" in str(_err(r, 400, "bad_host"))
+
+
+async def test_it_refuses_a_body_over_the_cap_before_reading_it(managed: Daemon) -> None:
+    cap = managed.settings.api.max_body_bytes
+    async with _client(managed) as c:
+        r = await c.post("/api/resize", content=b"{}", headers={"Content-Length": str(cap + 1), **_bearer(managed)})
+        assert "api.max_body_bytes" in str(_err(r, 413, "too_large"))
+
+        async def chunked() -> Any:  # no Content-Length: cut while reading, at the cap
+            for _ in range(cap // 1024 + 2):
+                yield b" " * 1024
+
+        r = await c.post(
+            "/api/resize", content=chunked(), headers={**_bearer(managed), "Content-Type": "application/json"}
+        )
+        assert r.status_code != 200
+        r = await c.post("/api/resize", json={"kv_target_gib": 8}, headers=_bearer(managed))  # a small one is fine
+        assert r.status_code == 200, r.text
+
+
+async def test_it_answers_a_lone_surrogate_with_422_naming_the_field(managed: Daemon) -> None:
+    async with _client(managed) as c:
+        r = await c.post(
+            "/api/resize",
+            content=b'{"kv_cache_dtype":"\\ud800"}',
+            headers={**_bearer(managed), "Content-Type": "application/json"},
+        )
+    detail = _err(r, 422, "invalid_input")
+    assert r.json()["detail"]["field"] == "kv_cache_dtype", detail

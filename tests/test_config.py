@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -130,7 +131,7 @@ def test_config_show_redacts_container_environment_values(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({"container": {"memory": "-3GiB"}}, "container.memory = \"-3GiB\": '-3GiB' must be a positive size"),
+        ({"container": {"memory": "-3GiB"}}, "container.memory = \"-3GiB\": a size cannot be negative: '-3GiB'"),
         (
             {"container": {"memory": "3GiB"}, "budget": {"enabled": True}},
             "container.memory and budget.enabled = true both set Docker --memory",
@@ -147,3 +148,91 @@ def test_a_malformed_allowed_host_is_refused() -> None:
     with pytest.raises(ConfigError) as e:
         load_settings(overrides={"api": {"allowed_hosts": ["a@b", "localhost"]}})
     assert "api.allowed_hosts" in e.value.message and "not a host[:port]: 'a@b'" in e.value.message
+
+
+# --------------------------------------------------------------------------- config that silently disarms (issue 13)
+@pytest.mark.parametrize(
+    ("toml", "key", "says"),
+    [
+        ('leak_threshold = "-4GiB"', "leak_threshold", "cannot be negative"),
+        ('fast_margin = "-1GiB"', "fast_margin", "cannot be negative"),
+        ('fast_fall_rate = "-1MiB"', "fast_fall_rate", "cannot be negative"),
+        ('[retention]\narchives_max_bytes = "-1"', "retention.archives_max_bytes", "cannot be negative"),
+        ('[container]\nhard_floor = "-3GiB"', "container.hard_floor", "cannot be negative"),
+        ('[[rules]]\nname = "x"\nwhen = ["MemAvailable < -6GiB"]', "rules.0.when", "cannot be negative"),
+        (
+            '[[rules]]\nname = "x"\nkind = "predictive"\nwhen = ["MemAvailable < 9GiB"]\nfloor = "-1GiB"',
+            "rules.0.floor",
+            "negative",
+        ),
+        ('leak_threshold = "4 GB"', "leak_threshold", "write 4GiB (binary, what sparkd uses) or 3.725GiB"),
+        ('[[rules]]\nname = "x"\nwhen = ["MemAvailable < 6GB"]', "rules.0.when", "5.588GiB for 6 × 10^9 bytes"),
+        ("rules = []", "rules = []", "no stop rule"),
+        (
+            '[[rules]]\nname = "x"\nwhen = ["MemAvailable < 6GiB"]\naction = "warn"',
+            "no stop rule",
+            "monitor_only = true",
+        ),
+    ],
+)
+def test_it_refuses_config_that_silently_disarms(tmp_path: Path, toml: str, key: str, says: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(toml + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_settings(p)
+    assert key in e.value.message and says in e.value.message, e.value.message
+
+
+def test_no_stop_rule_is_allowed_when_said_explicitly(tmp_path: Path) -> None:
+    for extra in ("dry_run = true", "monitor_only = true"):
+        p = tmp_path / "c.toml"
+        p.write_text(f"rules = []\n{extra}\n")
+        assert load_settings(p).rules == []
+
+
+def test_a_garbage_rules_variable_is_one_clear_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
+    env["SPARKD_RULES"] = "garbage"
+    r = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "config", "show"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert "SPARKD_RULES = 'garbage': not valid JSON" in r.stderr
+
+
+def test_doctor_warns_about_a_threshold_this_host_can_never_reach(tmp_path: Path) -> None:
+    from sparkd.ops.doctor import DoctorContext, check_rule_reach
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+    p = tmp_path / "c.toml"
+    p.write_text(
+        '[[rules]]\nname = "never"\nwhen = ["MemAvailable < 0GiB"]\n'
+        '[[rules]]\nname = "above_total"\nwhen = ["MemFree > 32GiB"]\n'
+        '[[rules]]\nname = "fine"\nwhen = ["MemAvailable < 6GiB"]\n'
+    )
+    checks = check_rule_reach(DoctorContext(proc_root=proc, rules=load_settings(p).rules))
+    warned = {c.title: c.detail for c in checks if c.status == "WARN"}
+    assert set(warned) == {"Rule never", "Rule above_total"}
+    assert (
+        "never below 0" in warned["Rule never"] and "never exceeds MemTotal (16.00 GiB)" in warned["Rule above_total"]
+    )
+
+
+def test_a_daemon_with_its_own_state_dir_keeps_its_own_log(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+
+    s = load_settings(overrides={"state_dir": str(tmp_path / "s")})
+    # never the system daemon's /var/log/sparkd: two daemons must not share (and archive) one log
+    assert s.logs_path == tmp_path / "s" / "logs"
+    system = load_settings(overrides={"state_dir": "/var/lib/sparkd"})
+    import os
+
+    expected = Path("/var/log/sparkd") if os.geteuid() == 0 else Path("/var/lib/sparkd/logs")
+    assert system.logs_path == expected
+    assert load_settings(overrides={"state_dir": str(tmp_path), "log_dir": "/x/y"}).logs_path == Path("/x/y")

@@ -39,6 +39,7 @@ TITLES = [
     "Swap",
     "Kernel watermarks",
     "MemTotal",
+    "usable memory",
     "/dev/shm",
     "/proc visibility",
     "daemon-reload GPU risk",
@@ -149,6 +150,10 @@ def test_it_passes_a_healthy_gb10(tmp_path: Path) -> None:
     assert by["GPU"] == "NVIDIA GB10, driver 580.126.09, CUDA 13.0"
     assert by["GPU memory"] == ("Not Supported (unified memory, GB10): /proc/meminfo is the ground truth")
     assert by["MemTotal"] == "121.69 GiB"
+    assert by["usable memory"] == (
+        "112.94 GiB = MemAvailable 113.07 GiB - CmaFree 0.13 GiB "
+        "(free CMA is not usable by the driver; the rules judge usable)"
+    )
     assert by["Swap"].startswith("off")
     assert by["daemon-reload GPU risk"] == "2 NVIDIA nodes linked in /dev/char"
     assert by["sparkd unit"] == "active, enabled"
@@ -256,6 +261,22 @@ def test_it_reports_each_condition(tmp_path: Path, mutate: str, title: str, stat
     assert set(others.values()) == {"OK"}, format_report(checks)
 
 
+def test_a_proc_without_memavailable_fails(tmp_path: Path) -> None:
+    # container-virtualised /proc (lxcfs) as in field-2/proc-no-memavailable: the guard would be blind
+    ctx, _ = _gb10_ctx(tmp_path)
+    shutil.copy(fixture("field-2", "proc-no-memavailable", "meminfo"), ctx.proc_root / "meminfo")
+    checks = run_checks(ctx)
+    fail = [c for c in checks if c.status == "FAIL"]
+    assert [(c.title, c.detail) for c in fail] == [
+        (
+            "MemAvailable",
+            f"not in {ctx.proc_root}/meminfo: the rules that need it cannot evaluate (sparkd would be blind)",
+        )
+    ]
+    assert "lxcfs" in fail[0].action
+    assert exit_code(checks) == 1
+
+
 def test_it_names_the_system_not_pid1_situation(tmp_path: Path) -> None:
     ctx, host = _gb10_ctx(tmp_path)
     shutil.rmtree(ctx.run_root / "systemd")
@@ -275,7 +296,7 @@ def test_a_crashing_check_still_gives_a_report(tmp_path: Path) -> None:
     ctx, _ = _gb10_ctx(tmp_path)
     (ctx.proc_root / "meminfo").unlink()
     checks = run_checks(ctx)
-    assert [c.title for c in checks if c.status == "FAIL"] == ["swap", "watermarks", "memtotal"]
+    assert [c.title for c in checks if c.status == "FAIL"] == ["swap", "watermarks", "memtotal", "rule_inputs"]
     assert exit_code(checks) == 1
 
 

@@ -306,7 +306,23 @@ def test_a_stopped_model_stays_stopped_across_restarts_of_sparkd(sparkd_factory:
     assert "ended 'stopped'" in ev["message"] and "sparkd start" in ev["message"]
     time.sleep(2.0)
     assert len(s.events("launched")) == 1
-    assert s.container()["stay_stopped"] is True
+    after = s.container()
+    assert after["stay_stopped"] is True
+    # says what it is: the stopped container, not "none"
+    assert after["state"] == "stopped", after
+    assert after["name"] == c["name"] and after["image"] == c["image"]
+    assert "sparkd start" in (after["state_reason"] or "")
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    line = next(ln for ln in out.splitlines() if ln.startswith("container:"))
+    assert line.startswith(f"container: stopped {c['name']}") and "stays stopped until `sparkd start`" in line, out
     assert s.api("POST", "/api/container/start").status_code == 200
     c2 = s.wait_state("ready", 60)
     assert c2["container_id"] != c["container_id"]

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES
-from sparkd.core.sample import Sample
+from sparkd.core.sample import Sample, derive
 from sparkd.ops.replay import ReplayResult, Trace, interpolate, load_csv, replay
 from sparkd.units import GiB, MiB
 from tests.conftest import fixture
@@ -21,7 +21,7 @@ MEM_TOTAL = round(121.69 * GiB)
 
 
 def S(t: float, avail: float | None, free: float | None = None, nvrm: int = 0, *, unit: int = GiB) -> Sample:
-    return Sample(
+    s = Sample(
         ts=t,
         mono=t,
         mem_total=MEM_TOTAL,
@@ -29,6 +29,8 @@ def S(t: float, avail: float | None, free: float | None = None, nvrm: int = 0, *
         mem_free=None if free is None else round(free * unit),
         nvrm_recent=nvrm,
     )
+    derive(s)  # usable memory, as build_sample derives it for the live guard
+    return s
 
 
 def run(samples: list[Sample] | Trace, rules: list[dict[str, object]]) -> ReplayResult:
@@ -79,24 +81,27 @@ def test_startup_collapse_default_rules_at_250ms_stop_above_8gib() -> None:
     res = run(trace, DEFAULT_RULES)
     stop = res.first_stop
     assert stop is not None
-    assert (stop.rule, stop.t) == ("collapse_projected", 3.5)
-    assert gib(stop.mem_available) == pytest.approx(13.905, abs=0.001)
+    # the rule holds 0.5 s (for_s) over at least 2 samples: at 0.25 s that is 3 samples
+    assert (stop.rule, stop.t) == ("collapse_projected", 3.75)
+    assert gib(stop.mem_available) == pytest.approx(12.26, abs=0.01)
     assert gib(stop.mem_available) >= 8.0
     assert stop.synthetic  # an interpolated point: labelled as such
     assert stop.reason == (
-        "collapse_projected: MemAvailable 13.91 GiB < 16.00 GiB, falling 6.59 GiB/s "
-        "(robust fit over 2 s), projected to cross 4.00 GiB in 1.5 s <= 3 s for 2/2 samples (0.25 s)"
+        "collapse_projected: usable 12.26 GiB < 16.00 GiB, falling 6.59 GiB/s "
+        "(robust fit over 2 s), projected to cross 4.00 GiB in 1.3 s <= 3 s (a stop takes up to 30 s) "
+        "for 0.50 s over 3 samples (rule: 0.5 s, at least 2)"
     )
-    assert stop.recheck is True  # the next sample (3.75 s, 12.26 GiB) confirms it
+    assert stop.recheck is True  # the next sample (4.0 s, 10.61 GiB) confirms it
     # counting began at 3.25 s (15.55 GiB), the first sample under the 16 GiB gate
-    assert [(st.t, st.counters["collapse_projected"]) for st in res.steps if 3.0 <= st.t <= 3.5] == [
+    assert [(st.t, st.counters["collapse_projected"]) for st in res.steps if 3.0 <= st.t <= 3.75] == [
         (3.0, 0),
         (3.25, 1),
-        (3.5, 0),
+        (3.5, 2),
+        (3.75, 0),
     ]
     assert res.first_trip["low_available"] is None
     assert res.first_trip["low_free_with_evidence"] is None
-    assert res.summary() == "first stop: collapse_projected at t=3.50 s, MemAvailable 13.91 GiB (synthetic point)"
+    assert res.summary() == "first stop: collapse_projected at t=3.75 s, MemAvailable 12.26 GiB (synthetic point)"
 
 
 @pytest.mark.parametrize("interval", [1.0, 0.25])
@@ -111,13 +116,13 @@ def test_startup_collapse_seed_rules_interpolated_do_not_fire(interval: float) -
 @pytest.mark.parametrize(
     ("interval", "t", "avail_gib"),
     [
-        (0.1, 3.3, 15.22),
-        (0.25, 3.5, 13.91),
+        (0.1, 3.7, 12.59),
+        (0.25, 3.75, 12.26),
         (0.5, 4.0, 10.61),
-        # a 2 s robust-fit window needs 4 points: at 0.75 s and slower it never has them, so the
-        # predictive rule is blind at the daemon's normal 1 s interval and relies on fast sampling
-        (0.75, None, None),
-        (1.0, None, None),
+        # a 2 s fit needs 4 points, which 0.75 s and 1 s sampling never give it; the 4 s fit has them
+        # and may project 1.5 x the 3-4 s its points span: the rule now sees at the normal 1 s interval
+        (0.75, 4.5, 9.53),
+        (1.0, 5.0, 8.44),
     ],
 )
 def test_startup_collapse_default_rules_by_sampling_interval(
@@ -222,8 +227,8 @@ def test_vision_transient_without_driver_errors_is_suppressed() -> None:
     third = res.steps[2].decisions[0]
     assert third.reason == (
         "low_free_with_evidence: near miss (suppressed, not counted): MemFree 1.20 GiB < 2.00 GiB, "
-        "MemAvailable 6.90 GiB < 10.00 GiB; no evidence (needs nvrm_recent > 0 or MemAvailable < 3.00 GiB; "
-        "now nvrm_recent 0, MemAvailable 6.90 GiB)"
+        "usable 6.90 GiB < 10.00 GiB; no evidence (needs nvrm_recent > 0 or usable < 3.00 GiB; "
+        "now nvrm_recent 0, usable 6.90 GiB)"
     )
 
 
@@ -235,7 +240,7 @@ def test_vision_transient_stopped_healthy_servers_under_the_seed_rules() -> None
     assert (stop.rule, stop.t) == ("low_available_and_free", 4)
     assert stop.reason == (
         "low_available_and_free: MemAvailable 7.05 GiB < 10.00 GiB, MemFree 1.40 GiB < 2.00 GiB "
-        "for 5/5 samples (4.00 s)"
+        "for 4.00 s over 5 samples (rule: 4 s, at least 3)"
     )
 
 
@@ -246,8 +251,8 @@ def test_vision_series_with_driver_errors_stops_after_five_samples() -> None:
     assert stop is not None
     assert (stop.rule, stop.t, stop.counter) == ("low_free_with_evidence", 4, 5)
     assert stop.reason == (
-        "low_free_with_evidence: MemFree 1.40 GiB < 2.00 GiB, MemAvailable 7.05 GiB < 10.00 GiB, "
-        "evidence: nvrm_recent 2 > 0 for 5/5 samples (4.00 s)"
+        "low_free_with_evidence: MemFree 1.40 GiB < 2.00 GiB, usable 7.05 GiB < 10.00 GiB, "
+        "evidence: nvrm_recent 2 > 0 for 4.00 s over 5 samples (rule: 4 s, at least 3)"
     )
     assert [st.counters["low_free_with_evidence"] for st in res.steps[:5]] == [1, 2, 3, 4, 0]
     assert res.near_misses["low_free_with_evidence"] == 0
@@ -259,10 +264,12 @@ def test_very_low_available_counts_without_driver_errors() -> None:
     trips = res.steps[4].decisions
     assert [(d.rule, d.kind) for d in trips] == [("low_available", "trip"), ("low_free_with_evidence", "trip")]
     assert trips[1].reason == (
-        "low_free_with_evidence: MemFree 1.50 GiB < 2.00 GiB, MemAvailable 2.50 GiB < 10.00 GiB, "
-        "evidence: MemAvailable 2.50 GiB < 3.00 GiB for 5/5 samples (4.00 s)"
+        "low_free_with_evidence: MemFree 1.50 GiB < 2.00 GiB, usable 2.50 GiB < 10.00 GiB, "
+        "evidence: usable 2.50 GiB < 3.00 GiB for 4.00 s over 5 samples (rule: 4 s, at least 3)"
     )
-    assert trips[0].reason == "low_available: MemAvailable 2.50 GiB < 6.00 GiB for 5/5 samples (4.00 s)"
+    assert trips[0].reason == (
+        "low_available: usable 2.50 GiB < 6.00 GiB for 4.00 s over 5 samples (rule: 4 s, at least 3)"
+    )
     assert res.near_misses["low_free_with_evidence"] == 0
     assert res.first_trip["collapse_projected"] is None  # flat: nothing to project
 
@@ -295,19 +302,31 @@ def test_collapse_7_1_to_5_7_in_9s_at_1s_stops() -> None:
     res = run(collapse_7_1_to_5_7(1.0), DEFAULT_RULES)
     stop = res.first_stop
     assert stop is not None
-    # below 6 GiB from t=8 (5.86 GiB); the 5th consecutive sample is t=12
+    # the fall (0.16 GiB/s) reaches 4 GiB 11 s after it reaches 5.7 GiB — less than a stop takes (30 s):
+    # the predictive rule trips at t=9, three seconds before low_available's fifth sample (t=12)
+    assert (stop.rule, stop.t, stop.counter) == ("collapse_projected", 9, 2)
+    assert stop.reason == (
+        "collapse_projected: usable 5.70 GiB < 16.00 GiB, falling 0.16 GiB/s (robust fit over 8 s), "
+        "projected to cross 4.00 GiB in 10.9 s <= 12 s (a stop takes up to 30 s) "
+        "for 1.00 s over 2 samples (rule: 0.5 s, at least 2)"
+    )
+    # below 6 GiB from t=8 (5.86 GiB); 4 s later, the 5th consecutive sample, low_available trips too
     assert [st.counters["low_available"] for st in res.steps[6:13]] == [0, 0, 1, 2, 3, 4, 0]
-    assert (stop.rule, stop.t, stop.counter) == ("low_available", 12, 5)
-    assert stop.reason == "low_available: MemAvailable 5.70 GiB < 6.00 GiB for 5/5 samples (4.00 s)"
-    # the fall (0.16 GiB/s) is far too slow for collapse_projected: 4 GiB is > 10 s away
-    assert res.first_trip["collapse_projected"] is None
+    low = res.first_trip["low_available"]
+    assert low is not None and (low.t, low.counter) == (12, 5)
+    assert low.reason == "low_available: usable 5.70 GiB < 6.00 GiB for 4.00 s over 5 samples (rule: 4 s, at least 3)"
 
 
-def test_collapse_7_1_to_5_7_at_250ms_stops_sooner() -> None:
-    # near the 6 GiB floor the daemon samples at 0.25 s: 5 samples are 1 s of low water
+def test_collapse_7_1_to_5_7_at_250ms_low_available_waits_the_same_4_s() -> None:
+    # near the 6 GiB floor the daemon samples at 0.25 s: low_available still needs 4 s of low water
+    # (17 samples), not 5 samples = 1.25 s as the seed's count did (issue 12, kind 7)
     res = run(collapse_7_1_to_5_7(0.25), DEFAULT_RULES)
+    low = res.first_trip["low_available"]
+    assert low is not None
+    assert (low.t, low.counter) == (11.25, 17)
+    assert low.reason == (
+        "low_available: usable 5.70 GiB < 6.00 GiB for 4.00 s over 17 samples (rule: 4 s, at least 3)"
+    )
     stop = res.first_stop
-    assert stop is not None
-    assert (stop.rule, stop.t) == ("low_available", 8.25)
-    assert round(gib(stop.mem_available), 2) == 5.82
-    assert stop.reason == "low_available: MemAvailable 5.82 GiB < 6.00 GiB for 5/5 samples (1.00 s)"
+    assert stop is not None and (stop.rule, stop.t) == ("collapse_projected", 8.5)
+    assert round(gib(stop.mem_available), 2) == 5.78

@@ -20,10 +20,8 @@ from sparkd.sense.kernlog import (
     DmesgSource,
     JournalSource,
     KmsgSource,
-    MinuteCounter,
     NullSource,
     NvrmWindows,
-    OomJoiner,
     classify,
     open_source,
 )
@@ -191,21 +189,7 @@ def test_it_never_raises_on_garbage() -> None:
         classify(line)
 
 
-def test_it_joins_oom_kill_with_killed_process_by_pid() -> None:
-    j = OomJoiner()
-    kill = classify(OOM_KILL)
-    other = classify("oom-kill:constraint=CONSTRAINT_NONE,global_oom,task=x,pid=1,uid=0")
-    killed = classify("Out of memory: Killed process 48213 (python3) anon-rss:4kB")
-    assert kill and other and killed
-    assert j.feed(kill) is None and j.feed(other) is None
-    joined = j.feed(killed)
-    assert joined is not None and joined.kind == "oom_killed"
-    assert joined.container_id == CID and joined.details["global_oom"] is True
-    assert joined.details["anon_rss_bytes"] == 4096 and joined.details["joined"] is True
-    assert j.feed(killed) == killed  # unpaired: returned as is
-
-
-# --- NvrmWindows / MinuteCounter ------------------------------------------
+# --- NvrmWindows ------------------------------------------
 
 
 def test_it_counts_lines_in_tumbling_windows() -> None:
@@ -261,32 +245,6 @@ def test_it_puts_every_line_in_exactly_one_window(events: list[tuple[float, int,
     starts = [s for s, _ in drained]
     assert len(starts) == len(set(starts)) and starts == sorted(starts)
     assert {s: c for s, c in drained} == {s: c for s, c in expected.items() if c}
-
-
-def test_it_counts_kinds_per_minute() -> None:
-    m = MinuteCounter()
-    m.add("nvrm_no_memory", 59.0)
-    m.add("nvrm_no_memory", 60.0)
-    m.add("oom_kill", 61.0)
-    assert m.drain_closed(61.0) == [(0.0, "nvrm_no_memory", 1)]
-    m.add("nvrm_other", 30.0)  # late: lands in the oldest open minute, counted once
-    assert m.drain_closed(120.0) == [
-        (60.0, "nvrm_no_memory", 1), (60.0, "nvrm_other", 1), (60.0, "oom_kill", 1)
-    ]  # fmt: skip
-    m.add_records([classify(NVRM_MSG.format(line=1))] * 2, 130.0)  # type: ignore[list-item]
-    assert m.drain_closed(130.0) == [] and m.flush() == [(120.0, "nvrm_no_memory", 2)]
-
-
-@given(st.lists(st.tuples(st.floats(0, 1000, allow_nan=False), st.sampled_from("ab"))))
-def test_it_reports_each_minute_count_exactly_once(events: list[tuple[float, str]]) -> None:
-    m = MinuteCounter()
-    out: list[tuple[float, str, int]] = []
-    for now, kind in sorted(events):
-        m.add(kind, now)
-        out += m.drain_closed(now)
-    out += m.flush()
-    assert sum(n for _, _, n in out) == len(events)
-    assert len({(s, k) for s, k, _ in out}) == len(out)
 
 
 # --- readers -----------------------------------------------------------------

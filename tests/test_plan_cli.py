@@ -131,6 +131,41 @@ def test_the_printed_command_follows_the_configured_launch_flags(tmp_path: Path)
     assert "--oom-score-adj 900" in r.output
 
 
+def test_the_printed_command_is_the_launch_itself_and_can_be_pasted(tmp_path: Path) -> None:
+    import shlex
+
+    from sparkd.config import load_settings
+    from sparkd.core.budget import BudgetInputs, make_plan
+    from sparkd.loop.launch import launch_spec
+
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path}"\n[container]\nname = "m1"\nport = 8123\nmodel_dir = "{model}"\n'
+        '[container.env]\nHF_TOKEN = "hf_SECRET"\n'
+    )
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", *WORKED])
+    assert r.exit_code == 0, r.output
+    lines = r.output[r.output.index("docker run") :].splitlines()
+    end = next(i for i, ln in enumerate(lines) if not ln.endswith("\\"))  # the command's last line
+    argv = shlex.split(" ".join(ln.rstrip("\\") for ln in lines[: end + 1]))
+    # the model is mounted where --model points, read-only; the port and drain of sparkd's own launch
+    assert f"{model}:/models/model:ro" in argv and argv[argv.index("--model") + 1] == "/models/model"
+    assert argv[argv.index("--port") + 1] == "8123" and "--shutdown-timeout" in argv
+    assert argv[argv.index("--name") + 1] == "m1"
+    # secrets by name only: the shell passes the value
+    assert argv[argv.index("-e") + 1] == "HF_TOKEN" and "hf_SECRET" not in r.output
+    # the vLLM arguments equal what sparkd's launch runs
+    s = load_settings(cfg)
+    spec = launch_spec(s.model_copy(update={"container": s.container.model_copy(update={"image": "x"})}), make_plan(
+        BudgetInputs(mem_total_bytes=int(121.69 * 2**30), max_model_len=262144, kv_bytes_per_token=29482,
+                     weights_gib=71.75, overhead_gib=5.60, mtp_enabled=True, mtp_gib=1.49, kv_cache_dtype="fp8",
+                     kv_target_gib=20, host_reserve_gib=26, max_num_seqs=4, max_num_batched_tokens=2048,
+                     model="/models/model")))  # fmt: skip
+    assert argv[argv.index("vllm/vllm-openai:latest") + 1 :] == spec.command
+
+
 @pytest.mark.parametrize("value", ["0", "-500", "1001", "true"])
 def test_a_non_positive_oom_score_adj_is_refused_naming_the_field(tmp_path: Path, value: str) -> None:
     cfg = tmp_path / "c.toml"
@@ -342,7 +377,9 @@ def test_the_dashboard_budget_bar_shows_the_linear_attention_state(tmp_path: Pat
 
     d = _ckpt(tmp_path, QWEN3_NEXT_80B, 40)
     p = _json(tmp_path, "--model-dir", d, "--max-model-len", "262144", "--max-num-seqs", "8")
-    figures = PlanFigures.model_validate({k: v for k, v in p.items() if k != "checkpoint"})  # the CLI adds "checkpoint"
+    figures = PlanFigures.model_validate(
+        {k: v for k, v in p.items() if k not in ("checkpoint", "learned")}  # the CLI adds these two
+    )
     bar = budget_from_status(SimpleNamespace(plan=figures, sample=None))  # type: ignore[arg-type]
     assert bar is not None
     seg = {s["key"]: s["gib"] for s in bar["segments"]}

@@ -143,7 +143,8 @@ def test_unknown_layout_names_found_and_accepted_columns() -> None:
         loads_csv("when,avail\n0,5\n", source="odd.csv")
     msg = e.value.message
     assert "odd.csv: unknown trace layout: no time column. Columns found: when, avail" in msg
-    assert "t_s, ts, time, t, phase" in msg
+    assert "time: one of t_s, ts, time, t, time_s, elapsed_s, seconds, epoch, timestamp" in msg
+    assert "--column NAME=FIELD" in msg  # the flag that maps a column sparkd does not know
     assert "mem_available_gib" in msg and "MemAvailable" in msg and "mem_available" in msg
 
 
@@ -206,8 +207,13 @@ def test_negative_sizes_are_refused(text: str, match: str) -> None:
 
 
 def test_signed_derived_fields_may_be_negative() -> None:
-    trace = loads_csv("t_s,mem_available_gib,mem_available_minus_cma_gib\n0,5,-1\n")
+    # usable memory given without MemAvailable is taken as it is, and may be negative
+    trace = loads_csv("t_s,mem_free_gib,mem_available_minus_cma_gib\n0,5,-1\n")
     assert trace.samples[0].mem_available_minus_cma == -GiB
+    # with MemAvailable it is derived as the guard derives it (MemAvailable - CmaFree), never read
+    trace = loads_csv("t_s,mem_available_gib,cma_free_gib,mem_available_minus_cma_gib\n0,5,6,3\n")
+    assert trace.samples[0].mem_available_minus_cma == -GiB
+    assert trace.notes[-1].startswith("usable memory derived from MemAvailable and CmaFree as the guard does")
 
 
 def test_repeated_time_with_different_values_is_refused() -> None:
@@ -428,7 +434,7 @@ def test_compare_text() -> None:
     d = replay(trace, DEFAULT_RULES)
     s = replay(trace, SEED_RULES)
     assert compare_text(d, "default", s, "seed") == (
-        "compare: default stops at t=3.50 s (MemAvailable 13.91 GiB); seed does not stop before the trace ends "
+        "compare: default stops at t=3.75 s (MemAvailable 12.26 GiB); seed does not stop before the trace ends "
         "(t=6.00 s, MemAvailable 6.27 GiB)"
     )
     early = replay([low(t, 5.0) for t in range(12)], [{"name": "a", "when": ["MemAvailable < 6GiB"], "samples": 2}])
@@ -452,10 +458,10 @@ def test_cli_interpolated_default_rules_print_label_and_first_stop() -> None:
     assert r.exit_code == 0, r.output
     assert "trace: startup-collapse.csv — 25 samples over 6.00 s (every 0.25 s)" in r.output
     assert "note: interpolated to 0.25 s from 2 s samples — synthetic points" in r.output
-    assert "first stop: collapse_projected at t=3.50 s, MemAvailable 13.91 GiB (synthetic point)" in r.output
-    assert "→ TRIP (stop): collapse_projected: MemAvailable 13.91 GiB < 16.00 GiB" in r.output
-    assert "*      3.50     13.91 GiB" in r.output  # synthetic rows are marked
-    assert "low_available: no trip (highest count 0/5)" in r.output
+    assert "first stop: collapse_projected at t=3.75 s, MemAvailable 12.26 GiB (synthetic point)" in r.output
+    assert "→ TRIP (stop): collapse_projected: usable 12.26 GiB < 16.00 GiB" in r.output
+    assert "*      3.75     12.26 GiB" in r.output  # synthetic rows are marked
+    assert "low_available: no trip (highest count 0/3)" in r.output
 
 
 def test_cli_seed_rules_at_2s_do_not_stop() -> None:
@@ -465,23 +471,40 @@ def test_cli_seed_rules_at_2s_do_not_stop() -> None:
     assert "no stop: no stop rule tripped before the trace ended (t=6.00 s, MemAvailable 6.27 GiB)" in r.output
 
 
-def test_cli_says_why_a_predictive_rule_could_never_evaluate() -> None:
-    r = invoke(startup_path(), "--rules", "default")
+def test_cli_says_why_a_predictive_rule_could_never_evaluate(tmp_path: Path) -> None:
+    # a fixed 1 s horizon needs only a 2 s fit window, which 2 s samples never fill
+    f = tmp_path / "short.toml"
+    f.write_text(
+        '[[rules]]\nname = "short"\nkind = "predictive"\nwhen = ["usable < 16GiB"]\nfloor = "4GiB"\n'
+        "within_s = 1.0\nwindow_s = 2.0\nsamples = 2\n"
+    )
+    r = invoke(startup_path(), "--rules", str(f))
     assert r.exit_code == 0, r.output
     assert (
-        "  collapse_projected: no trip; its 2 s fit window holds at most 2 samples at 2 s spacing — needs 4; "
+        "  short: no trip; its 2 s fit window holds at most 2 samples at 2 s spacing — needs 4; "
         "try --interpolate --interval 0.25\n"
     ) in r.output
-    assert "low_available: no trip (highest count 0/5)" in r.output  # threshold rules keep the count
-    data = json.loads(invoke(startup_path(), "--rules", "default", "--json").output)["runs"]["default"]
-    assert data["fit_points"] == {"collapse_projected": 2}
-    assert data["no_trip_reasons"]["collapse_projected"].startswith("its 2 s fit window holds at most 2 samples")
-    r = invoke(startup_path(), "--rules", "default", "--interpolate", "--interval", "0.25")
-    assert "fit window" not in r.output  # 9 points in 2 s: it evaluates (and trips)
+    data = json.loads(invoke(startup_path(), "--rules", str(f), "--json").output)["runs"]["short.toml"]
+    assert data["fit_points"] == {"short": 2}
+    assert data["no_trip_reasons"]["short"].startswith("its 2 s fit window holds at most 2 samples")
+    r = invoke(startup_path(), "--rules", str(f), "--interpolate", "--interval", "0.25")
+    assert "fit window" not in r.output  # 9 points in 2 s: it evaluates
+    # the default predictive rule's horizon is the time a stop takes (30 s): its fits reach back
+    # 64 s, which hold all 4 samples of this trace, so it evaluates at 2 s sampling (1/2 at t=6 s)
+    r = invoke(startup_path(), "--rules", "default")
+    assert "collapse_projected: no trip (highest count 1/2)" in r.output
+    assert "fit window" not in r.output
 
 
 def test_fit_window_note_counts_the_densest_stretch_and_suggests_an_interval_that_fits() -> None:
-    rule = {"name": "p", "kind": "predictive", "when": ["MemAvailable < 16GiB"], "floor": "4GiB", "window_s": 0.5}
+    rule = {
+        "name": "p",
+        "kind": "predictive",
+        "when": ["MemAvailable < 16GiB"],
+        "floor": "4GiB",
+        "window_s": 0.5,
+        "within_s": 0.25,  # fits of 0.5 s only (a window covers twice the horizon)
+    }
     # 1 s spacing except one 0.25 s pair: the window holds at most 2 points there
     samples = [low(t, 10 - t) for t in (0, 1, 2, 2.25, 3, 4)]
     res = replay(samples, [rule], fast_interval_s=0.25)
@@ -517,7 +540,7 @@ def test_cli_compare() -> None:
     assert r.exit_code == 0, r.output
     assert r.output.count("rules: ") == 2
     assert r.output.rstrip().endswith(
-        "compare: default stops at t=3.50 s (MemAvailable 13.91 GiB); seed does not stop before the trace ends "
+        "compare: default stops at t=3.75 s (MemAvailable 12.26 GiB); seed does not stop before the trace ends "
         "(t=6.00 s, MemAvailable 6.27 GiB)"
     )
 
@@ -528,9 +551,9 @@ def test_cli_json() -> None:
     data = json.loads(r.output)
     assert data["trace"]["samples"] == 25  # --interpolate alone uses the fast interval, 0.25 s
     assert data["trace"]["synthetic"] == 21
-    assert data["runs"]["default"]["first_stop"]["t"] == 3.5
+    assert data["runs"]["default"]["first_stop"]["t"] == 3.75
     assert data["runs"]["seed"]["first_stop"] is None
-    assert data["compare"].startswith("compare: default stops at t=3.50 s")
+    assert data["compare"].startswith("compare: default stops at t=3.75 s")
 
 
 def test_cli_rules_file(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from sparkd.config import DEFAULT_RULES, SEED_RULES, RuleConfig
+from sparkd.core.engine import RuleEngine
 from sparkd.core.rules import (
     Decision,
     Rule,
@@ -20,7 +21,7 @@ from sparkd.core.rules import (
     evaluate,
     still_holds,
 )
-from sparkd.core.sample import Sample
+from sparkd.core.sample import Sample, derive
 from sparkd.units import GiB, MiB
 
 MEM_TOTAL = round(121.69 * GiB)
@@ -28,7 +29,7 @@ MEM_TOTAL = round(121.69 * GiB)
 
 def S(t: float, avail_gib: float | None, free_gib: float | None = None, nvrm: int = 0, **kw: Any) -> Sample:
     """A sample at ``t`` seconds with MemAvailable / MemFree in GiB (``None`` = missing)."""
-    return Sample(
+    s = Sample(
         ts=1_700_000_000 + t,
         mono=t,
         mem_total=MEM_TOTAL,
@@ -37,24 +38,24 @@ def S(t: float, avail_gib: float | None, free_gib: float | None = None, nvrm: in
         nvrm_recent=nvrm,
         **kw,
     )
+    derive(s)  # usable memory, as build_sample derives it
+    return s
 
 
-def rules_of(*configs: dict[str, Any], fast: float = 0.25) -> list[Rule]:
-    return compile_rules([RuleConfig(**c) for c in configs], MEM_TOTAL, fast)
+def rules_of(*configs: dict[str, Any]) -> list[Rule]:
+    return compile_rules([RuleConfig(**c) for c in configs], MEM_TOTAL)
 
 
 def run(
     rules: list[Rule], samples: list[Sample], cooldown_s: float = 0.0
 ) -> tuple[list[list[Decision]], list[dict[str, int]], dict[str, RuleState]]:
-    """Feed samples as the guard does (slope first); return decisions and counters per sample."""
-    states: dict[str, RuleState] = {}
-    slope = SlopeWindow(max_window_s=30.0)
+    """Feed samples through the guard's own engine; return decisions and counters per sample."""
+    engine = RuleEngine.of(rules, cooldown_s=cooldown_s)
     decisions, counters = [], []
     for s in samples:
-        slope.add(s.mono, s.mem_available)
-        decisions.append(evaluate(s, rules, states, s.mono, cooldown_s=cooldown_s, slope=slope))
-        counters.append({r.name: states[r.name].counter for r in rules})
-    return decisions, counters, states
+        decisions.append(engine.step(s))
+        counters.append({r.name: engine.states[r.name].counter for r in rules})
+    return decisions, counters, engine.states
 
 
 LOW = {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 5}
@@ -91,29 +92,59 @@ def test_percentage_needs_mem_total() -> None:
 
 
 @pytest.mark.parametrize(
-    ("for_s", "fast", "samples"),
-    [(1.0, 0.25, 4), (2.0, 0.25, 8), (1.1, 0.25, 5), (0.1, 0.25, 1), (5.0, 1.0, 5), (0.75, 0.25, 3)],
+    ("interval", "trip_t", "count"),
+    [
+        (1.0, 4.0, 5),  # the seed's meaning: 5 samples at 1 s, first to last 4 s apart
+        (0.25, 4.0, 17),  # fast sampling: still 4 s of low water, not 1.25 s
+        (0.5, 4.0, 9),
+        (2.0, 4.0, 3),
+        (5.0, 10.0, 3),  # coarse: 4 s pass after 2 samples, but at least 3 samples are needed
+    ],
 )
-def test_for_s_counts_samples_at_the_fast_interval(for_s: float, fast: float, samples: int) -> None:
-    (r,) = rules_of({"name": "r", "when": ["MemAvailable < 6GiB"], "for_s": for_s}, fast=fast)
-    assert r.samples == samples
-    assert r.for_s == for_s
+def test_a_duration_rule_means_the_same_time_at_any_interval(interval: float, trip_t: float, count: int) -> None:
+    (r,) = rules_of({"name": "r", "when": ["MemAvailable < 6GiB"], "for_s": 4.0, "samples": 3})
+    assert (r.for_s, r.samples, r.duration_based) == (4.0, 3, True)
+    n = round(12 / interval) + 1
+    decisions, _, _ = run([r], [S(i * interval, 5.0, 50.0) for i in range(n)])
+    first = next(i for i, ds in enumerate(decisions) if ds)
+    assert first * interval == pytest.approx(trip_t)
+    assert decisions[first][0].counter == count
+
+
+def test_a_duration_rule_without_samples_needs_three() -> None:
+    (r,) = rules_of({"name": "r", "when": ["MemAvailable < 6GiB"], "for_s": 1.0})
+    assert r.samples == 3
+    (c,) = rules_of({"name": "c", "when": ["MemAvailable < 6GiB"]})
+    assert (c.samples, c.for_s, c.duration_based) == (5, None, False)  # a count rule keeps the seed's 5
 
 
 def test_seed_and_default_rules_compile() -> None:
     seed = compile_rules(SEED, MEM_TOTAL)
-    assert [(r.name, r.samples, r.gated) for r in seed] == [
-        ("low_available", 5, False),
-        ("low_available_and_free", 5, False),
+    assert [(r.name, r.samples, r.for_s, r.gated) for r in seed] == [
+        ("low_available", 3, 4.0, False),
+        ("low_available_and_free", 3, 4.0, False),
     ]
     default = compile_rules(DEFAULT, MEM_TOTAL)
-    assert [(r.name, r.kind, r.samples, r.gated) for r in default] == [
-        ("low_available", "threshold", 5, False),
-        ("low_free_with_evidence", "threshold", 5, True),
-        ("collapse_projected", "predictive", 2, False),
+    assert [(r.name, r.kind, r.samples, r.for_s, r.gated) for r in default] == [
+        ("low_available", "threshold", 3, 4.0, False),
+        ("low_free_with_evidence", "threshold", 3, 4.0, True),
+        ("collapse_projected", "predictive", 2, 0.5, False),
     ]
+    # every default rule judges usable memory (MemAvailable - CmaFree)
+    assert {c.attr for r in default for c in (*r.when, *r.evidence) if c.is_size} == {
+        "mem_available_minus_cma",
+        "mem_free",
+    }
     assert default[2].floor_bytes == 4 * GiB
-    assert (default[2].within_s, default[2].window_s) == (3.0, 2.0)
+    assert (default[2].within_s, default[2].window_s) == (None, 2.0)  # horizon: the time a stop takes
+    assert default[2].fit_windows(30.0) == [
+        (2.0, 3.0),
+        (4.0, 6.0),
+        (8.0, 12.0),
+        (16.0, 24.0),
+        (32.0, 30.0),
+        (64.0, 30.0),
+    ]
 
 
 # ----------------------------------------------------------------- counters
@@ -220,19 +251,20 @@ def test_reason_text_exact() -> None:
 
 def test_reason_two_conditions() -> None:
     rules = compile_rules(SEED, MEM_TOTAL)
-    decisions, _, _ = run(rules, [S(i * 0.5, 8.0, 1.25) for i in range(5)])
-    (d,) = decisions[4]
+    decisions, _, _ = run(rules, [S(i * 0.5, 8.0, 1.25) for i in range(9)])
+    assert all(d == [] for d in decisions[:8])
+    (d,) = decisions[8]
     assert d.reason == (
         "low_available_and_free: MemAvailable 8.00 GiB < 10.00 GiB, MemFree 1.25 GiB < 2.00 GiB "
-        "for 5/5 samples (2.00 s)"
+        "for 4.00 s over 9 samples (rule: 4 s, at least 3)"
     )
 
 
 def test_reason_for_s_shows_both_forms() -> None:
     rules = rules_of({"name": "low_for", "when": ["MemAvailable < 6GiB"], "for_s": "1s"})
-    decisions, _, _ = run(rules, [S(i * 0.25, 5.5, 50.0) for i in range(4)])
-    (d,) = decisions[3]
-    assert d.reason == "low_for: MemAvailable 5.50 GiB < 6.00 GiB for 4/4 samples (0.75 s, rule: for 1 s)"
+    decisions, _, _ = run(rules, [S(i * 0.25, 5.5, 50.0) for i in range(5)])
+    (d,) = decisions[4]
+    assert d.reason == "low_for: MemAvailable 5.50 GiB < 6.00 GiB for 1.00 s over 5 samples (rule: 1 s, at least 3)"
 
 
 def test_gated_rule_near_miss_reason_and_counting() -> None:
@@ -244,8 +276,8 @@ def test_gated_rule_near_miss_reason_and_counting() -> None:
     assert states["low_free_with_evidence"].near_misses == 6
     assert near[0].reason == (
         "low_free_with_evidence: near miss (suppressed, not counted): "
-        "MemFree 1.30 GiB < 2.00 GiB, MemAvailable 7.00 GiB < 10.00 GiB; "
-        "no evidence (needs nvrm_recent > 0 or MemAvailable < 3.00 GiB; now nvrm_recent 0, MemAvailable 7.00 GiB)"
+        "MemFree 1.30 GiB < 2.00 GiB, usable 7.00 GiB < 10.00 GiB; "
+        "no evidence (needs nvrm_recent > 0 or usable < 3.00 GiB; now nvrm_recent 0, usable 7.00 GiB)"
     )
 
 
@@ -254,8 +286,8 @@ def test_gated_rule_trip_reason_names_the_evidence() -> None:
     decisions, _, _ = run(rules, [S(i, 7.0, 1.3, nvrm=3) for i in range(5)])
     (d,) = decisions[4]
     assert d.reason == (
-        "low_free_with_evidence: MemFree 1.30 GiB < 2.00 GiB, MemAvailable 7.00 GiB < 10.00 GiB, "
-        "evidence: nvrm_recent 3 > 0 for 5/5 samples (4.00 s)"
+        "low_free_with_evidence: MemFree 1.30 GiB < 2.00 GiB, usable 7.00 GiB < 10.00 GiB, "
+        "evidence: nvrm_recent 3 > 0 for 4.00 s over 5 samples (rule: 4 s, at least 3)"
     )
     assert d.values["nvrm_recent"] == 3
 

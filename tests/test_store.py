@@ -18,7 +18,7 @@ def _row(ts: float, avail: int) -> dict:
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0003"
+    assert s.current_revision() == "0004"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:
@@ -239,7 +239,7 @@ def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_
     con.commit()
     con.close()
     s = Store.open(db)
-    assert s.current_revision() == "0003"
+    assert s.current_revision() == "0004"
     rows = s.samples(since=t0)
     assert len(rows) == 100  # the duplicate ts kept its first row
     assert rows[5]["mem_available"] == (60 << 30) + 5 and rows[5]["mem_total"] == 128 << 30
@@ -252,5 +252,5 @@ def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_
         ddl = c.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'samples'").scalar_one()
         indexes = c.exec_driver_sql("SELECT name FROM sqlite_master WHERE tbl_name = 'samples' AND type = 'index'")
         assert "WITHOUT ROWID" in ddl and indexes.all() == []  # the table is its own ts index
-    s.upgrade("0002")  # and back: the rows survive a downgrade too
+    s.upgrade("0003")  # and back: the rows survive a downgrade too
     assert Store.open(db, migrate=False).count_samples() == 101

@@ -256,9 +256,9 @@ def test_the_start_failed_event_is_one_sentence(tmp_path: Path) -> None:
 
 
 def test_a_generic_line_alone_gives_the_event_after_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sparkd.loop.supervisor as supervisor
+    import sparkd.loop.launchbook as launchbook
 
-    monkeypatch.setattr(supervisor, "START_FAILED_CAUSE_WAIT_S", 0.2)
+    monkeypatch.setattr(launchbook, "START_FAILED_CAUSE_WAIT_S", 0.2)
     assert _supervisor_events(tmp_path / "a", ["ERROR [core.py:708] EngineCore failed to start."]) == []
     events = _supervisor_events(tmp_path / "b", ["ERROR [core.py:708] EngineCore failed to start."], wait_s=0.5)
     assert [e["message"] for e in events] == [
@@ -288,7 +288,7 @@ FIELD_CASES = [
 @pytest.mark.parametrize(("name", "state", "phase", "cause"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_vllm_log_command_prints_phase_and_cause(name: str, state: str, phase: str, cause: str) -> None:
     res = CliRunner().invoke(main, ["vllm-log", str(fixture("field-2", name))])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == (1 if state == "failed" else 0), res.output  # a failed launch exits 1
     assert f"state:   {state}" in res.output
     assert f"phase:   {phase} " in res.output
     assert cause in res.output
@@ -299,7 +299,7 @@ def test_vllm_log_command_prints_phase_and_cause(name: str, state: str, phase: s
 @pytest.mark.parametrize(("name", "state", "phase", "cause"), FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_vllm_log_json(name: str, state: str, phase: str, cause: str) -> None:
     res = CliRunner().invoke(main, ["vllm-log", "--json", str(fixture("field-2", name))])
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == (1 if state == "failed" else 0), res.output
     data = json.loads(res.output)
     assert (data["state"], data["phase"]) == (state, phase)
     if state == "failed":
@@ -311,10 +311,18 @@ def test_vllm_log_reads_docker_logs_from_stdin_in_a_real_process() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "sparkd", "vllm-log", "--json", "-"], input=text, capture_output=True, timeout=60
     )
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # the log shows a failed launch
     data = json.loads(res.stdout)
     assert data["failure_kind"] == "cuda_oom"
     assert data["first_ts"] is not None  # the Docker --timestamps prefix was read
+
+
+def test_vllm_log_says_when_nothing_is_a_vllm_line(tmp_path: Path) -> None:
+    f = tmp_path / "not-vllm.log"
+    f.write_text("hello\nworld\n")
+    res = CliRunner().invoke(main, ["vllm-log", str(f)])
+    assert res.exit_code == 0, res.output
+    assert "none of the 2 lines is a vLLM start-up line" in res.output
 
 
 def test_vllm_log_refuses_a_missing_file(tmp_path: Path) -> None:

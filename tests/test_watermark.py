@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from sparkd.config import DEFAULT_RULES, RuleConfig
+from sparkd.core.engine import RuleEngine
 from sparkd.core.floors import LoopGuard, check_floors, demote, loop_floor, read_vm_tunables
-from sparkd.core.rules import Rule, RuleState, compile_rules, evaluate
+from sparkd.core.rules import Rule, compile_rules
 from sparkd.core.sample import build_sample
 from sparkd.sense import procfs
 from sparkd.units import GiB, MiB
@@ -146,7 +147,7 @@ def replay_trips(rules: list[Rule], guard: LoopGuard, relaunches: int) -> list[t
     Returns (t, rule, "stop" | "demoted" | "warn") for every trip.
     """
     mi = procfs.read_meminfo(PROC)
-    states: dict[str, RuleState] = {}
+    engine = RuleEngine.of(rules, cooldown_s=60.0)
     log: list[tuple[float, str, str]] = []
     t = 0.0
     for _ in range(relaunches):
@@ -158,16 +159,17 @@ def replay_trips(rules: list[Rule], guard: LoopGuard, relaunches: int) -> list[t
         for _ in range(600):  # ten minutes of 1 s samples
             t += 1.0
             s = build_sample(t, t, mi, None)
-            for d in evaluate(s, rules, states, t, cooldown_s=60.0):
+            for d in engine.step(s):
                 if d.kind != "trip":
                     continue
-                rule = next(r for r in rules if r.name == d.rule)
+                rule = engine.rule(d.rule)
+                assert rule is not None
                 if d.action != "stop":
                     log.append((t, d.rule, "warn"))
                     continue
                 v = guard.record_trip(rule, t)
                 if v is not None:
-                    rules[:] = demote(rules, [v.rule])
+                    engine.demote(v.rule, v.reason)
                     log.append((t, d.rule, "demoted"))
                 else:
                     log.append((t, d.rule, "stop"))
@@ -175,6 +177,7 @@ def replay_trips(rules: list[Rule], guard: LoopGuard, relaunches: int) -> list[t
             if stopped:
                 break
         t += 30.0  # relaunch back-off
+    rules[:] = engine.rules  # as the engine holds them now (demoted or not)
     return log
 
 

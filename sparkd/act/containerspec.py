@@ -6,6 +6,7 @@ what ``ContainerManager`` answers (``ContainerInfo``, ``ContainerState``,
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -78,6 +79,44 @@ class LaunchSpec:
         if bad:
             raise InvalidInput("labels", bad, f"any key except {', '.join(_RESERVED)}")
 
+    def docker_run_command(self) -> str:
+        """The ``docker run`` line of this launch, as a person would paste it (one flag pair per line).
+
+        The same container sparkd's launch creates: name, the model mount (read-only), limits,
+        ``--init``, ``--oom-score-adj``, host IPC and network, ``--gpus all`` unless the GPU is off
+        (``"auto"`` is printed as ``--gpus all``: a Spark has one). Environment variables are
+        passed by name only (``-e HF_TOKEN``: the value comes from the shell, never printed).
+        """
+        flags: list[str] = ["--name", self.name, "--label", "sparkd.managed=true"]
+        if self.gpu:
+            flags += ["--gpus", "all"]
+        if self.init:
+            flags.append("--init")
+        if self.oom_score_adj is not None:
+            flags += ["--oom-score-adj", str(self.oom_score_adj)]
+        flags += ["--ipc", self.ipc_mode, "--network", "host"]
+        if self.mem_limit_bytes is not None:
+            mem = f"{self.mem_limit_bytes // 2**20}m"
+            swap = mem if self.memswap_limit_bytes in (None, self.mem_limit_bytes) else str(self.memswap_limit_bytes)
+            flags += ["--memory", mem, "--memory-swap", swap]
+        if self.model_dir:
+            flags += ["-v", f"{self.model_dir[0]}:{self.model_dir[1]}:ro"]
+        for k in sorted(self.environment):
+            flags += ["-e", k]
+        groups = [["docker", "run", "-d"], *_pairs(flags), [self.image], *_pairs(self.command)]
+        return " \\\n    ".join(shlex.join(g) for g in groups)
+
+
+def _pairs(args: list[str]) -> list[list[str]]:
+    """``["--a", "1", "--b", "--c", "x"]`` → ``[["--a", "1"], ["--b"], ["--c", "x"]]``."""
+    out: list[list[str]] = []
+    for a in args:
+        if a.startswith("-") or not out or len(out[-1]) == 2 or not out[-1][0].startswith("-"):
+            out.append([a])
+        else:
+            out[-1].append(a)
+    return out
+
 
 @dataclass(frozen=True)
 class ContainerInfo:
@@ -99,7 +138,11 @@ class ContainerInfo:
 @dataclass(frozen=True)
 class ContainerState:
     """``State`` of ``docker inspect``. Times are UTC epoch seconds (None when unset);
-    ``pid`` is the host PID of the container's PID 1 (None when not running)."""
+    ``pid`` is the host PID of the container's PID 1 (None when not running).
+    ``restarting`` (``State.Restarting``: Docker waits to restart it, and says ``running`` meanwhile),
+    ``restart_count`` (``RestartCount``: restarts by the restart policy; ``docker start`` resets it),
+    ``restart_policy`` (``HostConfig.RestartPolicy.Name``), ``health`` (``State.Health.Status`` when
+    the image has a HEALTHCHECK)."""
 
     status: str
     running: bool
@@ -109,6 +152,10 @@ class ContainerState:
     finished_at: float | None
     pid: int | None
     error: str | None
+    restarting: bool = False
+    restart_count: int = 0
+    restart_policy: str | None = None
+    health: str | None = None
 
 
 @dataclass(frozen=True)

@@ -280,13 +280,22 @@ class ContainerManager:
         return dict(self._container(id_or_name).attrs)
 
     def state(self, id_or_name: str) -> ContainerState:
-        """The container's ``State``. Raises ``NotFound``."""
-        s = self.inspect(id_or_name).get("State", {})
+        """The container's ``State`` (one ``docker inspect``). Raises ``NotFound``, ``DockerUnavailable``.
+
+        ``exit_code`` is None while it runs, except while Docker waits to restart it (the exit that
+        made it restart)."""
+        ins = self.inspect(id_or_name)
+        s = ins.get("State", {})
         running = bool(s.get("Running"))
+        restarting = bool(s.get("Restarting"))
         return ContainerState(
             status=str(s.get("Status", "")),
             running=running,
-            exit_code=None if running else s.get("ExitCode"),
+            restarting=restarting,
+            restart_count=int(ins.get("RestartCount") or 0),
+            restart_policy=(ins.get("HostConfig", {}).get("RestartPolicy") or {}).get("Name") or None,
+            health=(s.get("Health") or {}).get("Status"),
+            exit_code=None if running and not restarting else s.get("ExitCode"),
             oom_killed=bool(s.get("OOMKilled")),
             started_at=epoch_from_docker(s.get("StartedAt")),
             finished_at=epoch_from_docker(s.get("FinishedAt")),

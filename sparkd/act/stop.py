@@ -16,17 +16,20 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sparkd.act import archive, shm
 from sparkd.config import effective_config
-from sparkd.sense import procfs
-from sparkd.units import fmt_gib, parse_size
+from sparkd.units import fmt_gib
+
+if TYPE_CHECKING:
+    from sparkd.act.docker import ContainerManager
 
 
 class Supervisor(Protocol):
-    """What the stop procedure reads and calls on its caller (``sparkd.loop.supervisor.Supervisor``).
+    """What the postmortem reads of its caller (``sparkd.loop.supervisor.Supervisor``).
 
     act never imports loop: the caller is handed in and only these members are used.
     """
@@ -40,8 +43,6 @@ class Supervisor(Protocol):
     launch_id: str | None
     launch_started_at: float | None
     plan_json: dict[str, Any] | None
-
-    def set_state(self, state: str, reason: str | None = None) -> None: ...
 
 
 log = logging.getLogger("sparkd.stop")
@@ -62,6 +63,8 @@ class StopReport:
     shm_removed: list[str] = field(default_factory=list)
     shm_kept: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    killed: bool = False
+    stopped_at: float | None = None  # Docker's FinishedAt after the stop (UTC epoch seconds)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -87,6 +90,10 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
             f"page cache:   {fmt_gib(last.cached)}   anon: {fmt_gib(last.anon_pages)}   slab: {fmt_gib(last.slab)}",
             f"driver (est): {fmt_gib(last.driver_bytes)}   NVRM errors in window: {last.nvrm_recent}",
         ]
+    watch = getattr(d, "consumers", None) if d else None
+    line = watch.summary_line() if watch is not None else None
+    if line:
+        lines.append(f"consumers:    {line}")
     if sup.plan_json:
         p = sup.plan_json
         lines.append(
@@ -96,7 +103,8 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
     lines += [
         "",
         "files: container.log (since launch), sparkd.log, samples.csv (window before the trip, bytes),",
-        "       kernel.log (NVRM/OOM lines since launch), inspect.json, config.json, plan.json, events.json",
+        "       kernel.log (NVRM/OOM lines since launch), inspect.json, config.json, plan.json, events.json,",
+        "       consumers.json (who held the memory: the last process scans, the trip's fall shares)",
     ]
     return "\n".join(lines) + "\n"
 
@@ -173,6 +181,18 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
         "plan.json": json.dumps(sup.plan_json, indent=2),
         "events.json": part("events.json", events, lambda v: json.dumps(list(reversed(v)), indent=2, default=str)),
     }
+    watch = getattr(d, "consumers", None)
+    if watch is not None:  # who holds the memory: the last scan, the trip's shares, the kept history
+        try:
+            pm = watch.postmortem()
+            why = None if pm is not None else "no process scan finished before the stop"
+        except Exception as e:
+            pm, why = None, f"reading the process scans failed: {e}"
+        if why is None:
+            parts["consumers.json"] = json.dumps(pm, indent=2)
+        else:
+            parts["consumers.json"] = archive.Missing(why)
+            missing["consumers.json"] = why
     summary = _summary(sup, rep, cid, inspect or {})
     if missing:
         summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(
@@ -190,63 +210,79 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
         return None
 
 
-async def _witness_before_stop(sup: Supervisor, cid: str, rep: StopReport) -> shm.ShmWitness:
-    """The container's /dev/shm evidence: what the supervisor saw while it ran (``sup.shm_witness`` when
-    it is this container's), plus one scan of its processes now, before they stop. Never raises: without
+async def witness_before_stop(
+    witness: shm.ShmWitness | None,
+    docker: ContainerManager,
+    cid: str,
+    *,
+    shm_dir: Any,
+    proc_root: Any,
+    rep: StopReport,
+) -> shm.ShmWitness:
+    """The container's /dev/shm evidence: what the supervisor saw while it ran (``witness`` when it is
+    this container's), plus one scan of its processes now, before they stop. Never raises: without
     the scan the cleanup keeps every entry that only the witness could tie to the container."""
-    w = getattr(sup, "shm_witness", None)
+    w = witness
     if not isinstance(w, shm.ShmWitness) or w.container_id != cid:
-        w = shm.ShmWitness(cid, shm_dir=sup.settings.shm_dir, proc_root=sup.settings.proc_root)
+        w = shm.ShmWitness(cid, shm_dir=shm_dir, proc_root=proc_root)
     try:
-        st = await asyncio.to_thread(sup.manager.state, cid)
+        st = await asyncio.to_thread(docker.state, cid)
         await asyncio.to_thread(w.observe, st.pid)
     except Exception as e:
         rep.errors.append(f"/dev/shm witness before the stop failed: {e}")
     return w
 
 
-async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
-    """Steps 1–7 for the current container. The caller holds the action lock."""
-    d = sup.daemon
-    assert d is not None and sup.container_id is not None
-    s = sup.settings
-    cid = sup.container_id
-    rep = StopReport(reason, source)
-    t0 = time.monotonic()
-    sup.set_state("stopping", reason)
-    d.event(
-        "stopping",
-        f"stopping {sup.name}: {reason}",
-        severity="warning",
-        details={"source": source, "container_id": cid},
-        launch_id=sup.launch_id,
-    )
-    if archive_first:
-        rep.archive = await write_postmortem(sup, rep, cid)
-        rep.durations_s["archive"] = time.monotonic() - t0
-    witness = await _witness_before_stop(sup, cid, rep)
-    t1 = time.monotonic()
-    floor = parse_size(s.container.hard_floor)
-    stop_task = asyncio.create_task(asyncio.to_thread(sup.manager.stop, cid, s.container.stop_timeout_s))
-    reader = procfs.ProcReader(s.proc_root)
-    try:
-        while not stop_task.done():
-            done, _ = await asyncio.wait({stop_task}, timeout=0.25)
-            if done:
-                break
-            avail = reader.meminfo().fields.get("MemAvailable")
-            if avail is not None and avail < floor and not rep.hard_floor_kill:
-                rep.hard_floor_kill = True
-                d.event(
-                    "hard_floor_kill",
-                    f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(floor)} during the "
-                    f"grace period: killing {sup.name} now",
-                    severity="critical",
-                    launch_id=sup.launch_id,
-                )
-                await asyncio.to_thread(sup.manager.kill, cid)
-    finally:
-        reader.close()
+@dataclass(frozen=True)
+class StopTarget:
+    """The container to stop: its id and name, Docker's ``StartedAt`` of this run (UTC epoch seconds;
+    the /dev/shm age test), and sparkd's launch id (None for a guarded container)."""
+
+    container_id: str
+    name: str
+    started_at: float | None
+    launch_id: str | None = None
+
+
+#: ``cleanup_shm(container_started_at, container_stopped_at)`` (UTC epoch seconds)
+CleanupShm = Callable[[float | None, float], shm.CleanupResult]
+
+
+class Emit(Protocol):
+    """Records one event (``loop.events`` through the supervisor, which adds the launch id)."""
+
+    def __call__(
+        self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None
+    ) -> None: ...
+
+
+async def _stop_and_confirm(
+    target: StopTarget,
+    docker: ContainerManager,
+    rep: StopReport,
+    grace_s: float,
+    hard_floor_bytes: int,
+    read_mem_available: Callable[[], int | None],
+    emit: Emit,
+) -> None:
+    """Steps 3–5: ``docker stop`` with the grace, killed at once below the hard floor, kill
+    fallbacks, then the exit code and OOMKilled read back."""
+    cid = target.container_id
+    stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
+    while not stop_task.done():
+        done, _ = await asyncio.wait({stop_task}, timeout=0.25)
+        if done:
+            break
+        avail = read_mem_available()
+        if avail is not None and avail < hard_floor_bytes and not rep.hard_floor_kill:
+            rep.hard_floor_kill = True
+            emit(
+                "hard_floor_kill",
+                f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(hard_floor_bytes)} during the "
+                f"grace period: killing {target.name} now",
+                severity="critical",
+            )
+            await asyncio.to_thread(docker.kill, cid)
     try:
         result = stop_task.result()
         rep.outcome = "killed (hard floor)" if rep.hard_floor_kill else result.outcome
@@ -255,59 +291,97 @@ async def run_stop(sup: Supervisor, reason: str, source: str, *, archive_first: 
     except Exception as e:
         rep.errors.append(f"docker stop failed: {e}")
         try:
-            await asyncio.to_thread(sup.manager.kill, cid)
+            await asyncio.to_thread(docker.kill, cid)
             rep.outcome = "killed (stop failed)"
         except Exception as e2:
             rep.errors.append(f"kill failed: {e2}")
-    rep.durations_s["stop"] = time.monotonic() - t1
     try:
-        st = await asyncio.to_thread(sup.manager.state, cid)
+        st = await asyncio.to_thread(docker.state, cid)
         if st.running:  # still running after stop: kill (step 4)
-            await asyncio.to_thread(sup.manager.kill, cid)
-            st = await asyncio.to_thread(sup.manager.state, cid)
+            await asyncio.to_thread(docker.kill, cid)
+            st = await asyncio.to_thread(docker.state, cid)
             rep.outcome = "killed (still running after stop)"
-        rep.exit_code, rep.oom_killed = st.exit_code, st.oom_killed
-        stopped_at = st.finished_at
+        rep.exit_code, rep.oom_killed, rep.stopped_at = st.exit_code, st.oom_killed, st.finished_at
     except Exception as e:
         rep.errors.append(f"inspect failed: {e}")
-        stopped_at = None
-    t2 = time.monotonic()
+
+
+async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: CleanupShm, emit: Emit) -> None:
+    """Step 6: /dev/shm entries of this run that no live process holds."""
     try:
-        res = await asyncio.to_thread(
-            shm.cleanup,
-            container_started_at=sup.container_started_at,
-            shm_dir=s.shm_dir,
-            proc_root=s.proc_root,
-            ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
-            witness=witness,
-            container_stopped_at=stopped_at or time.time(),
-        )
+        res = await asyncio.to_thread(cleanup_shm, target.started_at, rep.stopped_at or time.time())
         rep.shm_removed = [n for n, _b in res.removed]
         rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]
         if res.removed or res.kept:
-            d.event(
+            emit(
                 "shm_cleanup",
                 shm.format_result(res),
                 details={"removed": rep.shm_removed, "kept": rep.shm_kept[:50]},
-                launch_id=sup.launch_id,
             )
     except Exception as e:
         rep.errors.append(f"/dev/shm cleanup failed: {e}")
+
+
+async def run_stop(
+    target: StopTarget,
+    docker: ContainerManager,
+    *,
+    reason: str,
+    source: str,
+    grace_s: float,
+    hard_floor_bytes: int,
+    read_mem_available: Callable[[], int | None],
+    emit: Emit,
+    postmortem: Callable[[StopReport], Awaitable[str | None]] | None,
+    before_stop: Callable[[StopReport], Awaitable[None]] | None,
+    cleanup_shm: CleanupShm | None,
+) -> StopReport:
+    """Steps 1–7 for ``target``; everything it needs is handed in (act never imports loop).
+
+    ``grace_s``: seconds between SIGTERM and SIGKILL (``container.stop_timeout_s``);
+    ``hard_floor_bytes``: below this MemAvailable (``read_mem_available()``, polled every 0.25 s
+    during the grace) the container is killed at once; ``postmortem(report)`` writes the archive
+    first and returns its name (None: no archive); ``before_stop(report)`` runs right before
+    ``docker stop`` (the last /dev/shm witness scan of the running processes);
+    ``cleanup_shm(started_at, stopped_at)`` removes the run's dead /dev/shm entries (None: skipped).
+    The caller holds the action lock and moves the lifecycle state. Errors of a step are collected
+    in ``StopReport.errors``; nothing is raised for them.
+    """
+    cid = target.container_id
+    rep = StopReport(reason, source)
+    t0 = time.monotonic()
+    emit(
+        "stopping",
+        f"stopping {target.name}: {reason}",
+        severity="warning",
+        details={"source": source, "container_id": cid},
+    )
+    if postmortem is not None:
+        rep.archive = await postmortem(rep)
+        rep.durations_s["archive"] = time.monotonic() - t0
+    if before_stop is not None:
+        await before_stop(rep)
+    t1 = time.monotonic()
+    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_mem_available, emit)
+    rep.durations_s["stop"] = time.monotonic() - t1
+    t2 = time.monotonic()
+    if cleanup_shm is not None:
+        await _cleanup_shm(target, rep, cleanup_shm, emit)
     rep.durations_s["shm_cleanup"] = time.monotonic() - t2
     rep.durations_s["total"] = time.monotonic() - t0
     killed = rep.exit_code == 137 or rep.hard_floor_kill or "kill" in (rep.outcome or "")
+    rep.killed = killed
     msg = (
-        f"{sup.name} {rep.outcome} (exit {rep.exit_code}, OOMKilled={rep.oom_killed}) after "
-        f"{rep.durations_s['stop']:.1f} s of {s.container.stop_timeout_s:g} s grace; total "
+        f"{target.name} {rep.outcome} (exit {rep.exit_code}, OOMKilled={rep.oom_killed}) after "
+        f"{rep.durations_s['stop']:.1f} s of {grace_s:g} s grace; total "
         f"{rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}"
     )
-    if killed and not rep.hard_floor_kill and rep.durations_s["stop"] >= s.container.stop_timeout_s - 1:
-        msg += f"; killed: no exit within {s.container.stop_timeout_s:g} s of SIGTERM"
-    d.event(
+    if killed and not rep.hard_floor_kill and rep.durations_s["stop"] >= grace_s - 1:
+        msg += f"; killed: no exit within {grace_s:g} s of SIGTERM"
+    emit(
         "killed" if killed else "stopped",
         msg,
         severity="critical" if killed else "warning",
         details=rep.to_json(),
-        launch_id=sup.launch_id,
     )
     return rep

@@ -224,7 +224,12 @@ class BudgetInputs:
             _is_num(self.host_reserve_gib) and 0 <= self.host_reserve_gib < total_gib,
             self,
             "host_reserve_gib",
-            f"0 ≤ host_reserve_gib < MemTotal ({total_gib:.2f} GiB)",
+            f"0 ≤ host_reserve_gib < MemTotal ({total_gib:.2f} GiB)"
+            + (
+                f" ({self.sources['host_reserve_gib']}: set budget.host_reserve_gib or --host-reserve-gib)"
+                if self.sources.get("host_reserve_gib") in ("default", "config file")
+                else ""
+            ),
         )
         _need(isinstance(self.mtp_enabled, bool), self, "mtp_enabled", "true or false")
         for dtype, mult in self.kv_mult_table.items():

@@ -20,8 +20,12 @@ def render_plan_table(
     gpus: bool = True,
     init: bool = True,
     oom_score_adj: int | None = 500,
+    command: str | None = None,
 ) -> str:
-    """A plain-text table to check by hand: inputs, intermediates, results, command line."""
+    """A plain-text table to check by hand: inputs, intermediates, results, command line.
+
+    ``command``: the launch's own ``docker run`` line (``LaunchSpec.docker_run_command``); without
+    it, the plan's flags alone."""
     i = plan.inputs
 
     def g(x: float) -> str:
@@ -102,5 +106,5 @@ def render_plan_table(
         out.append("\nwarnings")
         out.extend(f"  - {w}" for w in others)
     out.append("\ncommand")
-    out.append(plan.docker_run_command(image, gpus=gpus, init=init, oom_score_adj=oom_score_adj))
+    out.append(command or plan.docker_run_command(image, gpus=gpus, init=init, oom_score_adj=oom_score_adj))
     return "\n".join(out) + "\n"

@@ -2,29 +2,40 @@
 
 A rule counts consecutive samples on which all its ``when`` conditions hold
 (and, if it has an ``evidence`` clause, at least one evidence condition holds).
-The counter resets to zero as soon as a sample does not count; the rule trips
-when the counter reaches ``samples`` (CONTEXT.md "The watchdog": 5 consecutive
-samples, "sustained low water", not an exact timer).
+The counter resets to zero as soon as a sample does not count. A *count* rule
+trips when the counter reaches ``samples`` (CONTEXT.md "The watchdog": 5
+consecutive samples). A *duration* rule (``for_s``) trips when the condition has
+held for ``for_s`` seconds (first counted sample to now) **and** over at least
+``samples`` samples — so it means the same time at 1 s and at 0.25 s sampling,
+and a single excursion can never trip it however coarse the sampling.
 
 Gated rules: a sample where ``when`` holds but no evidence does is a *near
 miss* — recorded with its values, not counted (operators' change log: an
 ungated MemFree rule stopped healthy servers).
 
-Predictive rules (``kind = "predictive"``): a robust (Theil–Sen) slope of
-MemAvailable over the last ``window_s`` seconds projects the time until
-MemAvailable reaches ``floor``; the sample counts when that projection is
-within ``within_s`` and the ``when`` gate holds.
+Predictive rules (``kind = "predictive"``): robust (Theil–Sen) slopes of usable
+memory (MemAvailable − CmaFree; MemAvailable where the kernel reports no CMA)
+project the time until it reaches ``floor``; the sample counts when a projection
+is within its horizon and the ``when`` gate holds. The horizon is ``within_s``, or
+(``within_s = None``, the default) the time a stop takes (``horizon_s``: the
+configured grace or measured stop durations, handed in by the engine), because a
+fall that reaches the floor before a stop could finish must trip now. Fits run
+over doubling windows ``window_s, 2·window_s, …`` up to twice the horizon; a window
+``w`` may project at most ``min(horizon, 1.5·w)`` ahead (``HORIZON_PER_WINDOW``), so
+a short window only sees a short way (a fast collapse is caught by a short fit)
+and a long projection needs a long, robust fit (a single ~1 GiB excursion, as
+measured on healthy servers, moves the median of a long fit's pairwise slopes
+by nothing).
 
 Shapes:
-    ``compile_rules(configs, mem_total_bytes, interval_s) -> list[Rule]``
-    ``evaluate(sample, rules, states, now) -> list[Decision]`` (mutates ``states``)
+    ``compile_rules(configs, mem_total_bytes) -> list[Rule]``
+    ``evaluate(sample, rules, states, now, horizon_s=...) -> list[Decision]`` (mutates ``states``)
+    ``core.engine.RuleEngine`` wraps these; the guard, replay and the re-check use it.
 """
 
 from __future__ import annotations
 
-import math
 import operator
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -32,6 +43,7 @@ from typing import Any, Literal, Protocol
 from sparkd.core.choices import RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS, Sample
+from sparkd.core.slope import SlopeWindow
 from sparkd.units import GiB, fmt_gib, parse_size
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
@@ -97,8 +109,24 @@ def compile_condition(text: str, mem_total_bytes: int | None) -> Condition:
     return Condition(name, attr, op, threshold, is_size, text.strip())
 
 
+#: Minimum consecutive samples of a duration rule (``for_s``) when ``samples`` is not given:
+#: one sample is an excursion, two may be the same excursion seen twice; three are a trend.
+DURATION_MIN_SAMPLES = 3
+
+#: How far ahead a fit over ``w`` seconds may project: ``1.5·w`` (the seed predictive rule
+#: projected 3 s from a 2 s fit; a 30 s stop horizon therefore needs a fit of at least 20 s).
+HORIZON_PER_WINDOW = 1.5
+
+#: The stop horizon when none is handed in: ``container.stop_timeout_s``'s default (30 s).
+DEFAULT_HORIZON_S = 30.0
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """A compiled rule. ``samples``: the consecutive samples needed (a count rule) or the
+    minimum (a duration rule, ``for_s`` set). ``within_s``: a predictive rule's fixed
+    horizon, or ``None`` for the stop horizon the engine hands in. Sizes in bytes."""
+
     name: str
     when: tuple[Condition, ...]
     evidence: tuple[Condition, ...]
@@ -106,13 +134,40 @@ class Rule:
     action: RuleAction
     kind: RuleKind = "threshold"
     floor_bytes: int | None = None
-    within_s: float = 3.0
-    window_s: float = 3.0
+    within_s: float | None = None
+    window_s: float = 2.0
     for_s: float | None = None
 
     @property
     def gated(self) -> bool:
         return bool(self.evidence)
+
+    @property
+    def duration_based(self) -> bool:
+        return self.for_s is not None
+
+    def horizon(self, horizon_s: float) -> float:
+        """The longest projection this predictive rule makes (s)."""
+        return self.within_s if self.within_s is not None else horizon_s
+
+    def fit_windows(self, horizon_s: float) -> list[tuple[float, float]]:
+        """``[(window_s, horizon_s), ...]``: doubling fit windows from ``window_s`` until one
+        covers twice the horizon, each with the projection it may make."""
+        h = self.horizon(horizon_s)
+        out = []
+        w = self.window_s
+        while True:
+            out.append((w, min(h, HORIZON_PER_WINDOW * w)))
+            if w >= 2 * h or len(out) >= 12:
+                return out
+            w *= 2
+
+    def inputs(self) -> list[str]:
+        """The sample attributes this rule reads (``when``, ``evidence``, the projection)."""
+        out = [c.attr for c in (*self.when, *self.evidence)]
+        if self.kind == "predictive":
+            out.append("mem_available_minus_cma")
+        return list(dict.fromkeys(out))
 
     def to_json(self) -> dict[str, Any]:
         """The rule as configured and compiled (thresholds in bytes for size fields)."""
@@ -122,6 +177,7 @@ class Rule:
             "action": self.action,
             "samples": self.samples,
             "for_s": self.for_s,
+            "duration_based": self.duration_based,
             "when": [c.text for c in self.when],
             "evidence": [c.text for c in self.evidence],
             "thresholds": [
@@ -129,13 +185,29 @@ class Rule:
                 for c in self.when
             ],
             "floor_bytes": self.floor_bytes,
+            "within_s": self.within_s,
+            "window_s": self.window_s,
         }
 
+    def _size_limits(self) -> list[tuple[str, float]]:
+        return [(c.attr, c.threshold) for c in self.when if c.is_size and c.op in ("<", "<=")]
+
+    def watch_levels(self) -> list[tuple[str, float]]:
+        """A predictive rule's size gates (where it starts projecting; e.g. usable < 16 GiB), else none.
+
+        Below one the guard samples fast, so the projection has points to fit; it is no stop line.
+        """
+        return self._size_limits() if self.kind == "predictive" else []
+
     def floors(self) -> list[tuple[str, float]]:
-        """The size thresholds of ``<``/``<=`` conditions (what "near a floor" means)."""
-        out = [(c.attr, c.threshold) for c in self.when if c.is_size and c.op in ("<", "<=")]
+        """The size thresholds of ``<``/``<=`` conditions (what "near a floor" means).
+
+        A predictive rule's ``when`` is only where it starts watching (the arming gate, e.g. 16 GiB):
+        its floor is ``floor_bytes`` alone; the gate is never a stop line.
+        """
+        out = [] if self.kind == "predictive" else self._size_limits()
         if self.floor_bytes is not None:
-            out.append(("mem_available", float(self.floor_bytes)))
+            out.append(("mem_available_minus_cma", float(self.floor_bytes)))
         return out
 
 
@@ -150,7 +222,7 @@ class RuleSpec(Protocol):
     @property
     def evidence(self) -> Sequence[str]: ...
     @property
-    def samples(self) -> int: ...
+    def samples(self) -> int | None: ...
     @property
     def action(self) -> Any: ...
     @property
@@ -158,25 +230,23 @@ class RuleSpec(Protocol):
     @property
     def floor(self) -> str | None: ...
     @property
-    def within_s(self) -> float: ...
+    def within_s(self) -> float | None: ...
     @property
     def window_s(self) -> float: ...
     @property
     def for_s(self) -> float | None: ...
 
 
-def compile_rules(
-    configs: Iterable[RuleSpec], mem_total_bytes: int | None, fast_interval_s: float = 0.25
-) -> list[Rule]:
-    """Compile rule configs. A rule written as a duration (``for_s``) counts
-    ``ceil(for_s / fast_interval_s)`` samples: while a counter is above zero the
-    guard samples at the fast interval (see ``daemon``).
+def compile_rules(configs: Iterable[RuleSpec], mem_total_bytes: int | None) -> list[Rule]:
+    """Compile rule configs. ``samples`` unset: 5 for a count rule (the seed), and
+    ``DURATION_MIN_SAMPLES`` for a duration rule (``for_s``).
+
+    Raises:
+        ValueError: a bad condition, or a ``%`` threshold with MemTotal unknown.
     """
     out = []
     for c in configs:
-        n = c.samples
-        if c.for_s is not None:
-            n = max(1, math.ceil(c.for_s / fast_interval_s - 1e-9))
+        n = c.samples if c.samples is not None else (5 if c.for_s is None else DURATION_MIN_SAMPLES)
         out.append(
             Rule(
                 name=c.name,
@@ -196,7 +266,10 @@ def compile_rules(
 
 @dataclass(slots=True)
 class RuleState:
-    """Per-rule counters. ``started_mono``: monotonic time of the first counted sample."""
+    """Per-rule counters. ``started_mono``: monotonic time of the first counted sample.
+
+    ``blind``: why the rule could not evaluate on the last sample (an input it needs was
+    not read), or ``None``."""
 
     counter: int = 0
     started_mono: float | None = None
@@ -204,6 +277,7 @@ class RuleState:
     trips: int = 0
     last_trip_mono: float | None = None
     last_reason: str | None = None
+    blind: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -211,6 +285,7 @@ class RuleState:
             "near_misses": self.near_misses,
             "trips": self.trips,
             "last_reason": self.last_reason,
+            "blind": self.blind,
         }
 
 
@@ -220,6 +295,7 @@ class Decision:
 
     ``kind``: ``"trip"`` (counter reached, action due), ``"near_miss"`` (gated and
     suppressed), ``"cooldown"`` (would trip but the rule is cooling down).
+    ``mono``: the sample's monotonic time (``None`` for decisions made outside the rules).
     """
 
     rule: str
@@ -229,60 +305,77 @@ class Decision:
     counter: int
     samples: int
     values: dict[str, Any] = field(default_factory=dict)
+    mono: float | None = None
 
 
-class SlopeWindow:
-    """Recent ``(mono, MemAvailable)`` points for the predictive rules' robust slope."""
-
-    def __init__(self, max_window_s: float = 10.0, max_points: int = 200) -> None:
-        self.max_window_s = max_window_s
-        self.points: deque[tuple[float, int]] = deque(maxlen=max_points)
-
-    def add(self, mono: float, mem_available: int | None) -> None:
-        if mem_available is None:
-            return
-        self.points.append((mono, mem_available))
-        while self.points and mono - self.points[0][0] > self.max_window_s:
-            self.points.popleft()
-
-    def slope(self, now: float, window_s: float, min_points: int = 4) -> float | None:
-        """Theil–Sen slope in bytes/s over the last ``window_s`` (median of pairwise slopes).
-
-        Robust to a single outlier (one-sample dip); ``None`` with fewer than ``min_points``.
-        """
-        pts = [p for p in self.points if now - p[0] <= window_s + 1e-9]
-        if len(pts) < min_points:
-            return None
-        slopes = [
-            (pts[j][1] - pts[i][1]) / (pts[j][0] - pts[i][0])
-            for i in range(len(pts))
-            for j in range(i + 1, len(pts))
-            if pts[j][0] > pts[i][0]
-        ]
-        if not slopes:
-            return None
-        slopes.sort()
-        mid = len(slopes) // 2
-        return slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+def usable_bytes(sample: Sample) -> int | None:
+    """Usable memory: MemAvailable − CmaFree (MemAvailable where no CMA is reported)."""
+    return sample.mem_available_minus_cma
 
 
-def _projection(rule: Rule, sample: Sample, window: SlopeWindow | None, now: float) -> tuple[bool, str, dict[str, Any]]:
+def _projection(
+    rule: Rule, sample: Sample, window: SlopeWindow | None, now: float, horizon_s: float
+) -> tuple[bool, str, dict[str, Any]]:
     assert rule.floor_bytes is not None
-    avail = sample.mem_available
+    avail = usable_bytes(sample)
     if window is None or avail is None:
         return False, "", {}
-    slope = window.slope(now, rule.window_s)
-    if slope is None or slope >= 0:
-        return False, "", {"slope_bytes_per_s": slope}
-    eta = (avail - rule.floor_bytes) / -slope
-    ok = eta <= rule.within_s
-    named = any(c.attr == "mem_available" for c in rule.when)  # else the reason must still give the value
+    best: tuple[float, float, float, float] | None = None  # (eta, slope, window, horizon)
+    first_slope: float | None = None
+    for w, h in rule.fit_windows(horizon_s):
+        slope = window.slope(now, w)
+        if slope is None:
+            continue
+        if first_slope is None:
+            first_slope = slope
+        if slope >= 0:
+            continue
+        # the projection reaches as far as the points reach back, not as far as the window could
+        h = min(h, HORIZON_PER_WINDOW * window.span(now, w))
+        eta = (avail - rule.floor_bytes) / -slope
+        if eta <= h:
+            best = (eta, slope, w, h)
+            break
+    if best is None:
+        return False, "", {"slope_bytes_per_s": first_slope}
+    eta, slope, w, h = best
+    named = any(c.attr in ("mem_available", "mem_available_minus_cma") for c in rule.when)
+    cma = sample.cma_free is not None and sample.cma_total
+    label = "usable (MemAvailable-CmaFree)" if cma else "MemAvailable"
     text = (
-        ("" if named else f"MemAvailable {fmt_gib(avail)} ") + f"falling {(-slope) / GiB:.2f} GiB/s "
-        f"(robust fit over {rule.window_s:g} s), projected to cross {fmt_gib(rule.floor_bytes)} "
-        f"in {max(eta, 0):.1f} s <= {rule.within_s:g} s"
+        ("" if named else f"{label} {fmt_gib(avail)} ") + f"falling {(-slope) / GiB:.2f} GiB/s "
+        f"(robust fit over {w:g} s), projected to cross {fmt_gib(rule.floor_bytes)} "
+        f"in {max(eta, 0):.1f} s <= {h:g} s"
     )
-    return ok, text, {"slope_bytes_per_s": slope, "eta_s": eta}
+    if rule.within_s is None:
+        text += f" (a stop takes up to {horizon_s:g} s)"
+    return True, text, {"slope_bytes_per_s": slope, "eta_s": eta, "fit_window_s": w}
+
+
+_INPUT_NAMES = {
+    "mem_available": "MemAvailable",
+    "mem_free": "MemFree",
+    "mem_available_minus_cma": "MemAvailable",
+    "psi_some_avg10": "PSI",
+    "psi_full_avg10": "PSI",
+    "shm_bytes": "/dev/shm",
+}
+
+
+def blind_reason(rule: Rule, sample: Sample) -> str | None:
+    """Why ``rule`` cannot evaluate on ``sample`` (an input it needs is ``None``), or ``None``.
+
+    A ``when`` input missing, every ``evidence`` input missing, or (predictive) no usable
+    memory figure makes it blind: it can never count, which must not read as a quiet 0/N."""
+    missing = [c for c in rule.when if getattr(sample, c.attr) is None]
+    if rule.evidence and all(getattr(sample, c.attr) is None for c in rule.evidence):
+        missing += list(rule.evidence)
+    names = list(dict.fromkeys(_INPUT_NAMES.get(c.attr, c.name) for c in missing))
+    if rule.kind == "predictive" and usable_bytes(sample) is None and "MemAvailable" not in names:
+        names.append("MemAvailable")
+    if not names:
+        return None
+    return f"cannot evaluate: {', '.join(names)} not read"
 
 
 def evaluate(
@@ -293,15 +386,19 @@ def evaluate(
     *,
     cooldown_s: float = 0.0,
     slope: SlopeWindow | None = None,
+    horizon_s: float = DEFAULT_HORIZON_S,
 ) -> list[Decision]:
     """Advance each rule's counter on one sample; return trips, near misses, cooldowns.
 
     ``now`` is the monotonic time of the sample (injected; never read here).
     ``slope`` must already contain this sample (the caller adds it first).
+    ``horizon_s``: the time a stop takes (predictive rules without ``within_s``).
+    Each rule's ``RuleState.blind`` is set when one of its inputs is missing.
     """
     out: list[Decision] = []
     for rule in rules:
         st = states.setdefault(rule.name, RuleState())
+        st.blind = blind_reason(rule, sample)
         held = [c.holds(sample) for c in rule.when]
         if not all(h is True for h in held):
             st.counter, st.started_mono = 0, None
@@ -309,7 +406,7 @@ def evaluate(
         parts = [c.describe(sample) for c in rule.when]
         values: dict[str, Any] = {c.name: getattr(sample, c.attr) for c in rule.when}
         if rule.kind == "predictive":
-            ok, text, extra = _projection(rule, sample, slope, now)
+            ok, text, extra = _projection(rule, sample, slope, now, horizon_s)
             values.update(extra)
             if not ok:
                 st.counter, st.started_mono = 0, None
@@ -328,40 +425,37 @@ def evaluate(
                     f"no evidence (needs {needs}; now {now_vals})"
                 )
                 st.last_reason = reason
-                out.append(Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values))
+                out.append(Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values, now))
                 continue
             parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
         if st.counter == 0:
             st.started_mono = now
         st.counter += 1
-        if st.counter < rule.samples:
-            continue
         held_s = now - (st.started_mono if st.started_mono is not None else now)
-        dur = f"{held_s:.2f} s" if rule.for_s is None else f"{held_s:.2f} s, rule: for {rule.for_s:g} s"
-        reason = f"{rule.name}: {', '.join(parts)} for {st.counter}/{rule.samples} samples ({dur})"
+        if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - 1e-9):
+            continue
+        if rule.for_s is None:
+            dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"
+        else:
+            dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
+        reason = f"{rule.name}: {', '.join(parts)} {dur}"
         count = st.counter
         st.counter, st.started_mono = 0, None
         if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
             out.append(
-                Decision(
-                    rule.name,
-                    "cooldown",
-                    rule.action,
-                    reason + " [cooldown]",
-                    count,
-                    rule.samples,
-                    values,
-                )
+                Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
             )
             continue
         st.trips += 1
         st.last_trip_mono = now
         st.last_reason = reason
-        out.append(Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values))
+        out.append(Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now))
     return out
 
 
-def still_holds(rule: Rule, sample: Sample, slope: SlopeWindow | None, now: float) -> bool:
+def still_holds(
+    rule: Rule, sample: Sample, slope: SlopeWindow | None, now: float, horizon_s: float = DEFAULT_HORIZON_S
+) -> bool:
     """Re-check before acting: does the rule's condition hold on a fresh sample?
 
     For predictive rules the projection must still hold (issue: re-check before acting);
@@ -369,6 +463,6 @@ def still_holds(rule: Rule, sample: Sample, slope: SlopeWindow | None, now: floa
     """
     if not all(c.holds(sample) is True for c in rule.when):
         return False
-    if rule.kind == "predictive" and not _projection(rule, sample, slope, now)[0]:
+    if rule.kind == "predictive" and not _projection(rule, sample, slope, now, horizon_s)[0]:
         return False
     return not rule.evidence or any(c.holds(sample) is True for c in rule.evidence)

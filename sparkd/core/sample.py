@@ -62,6 +62,7 @@ FIELD_ALIASES: dict[str, str] = {
     "low_watermark_bytes": "low_watermark_bytes",
     "mem_available_minus_cma": "mem_available_minus_cma",
     "MemAvailable-CmaFree": "mem_available_minus_cma",
+    "usable": "mem_available_minus_cma",
     "psi_some_avg10": "psi_some_avg10",
     "psi_full_avg10": "psi_full_avg10",
     "shm_bytes": "shm_bytes",
@@ -193,9 +194,18 @@ def build_sample(
     s.driver_bytes = driver_bytes(m)
     s.nvrm_recent = nvrm_recent
     s.low_watermark_bytes = low_watermark_bytes
-    if s.mem_available is not None:
-        s.mem_available_minus_cma = s.mem_available - (s.cma_free or 0)
+    derive(s)
     return s
+
+
+def derive(s: Sample) -> None:
+    """Set the derived usable memory: ``mem_available_minus_cma`` = MemAvailable − CmaFree
+    (MemAvailable where the kernel reports no CMA), or ``None`` without MemAvailable.
+
+    Free CMA counts in MemAvailable but the GPU driver's allocations cannot use it (a host
+    died at MemAvailable 10.45 GiB of which 8.81 GiB was free CMA: field-2/homelab-kill7-cma.csv).
+    One function for the live guard (``build_sample``) and replay's loaders alike."""
+    s.mem_available_minus_cma = None if s.mem_available is None else s.mem_available - (s.cma_free or 0)
 
 
 ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("mono", "meminfo"))

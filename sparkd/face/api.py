@@ -122,8 +122,11 @@ def samples_query(
         if bad or not flds:
             raise InvalidInput("fields", fields, ", ".join(CHART_FIELDS))
     aligned = (s // st) * st  # buckets on a fixed grid, so incremental fetches line up
-    rows = daemon.store.downsampled(since=aligned, until=u, step_s=st, fields=flds) if daemon.store else []
+    rows = daemon.reads.downsampled(since=aligned, until=u, step_s=st, fields=flds)
     out: dict[str, Any] = {"since": aligned, "until": u, "step": st, "fields": flds, "points": len(rows)}
+    note = daemon.reads.note()
+    if note:  # the database cannot answer: the live in-memory view, said
+        out["source"], out["message"] = "memory", note
     out["ts"] = [r["ts"] for r in rows]
     out["n"] = [r["n"] for r in rows]
     for f in flds:
@@ -171,13 +174,16 @@ def install_read_routes(app: FastAPI, daemon: DaemonView) -> None:
         """Events, newest first."""
         require_finite("since", since)
         kinds = [k.strip() for v in kind or [] for k in v.split(",") if k.strip()] or None
-        rows = daemon.store.events(since=since, kinds=kinds, limit=limit) if daemon.store else []
+        rows = daemon.reads.events(since=since, kinds=kinds, limit=limit)
+        note = daemon.reads.note()
+        if note:
+            return {"events": rows, "source": "memory", "message": note}
         return {"events": rows}
 
     @app.get("/api/launches", tags=["read"])
     def launches() -> dict[str, Any]:
         """Launches, newest first: the plan's estimate beside vLLM's reported figures."""
-        return {"launches": views.launches_view(daemon.store, limit=50)}
+        return {"launches": views.launches_view(daemon.reads, limit=50)}
 
     @app.get("/api/archives", tags=["read"])
     def archives(who: Reader) -> JSONResponse:

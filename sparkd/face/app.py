@@ -46,7 +46,11 @@ def create_app(daemon: DaemonView) -> FastAPI:
     app.state.require_auth = require_auth
     install_error_handlers(app, html_page=error_page)
     # the link-network addresses of [cluster] are hosts of this API too (peer calls; face/peer.py)
-    app.add_middleware(GuardMiddleware, allowed_hosts=[*settings.api.allowed_hosts, *settings.cluster.listen])
+    app.add_middleware(
+        GuardMiddleware,
+        allowed_hosts=[*settings.api.allowed_hosts, *settings.cluster.listen],
+        max_body_bytes=settings.api.max_body_bytes,
+    )
     app.mount("/static", StaticFiles(directory=web_dir() / "static"), name="static")
 
     control, resize = make_control(daemon), make_resize(daemon)

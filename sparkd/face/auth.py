@@ -27,6 +27,7 @@ All comparisons of secrets use ``hmac.compare_digest``.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import json
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sparkd.errors import BadHost, ConfigError, Forbidden, SparkdError, Unauthorized
+from sparkd.errors import BadHost, ConfigError, Forbidden, SparkdError, TooLarge, Unauthorized
 from sparkd.hostport import allowed_entry, parse_host
 
 log = logging.getLogger("sparkd.face.auth")
@@ -48,6 +49,12 @@ log = logging.getLogger("sparkd.face.auth")
 SESSION_COOKIE = "sparkd_session"
 CSRF_HEADER = "x-csrf-token"
 SESSION_MAX_AGE_S = 7 * 86400
+MAX_SESSIONS = 1000  # live sessions kept server-side; the oldest goes first
+# Failed logins: the first LOGIN_FREE_FAILURES per client cost nothing, then each waits
+# 2 ** (failures - LOGIN_FREE_FAILURES) s, at most LOGIN_BACKOFF_MAX_S (810 tries/s were possible).
+LOGIN_FREE_FAILURES = 5
+LOGIN_BACKOFF_MAX_S = 300.0
+LOGIN_CLIENTS_MAX = 10000
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -108,13 +115,53 @@ def _read_token(p: Path) -> str:
 
 
 # --------------------------------------------------------------------------- sessions
+class LoginLimiter:
+    """Failed logins per client (address) with exponential back-off; monotonic clock (injectable).
+
+    ``retry_after(client)`` → seconds to wait before a login from ``client`` is even checked (None:
+    go ahead); ``failed(client)`` → that wait after one more failure; ``succeeded`` forgets the client.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._clients: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+        self.failures_total = 0
+
+    def retry_after(self, client: str) -> float | None:
+        until = self._clients.get(client, (0, 0.0))[1]
+        wait = until - self.clock()
+        return wait if wait > 0 else None
+
+    def failed(self, client: str) -> float:
+        self.failures_total += 1
+        n = self._clients.pop(client, (0, 0.0))[0] + 1
+        wait = 0.0 if n <= LOGIN_FREE_FAILURES else min(2.0 ** (n - LOGIN_FREE_FAILURES), LOGIN_BACKOFF_MAX_S)
+        self._clients[client] = (n, self.clock() + wait)
+        while len(self._clients) > LOGIN_CLIENTS_MAX:
+            self._clients.popitem(last=False)
+        return wait
+
+    def failures(self, client: str) -> int:
+        return self._clients.get(client, (0, 0.0))[0]
+
+    def succeeded(self, client: str) -> None:
+        self._clients.pop(client, None)
+
+
 class Auth:
-    """Token, session and CSRF checks for one app. ``clock`` is injectable for tests."""
+    """Token, session and CSRF checks for one app. ``clock`` is injectable for tests.
+
+    Sessions live server-side (``MAX_SESSIONS``, oldest dropped first): a signed cookie is valid
+    only while its session is listed, so ``end_session`` (logout) makes it worthless at once, and
+    a restart of the daemon logs everyone out.
+    """
 
     def __init__(self, token: str, *, clock: Callable[[], float] = time.time) -> None:
         self.token = token
         self.clock = clock
         self._key = hmac.new(token.encode(), b"sparkd-session-v1", hashlib.sha256).digest()
+        self._sessions: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.logins = LoginLimiter()
 
     def check_token(self, candidate: str | None) -> bool:
         return bool(candidate) and hmac.compare_digest(candidate.encode(), self.token.encode())  # type: ignore[union-attr]
@@ -124,7 +171,15 @@ class Auth:
 
     def new_session(self) -> str:
         body = f"{int(self.clock())}.{secrets.token_urlsafe(16)}"
+        self._sessions[body] = None
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
         return f"{body}.{self._sign(body)}"
+
+    def end_session(self, cookie: str | None) -> bool:
+        """Invalidate the session of ``cookie`` server-side (logout); True when there was one."""
+        sid = self.session_id(cookie)
+        return sid is not None and self._sessions.pop(sid, 0) is None
 
     def session_id(self, cookie: str | None) -> str | None:
         """The session's ``<issued>.<nonce>`` when the cookie is authentic and fresh, else None."""
@@ -137,6 +192,8 @@ class Auth:
         try:
             age = self.clock() - int(issued)
         except ValueError:
+            return None
+        if body not in self._sessions:  # logged out, or issued before this daemon started
             return None
         return body if -60 <= age <= SESSION_MAX_AGE_S else None
 
@@ -251,18 +308,48 @@ class GuardMiddleware:
     Answers with the one error shape ``{"error": ..., "detail": ...}``.
     """
 
-    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, allowed_hosts: Iterable[str], max_body_bytes: int = 65536) -> None:
         self.app = app
         self.allowed_hosts = list(allowed_hosts)
+        self.max_body_bytes = max_body_bytes
+
+    def _capped(self, receive: Any) -> Any:
+        """``receive`` that stops a body without Content-Length (chunked) at ``max_body_bytes``:
+        the app sees a client disconnect, so nothing past the cap is buffered."""
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def capped() -> dict[str, Any]:
+            nonlocal seen
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    log.warning("request body over %d bytes (api.max_body_bytes): dropped", limit)
+                    return {"type": "http.disconnect"}
+            return message
+
+        return capped
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        raw = scope.get("headers", [])
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         err: SparkdError | None = None
         host = headers.get("host")
-        if parse_host(host) is None:
+        hosts = sum(1 for k, _ in raw if k.lower() == b"host")
+        length = headers.get("content-length")
+        if hosts > 1:  # the check would read one, the app another
+            err = BadHost("more than one Host header", detail=f"{hosts} Host headers; send exactly one")
+        elif length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            err = TooLarge(
+                "request body too large",
+                detail=f"Content-Length {length[:20]!r}: at most {self.max_body_bytes} bytes "
+                "(api.max_body_bytes) are accepted",
+            )
+        elif parse_host(host) is None:
             err = BadHost(
                 "malformed Host header",
                 detail=f"Host {host!r} is not host[:port] (port digits only, IPv6 in brackets); "
@@ -284,7 +371,7 @@ class GuardMiddleware:
                     message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
                 await send(message)
 
-            await self.app(scope, receive, send_with_headers)
+            await self.app(scope, self._capped(receive), send_with_headers)
             return
         body = json.dumps(err.to_json()).encode()
         await send(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import datetime as dt
 import io
 import json
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 
 import click
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from sparkd import __version__
 from sparkd.config import Settings, effective_config, load_settings
@@ -21,7 +25,7 @@ from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.errors import SparkdError, StoreError
 from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import Store
-from sparkd.units import fmt_gib, parse_duration_s
+from sparkd.units import GiB, fmt_gib, parse_duration_s
 
 STALE_S = 10.0
 
@@ -105,6 +109,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.daemon import Daemon
     from sparkd.loop.supervisor import make_actions
 
+    os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
     from sparkd.loop.cluster import Cluster
 
@@ -132,9 +137,14 @@ def _echo_snapshot(st: Status) -> None:
             extra = f", near misses {r.near_misses}" if r.evidence else ""
             if r.demoted:
                 extra += f"  DEMOTED to warn: {r.demoted}"
-            click.echo(
-                f"  {r.name:<26} {r.counter}/{r.samples}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]"
-            )
+            need = f"{r.counter}/{r.samples}" + (f" ({r.for_s:g} s)" if r.for_s else "")
+            if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
+                need = f"BLIND ({r.blind})"
+            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]")
+    for name, blind_why in st.blind.sensors.items():
+        click.echo(f"BLIND: {name}: {blind_why}")
+    if st.kernel_log.lost:
+        click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
     leak = st.leak
@@ -151,7 +161,25 @@ def _echo_snapshot(st: Status) -> None:
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
-    click.echo(f"container: {what} {('— ' + c.reason) if c.reason else ''}")
+    line = f"container: {what}"
+    if c.name:
+        line += f" {c.name}" + (f" ({c.container_id[:12]})" if c.container_id else "")
+    if c.image:
+        line += f", image {c.image}"
+    if c.uptime_s is not None:
+        line += f", up {_span(c.uptime_s)}"
+    if c.memory_bytes:
+        line += f", --memory {fmt_gib(c.memory_bytes)}"
+    why = c.reason or c.state_reason
+    if why:
+        line += f" — {why}"
+    if c.restart_count:
+        line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
+    click.echo(line)
+    if st.consumers is not None:
+        cs = st.consumers
+        over = f" — {fmt_gib(cs.cotenant_excess_bytes)} over the co-tenant limit" if cs.cotenant_excess_bytes else ""
+        click.echo(f"who holds the memory ({_ts(cs.at)} UTC): {cs.text}{over}")
 
 
 @main.command()
@@ -164,10 +192,17 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     if cluster:
         _cluster_status(settings, as_json)
         return
-    store = _store(settings)
-    st = _snapshot(store)
-    latest = store.latest_sample()
-    events = store.events(limit=10)
+    try:
+        store = _store(settings)
+        st = _snapshot(store)
+        latest = store.latest_sample()
+        events = store.events(limit=10)
+    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
+        raise StoreError(
+            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
+            "memory: see `sparkd doctor` and /api/status"
+        ) from None
     running = st is not None and st.running and time.time() - st.ts < STALE_S + 2 * settings.interval_s
     snap = st.model_dump(mode="json") if st else {}
     data = {
@@ -179,18 +214,22 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "mode": snap.get("mode"),
         "interval_s": snap.get("interval_s"),
         "kernel_log": snap.get("kernel_log"),
+        "blind": snap.get("blind"),
+        "usable_bytes": snap.get("usable_bytes"),
         "leak": snap.get("leak"),
         "watermark": snap.get("watermark"),
         "notify": snap.get("notify"),
         "gpu": snap.get("gpu"),
+        "consumers": snap.get("consumers"),
         "events": events,
         "db_path": str(settings.db_file),
     }
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
+    age = _age(data["snapshot_age_s"])
     click.echo(
-        f"sparkd {'running' if running else 'NOT running (last snapshot ' + _age(data['snapshot_age_s']) + ')'}"
+        f"sparkd {'running (status of ' + age + ')' if running else 'NOT running (last snapshot ' + age + ')'}"
         f" — db {settings.db_file}"
     )
     if latest:
@@ -198,6 +237,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         for key, label in (
             ("mem_total", "MemTotal"),
             ("mem_available", "MemAvailable"),
+            ("mem_available_minus_cma", "usable"),
             ("mem_free", "MemFree"),
             ("cached", "Cached"),
             ("anon_pages", "AnonPages"),
@@ -226,6 +266,15 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
 
 def _age(s: float | None) -> str:
     return "never" if s is None else f"{s:.0f} s ago"
+
+
+def _span(s: float) -> str:
+    """A duration for people: ``42 s``, ``17 min``, ``5.2 h``, ``3.1 d``."""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
 
 
 @main.command()
@@ -336,6 +385,8 @@ def doctor(ctx: click.Context) -> None:
             shm_dir=Path(settings.shm_dir),
             last_trip=lambda: _last_trip(settings),
             shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
+            db_file=settings.db_file,
+            rules=settings.rules,
         )
     )
     click.echo(doc.format_report(checks))
@@ -635,22 +686,55 @@ def plan(
     sources = setting_sources(settings.budget, flags=changes)
     mem_src = "flag" if mem_total_gib is not None else "measured"
     p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
+    learned = _learned_reserve(settings.model_copy(update={"budget": b, "container": c}), mem_total, p)
+    if (
+        learned is not None
+        and b.apply_learned_reserve
+        and (learned.recommended_reserve_bytes or 0) > int(b.host_reserve_gib * GiB)
+    ):  # the learned reserve, applied: the plan is made again with it (its evidence is printed below)
+        b = b.model_copy(update={"host_reserve_gib": learned.recommended_reserve_bytes / GiB})
+        sources = {**sources, "host_reserve_gib": "measured"}  # from the launch records
+        p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
+        learned = dataclasses.replace(learned, applied=True)
     if as_json:
         out = p.to_json()
         out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
+        out["learned"] = learned.to_json() if learned is not None else None
         click.echo(json.dumps(out, indent=2))
     else:
-        click.echo(
-            render_plan_table(
-                p,
-                image=settings.container.image or "vllm/vllm-openai:latest",
-                gpus=settings.container.gpu != "off",
-                init=settings.container.init,
-                oom_score_adj=settings.container.oom_score_adj,
-            )
+        from sparkd.loop.launch import launch_spec
+
+        spec = launch_spec(
+            settings.model_copy(
+                update={"container": c.model_copy(update={"image": c.image or "vllm/vllm-openai:latest"})}
+            ),
+            p,
         )
+        click.echo(render_plan_table(p, command=spec.docker_run_command()))
         if check is not None:
             click.echo(check.describe())
+        if learned is not None:
+            click.echo("\n".join(learned.lines()))
+
+
+def _learned_reserve(settings: Settings, mem_total: int, p: Any) -> Any:
+    """``loop.launch.learned_reserve`` over the daemon's stored launch records; None without a database."""
+    from sparkd.loop.launch import learned_reserve
+
+    if not settings.db_file.exists():
+        return None
+    store = _store(settings)
+    try:
+        launches = store.launches(limit=500)
+    finally:
+        store.close()
+    return learned_reserve(
+        settings,
+        launches,
+        mem_total_bytes=mem_total,
+        budget_bytes=int(p.budget_gib * GiB),
+        image=settings.container.image,
+    )
 
 
 def _cluster_status(settings: Any, as_json: bool) -> None:
@@ -687,7 +771,8 @@ def _cluster_status(settings: Any, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="The launch record as JSON.")
 def vllm_log(file: Any, as_json: bool) -> None:
     """Why did this launch fail? Parse a saved vLLM log (or `docker logs` output; FILE - reads stdin)
-    into the launch record: state, phase reached, figures, root cause and warnings."""
+    into the launch record: state, phase reached, figures, root cause and warnings.
+    Exit status: 0 ready or still starting, 1 failed (or an empty log)."""
     from sparkd.sense.vllm_log import LaunchLogParser
 
     parser = LaunchLogParser()
@@ -696,7 +781,7 @@ def vllm_log(file: Any, as_json: bool) -> None:
     rec = parser.record
     if as_json:
         click.echo(json.dumps(rec.to_json(), indent=2))
-        return
+        sys.exit(1 if rec.failed else 0)
     if rec.lines_seen == 0:
         click.echo("sparkd: the log is empty", err=True)
         sys.exit(1)
@@ -716,7 +801,14 @@ def vllm_log(file: Any, as_json: bool) -> None:
         out += [f"  {k:<{width}}{json.dumps(v) if isinstance(v, dict) else v}" for k, v in figures.items()]
     for text in rec.warnings().values():
         out.append(f"WARNING: {text}")
+    if rec.phase == "starting" and not rec.failed:
+        out.append(
+            f"NOTE: none of the {rec.lines_seen} lines is a vLLM start-up line sparkd knows "
+            "(is this vLLM's output? `docker logs` writes it to stderr: add 2>&1)"
+        )
     click.echo("\n".join(out))
+    if rec.failed:
+        sys.exit(1)  # a failed launch: scripts can branch on it (the report above says why)
 
 
 def _f(v: Any) -> str:

@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from sparkd.core.choices import CONTAINER_MODES
 from sparkd.core.lifecycle import ContainerState
 from sparkd.face import presenters as views
 from sparkd.loop.status import Status
@@ -50,8 +51,8 @@ MEMINFO_GAUGES = {
     "swap_total": "SwapTotal",
 }
 PSI_GAUGES = ("some_avg10", "some_avg60", "full_avg10", "full_avg60")
-#: label values of ``sparkd_container_state``: monitor-only, then every ``ContainerState``
-CONTAINER_STATES: tuple[str, ...] = ("monitor-only", *(s.value for s in ContainerState))
+#: label values of ``sparkd_container_state``: every ``ContainerState`` (the same words as /api/status)
+CONTAINER_STATES: tuple[str, ...] = tuple(s.value for s in ContainerState)
 
 
 @dataclass
@@ -98,6 +99,13 @@ class SparkdCollector(Collector):
             )
             g.add_metric([], float(sample["driver_bytes"]))
             yield g
+        if sample.get("mem_available_minus_cma") is not None:
+            g = GaugeMetricFamily(
+                "sparkd_memory_usable_bytes",
+                "Usable memory the default rules judge: MemAvailable - CmaFree (MemAvailable without CMA)",
+            )
+            g.add_metric([], float(sample["mem_available_minus_cma"]))
+            yield g
         if sample.get("shm_bytes") is not None:
             g = GaugeMetricFamily("sparkd_dev_shm_bytes", "Bytes in /dev/shm")
             g.add_metric([], float(sample["shm_bytes"]))
@@ -108,6 +116,20 @@ class SparkdCollector(Collector):
                 g = GaugeMetricFamily(f"sparkd_pressure_memory_{p}", f"/proc/pressure/memory {p} (percent)")
                 g.add_metric([], float(v))
                 yield g
+        if st.consumers is not None:  # per-group totals only: process names stay out of the label space
+            g = GaugeMetricFamily(
+                "sparkd_memory_group_rss_bytes",
+                "RSS of the processes of one group at the last process scan (container, host co-tenants, system)",
+                labels=["group"],
+            )
+            for group, total in sorted(st.consumers.totals_bytes.items()):
+                g.add_metric([group], float(total))
+            yield g
+            g = GaugeMetricFamily(
+                "sparkd_cotenant_limit_bytes", "Host co-tenant RSS above which sparkd warns (consumers.cotenant_limit)"
+            )
+            g.add_metric([], float(st.consumers.cotenant_limit_bytes))
+            yield g
 
     @staticmethod
     def _rules(st: Status) -> Iterator[Metric]:
@@ -127,21 +149,53 @@ class SparkdCollector(Collector):
             trips.add_metric([r.name], float(r.trips))
             near.add_metric([r.name], float(r.near_misses))
         yield from (counter, need, trips, near)
+        blind = GaugeMetricFamily(
+            "sparkd_rule_blind",
+            "1 when the rule cannot evaluate because an input it needs was not read (reason says which)",
+            labels=["rule", "reason"],
+        )
+        for r in rules:
+            blind.add_metric([r.name, r.blind or ""], 1.0 if r.blind else 0.0)
+        yield blind
+        sensors = GaugeMetricFamily(
+            "sparkd_input_blind",
+            "1 for each input a rule needs that cannot be read (MemAvailable, MemFree, PSI, kernel log, /dev/shm)",
+            labels=["input", "reason"],
+        )
+        for name, why in st.blind.sensors.items():
+            sensors.add_metric([name, why], 1.0)
+        yield sensors
+        bursts = CounterMetricFamily(
+            "sparkd_nvrm_bursts", "NV_ERR_NO_MEMORY bursts (nvrm_burst lines within nvrm_window_s), one per window"
+        )
+        bursts.add_metric([], float(st.kernel_log.nvrm_bursts))
+        yield bursts
 
         nvrm = CounterMetricFamily("sparkd_nvrm_errors", "NV_ERR_NO_MEMORY kernel-log lines seen since sparkd started")
         nvrm.add_metric([], float(st.kernel_log.nvrm_lines))
         yield nvrm
+        lines = CounterMetricFamily("sparkd_kernel_log_lines", "Kernel-log lines read since sparkd started")
+        lines.add_metric([], float(st.kernel_log.lines_read))
+        yield lines
+        lost = CounterMetricFamily(
+            "sparkd_kernel_log_lost", "Kernel-log records overwritten in the ring buffer before sparkd read them"
+        )
+        lost.add_metric([], float(st.kernel_log.lost))
+        yield lost
 
     @staticmethod
     def _daemon(snap: Snapshot) -> Iterator[Metric]:
         """Container state and stops, archives, tick quantiles, samples, writer drops, interval."""
         st = snap.status
         c = st.container
-        current = "monitor-only" if c.mode == "monitor-only" else c.state.value
         cs = GaugeMetricFamily("sparkd_container_state", "1 for the container's current state", labels=["state"])
         for s in CONTAINER_STATES:
-            cs.add_metric([s], 1.0 if s == current else 0.0)
+            cs.add_metric([s], 1.0 if s == c.state.value else 0.0)
         yield cs
+        mode = GaugeMetricFamily("sparkd_container_mode", "1 for how sparkd holds the container", labels=["mode"])
+        for m in CONTAINER_MODES:
+            mode.add_metric([m], 1.0 if m == c.mode else 0.0)
+        yield mode
         stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
         stops.add_metric(["stop"], float(c.stops_total))
         stops.add_metric(["kill"], float(c.kills_total))
@@ -169,6 +223,22 @@ class SparkdCollector(Collector):
         dropped = CounterMetricFamily("sparkd_db_dropped", "Records dropped because the database writer was behind")
         dropped.add_metric([], float(st.writer.dropped))
         yield dropped
+        refused = CounterMetricFamily("sparkd_db_refused", "Records the database refused for good (dropped)")
+        refused.add_metric([], float(st.writer.refused))
+        yield refused
+        db = GaugeMetricFamily("sparkd_db_up", "1 while the database records, 0 while sparkd guards from memory")
+        db.add_metric([], 1.0 if st.database is not None and st.database.state == "ok" else 0.0)
+        yield db
+        hr = CounterMetricFamily(
+            "sparkd_http_connections_refused", "API connections closed at once: over the connection cap"
+        )
+        hr.add_metric([], float(st.http.refused if st.http else 0))
+        yield hr
+        ht = CounterMetricFamily(
+            "sparkd_http_head_timeouts", "API connections closed for not sending a request head in time"
+        )
+        ht.add_metric([], float(st.http.head_timeouts if st.http else 0))
+        yield ht
         interval = GaugeMetricFamily("sparkd_sample_interval_seconds", "Current sampling interval")
         interval.add_metric([], float(st.interval_s))
         yield interval

@@ -23,6 +23,7 @@ from sparkd.loop.status import Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
+    from sparkd.loop.reads import Reads
     from sparkd.loop.status import DaemonView
     from sparkd.store.store import Store
 
@@ -129,6 +130,7 @@ def summary_from_status(status: Status) -> dict[str, Any]:
         "nvrm_recent": s.nvrm_recent if s else None,
         "kernel_log": status.kernel_log.model_dump(),
         "writer": status.writer.model_dump(),
+        "consumers": status.consumers.model_dump() if status.consumers else None,
     }
 
 
@@ -138,6 +140,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
     for r in status.rules:
         counter, need = r.counter, max(1, r.samples)
         level = "ok" if counter == 0 else ("critical" if counter * 2 >= need else "warn")
+        if r.blind:  # an input it needs was not read: never a quiet 0/N
+            level = "critical"
         out.append(
             {
                 "name": r.name,
@@ -152,6 +156,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "evidence": list(r.evidence),
                 "last_reason": r.last_reason,
                 "level": level,
+                "blind": r.blind,
+                "for_s": r.for_s,
             }
         )
     return out
@@ -238,14 +244,14 @@ def chart_config(status: Status) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- blocking views
-def events_view(store: Store | None, *, limit: int = 30) -> list[dict[str, Any]]:
+def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
     """Recent events, newest first. Blocking (SQLite): call in a thread."""
     if store is None:
         return []
     return store.events(limit=limit)
 
 
-def launches_view(store: Store | None, *, limit: int = 20) -> list[dict[str, Any]]:
+def launches_view(store: Store | Reads | None, *, limit: int = 20) -> list[dict[str, Any]]:
     """Launches with the plan's estimate beside what vLLM reported. Blocking."""
     if store is None:
         return []

@@ -26,9 +26,16 @@ _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with every non-finite float as a string (``nan``, ``inf``, ``-inf``): always serializes."""
+    """``value`` with every non-finite float as a string (``nan``, ``inf``, ``-inf``) and every string
+    UTF-8 cannot encode (a lone surrogate such as ``"\\ud800"`` from a JSON body) escaped: always serializes."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+        return value
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):

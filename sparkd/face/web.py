@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,8 @@ from sparkd.units import GiB
 
 if TYPE_CHECKING:
     from sparkd.loop.status import DaemonView
+
+log = logging.getLogger("sparkd.face.web")
 
 STATUS_PARTS = ("summary", "rules", "container", "budget")
 STORE_PARTS = ("events", "launches", "archives")
@@ -162,9 +165,9 @@ def _status_parts(daemon: DaemonView) -> dict[str, Any]:
 def _store_parts(daemon: DaemonView, names: tuple[str, ...], reader: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "events" in names:
-        out["events"] = views.events_view(daemon.store, limit=30)
+        out["events"] = views.events_view(daemon.reads, limit=30)
     if "launches" in names:
-        out["launches"] = views.launches_view(daemon.store, limit=10)
+        out["launches"] = views.launches_view(daemon.reads, limit=10)
     if "archives" in names:
         # bundles hold container logs and configuration: listed for the token or a session only
         out["archives"] = views.archives_view(daemon.settings.archives_path) if reader else None
@@ -233,23 +236,39 @@ def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
         return resp
 
     @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
-    async def login_page(request: Request, token: str | None = None) -> Response:
-        if token is None:
-            return render(request, "login.html")
-        if auth.check_token(token):
-            return _login_response(request)  # redirect: the token leaves the address bar
-        return render(request, "login.html", 401, error="That token is not valid.")
+    async def login_page(request: Request) -> Response:
+        if "token" in request.query_params:  # never from the URL: it ends up in history and logs
+            return render(
+                request,
+                "login.html",
+                400,
+                error="The token is not taken from the address (it would stay in history and logs): "
+                "paste it into the form, or send 'Authorization: Bearer <token>'.",
+            )
+        return render(request, "login.html")
 
     @app.post("/login", response_class=HTMLResponse, include_in_schema=False)
     async def login_post(request: Request) -> Response:
+        client = request.client.host if request.client else "?"
+        wait = auth.logins.retry_after(client)
+        if wait is not None:
+            resp = render(request, "login.html", 429, error=f"Too many failed logins: try again in {wait:.0f} s.")
+            resp.headers["Retry-After"] = str(max(1, round(wait)))
+            return resp
         form = await request.form()
         token = form.get("token")
         if isinstance(token, str) and auth.check_token(token.strip()):
+            auth.logins.succeeded(client)
+            daemon.event("login", f"dashboard login from {client}", details={"client": client})
             return _login_response(request)
+        wait = auth.logins.failed(client)
+        n = auth.logins.failures(client)
+        log.warning("failed login from %s (%d in a row%s)", client, n, f"; next try in {wait:.0f} s" if wait else "")
         return render(request, "login.html", 401, error="That token is not valid.")
 
     @app.post("/logout", include_in_schema=False)
-    async def logout() -> RedirectResponse:
+    async def logout(request: Request) -> RedirectResponse:
+        auth.end_session(request.cookies.get(SESSION_COOKIE))  # the cookie is worthless from now on
         resp = RedirectResponse("/", status_code=303)
         resp.delete_cookie(SESSION_COOKIE, path="/")
         return resp

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -29,19 +30,37 @@ from sparkd import __version__
 from sparkd.act.notify import Notifier
 from sparkd.config import Settings, effective_config
 from sparkd.core.choices import SamplingMode
-from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, demote, read_vm_tunables
+from sparkd.core.floors import FloorWarning, LoopGuard, check_floors, read_vm_tunables
 from sparkd.core.leak import LeakTracker
-from sparkd.core.rules import Decision, still_holds
+from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.errors import ConfigError, Refused, StoreError
+from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.guard import Guard, TickResult
+from sparkd.loop.httpserver import (
+    ACCEPT_BACKLOG,
+    HttpStats,
+    OncePerInterval,
+    RateLimitedLog,
+    connection_cap,
+    guarded_protocol,
+    install_exception_handler,
+    raise_nofile,
+)
+from sparkd.loop.reads import Reads
+from sparkd.loop.relief import ReliefRunner
 from sparkd.loop.status import (
+    BlindStatus,
+    ConsumersStatus,
     ContainerStatus,
+    DatabaseStatus,
     EventRow,
     GpuStatus,
+    HttpStatus,
     KernelLogStatus,
     LeakStatus,
     NotifyStatus,
+    ReliefStatus,
     ResizeResult,
     RuleStatus,
     SampleRow,
@@ -51,13 +70,17 @@ from sparkd.loop.status import (
 )
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, open_source
+from sparkd.store.keeper import DbKeeper
 from sparkd.store.store import Store, Writer
-from sparkd.units import fmt_gib, parse_size
+from sparkd.units import GiB, fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
 STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
+DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
+DB_CHECK_S = 0.5  # how often the database keeper looks at the writer and the file (inode)
+LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer
 
 
 class Actions(Protocol):
@@ -152,6 +175,12 @@ class Daemon:
         self.actions: Actions = actions or MonitorOnly()
         self.store: Store | None = None
         self.writer: Writer | None = None
+        self.db = DbKeeper(settings.db_file)
+        # the live view: what the read side answers from when the database cannot (newest last)
+        self.live_samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=LIVE_SAMPLES)
+        self.reads = Reads(self)
+        self._db_opened = asyncio.Event()
+        self._db_good_at = time.time()  # wall time of the last check that found the database file in place
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face
         self.app_factory = app_factory
@@ -172,6 +201,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._read_error_logged = False
         self.api_server: Any = None
+        self.http_stats = HttpStats()
+        self.http_log: RateLimitedLog | None = None
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
@@ -194,6 +225,15 @@ class Daemon:
         self.gpu: list[dict[str, Any]] = []
         self._cooldown_logged: dict[str, float] = {}
         self._lock_fd: int | None = None
+        self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
+        self.relief = ReliefRunner(
+            settings.relief,
+            proc_root=settings.proc_root,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            relieved=self._relieved,
+            mono=mono,
+        )
+        self._blind_key: tuple[tuple[str, str], ...] | None = None
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -234,7 +274,11 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
-        if kind in ("launched", "adopted"):
+        if kind in ("stopped", "killed") and self.guard is not None:
+            took = ((details or {}).get("durations_s") or {}).get("stop")
+            if isinstance(took, int | float):
+                self.guard.engine.note_stop_duration(float(took))  # the predictive horizon learns it
+        if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())
@@ -290,10 +334,30 @@ class Daemon:
             dry_run=self.settings.dry_run,
             sample=SampleRow.model_validate(last.to_row()) if last else None,
             rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
-            kernel_log=KernelLogStatus(source=self.kern_source_name, nvrm_lines=g.nvrm_lines_total if g else 0),
+            kernel_log=KernelLogStatus(
+                source=self.kern_source_name,
+                nvrm_lines=g.nvrm_lines_total if g else 0,
+                lines_read=g.kern_lines_total if g else 0,
+                # records the kernel's ring buffer overwrote before sparkd read them (/dev/kmsg: EPIPE
+                # and the sequence-number gap); 0 for readers that cannot tell
+                lost=getattr(g.kern_source, "lost_records", 0) if g else 0,
+                nvrm_bursts=g.bursts.bursts if g else 0,
+            ),
+            blind=BlindStatus.model_validate(self.blind_json()),
+            usable_bytes=last.mem_available_minus_cma if last else None,
             container=container,
             writer=WriterStatus(
-                queued=w.queue.qsize() if w else 0, written=w.written if w else 0, dropped=w.dropped if w else 0
+                queued=w.queue.qsize() if w else 0,
+                written=w.written if w else 0,
+                dropped=w.dropped if w else 0,
+                refused=w.refused if w else 0,
+                last_error=w.last_error if w else None,
+            ),
+            database=DatabaseStatus.model_validate(self.db.status()),
+            http=HttpStatus(
+                connection_cap=self.http_stats.cap,
+                refused=self.http_stats.refused,
+                head_timeouts=self.http_stats.head_timeouts,
             ),
             tick_s_p50=ticks[len(ticks) // 2] if ticks else None,
             leak=LeakStatus.model_validate(self.leak.status()),
@@ -309,6 +373,79 @@ class Daemon:
             gpu=[GpuStatus.model_validate(x) for x in self.gpu],
             events=[EventRow.model_validate(e) for e in list(self.recent_events)[:20]],
             plan=container.plan,
+            consumers=ConsumersStatus.model_validate(cs) if (cs := self._consumers_status()) else None,
+            relief=ReliefStatus.model_validate(self.relief.status()),
+        )
+
+    def _relieved(self, rule: str) -> None:
+        if self.guard is not None:
+            self.guard.engine.relieved(rule)
+
+    def _consumers_status(self) -> dict[str, Any] | None:
+        return self.consumers.status() if self.consumers else None
+
+    def _make_consumer_watch(self) -> ConsumerWatch:
+        """The process scan, fed with the supervisor's container id, the guard's MemAvailable and the plan."""
+        s = self.settings
+
+        def container_ids() -> list[str]:
+            cid = self.actions.status_json().container_id
+            return [cid] if cid else []
+
+        def mem_available() -> int | None:
+            last = self.guard.last if self.guard else None
+            return last.mem_available if last else None
+
+        def plan_left() -> int | None:
+            plan = self.actions.status_json().plan
+            if plan is None:
+                return None
+            return int((plan.mem_total_gib - plan.budget_gib) * GiB)
+
+        return ConsumerWatch(
+            s.consumers,
+            host_reserve_bytes=int(s.budget.host_reserve_gib * GiB),
+            container_ids=container_ids,
+            mem_available=mem_available,
+            plan_left_bytes=plan_left,
+            emit=lambda k, m, sev, det: self.event(k, m, severity=sev, details=det),
+            submit=self.writer.submit if self.writer else None,
+        )
+
+    def blind_json(self) -> dict[str, dict[str, str]]:
+        """``{"sensors": {input: why}, "rules": {rule: why}}``: each input a rule needs that
+        cannot be read (with the rules that need it), and each rule that therefore cannot
+        evaluate (never shown as a quiet 0/N). Inputs no rule reads are not listed."""
+        g = self.guard
+        if g is None:
+            return {"sensors": {}, "rules": {}}
+        users = g.sensor_users()
+        sensors = {
+            name: f"{why}; needed by {', '.join(users[name])}"
+            for name, why in g.blind_sensors().items()
+            if name in users
+        }
+        return {"sensors": sensors, "rules": g.engine.blind()}
+
+    def _check_blind(self) -> None:
+        """An event at start and whenever the set of blind inputs or rules changes."""
+        b = self.blind_json()
+        key = tuple(sorted(b["sensors"].items())) + tuple(sorted(("rule " + k, v) for k, v in b["rules"].items()))
+        if key == self._blind_key:
+            return
+        first = self._blind_key is None
+        self._blind_key = key
+        if not key:
+            if not first:
+                self.event("sensors_restored", "every input the rules need is read again")
+            return
+        parts = [f"{k}: {v}" for k, v in b["sensors"].items()]
+        parts += [f"rule {k} {v}" for k, v in b["rules"].items()]
+        self.event(
+            "sensor_blind",
+            "blind: " + "; ".join(parts),
+            severity="critical" if b["rules"] else "warning",
+            details=b,
         )
 
     def current_interval(self) -> float:
@@ -341,8 +478,10 @@ class Daemon:
 
         path = Path(self.settings.state_dir) / "sparkd.lock"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if (path.parent.stat().st_mode & 0o777) != 0o700 and path.parent.stat().st_uid == os.geteuid():
+                os.chmod(path.parent, 0o700)  # whatever the umask: samples, events and the token are ours
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise StoreError(f"cannot use state directory {path.parent}: {e}") from None
         try:
@@ -354,22 +493,24 @@ class Daemon:
                 f"another sparkd (pid {other}) is running with state directory {path.parent}; "
                 "stop it first, or give this one its own state_dir (SPARKD_STATE_DIR)"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:  # the pid is for the message above; a full disk must not stop the guard
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            log.warning("cannot write the pid into %s: %s (ignoring)", path, e.strerror)
         self._lock_fd = fd
 
     async def startup(self) -> None:
         s = self.settings
         self._lock_state_dir()
-        self.store = Store.open(s.db_file)
-        self.writer = Writer(self.store, maxsize=s.queue_max)
-        self.run_id = await asyncio.to_thread(
-            self.store.start_run,
-            pid=os.getpid(),
-            version=__version__,
-            hostname=socket.gethostname(),
-            config=effective_config(s),
-        )
+        # the guard never depends on the database: a full disk, a corrupt file or a lock held by
+        # another process is an event and a status FAIL, retried with back-off (store.keeper)
+        # The first open runs beside the guard: start-up waits for it at most DB_FIRST_WAIT_S (a
+        # write lock held elsewhere costs SQLite's busy timeout), then sampling starts regardless.
+        self.writer = Writer(None, maxsize=s.queue_max)
+        db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
+        self._tasks.append(db_task)
+        await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=DB_FIRST_WAIT_S)
         kern = None
         if s.kernlog_source != "off":
             kern = open_source(s.kernlog_source)
@@ -384,6 +525,8 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
         self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
+        if s.consumers.enabled:
+            self.consumers = self._make_consumer_watch()
         loop = asyncio.get_running_loop()
         self.event_notifier = Notifier(
             s.notify,
@@ -400,11 +543,21 @@ class Daemon:
         result = self._tick_once()
         if result is not None:
             await self._handle(result)
-        await asyncio.to_thread(self.writer.flush)
+        if self.store is not None:
+            await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
         self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
         if self.serve_api:
-            await self._start_api()
+            try:
+                await self._start_api()
+            except ConfigError as e:  # the token file cannot be made (state dir full): guard without the API
+                self.event(
+                    "api_unavailable",
+                    f"API not served: {e.message}; the guard runs without it (fix and restart sparkd)",
+                    severity="critical",
+                )
         await self.actions.start(self)
+        if self.consumers is not None:  # after the supervisor has attached: the first scan knows the container
+            self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
@@ -417,7 +570,7 @@ class Daemon:
     async def _start_api(self) -> None:
         import uvicorn
 
-        from sparkd.loop.httpserver import QuietServer
+        from sparkd.loop.quietserver import QuietServer
 
         assert self.app_factory is not None
         app = self.app_factory(self)
@@ -435,9 +588,25 @@ class Daemon:
                 f"the API cannot listen on {host}:{port}: {e.strerror} (another sparkd? set api.port "
                 "or SPARKD_API__PORT)"
             ) from None
-        sock.listen(128)
+        sock.listen(ACCEPT_BACKLOG)
         sock.set_inheritable(True)
         self.api_socket = sock
+        api = self.settings.api
+        soft, hard = raise_nofile()
+        cap = connection_cap(api.max_connections, soft)
+        self.http_stats = HttpStats(cap=cap)
+        limited = RateLimitedLog(logging.getLogger("sparkd.api.server"))
+        self.http_log = limited
+        install_exception_handler(asyncio.get_running_loop(), limited)
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).addFilter(OncePerInterval())
+        log.info(
+            "API: at most %d connections (descriptor limit %d/%d), request head within %g s",
+            cap,
+            soft,
+            hard,
+            api.header_timeout_s,
+        )
         sockets = [sock, *self._link_sockets(port)]
         cfg = uvicorn.Config(
             app,
@@ -446,6 +615,10 @@ class Daemon:
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http=guarded_protocol(cap, api.header_timeout_s, self.http_stats, limited),
+            h11_max_incomplete_event_size=api.max_header_bytes,
+            timeout_keep_alive=5,
+            backlog=ACCEPT_BACKLOG,
         )
         server = QuietServer(cfg)  # no 0.1 s tick (uvicorn's Server wakes the loop ten times a second)
         # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
@@ -478,7 +651,7 @@ class Daemon:
             except OSError as e:
                 s.close()
                 raise OSError(f"cluster.listen: the API cannot listen on {host}:{port}: {e.strerror}") from None
-            s.listen(128)
+            s.listen(ACCEPT_BACKLOG)
             out.append(s)
         return out
 
@@ -500,7 +673,9 @@ class Daemon:
     async def _handle(self, result: TickResult) -> None:
         assert self.writer is not None
         sample = result.sample
-        self.writer.submit("sample", sample.to_row())
+        row = sample.to_row()
+        self.live_samples.append(row)
+        self.writer.submit("sample", row)
         self.actions.observe(sample)
         alert = self.leak.observe(sample.ts, sample.driver_bytes)
         if alert is not None:
@@ -515,10 +690,25 @@ class Daemon:
                         "nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1
                     )
                 )
+        if result.nvrm_burst is not None:
+            self.event(
+                "nvrm_burst",
+                f"{result.nvrm_burst} NV_ERR_NO_MEMORY lines within {self.settings.nvrm_window_s:g} s "
+                f"(threshold {self.settings.nvrm_burst}; usable {fmt_gib(sample.mem_available_minus_cma)})",
+                severity="warning",
+                details={
+                    "lines": result.nvrm_burst,
+                    "threshold": self.settings.nvrm_burst,
+                    "context": sample.context(),
+                },
+            )
         for d in result.decisions:
-            await self._decide(d)
+            await self._decide(d, sample)
+        self._check_blind()
+        if self.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
+            self.relief.consider(self.guard.rules, self.guard.states)
         now = self.mono()
-        for start, count in self.guard.nvrm.closed_windows(time.time()) if self.guard else []:
+        for start, count in self.guard.nvrm.closed_windows(self.guard.mono()) if self.guard else []:
             self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
         since = now - self._last_status
         if since >= STATUS_EVERY_S:
@@ -544,17 +734,9 @@ class Daemon:
             if getattr(rec, key, None) is not None:
                 details[key] = getattr(rec, key)
         self.event(rec.kind, rec.message, severity=severity, details=details)
-        if rec.kind == "nvrm_no_memory" and self.guard and self.guard.nvrm.open_count == self.settings.nvrm_burst:
-            self.event(
-                "nvrm_burst",
-                f"{self.settings.nvrm_burst} NV_ERR_NO_MEMORY lines within one "
-                f"{self.settings.nvrm_window_s:g} s window (MemAvailable {fmt_gib(sample.mem_available)})",
-                severity="warning",
-                details={"context": sample.context()},
-            )
         self.actions.on_kernel_record(rec)
 
-    async def _decide(self, d: Decision) -> None:
+    async def _decide(self, d: Decision, sample: Sample | None = None) -> None:
         if d.kind == "near_miss":
             # one event per streak start keeps the log readable; every near miss is counted in the rule state
             if self.guard and self.guard.states[d.rule].near_misses % 10 == 1:
@@ -573,11 +755,21 @@ class Daemon:
                     details={"rule": d.rule},
                 )
             return
+        shares = await self.consumers.at_trip() if self.consumers else None
+        if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
+            d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
         self.event(
             "trip",
             d.reason,
             severity="critical" if d.action == "stop" else "warning",
-            details={"rule": d.rule, "action": d.action, "count": d.counter, **_jsonable(d.values)},
+            details={
+                "rule": d.rule,
+                "action": d.action,
+                "count": d.counter,
+                "sample_ts": sample.ts if sample is not None else None,
+                **_jsonable(d.values),
+                **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
+            },
         )
         if d.action != "stop":
             return
@@ -585,8 +777,7 @@ class Daemon:
         if self.guard and rule is not None:
             verdict = self.loop_guard.record_trip(rule, time.time())
             if verdict is not None:
-                self.guard.demoted[verdict.rule] = verdict.reason
-                self.guard.rules = demote(self.guard.rules, self.guard.demoted)
+                self.guard.engine.demote(verdict.rule, verdict.reason)
                 self.event("watermark", verdict.reason, severity="warning", details=verdict.details())
                 return
         if self.settings.dry_run:
@@ -594,12 +785,11 @@ class Daemon:
             return
         if self.settings.recheck and self.guard:
             fresh = self.guard.read_sample()
-            rule = self.guard.rule(d.rule)
-            self.guard.slope.add(fresh.mono, fresh.mem_available)
-            if rule is not None and not still_holds(rule, fresh, self.guard.slope, fresh.mono):
+            if self.guard.rule(d.rule) is not None and not self.guard.engine.recheck(d.rule, fresh):
                 self.event(
                     "recovered_before_stop",
                     f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "
+                    f"usable {fmt_gib(fresh.mem_available_minus_cma)}, "
                     f"MemFree {fmt_gib(fresh.mem_free)} on re-check)",
                     severity="warning",
                     details={"rule": d.rule},
@@ -632,7 +822,8 @@ class Daemon:
         """Prune and aggregate the store, cap the archives (oldest first, never the newest)."""
         from sparkd.act.archive import prune_archives
 
-        assert self.store is not None
+        if self.store is None:
+            return {}
         r = self.settings.retention
         removed = await asyncio.to_thread(
             self.store.prune,
@@ -697,6 +888,111 @@ class Daemon:
                 return  # no NVML here: asked once, answered once
             await asyncio.sleep(self.settings.gpu_interval_s)
 
+    async def _begin_run(self) -> bool:
+        """Record this run in a just-opened store; False (store dropped, retried later) when the
+        database refuses the first write (a write lock held by another process, a full disk)."""
+        assert self.store is not None and self.writer is not None
+        try:
+            self.run_id = await asyncio.to_thread(
+                self.store.start_run,
+                pid=os.getpid(),
+                version=__version__,
+                hostname=socket.gethostname(),
+                config=effective_config(self.settings),
+            )
+        except Exception as e:
+            self.store = self.writer.store = None
+            self.db.lost(_one_line(e), self.mono(), at_once=False)
+            return False
+        return True
+
+    def _db_down_event(self) -> None:
+        nxt = max(0.0, self.db.next_attempt_mono - self.mono())
+        self.event(
+            "database_unavailable",
+            f"database {self.db.path} unusable: {self.db.error}; guarding from memory (samples, rules and "
+            f"stops go on, records wait in a bounded queue); retrying in {nxt:.0f} s with back-off",
+            severity="critical",
+            details=self.db.status(),
+        )
+
+    async def _db_loop(self) -> None:
+        """Watch the database without ever holding up the guard: a corrupt file (from the writer),
+        a deleted or replaced file (inode), records refused for good; reopen with back-off."""
+        try:
+            self.store = await asyncio.to_thread(self.db.attempt, self.mono())
+            if self.store is not None and self.writer is not None:
+                self.writer.attach(self.store)
+            if self.store is None or not await self._begin_run():
+                self._db_down_event()
+            if self.db.moved_aside:
+                self.event(
+                    "database_corrupt",
+                    f"database {self.db.path} was corrupt: kept as {', '.join(self.db.moved_aside)}; "
+                    "a new database was created and recording goes on",
+                    severity="critical",
+                    details=self.db.status(),
+                )
+        finally:
+            self._db_opened.set()
+        while True:
+            try:
+                await self._db_step()
+            except Exception as e:  # never let the keeper die: it is what brings recording back
+                log.error("database keeper: %s", _one_line(e))
+            await asyncio.sleep(DB_CHECK_S)
+
+    async def _db_step(self) -> None:
+        w, now = self.writer, self.mono()
+        if w is None:
+            return
+        while w.refusals:
+            kind, refusal = w.refusals.pop(0)
+            self.event(
+                "record_refused",
+                f"the database refused a {kind} record for good ({refusal}); dropped, later records go on",
+                severity="warning",
+                details={"kind": kind, "error": refusal},
+            )
+        if self.db.state == "ok":
+            checked_at = time.time()
+            why: str | None = w.fatal or await asyncio.to_thread(self.db.replaced)
+            if why is None:
+                self._db_good_at = checked_at
+                return
+            w.fatal, self.store = None, None
+            w.attach(None)
+            self.db.lost(why, now)
+            if "deleted" in why or "replaced" in why:
+                # what went into the unlinked file since the last good check is written again, from memory
+                for row in [r for r in self.live_samples if r["ts"] >= self._db_good_at]:
+                    w.submit("sample", row)
+                for ev in [e for e in reversed(self.recent_events) if e["ts"] >= self._db_good_at]:
+                    w.submit("event", dict(ev))
+            self._db_down_event()
+            return
+        if now < self.db.next_attempt_mono:
+            return
+        was_error, moved = self.db.error, len(self.db.moved_aside)
+        store = await asyncio.to_thread(self.db.attempt, now)
+        if store is None:
+            if self.db.error != was_error:  # said once per distinct reason, not once per attempt
+                self._db_down_event()
+            return
+        self.store = store
+        w.attach(store)
+        if not await self._begin_run():
+            self._db_down_event()
+            return
+        aside = self.db.moved_aside[moved:]
+        self.event(
+            "database_corrupt" if aside else "database_recovered",
+            f"database {self.db.path} usable again; recording resumes"
+            + (f" (corrupt file kept as {', '.join(aside)})" if aside else ""),
+            severity="warning",
+            details=self.db.status(),
+        )
+
     def _ping_watchdog(self) -> None:
         if self._watchdog_s is None:
             return
@@ -757,6 +1053,8 @@ class Daemon:
             self.writer.submit("status", self.status_json().model_dump(mode="json"))
         if self.event_notifier is not None:
             await asyncio.to_thread(self.event_notifier.close, 5.0)
+        if self.relief.task is not None:
+            self.relief.task.cancel()
         for t in self._tasks:
             if t.get_name() != "sparkd-api":
                 t.cancel()
@@ -765,25 +1063,18 @@ class Daemon:
             if self.guard:
                 for start, count in self.guard.nvrm.flush():
                     self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
-            self.writer.flush()
-            if self.store and self.run_id is not None:
-                self.store.write_batch(
-                    [
-                        (
-                            "run_end",
-                            {
-                                "id": self.run_id,
-                                "stopped_at": time.time(),
-                                "exit_reason": reason,
-                                "samples": self.samples_taken,
-                            },
-                        )
-                    ]
-                )
+            try:
+                self.writer.flush()
+                if self.store and self.run_id is not None:
+                    end = {"id": self.run_id, "stopped_at": time.time(), "exit_reason": reason}
+                    self.store.write_batch([("run_end", {**end, "samples": self.samples_taken})])
+            except Exception as e:  # a database that failed while running must not turn a stop into a traceback
+                log.error("database at shutdown: %s; %d records not written", _one_line(e), self.writer.queue.qsize())
         if self.guard and self.guard.kern_source is not None:
             self.guard.kern_source.close()
         if self.store:
-            self.store.close()
+            with contextlib.suppress(Exception):
+                self.store.close()
         if self._lock_fd is not None:  # releases the state-directory lock
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -809,6 +1100,11 @@ class Daemon:
 def _wake_up(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e)
+    return (text.splitlines() or [type(e).__name__])[0][:300]
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -14,14 +14,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkd.config import Settings
-from sparkd.core.floors import demote
-from sparkd.core.rules import Decision, Rule, RuleState, SlopeWindow, compile_rules, evaluate
+from sparkd.core.bursts import BurstDetector
+from sparkd.core.engine import RuleEngine
+from sparkd.core.rules import Decision, Rule, RuleState, SlopeWindow
 from sparkd.core.sample import Sample, build_sample
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord, NvrmWindows, classify
-from sparkd.units import parse_size
+from sparkd.units import fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.guard")
+
+
+# sample attribute -> the input that feeds it (for "which rule is blind because of what")
+_SENSOR_OF = {
+    "mem_available": "MemAvailable",
+    "mem_available_minus_cma": "MemAvailable",
+    "mem_free": "MemFree",
+    "psi_some_avg10": "PSI",
+    "psi_full_avg10": "PSI",
+    "shm_bytes": "/dev/shm",
+    "nvrm_recent": "kernel log",
+}
 
 
 @dataclass(slots=True)
@@ -30,6 +43,7 @@ class TickResult:
     decisions: list[Decision]
     kernel: list[KernRecord] = field(default_factory=list)
     read_error: str | None = None
+    nvrm_burst: int | None = None  # NV_ERR_NO_MEMORY lines within the window when a burst crossed
 
 
 class Guard:
@@ -53,18 +67,22 @@ class Guard:
         self.kern_source = kern_source
         self.mono = mono
         self.wall = wall
-        self.rules: list[Rule] = []
-        self.states: dict[str, RuleState] = {}
-        self.slope = SlopeWindow(max_window_s=30.0)
+        # the one rule engine (core.engine): the same object answers step, re-check and demotion
+        self.engine = RuleEngine(
+            settings.rules, cooldown_s=settings.cooldown_s, horizon_s=settings.container.stop_timeout_s
+        )
         self.nvrm = NvrmWindows(settings.nvrm_window_s)
-        self.mem_total: int | None = None
+        self.bursts = BurstDetector(settings.nvrm_window_s, settings.nvrm_burst)
+        self._burst: int | None = None
         self.proc = procfs.ProcReader(settings.proc_root)
         self.low_watermark: int | None = procfs.read_zoneinfo_low_watermark_bytes(settings.proc_root)
         self._bad_lines_logged: set[str] = set()
         self._psi_missing_logged = False
         self.last: Sample | None = None
         self.nvrm_lines_total = 0
-        self.demoted: dict[str, str] = {}  # rule -> why it cannot protect this host (watermark.LoopGuard)
+        self.psi_missing: str | None = None
+        self.shm_missing: str | None = None
+        self.kern_lines_total = 0  # kernel-log lines read (all kinds)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
 
@@ -83,19 +101,23 @@ class Guard:
                     self._bad_lines_logged.add(line)
                     log.warning("ignoring unparsable /proc/meminfo line: %r", line)
         psi = self.proc.psi()
+        self.psi_missing = (
+            None if psi is not None else f"{self.settings.proc_root}/pressure/memory absent or unreadable"
+        )
         if psi is None and not self._psi_missing_logged:
             self._psi_missing_logged = True
             log.warning(
                 "no PSI: %s/pressure/memory is absent or unreadable; PSI fields stay empty", self.settings.proc_root
             )
         shm = procfs.read_shm(self.settings.shm_dir)
+        self.shm_missing = None if shm[0] is not None else f"cannot read {self.settings.shm_dir}"
         return build_sample(
             now_w,
             now_m,
             mi,
             psi,
             shm,
-            nvrm_recent=self.nvrm.recent(now_w),
+            nvrm_recent=self.nvrm.recent(now_m),  # monotonic: a wall-clock step must not move the window
             low_watermark_bytes=self.low_watermark,
         )
 
@@ -104,52 +126,92 @@ class Guard:
         if self.kern_source is None:
             return []
         out = []
-        now = self.wall()  # NVRM windows are stored, so they use epoch time
-        for line in self.kern_source.poll():
+        now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
+        lines = self.kern_source.poll()
+        self.kern_lines_total += len(lines)
+        n = 0
+        for line in lines:
             rec = classify(line)
             if rec is None:
                 continue
             if rec.kind == "nvrm_no_memory":
-                self.nvrm.count_line(now)
+                self.nvrm.count_line(now_m, now_w)
                 self.nvrm_lines_total += 1
+                n += 1
             out.append(rec)
+        # the whole poll counts at once: a threshold crossing is one burst however the lines were split
+        self._burst = self.bursts.add(n, now_m)
         return out
+
+    # the engine's state, under the names the daemon and the tests read
+    @property
+    def rules(self) -> list[Rule]:
+        return self.engine.rules
+
+    @property
+    def states(self) -> dict[str, RuleState]:
+        return self.engine.states
+
+    @property
+    def slope(self) -> SlopeWindow:
+        return self.engine.slope
+
+    @property
+    def demoted(self) -> dict[str, str]:
+        return self.engine.demoted
 
     def ensure_rules(self, sample: Sample) -> None:
         """Compile the rules once MemTotal is known (``%`` thresholds need it)."""
-        if self.rules and self.mem_total == sample.mem_total:
-            return
-        self.mem_total = sample.mem_total
-        self.rules = demote(
-            compile_rules(self.settings.rules, sample.mem_total, self.settings.fast_interval_s), self.demoted
-        )
-        for r in self.rules:
-            self.states.setdefault(r.name, RuleState())
+        self.engine.ensure(sample)
 
     def evaluate(self, sample: Sample) -> list[Decision]:
-        self.ensure_rules(sample)
-        self.slope.add(sample.mono, sample.mem_available)
-        return evaluate(
-            sample, self.rules, self.states, sample.mono, cooldown_s=self.settings.cooldown_s, slope=self.slope
-        )
+        return self.engine.step(sample)
 
     def tick(self) -> TickResult:
         """One guard step: kernel log, sample, rules. Never touches the database."""
+        self._burst = None
         kernel = self.poll_kernel()
         sample = self.read_sample()
         decisions = self.evaluate(sample)
         self.last = sample
-        return TickResult(sample, decisions, kernel)
+        return TickResult(sample, decisions, kernel, nvrm_burst=self._burst)
 
     def rule(self, name: str) -> Rule | None:
-        return next((r for r in self.rules if r.name == name), None)
+        return self.engine.rule(name)
 
     def rules_json(self) -> list[dict[str, Any]]:
-        """Each rule as configured, with its counters and whether it was demoted."""
-        return [
-            {**r.to_json(), "demoted": self.demoted.get(r.name), **self.states.get(r.name, RuleState()).to_json()}
-            for r in self.rules
-        ]
+        """Each rule as configured, with its counters, whether it was demoted and why it is blind."""
+        return self.engine.rules_json()
+
+    def blind_sensors(self) -> dict[str, str]:
+        """``{input: why}`` for each input a rule may need that could not be read on the last tick:
+        MemAvailable, MemFree (absent from meminfo), PSI, /dev/shm, the kernel log."""
+        out: dict[str, str] = {}
+        last = self.last
+        if last is not None:
+            for name, attr in (("MemAvailable", "mem_available"), ("MemFree", "mem_free")):
+                if getattr(last, attr) is None:
+                    out[name] = f"no {name} line in {self.settings.proc_root}/meminfo"
+        if self.psi_missing:
+            out["PSI"] = self.psi_missing
+        if self.shm_missing:
+            out["/dev/shm"] = self.shm_missing
+        if self.settings.kernlog_source != "off":
+            src = self.kern_source
+            err = getattr(src, "error", None) if src is not None else "no kernel-log reader is open"
+            if err:
+                out["kernel log"] = str(err)
+        return out
+
+    def sensor_users(self) -> dict[str, list[str]]:
+        """``{input: [rules that read it]}`` for the inputs ``blind_sensors`` names."""
+        out: dict[str, list[str]] = {}
+        for r in self.rules:
+            for attr in r.inputs():
+                name = _SENSOR_OF.get(attr)
+                if name is not None:
+                    out.setdefault(name, []).append(r.name)
+        return out
 
     def fast_reason(self, sample: Sample) -> str | None:
         """Why the next sample should come at the fast interval, or ``None``.
@@ -168,7 +230,13 @@ class Guard:
             for attr, floor in r.floors():
                 v = getattr(sample, attr)
                 if v is not None and v - floor < margin:
-                    return f"{attr} within {self.settings.fast_margin} of {r.name}'s floor"
+                    name = "usable" if attr == "mem_available_minus_cma" else attr
+                    return f"{name} within {self.settings.fast_margin} of {r.name}'s floor"
+            for attr, level in r.watch_levels():
+                v = getattr(sample, attr)
+                if v is not None and v - level < margin:
+                    name = "usable" if attr == "mem_available_minus_cma" else attr
+                    return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
         s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)

@@ -9,6 +9,7 @@ records where every input came from, and turns the plan into container settings.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sparkd.act.containerspec import LaunchSpec
@@ -24,9 +25,11 @@ from sparkd.core.budget import (
     make_plan,
 )
 from sparkd.core.kvcache import KvLayout, kv_layout
+from sparkd.core.learned import LearnedPeak, config_key, learn, peak_from_record, recommended_reserve_bytes
+from sparkd.core.rules import compile_rules
 from sparkd.errors import InvalidInput
 from sparkd.sense.checkpoint import checkpoint_weight_bytes, read_model_config
-from sparkd.units import GiB, parse_size
+from sparkd.units import GiB, fmt_gib, parse_size
 
 # Fields an operator may change with ``sparkd resize`` / ``POST /api/resize``.
 RESIZE_FIELDS: tuple[str, ...] = (
@@ -243,3 +246,137 @@ def apply_resize(b: BudgetSettings, changes: dict[str, Any]) -> BudgetSettings:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise InvalidInput(field, err.get("input"), err["msg"]) from None
+
+
+#: container.args that shape the start-up peak (torch.compile, CUDA graph capture): part of the config key
+GRAPH_ARG_PREFIXES = ("--compilation-config", "-O", "--enforce-eager", "--cuda-graph", "--max-seq-len-to-capture")
+
+
+def launch_config_parts(settings: Settings, image: str | None = None) -> dict[str, Any]:
+    """What shapes a launch's start-up peak (issue 16): image, model, max_num_seqs, max_model_len,
+    KV cache dtype and the graph settings among ``container.args``; ``core.learned.config_key`` hashes it."""
+    c, b = settings.container, settings.budget
+    args = list(c.args)
+    graph = [
+        a
+        for i, a in enumerate(args)
+        if a.startswith(GRAPH_ARG_PREFIXES)
+        or (i > 0 and args[i - 1].startswith(GRAPH_ARG_PREFIXES) and not a.startswith("-"))
+    ]
+    return {
+        "image": image or c.image,
+        "model": c.served_model or c.model_dir,
+        "max_num_seqs": b.max_num_seqs,
+        "max_model_len": b.max_model_len,
+        "kv_cache_dtype": b.kv_cache_dtype,
+        "graph": " ".join(graph),
+    }
+
+
+def launch_config_key(settings: Settings, image: str | None = None) -> str:
+    """``core.learned.config_key`` of ``launch_config_parts``: launches with equal keys are compared."""
+    return config_key(launch_config_parts(settings, image))
+
+
+@dataclass(frozen=True)
+class LearnedReserve:
+    """The start-up overshoot learned for this configuration and the host reserve it recommends (bytes).
+
+    ``learned``: None without a past launch of the same ``config_key`` that has the figures;
+    ``recommended_reserve_bytes``: ``core.learned.recommended_reserve_bytes`` over the lowest
+    MemAvailable at launch among the evidence (None without evidence); ``applied``: the plan was
+    made with it (``budget.apply_learned_reserve`` and it is above the configured reserve).
+    """
+
+    key: str
+    learned: LearnedPeak | None
+    stop_line_bytes: int
+    margin_bytes: int
+    host_reserve_bytes: int
+    recommended_reserve_bytes: int | None
+    applied: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config_key": self.key,
+            "learned_overshoot_bytes": self.learned.overshoot_bytes if self.learned else None,
+            "evidence": self.learned.to_json()["launches"] if self.learned else [],
+            "stop_line_bytes": self.stop_line_bytes,
+            "margin_bytes": self.margin_bytes,
+            "host_reserve_bytes": self.host_reserve_bytes,
+            "recommended_reserve_bytes": self.recommended_reserve_bytes,
+            "applied": self.applied,
+        }
+
+    def lines(self) -> list[str]:
+        """The plan table's section: the learned overshoot, its evidence and the recommended reserve."""
+        if self.learned is None:
+            return [f"learned start-up peak: no past launch of this configuration ({self.key}) with figures"]
+        out = [
+            f"learned start-up overshoot: {fmt_gib(self.learned.overshoot_bytes)} below the plan's floor "
+            f"(worst of {len(self.learned.evidence)} launches of configuration {self.key})"
+        ]
+        for e in self.learned.evidence:
+            out.append(
+                f"  launch {e.launch_id}: planned floor {fmt_gib(e.plan_floor_bytes)}, dipped to "
+                f"{fmt_gib(e.trough_bytes)} ({fmt_gib(e.overshoot_bytes)} below)"
+            )
+        rec = self.recommended_reserve_bytes
+        out.append(
+            f"recommended host reserve: {fmt_gib(rec)} (configured {fmt_gib(self.host_reserve_bytes)}; keeps the "
+            f"start-up trough above the stop line {fmt_gib(self.stop_line_bytes)} + margin "
+            f"{fmt_gib(self.margin_bytes)})" + ("; APPLIED (budget.apply_learned_reserve)" if self.applied else "")
+        )
+        return out
+
+
+#: Sample attributes a MemAvailable stop line is written on (usable = MemAvailable − CmaFree, CONTEXT.md "CMA")
+AVAILABLE_ATTRS = ("mem_available", "mem_available_minus_cma")
+
+
+def stop_line_bytes(settings: Settings, mem_total_bytes: int | None) -> int:
+    """The highest MemAvailable floor of the threshold rules that trip on MemAvailable alone (default rules:
+    6 GiB; a predictive rule's gate is not a stop line, a gated rule needs more than MemAvailable)."""
+    lines = [
+        floor
+        for r in compile_rules(settings.rules, mem_total_bytes)
+        if r.kind == "threshold" and not r.gated and all(c.attr in AVAILABLE_ATTRS for c in r.when)
+        for attr, floor in r.floors()
+        if attr in AVAILABLE_ATTRS
+    ]
+    return int(max(lines, default=0))
+
+
+def learned_reserve(
+    settings: Settings,
+    launches: Iterable[Mapping[str, Any]],
+    *,
+    mem_total_bytes: int,
+    budget_bytes: int,
+    image: str | None = None,
+) -> LearnedReserve:
+    """Learn from stored launch records (``Store.launches``) of the same configuration as ``settings``.
+
+    ``budget_bytes``: the budget of the plan at hand; the recommended reserve is for it.
+    """
+    key = launch_config_key(settings, image)
+    peaks = [
+        p
+        for rec in launches
+        if (rec.get("actual") or {}).get("config_key") == key and (p := peak_from_record(rec)) is not None
+    ]
+    found = learn(peaks)
+    b = settings.budget
+    stop, margin = stop_line_bytes(settings, mem_total_bytes), int(b.preflight_margin_gib * GiB)
+    reserve = int(b.host_reserve_gib * GiB)
+    rec_bytes = None
+    if found is not None:
+        lowest_avail = min(e.mem_available_at_launch_bytes for e in found.evidence)
+        rec_bytes = recommended_reserve_bytes(
+            host_reserve_bytes=reserve,
+            plan_floor_bytes=lowest_avail - budget_bytes,
+            learned_overshoot_bytes=found.overshoot_bytes,
+            stop_line_bytes=stop,
+            margin_bytes=margin,
+        )
+    return LearnedReserve(key, found, stop, margin, reserve, rec_bytes)

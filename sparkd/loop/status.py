@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from sparkd.config import Settings
     from sparkd.loop.guard import Guard
+    from sparkd.loop.reads import Reads
     from sparkd.store.store import Store
 
 
@@ -144,7 +145,10 @@ class ContainerStatus(_Model):
     gmu: float | None = None
     memory_bytes: int | None = None  # docker --memory (= --memory-swap)
     stay_stopped: bool = False
-    restarts_in_window: int = 0
+    restarts_in_window: int = 0  # sparkd's auto-restarts and Docker's restarts seen, in container.restart_window_s
+    restart_count: int = 0  # Docker's RestartCount as last inspected (its restart policy's restarts)
+    restart_policy: str | None = None  # Docker's HostConfig.RestartPolicy.Name
+    docker_restarts_seen: int = 0  # Docker restarts sparkd has counted since it began watching this container
     busy: bool = False
     stops_total: int = 0
     kills_total: int = 0
@@ -210,22 +214,58 @@ class RuleStatus(_Model):
     evidence: list[str]
     thresholds: list[Threshold]
     floor_bytes: int | None
+    duration_based: bool = False  # for_s set: trips after for_s seconds and at least ``samples`` samples
+    within_s: float | None = None  # predictive: a fixed horizon, or None = the time a stop takes
+    window_s: float | None = None  # predictive: the shortest fit window
     demoted: str | None = None  # why the loop guard demoted it to warn
     counter: int = 0
     near_misses: int = 0
     trips: int = 0
     last_reason: str | None = None
+    blind: str | None = None  # why the rule cannot evaluate (an input it needs was not read), else None
 
 
 class KernelLogStatus(_Model):
     source: str  # kmsg | journal | dmesg | off
     nvrm_lines: int  # NV_ERR_NO_MEMORY lines seen since sparkd started
+    lines_read: int = 0  # kernel-log lines read since sparkd started
+    lost: int = 0  # records the ring buffer overwrote before sparkd read them (/dev/kmsg sequence gap)
+    nvrm_bursts: int = 0  # nvrm_burst events (one per window at most)
+
+
+class BlindStatus(_Model):
+    """Inputs a rule needs that cannot be read (``{input: why; needed by …}``) and the rules
+    that therefore cannot evaluate (``{rule: why}``) — never shown as a quiet 0/N."""
+
+    sensors: dict[str, str] = {}
+    rules: dict[str, str] = {}
 
 
 class WriterStatus(_Model):
     queued: int
     written: int
     dropped: int
+    refused: int = 0  # records the database refused for good (dropped with a record_refused event)
+    last_error: str | None = None  # the last write error, one line; None while writes succeed
+
+
+class DatabaseStatus(_Model):
+    """``sparkd.store.keeper.DbKeeper.status()``: is the database recording, and if not, why."""
+
+    state: Literal["opening", "ok", "unavailable"]
+    path: str
+    error: str | None
+    since: float  # epoch s: when this state began
+    attempts: int
+    moved_aside: list[str]  # corrupt files kept as <name>.corrupt-<UTC time>
+
+
+class HttpStatus(_Model):
+    """The API's resource caps at work (``sparkd.loop.httpserver``)."""
+
+    connection_cap: int  # open connections allowed (api.max_connections, below the descriptor limit)
+    refused: int  # connections closed at once: over the cap
+    head_timeouts: int  # connections closed for not sending a request head within api.header_timeout_s
 
 
 class LeakStatus(_Model):
@@ -302,6 +342,56 @@ class EventRow(_Model):
     launch_id: str | None = None
 
 
+class ConsumerProcess(_Model):
+    """One of the top processes of a scan (``sparkd.core.consumers.ProcessMem``)."""
+
+    pid: int
+    name: str
+    group: Literal["container", "host", "system"]
+    rss_bytes: int
+    uss_bytes: int | None
+
+
+class ConsumerName(_Model):
+    """Processes of one command name in one group."""
+
+    name: str
+    group: Literal["container", "host", "system"]
+    count: int
+    rss_bytes: int
+
+
+class ConsumersStatus(_Model):
+    """Who holds the memory (``sparkd.loop.consumers.ConsumerWatch.status()``): the last process scan.
+
+    ``totals_bytes``: RSS per group (container, host, system); ``text``: the one-line summary;
+    ``cotenant_limit_bytes``/``cotenant_excess_bytes``: the co-tenant warning's limit and how far
+    host co-tenants are over it; ``last_trip``: the last trip's "who grew" sentence.
+    """
+
+    at: float
+    text: str
+    totals_bytes: dict[str, int]
+    top: list[ConsumerProcess]
+    by_name: list[ConsumerName]
+    scanned: int
+    cpu_s: float
+    scans: int
+    cotenant_limit_bytes: int
+    cotenant_excess_bytes: int
+    last_trip: str | None
+
+
+class ReliefStatus(_Model):
+    """Relief before stopping (``sparkd.loop.relief.ReliefRunner.status()``): ``disabled_reason`` set once a
+    drop failed or hung (off for the rest of the run); ``reliefs``: drops done."""
+
+    enabled: bool
+    disabled_reason: str | None
+    reliefs: int
+    running: bool
+
+
 class Status(_Model):
     """``GET /api/status`` and ``Daemon.status_json()``: everything the daemon knows now.
 
@@ -322,8 +412,12 @@ class Status(_Model):
     sample: SampleRow | None
     rules: list[RuleStatus]
     kernel_log: KernelLogStatus
+    blind: BlindStatus = BlindStatus()
+    usable_bytes: int | None = None  # MemAvailable - CmaFree (MemAvailable without CMA): what the rules judge
     container: ContainerStatus
     writer: WriterStatus
+    database: DatabaseStatus | None = None  # None only from fakes that predate it
+    http: HttpStatus | None = None
     tick_s_p50: float | None
     leak: LeakStatus
     watermark: WatermarkStatus
@@ -331,6 +425,8 @@ class Status(_Model):
     gpu: list[GpuStatus]
     events: list[EventRow]
     plan: PlanFigures | None
+    consumers: ConsumersStatus | None = None
+    relief: ReliefStatus | None = None
 
 
 # --------------------------------------------------------------------------- resize
@@ -392,6 +488,8 @@ class DaemonView(Protocol):
     def settings(self) -> Settings: ...
     @property
     def store(self) -> Store | None: ...
+    @property
+    def reads(self) -> Reads: ...  # the database, or the live in-memory view when it cannot answer
     @property
     def actions(self) -> object: ...
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 import subprocess
 import time
@@ -40,6 +41,9 @@ LOW_WATERMARK_WARN_FRACTION = 0.01
 SHM_LEFTOVER_PREFIXES = ("psm_", "nccl-", "sem.loky-", "VLLM_OBJECT_STORAGE_SHM_BUFFER", "vllm_")
 DEV_CHAR_FIX = "nvidia-ctk system create-dev-char-symlinks --create-all"
 LAST_TRIP_RECENT_S = 7 * 86400
+# Below this much free space in the state directory SQLite soon fails with "database or disk is full"
+# (a day of 1 Hz samples is ~20 MiB; WAL checkpoints need room for a copy of the pages they move).
+STATE_DIR_FREE_MIN_BYTES = 64 * 2**20
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,6 +128,8 @@ class DoctorContext:
     last_trip: Callable[[], LastTrip | None] = lambda: None
     now: Callable[[], float] = time.time
     shm_ignore_unreadable_pids: Sequence[int] = ()  # the setting of the same name
+    db_file: Path | None = None  # None: no database check (tests of other checks)
+    rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
 
@@ -138,11 +144,14 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
         check_swap,
         check_watermarks,
         check_memtotal,
+        check_rule_inputs,
         check_shm,
         check_proc_visibility,
         check_dev_char_symlinks,
         check_unit,
         check_last_trip,
+        check_database,
+        check_rule_reach,
     ):
         try:
             checks.extend(fn(ctx))
@@ -282,6 +291,42 @@ def check_memtotal(ctx: DoctorContext) -> list[Check]:
     return [Check("OK", "MemTotal", f"{total / GiB:.2f} GiB")]
 
 
+def check_rule_inputs(ctx: DoctorContext) -> list[Check]:
+    """The inputs every default rule reads: MemAvailable and MemFree must be in meminfo.
+
+    FAIL without MemAvailable (a container-virtualised /proc such as lxcfs omits it): the
+    guard would be blind — every memory rule needs it — and must not look quiet. With CMA
+    (CmaTotal/CmaFree), OK with usable memory = MemAvailable − CmaFree, what the rules judge.
+    """
+    mi = read_meminfo(ctx.proc_root).fields
+    where = f"{ctx.proc_root}/meminfo"
+    out: list[Check] = []
+    for name in ("MemAvailable", "MemFree"):
+        if name not in mi:
+            out.append(
+                Check(
+                    "FAIL",
+                    name,
+                    f"not in {where}: the rules that need it cannot evaluate (sparkd would be blind)",
+                    "run sparkd on the host's own /proc (proc_root), not a container-virtualised one (e.g. lxcfs)",
+                )
+            )
+    avail = mi.get("MemAvailable")
+    if avail is not None and "CmaFree" in mi:
+        cma = mi["CmaFree"]
+        out.append(
+            Check(
+                "OK",
+                "usable memory",
+                f"{(avail - cma) / GiB:.2f} GiB = MemAvailable {avail / GiB:.2f} GiB - CmaFree {cma / GiB:.2f} GiB "
+                "(free CMA is not usable by the driver; the rules judge usable)",
+            )
+        )
+    elif avail is not None:
+        out.append(Check("OK", "MemAvailable", f"{avail / GiB:.2f} GiB (no CMA: usable = MemAvailable)"))
+    return out
+
+
 def check_shm(ctx: DoctorContext) -> list[Check]:
     """/dev/shm size, entries and bytes; names like vLLM/NCCL leftovers → WARN."""
     try:
@@ -418,6 +463,99 @@ def check_last_trip(ctx: DoctorContext) -> list[Check]:
         return [Check("OK", "Last trip", f"{when} ({age_s / 86400:.0f} d ago): {trip.reason}")]
     action = "read the postmortem bundle in /var/lib/sparkd before relaunching"
     return [Check("WARN", "Last trip", f"{when} ({age_s / 3600:.1f} h ago): {trip.reason}", action)]
+
+
+def check_database(ctx: DoctorContext) -> list[Check]:
+    """The database sparkd records into: FAIL when it cannot be read (corrupt, locked, disk full),
+    WARN for files others can read or corrupt files kept aside. The guard runs without it (from
+    memory), but nothing is recorded until it is fixed."""
+    db = ctx.db_file
+    if db is None:
+        return []
+    out: list[Check] = []
+    state_dir = db.parent
+    try:
+        st = os.statvfs(state_dir)
+        free = st.f_bavail * st.f_frsize
+        if free < STATE_DIR_FREE_MIN_BYTES:
+            out.append(
+                Check(
+                    "FAIL",
+                    "State dir space",
+                    f"{fmt_gib(free)} free in {state_dir} (< {STATE_DIR_FREE_MIN_BYTES >> 20} MiB)",
+                    "free space there: sparkd guards from memory but records nothing",
+                )
+            )
+        mode = stat.S_IMODE(os.stat(state_dir).st_mode)
+        if mode & 0o077:
+            out.append(Check("WARN", "State dir mode", f"{state_dir} is {mode:04o}", f"chmod 700 {state_dir}"))
+    except FileNotFoundError:
+        return [Check("OK", "Database", f"no state directory {state_dir} yet (created by sparkd run)")]
+    if not db.exists():
+        return [*out, Check("OK", "Database", f"{db} not created yet")]
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2.0)
+        try:
+            res = con.execute("PRAGMA quick_check(1)").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        res = str(e)
+    if res != "ok":
+        out.append(
+            Check(
+                "FAIL",
+                "Database",
+                f"{db} unusable: {res}",
+                "sparkd moves a corrupt file aside (sparkd.db.corrupt-<time>) and starts a new one; "
+                "check the disk, free space, or another process holding a lock",
+            )
+        )
+    else:
+        out.append(Check("OK", "Database", f"{db} readable"))
+    aside = sorted(p.name for p in state_dir.glob(db.name + ".corrupt-*") if not p.name.endswith(("-wal", "-shm")))
+    if aside:
+        kept = ", ".join(aside[-3:])
+        out.append(Check("WARN", "Corrupt databases kept", kept, f"inspect or remove them in {state_dir}"))
+    return out
+
+
+# Memory fields are bounded by [0, MemTotal]: a condition outside that range never holds.
+_MEMORY_FIELDS = frozenset(
+    {"MemAvailable", "MemFree", "Cached", "Buffers", "AnonPages", "Slab", "PageTables", "usable", "CmaFree"}
+)
+
+
+def unreachable(cond: str, mem_total_bytes: int) -> str | None:
+    """Why ``cond`` (``"MemAvailable < 0GiB"``) can never hold on a host with ``mem_total_bytes``, else None."""
+    from sparkd.core.conditions import parse_condition
+    from sparkd.units import parse_size
+
+    fld, op, value = parse_condition(cond)
+    if fld not in _MEMORY_FIELDS:
+        return None
+    limit = mem_total_bytes * float(value[:-1]) / 100 if value.endswith("%") else parse_size(value)
+    if (op == "<" and limit <= 0) or (op == "<=" and limit < 0):
+        return f"{fld} is never below 0"
+    if (op == ">" and limit >= mem_total_bytes) or (op == ">=" and limit > mem_total_bytes):
+        return f"{fld} never exceeds MemTotal ({fmt_gib(mem_total_bytes)})"
+    return None
+
+
+def check_rule_reach(ctx: DoctorContext) -> list[Check]:
+    """WARN for a stop rule whose threshold this host can never reach (it looks armed and is not)."""
+    if not ctx.rules:
+        return []
+    total = read_meminfo(ctx.proc_root).fields.get("MemTotal")
+    if not total:
+        return []
+    out = []
+    for r in ctx.rules:
+        for cond in list(r.when) + ([f"MemAvailable < {r.floor}"] if getattr(r, "floor", None) else []):
+            why = unreachable(cond, total)
+            if why:
+                out.append(Check("WARN", f"Rule {r.name}", f"'{cond}' can never hold: {why}", "fix the threshold"))
+    return out or [Check("OK", "Rules", f"{len(ctx.rules)} rules, every threshold reachable on this host")]
 
 
 def format_report(checks: Sequence[Check]) -> str:

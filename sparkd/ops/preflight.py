@@ -3,7 +3,10 @@
 Checks (issue "Memory budget, launch preflight"):
 * MemAvailable ≥ GMU × MemTotal + margin — vLLM itself refuses otherwise on GB10
   ("Free memory on device ... is less than desired GPU memory utilization",
-  fixtures/vllm/startup-fail-free-memory.log);
+  fixtures/vllm/startup-fail-free-memory.log); the margin is the start-up overshoot
+  learned from past launches of the same configuration when there is one
+  (``core.learned``; CONTEXT.md: start-up peaks exceed the budget), else the configured one;
+* how much of the model directory sits in the page cache (reported; the launch evicts it);
 * no other sparkd-labelled container running;
 * the checkpoint in ``container.model_dir`` is complete: every shard its index names
   exists and is whole (``sparkd.sense.checkpoint.check_checkpoint``; vLLM fails on a
@@ -21,6 +24,7 @@ from sparkd.act import shm
 from sparkd.errors import InvalidInput
 from sparkd.sense import procfs
 from sparkd.sense.checkpoint import check_checkpoint
+from sparkd.sense.pagecache import cached_bytes
 from sparkd.units import GiB, fmt_gib
 
 
@@ -29,13 +33,19 @@ class Preflight:
     ok: bool = True
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    cached_model_bytes: int | None = None
 
     def fail(self, msg: str) -> None:
         self.ok = False
         self.failures.append(msg)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "failures": self.failures, "notes": self.notes}
+        return {
+            "ok": self.ok,
+            "failures": self.failures,
+            "notes": self.notes,
+            "cached_model_bytes": self.cached_model_bytes,
+        }
 
     def describe(self) -> str:
         return "; ".join(self.failures + self.notes) or "ok"
@@ -51,11 +61,21 @@ def run_preflight(
     clean_shm: bool = True,
     ignore_unreadable_pids: list[int] | None = None,
     model_dir: str | None = None,
+    learned_overshoot_bytes: int | None = None,
 ) -> Preflight:
     """Run the checks. ``gmu`` None (no budget): the memory check is skipped.
     ``running_managed``: names of sparkd-labelled containers running now.
-    ``model_dir``: the checkpoint directory to check for completeness (None: not checked)."""
+    ``model_dir``: the checkpoint directory to check for completeness and page-cache residency (None: not checked).
+    ``learned_overshoot_bytes``: the learned start-up overshoot; replaces ``margin_bytes`` when given."""
     pf = Preflight()
+    if model_dir:
+        try:
+            cached, model_bytes = cached_bytes(model_dir)
+        except OSError as e:
+            pf.notes.append(f"page cache of {model_dir} not measured: {e}")
+        else:
+            pf.cached_model_bytes = cached
+            pf.notes.append(f"model directory in the page cache: {fmt_gib(cached)} of {fmt_gib(model_bytes)}")
     if model_dir:
         try:
             check = check_checkpoint(model_dir)
@@ -69,12 +89,20 @@ def run_preflight(
     m = procfs.read_meminfo(proc_root).fields
     total, avail = m.get("MemTotal"), m.get("MemAvailable")
     if gmu is not None and total and avail is not None:
-        need = gmu * total + margin_bytes
+        learned = learned_overshoot_bytes is not None
+        extra = learned_overshoot_bytes if learned_overshoot_bytes is not None else margin_bytes
+        what = "learned start-up overshoot" if learned else "margin"
+        need = gmu * total + extra
         if avail < need:
             pf.fail(
-                f"MemAvailable {fmt_gib(avail)} < GMU {gmu:.3f} x MemTotal {fmt_gib(total)} + margin "
-                f"{fmt_gib(margin_bytes)} = {fmt_gib(need)}: vLLM would refuse to start (free memory below "
-                f"gpu_memory_utilization); free memory or lower the KV target / GMU"
+                f"MemAvailable {fmt_gib(avail)} < GMU {gmu:.3f} x MemTotal {fmt_gib(total)} + {what} "
+                f"{fmt_gib(extra)} = {fmt_gib(need)}: "
+                + (
+                    "past launches of this configuration dipped that far below plan at start-up"
+                    if learned
+                    else "vLLM would refuse to start (free memory below gpu_memory_utilization)"
+                )
+                + "; free memory or lower the KV target / GMU"
             )
         else:
             pf.notes.append(f"MemAvailable {fmt_gib(avail)} >= {fmt_gib(need)} needed")

@@ -9,17 +9,13 @@ in :mod:`sparkd.sense.kernlog_readers` and are re-exported here.
 * :class:`NvrmWindows` counts driver-error lines in tumbling windows; the
   MemFree rule uses :meth:`NvrmWindows.recent` as "a driver error was seen in
   the last ~10 s" (CONTEXT.md, "What the operators learned later").
-* :class:`MinuteCounter` keeps per-minute counts by kind for storage.
-* :class:`OomJoiner` joins ``oom_kill`` (container, constraint) with the
-  following ``oom_killed`` (RSS) line of the same pid.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from sparkd.sense.kernlog_readers import (
@@ -38,10 +34,8 @@ __all__ = [
     "KernLogSource",
     "KernRecord",
     "KmsgSource",
-    "MinuteCounter",
     "NullSource",
     "NvrmWindows",
-    "OomJoiner",
     "classify",
     "open_source",
 ]
@@ -246,47 +240,20 @@ def classify(line: str) -> KernRecord | None:
     return KernRecord(kind, msg, line, ts, seq, pid, comm, container_id, details)
 
 
-class OomJoiner:
-    """Join an ``oom_kill`` record with the ``oom_killed`` record of the same pid.
-
-    The kernel writes ``oom-kill:...task_memcg=...,pid=N`` and then
-    ``Out of memory: Killed process N (...) anon-rss:...``; they may arrive in
-    different polls. :meth:`feed` returns the ``oom_killed`` record enriched
-    with the preceding ``oom_kill``'s container id and fields (``constraint``,
-    ``global_oom``, ``task_memcg``...), or ``None`` for other records.
-    At most ``keep`` unmatched ``oom_kill`` records are remembered.
-    """
-
-    def __init__(self, keep: int = 64) -> None:
-        self._keep = keep
-        self._pending: dict[int, KernRecord] = {}
-
-    def feed(self, rec: KernRecord) -> KernRecord | None:
-        """Remember ``oom_kill``; return the (joined) ``oom_killed``; else ``None``."""
-        if rec.kind == "oom_kill" and rec.pid is not None:
-            self._pending[rec.pid] = rec
-            while len(self._pending) > self._keep:
-                self._pending.pop(next(iter(self._pending)))
-            return None
-        if rec.kind != "oom_killed":
-            return None
-        kill = self._pending.pop(rec.pid, None) if rec.pid is not None else None
-        if kill is None:
-            return rec
-        merged = {**kill.details, **rec.details, "joined": True}
-        return replace(rec, container_id=kill.container_id, details=merged)
-
-
 # --- counting --------------------------------------------------------------
 
 
 class NvrmWindows:
     """Count driver-error lines in tumbling windows ``[k*W, (k+1)*W)``.
 
-    Each line is assigned by its arrival time ``now`` (seconds on the caller's
-    clock; pass epoch seconds when the window starts go to storage) to exactly
-    one window. Time must not go backwards; if it does, the line is counted in
-    the current open window (never lost, never twice).
+    Each line is assigned by its arrival time ``now`` to exactly one window.
+    ``now`` is the **monotonic** clock (issue 13: on the wall clock a 1 h step
+    back kept one driver error "recent" for an hour and held the MemFree rule's
+    evidence gate open). Wall time only labels the stored window: pass ``wall``
+    (epoch s at ``now``) and the window start is reported in epoch seconds;
+    without it the label is on ``now``'s clock. Time must not go backwards; if
+    it does, the line is counted in the current open window (never lost, never
+    twice).
 
     * :meth:`recent` = lines in the current window + the previous one, i.e.
       an evidence window between W and 2W seconds long (10-20 s with the
@@ -309,28 +276,37 @@ class NvrmWindows:
         self._count = 0
         self._prev: tuple[int, int] | None = None  # (index, count) of the last closed window
         self._closed: list[tuple[float, int]] = []
+        self._offset = 0.0  # wall − monotonic when the open window began: labels it in epoch seconds
 
-    def _advance(self, now: float) -> int:
+    def _label(self, k: int) -> float:
+        return k * self.window_s + self._offset
+
+    def _advance(self, now: float, wall: float | None = None) -> int:
         k = math.floor(now / self.window_s)
         if self._k is None:
             self._k = k
+            if wall is not None:
+                self._offset = wall - now
         elif k > self._k:
             if self._count:
-                self._closed.append((self._k * self.window_s, self._count))
+                self._closed.append((self._label(self._k), self._count))
             self._prev, self._k, self._count = (self._k, self._count), k, 0
+            if wall is not None:
+                self._offset = wall - now
         return self._k
 
-    def add(self, n: int, now: float) -> None:
-        """Count ``n`` (>= 0) lines that arrived at ``now``. Raises ValueError if n < 0."""
+    def add(self, n: int, now: float, wall: float | None = None) -> None:
+        """Count ``n`` (>= 0) lines that arrived at ``now`` (monotonic s; ``wall``: epoch s then, for
+        the stored label). Raises ValueError if n < 0."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self._advance(now)
+        self._advance(now, wall)
         self._count += n
         self.total += n
 
-    def count_line(self, now: float) -> None:
-        """Count one line that arrived at ``now``."""
-        self.add(1, now)
+    def count_line(self, now: float, wall: float | None = None) -> None:
+        """Count one line that arrived at ``now`` (see ``add``)."""
+        self.add(1, now, wall)
 
     def recent(self, now: float) -> int:
         """Lines in the current window plus the immediately previous window."""
@@ -358,44 +334,6 @@ class NvrmWindows:
         """Drain every window including the open one (for shutdown)."""
         out = self.closed_windows()
         if self._k is not None and self._count:
-            out.append((self._k * self.window_s, self._count))
+            out.append((self._label(self._k), self._count))
             self._prev, self._count = (self._k, self._count), 0
-        return out
-
-
-class MinuteCounter:
-    """Per-minute counts by kind, keyed by ``minute_start`` (epoch seconds, multiple of 60).
-
-    :meth:`drain_closed` returns the minutes that ended at or before ``now``;
-    :meth:`flush` returns the rest. Each added count is returned exactly once:
-    an arrival time in an already drained minute is counted in the oldest
-    minute still open.
-    """
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple[float, str], int] = {}
-        self._floor = -math.inf  # minutes before this have been drained
-
-    def add(self, kind: str, now_epoch: float, n: int = 1) -> None:
-        """Count ``n`` records of ``kind`` that arrived at ``now_epoch`` (UTC seconds)."""
-        minute = max(math.floor(now_epoch / 60) * 60.0, self._floor)
-        key = (minute, kind)
-        self._counts[key] = self._counts.get(key, 0) + n
-
-    def add_records(self, records: Iterable[KernRecord], now_epoch: float) -> None:
-        """Count each record by its kind at ``now_epoch``."""
-        for rec in records:
-            self.add(rec.kind, now_epoch)
-
-    def drain_closed(self, now: float) -> list[tuple[float, str, int]]:
-        """Return ``[(minute_start_epoch, kind, count), ...]`` for minutes before ``now``'s."""
-        cur = math.floor(now / 60) * 60.0
-        self._floor = max(self._floor, cur)
-        done = sorted(k for k in self._counts if k[0] < cur)
-        return [(m, kind, self._counts.pop((m, kind))) for m, kind in done]
-
-    def flush(self) -> list[tuple[float, str, int]]:
-        """Return and forget every count, closed or not (for shutdown)."""
-        out = [(m, kind, n) for (m, kind), n in sorted(self._counts.items())]
-        self._counts.clear()
         return out

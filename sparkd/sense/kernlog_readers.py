@@ -81,6 +81,9 @@ def decode_kmsg_record(data: bytes) -> tuple[int | None, str]:
     return seq, text + "".join("\n " + _unescape(c.strip()) for c in cont)
 
 
+LOST_LOG_EVERY_S = 10.0  # a flood overwrites records on every poll: say so once per this, with the count
+
+
 class KmsgSource(_Closing):
     """Read new records from ``/dev/kmsg`` (starts at the end: only records after open).
 
@@ -103,7 +106,30 @@ class KmsgSource(_Closing):
         self.max_records = max_records
         self.last_seq: int | None = None
         self.lost_records = 0
+        self.overruns = 0  # EPIPE reads: the ring buffer overwrote records before we read them
+        self._lost_logged_at: float | None = None
+        self._lost_unlogged = 0
         self._fd: int | None = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._skip_backlog()
+
+    def _skip_backlog(self) -> None:
+        """Start after the newest record, knowing its sequence number: a flood that overwrites the ring
+        before the first poll is then counted as lost too (``SEEK_END`` alone leaves the first gap unknown)."""
+        assert self._fd is not None
+        for _ in range(1_000_000):  # the ring holds far fewer; a bound for a device that never says EAGAIN
+            try:
+                data = os.read(self._fd, 8192)
+            except BlockingIOError:
+                return
+            except BrokenPipeError:
+                continue
+            except OSError:
+                break
+            if not data:
+                return
+            seq, _text = decode_kmsg_record(data)
+            if seq is not None:
+                self.last_seq = seq if self.last_seq is None else max(self.last_seq, seq)
         os.lseek(self._fd, 0, os.SEEK_END)
 
     def _note_seq(self, seq: int | None) -> None:
@@ -112,7 +138,15 @@ class KmsgSource(_Closing):
         if self.last_seq is not None and seq > self.last_seq + 1:
             gap = seq - self.last_seq - 1
             self.lost_records += gap
-            log.warning("kernel log: %d record(s) overwritten before they were read", gap)
+            self._lost_unlogged += gap
+            now = time.monotonic()
+            if self._lost_logged_at is None or now - self._lost_logged_at >= LOST_LOG_EVERY_S:
+                log.warning(
+                    "kernel log: %d record(s) overwritten before they were read (%d in all)",
+                    self._lost_unlogged,
+                    self.lost_records,
+                )
+                self._lost_logged_at, self._lost_unlogged = now, 0
         self.last_seq = seq if self.last_seq is None else max(self.last_seq, seq)
 
     def poll(self) -> list[str]:
@@ -126,6 +160,7 @@ class KmsgSource(_Closing):
                 break
             except BrokenPipeError:
                 overruns += 1  # the next read returns the oldest record still there
+                self.overruns += 1
                 if overruns > 8:  # a ring buffer overwritten faster than we read: next tick
                     break
                 continue

@@ -167,4 +167,20 @@ class GpuSample(Base):
     memory_supported: Mapped[bool | None] = mapped_column(nullable=True)
 
 
+class ConsumerScan(Base):
+    """Who holds the memory: one process scan (every ``consumers.interval_s``, and at trips).
+
+    Group RSS totals as columns (bytes); ``data``: the JSON summary (top processes, top command
+    names, MemAvailable at the scan) — ``sparkd.core.consumers.ConsumerSummary.to_json()``.
+    """
+
+    __tablename__ = "consumer_scans"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    container_bytes: Mapped[int] = mapped_column(BigInteger)
+    host_bytes: Mapped[int] = mapped_column(BigInteger)
+    system_bytes: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
 Index("ix_events_kind_ts", Event.kind, Event.ts)

@@ -12,6 +12,7 @@ sizes bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from sparkd.store.schema import (
     AGGREGATE_FIELDS,
     SAMPLE_COLUMNS,
     ConfigRevision,
+    ConsumerScan,
     DaemonRun,
     Event,
     GpuSample,
@@ -156,7 +158,7 @@ class Store:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
         ``gpu`` (row dict), ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
-        ``run_end`` (dict).
+        ``run_end`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data).
 
         The frequent kinds (samples, GPU rows, the status snapshot, kernel counts) go
         through the DBAPI cursor as prepared statements (one ``executemany`` per kind):
@@ -173,6 +175,7 @@ class Store:
         kcounts = [p for k, p in items if k == "kcount"]
         statuses = [p for k, p in items if k == "status"]
         events = [p for k, p in items if k == "event"]
+        scans = [p for k, p in items if k == "consumers"]
         with self._write_lock, self.engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
             try:
@@ -186,6 +189,8 @@ class Store:
                     cur.execute(_UPSERT_STATUS, (statuses[-1]["ts"], json.dumps(statuses[-1])))
             finally:
                 cur.close()
+            if scans:
+                conn.execute(insert(ConsumerScan), scans)
             if events:
                 conn.execute(insert(Event), events)
             for kind, p in items:
@@ -359,6 +364,13 @@ class Store:
         with Session(self.engine) as conn:
             return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
 
+    def consumer_scans(self, *, since: float, limit: int = 1000) -> list[dict[str, Any]]:
+        """Process scans since ``since`` (UTC epoch s), oldest first: ts, group totals (bytes), data."""
+        q = select(ConsumerScan).where(ConsumerScan.ts >= since).order_by(ConsumerScan.ts).limit(limit)
+        cols = ("ts", "container_bytes", "host_bytes", "system_bytes", "data")
+        with Session(self.engine) as conn:
+            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+
     def runs(self, *, limit: int = 20) -> list[dict[str, Any]]:
         q = select(DaemonRun).order_by(DaemonRun.id.desc()).limit(limit)
         with Session(self.engine) as conn:
@@ -465,6 +477,9 @@ class Store:
             removed["gpu_samples"] = (
                 conn.execute(delete(GpuSample).where(GpuSample.ts < now - raw_keep_s)).rowcount or 0
             )
+            removed["consumer_scans"] = (
+                conn.execute(delete(ConsumerScan).where(ConsumerScan.ts < now - raw_keep_s)).rowcount or 0
+            )
             removed["nvrm_windows"] = (
                 conn.execute(delete(NvrmWindow).where(NvrmWindow.window_start < now - minutes_keep_s)).rowcount or 0
             )
@@ -540,7 +555,7 @@ before it writes them in one transaction: a sample reaches the database at most 
 history. Any other item (an event, a launch, the end of a run) is written at once with what
 was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18)."""
 
-GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window"})
+GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window", "consumers"})
 
 
 class Writer:
@@ -573,6 +588,17 @@ class Writer:
         self._drop_logged = False
         self._fail_logged = False
         self._pending: list[tuple[str, Any]] = []
+        self.refused = 0
+        self.refusals: list[tuple[str, str]] = []
+        self.last_error: str | None = None
+        self.fatal: str | None = None
+        self._kick = asyncio.Event()
+
+    def attach(self, store: Store | None) -> None:
+        """Write into ``store`` from now on (None: no database; records wait in the queue)."""
+        self.store = store
+        if store is not None:
+            self._kick.set()
 
     def submit(self, kind: str, payload: Any) -> bool:
         try:
@@ -603,30 +629,67 @@ class Writer:
         return batch
 
     def _write(self, batch: list[tuple[str, Any]]) -> bool:
-        """Write one batch; False (and logged once per episode) when the database refused it."""
-        if self.store is None:
-            self.dropped += len(batch)
-            return True
+        """Write one batch; False (and logged once per episode) when the database refused it.
+
+        A batch refused for a reason that passes (locked, busy, disk full, no database yet) is kept
+        for a retry. A batch refused *permanently* (``keeper.is_permanent``: a constraint, a value
+        SQLite cannot store) is written item by item: each refused item is dropped, counted in
+        ``refused`` and listed in ``refusals`` (kind, reason) for the daemon to report; the rest is
+        written. A corrupt database sets ``fatal`` (the daemon moves it aside and reopens).
+        """
+        from sparkd.store.keeper import is_corrupt, is_permanent
+
+        store = self.store
+        if store is None:
+            return False
         try:
-            self.store.write_batch(batch)
+            store.write_batch(batch)
         except Exception as e:
+            if is_permanent(e):
+                return self._write_each(store, batch)
             self.failures += 1
+            self.last_error = _short(e)
+            if is_corrupt(e):
+                self.fatal = self.last_error
             if not self._fail_logged:
                 log.error(
                     "database write failed (%s); the guard goes on, records wait in the queue (%d max) "
                     "and are written when the database recovers",
-                    _short(e),
+                    self.last_error,
                     self.queue.maxsize,
                 )
                 self._fail_logged = True
             return False
-        self.written += len(batch)
+        self._ok(len(batch))
+        return True
+
+    def _write_each(self, store: Store, batch: list[tuple[str, Any]]) -> bool:
+        from sparkd.store.keeper import is_permanent
+
+        for i, item in enumerate(batch):
+            try:
+                store.write_batch([item])
+            except Exception as e:
+                if not is_permanent(e):
+                    self.failures += 1
+                    self.last_error = _short(e)
+                    del batch[:i]  # the rest waits for a retry; what is written is not written twice
+                    return False
+                self.refused += 1
+                self.refusals.append((item[0], _short(e)))
+                continue
+            self.written += 1
+        self._ok(0)
+        return True
+
+    def _ok(self, n: int) -> None:
+        self.written += n
         if self._fail_logged:
             log.info("database writes recovered")
         self._fail_logged = False
+        self.last_error = None
         if self.queue.qsize() < self.queue.maxsize // 2:
             self._drop_logged = False
-        return True
 
     async def run(self) -> None:
         backoff = 0.25
@@ -640,9 +703,11 @@ class Writer:
             if await asyncio.to_thread(self._write, pending):
                 pending, backoff, self._pending = [], 0.25, []
             else:  # keep the batch (a locked or full database is usually temporary) and retry
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
                 self._pending = pending
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._kick.wait(), backoff)  # ``attach`` wakes it at once
+                self._kick.clear()
+                backoff = min(backoff * 2, 5.0)
 
     async def _gather(self) -> None:
         """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
@@ -663,6 +728,13 @@ class Writer:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
         a batch the database keeps refusing after ``attempts`` tries is dropped and counted."""
         n = 0
+        if self.store is None:  # no database: what is queued cannot be written now
+            left = len(self._pending) + self.queue.qsize()
+            self._pending = []
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.dropped += left
+            return 0
         batches = [self._pending] if self._pending else []
         self._pending = []
         while not self.queue.empty():

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from sparkd.loop.httpserver import QuietServer
+from sparkd.loop.quietserver import QuietServer
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:

@@ -5,16 +5,16 @@ row: ts, the rowid and page overhead). Keyed by ts, the table is its own index. 
 copied in ts order; two rows with the same ts (a clock stepped back onto the very same
 float) keep the first.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Create Date: 2026-11-30
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

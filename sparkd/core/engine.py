@@ -1,0 +1,245 @@
+"""``RuleEngine``: the one place a sample becomes decisions.
+
+The live guard (``loop.guard``), ``sparkd replay`` (``ops.replay``) and the re-check
+before a stop (``loop.daemon``) all call it, so one trace gives the same decisions
+everywhere (``tests/test_same_decisions.py`` records a live run and replays it).
+
+Pure: no I/O, no clock reads — every sample carries its own monotonic time (``mono``).
+
+Shapes:
+    ``RuleEngine(specs, cooldown_s=, horizon_s=)``; ``specs`` are ``RuleSpec``s
+    (``config.RuleConfig`` or anything with the same attributes).
+    ``step(sample) -> list[Decision]`` — compile on first use (``%`` thresholds need MemTotal),
+    feed the slope window, advance every rule.
+    ``recheck(rule, sample) -> bool`` — before acting: does the rule still hold on a fresh sample?
+    ``demote(rule, reason)`` — the rule keeps counting but acts as ``warn`` from now on.
+    ``blind() -> {rule: why}`` — rules that could not evaluate on the last sample.
+    ``horizon_s`` — the time a stop takes: the longest of the last ``STOP_MEMORY`` measured stops
+    (``note_stop_duration``), or the configured grace (``container.stop_timeout_s``) before any.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sparkd.core.floors import demote as demote_rules
+from sparkd.core.rules import (
+    DEFAULT_HORIZON_S,
+    Decision,
+    Rule,
+    RuleSpec,
+    RuleState,
+    SlopeWindow,
+    compile_rules,
+    evaluate,
+    still_holds,
+    usable_bytes,
+)
+from sparkd.core.sample import Sample
+
+
+@dataclass(frozen=True, slots=True)
+class EngineChange:
+    """Something the daemon tells the engine between samples, at ``ts`` (UTC epoch s): a measured
+    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``), a relief
+    that raised MemFree (``relief``, ``rule``: its counter starts again) or a restart (``reset``).
+    The daemon records each as an event; ``engine_changes`` reads them back so a replay of stored
+    samples applies them where the guard did."""
+
+    ts: float
+    kind: Literal["stop_duration", "demote", "relief", "reset"]
+    seconds: float | None = None
+    rule: str | None = None
+    reason: str | None = None
+
+
+def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[float] = ()) -> list[EngineChange]:
+    """``EngineChange``s, oldest first, from stored events (``ts``, ``kind``, ``details``) and the
+    start times of daemon runs (UTC epoch s, taken before a run's first sample): a run start →
+    reset, ``stopped``/``killed`` with ``durations_s.stop`` → a measured stop, ``watermark``
+    with ``action = "demoted to warn"`` → a demotion, ``relief`` with ``counters_reset`` → one
+    ``relief`` change per rule it names."""
+    out = [EngineChange(float(t), "reset") for t in run_starts]
+    for e in events:
+        d = e.get("details") or {}
+        kind = e.get("kind")
+        if kind in ("stopped", "killed"):
+            took = (d.get("durations_s") or {}).get("stop")
+            if isinstance(took, int | float):
+                out.append(EngineChange(float(e["ts"]), "stop_duration", seconds=float(took)))
+        elif kind == "watermark" and d.get("action") == "demoted to warn" and d.get("rule"):
+            out.append(EngineChange(float(e["ts"]), "demote", rule=str(d["rule"]), reason=str(e.get("message"))))
+        elif kind == "relief" and d.get("counters_reset"):
+            out += [EngineChange(float(e["ts"]), "relief", rule=str(r)) for r in d.get("rules") or []]
+    return sorted(out, key=lambda c: c.ts)
+
+
+#: How many measured stop durations the horizon remembers.
+STOP_MEMORY = 5
+
+#: The slope window always keeps at least this much history (s), whatever the rules ask.
+MIN_SLOPE_HISTORY_S = 64.0
+
+
+class RuleEngine:
+    """Rule states, the slope window and the demotions of one guard or one replay.
+
+    Args:
+        specs: rule configurations (``RuleSpec``); compiled against MemTotal on the first step.
+        cooldown_s: a rule that tripped is reported as ``cooldown`` for this long.
+        horizon_s: the configured stop grace (s), the predictive rules' default horizon.
+
+    Raises (from ``step``/``compile``):
+        ValueError: a rule cannot be compiled (a ``%`` threshold with MemTotal unknown).
+    """
+
+    def __init__(
+        self, specs: Iterable[RuleSpec], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S
+    ) -> None:
+        self.specs = list(specs)
+        self.cooldown_s = cooldown_s
+        self.configured_horizon_s = horizon_s
+        self.stop_durations: deque[float] = deque(maxlen=STOP_MEMORY)
+        self.rules: list[Rule] = []
+        self.states: dict[str, RuleState] = {}
+        self.demoted: dict[str, str] = {}
+        self.slope = SlopeWindow(max_window_s=MIN_SLOPE_HISTORY_S)
+        self.mem_total: int | None = None
+        self._compiled = False
+        self._fixed = False
+        self._base: list[Rule] = []
+
+    @classmethod
+    def of(cls, rules: Sequence[Rule], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S) -> RuleEngine:
+        """An engine over rules already compiled (tests, tools); MemTotal changes do not recompile."""
+        engine = cls([], cooldown_s=cooldown_s, horizon_s=horizon_s)
+        engine.rules = list(rules)
+        engine._base = list(rules)
+        engine.states = {r.name: RuleState() for r in rules}
+        engine._compiled = engine._fixed = True
+        engine._size_slope()
+        return engine
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def horizon_s(self) -> float:
+        """The time a stop takes (s): the longest recent measured stop, else the configured grace."""
+        return max(self.stop_durations) if self.stop_durations else self.configured_horizon_s
+
+    def note_stop_duration(self, seconds: float) -> None:
+        """Remember how long a stop took (SIGTERM to exit, s); ignored unless finite and > 0."""
+        if seconds > 0 and seconds == seconds and seconds != float("inf"):
+            self.stop_durations.append(float(seconds))
+            self._size_slope()
+
+    def compile(self, mem_total_bytes: int | None, *, fixed: bool = False) -> None:
+        """(Re)compile the rules against MemTotal; counters of rules that remain are kept.
+        ``fixed``: keep this MemTotal whatever the samples say (replay's ``--mem-total-gib``)."""
+        self._fixed = fixed
+        self._base = compile_rules(self.specs, mem_total_bytes)
+        self.rules = demote_rules(self._base, self.demoted)
+        self.mem_total = mem_total_bytes
+        self._compiled = True
+        for r in self.rules:
+            self.states.setdefault(r.name, RuleState())
+        self._size_slope()
+
+    def _size_slope(self) -> None:
+        longest = max(
+            (w for r in self.rules if r.kind == "predictive" for w, _ in r.fit_windows(self.horizon_s)),
+            default=0.0,
+        )
+        self.slope.max_window_s = max(MIN_SLOPE_HISTORY_S, longest)
+
+    def ensure(self, sample: Sample) -> None:
+        """Compile once MemTotal is known, and again if it changes."""
+        changed = sample.mem_total is not None and sample.mem_total != self.mem_total
+        if not self._compiled or (changed and not self._fixed):
+            self.compile(sample.mem_total if sample.mem_total is not None else self.mem_total)
+
+    # ------------------------------------------------------------------ decisions
+    def step(self, sample: Sample) -> list[Decision]:
+        """Advance every rule on ``sample`` (its ``mono`` is "now"); trips, near misses, cooldowns."""
+        self.ensure(sample)
+        self.slope.add(sample.mono, usable_bytes(sample))
+        return evaluate(
+            sample,
+            self.rules,
+            self.states,
+            sample.mono,
+            cooldown_s=self.cooldown_s,
+            slope=self.slope,
+            horizon_s=self.horizon_s,
+        )
+
+    def recheck(self, rule_name: str, sample: Sample) -> bool:
+        """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
+
+        Changes nothing: the sample is judged with a copy of the slope window that includes it,
+        so the engine's state stays a function of the samples it stepped (which the daemon
+        stores) — a replay of those samples reaches the same state. An unknown rule does not hold."""
+        rule = self.rule(rule_name)
+        if rule is None:
+            return False
+        window = SlopeWindow(self.slope.max_window_s, self.slope.points.maxlen or len(self.slope.points) + 1)
+        window.points.extend(self.slope.points)
+        window.add(sample.mono, usable_bytes(sample))
+        return still_holds(rule, sample, window, sample.mono, self.horizon_s)
+
+    def reset(self) -> None:
+        """Forget counters, the slope window, demotions and measured stops (a daemon restart)."""
+        self.demoted.clear()
+        self.stop_durations.clear()
+        self.rules = list(self._base)
+        self.states = {r.name: RuleState() for r in self.rules}
+        self.slope = SlopeWindow(max_window_s=MIN_SLOPE_HISTORY_S)
+        self._size_slope()
+
+    def apply(self, change: EngineChange) -> None:
+        """Apply what the daemon told the engine between samples (a recorded ``EngineChange``)."""
+        if change.kind == "stop_duration" and change.seconds is not None:
+            self.note_stop_duration(change.seconds)
+        elif change.kind == "demote" and change.rule is not None:
+            self.demote(change.rule, change.reason or "demoted")
+        elif change.kind == "relief" and change.rule is not None:
+            self.relieved(change.rule)
+        elif change.kind == "reset":
+            self.reset()
+
+    def relieved(self, rule_name: str) -> None:
+        """Relief before stopping raised MemFree (``loop.relief``): ``rule_name``'s counter starts again
+        (CONTEXT.md "Relief"). Unknown names are ignored."""
+        st = self.states.get(rule_name)
+        if st is not None:
+            st.counter, st.started_mono = 0, None
+
+    def demote(self, rule_name: str, reason: str) -> None:
+        """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""
+        self.demoted[rule_name] = reason
+        self.rules = demote_rules(self.rules, self.demoted)
+
+    # ------------------------------------------------------------------ reading
+    def rule(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.name == name), None)
+
+    def blind(self) -> dict[str, str]:
+        """``{rule: why}`` for each rule whose inputs were missing on the last sample."""
+        return {r.name: why for r in self.rules if (why := self.states[r.name].blind) is not None}
+
+    def counting(self) -> bool:
+        return any(st.counter > 0 for st in self.states.values())
+
+    def rules_json(self) -> list[dict[str, Any]]:
+        """Each rule as configured, with its counters, whether it was demoted, and why it is blind."""
+        return [
+            {**r.to_json(), "demoted": self.demoted.get(r.name), **self.states.get(r.name, RuleState()).to_json()}
+            for r in self.rules
+        ]
+
+
+def replay_samples(engine: RuleEngine, samples: Sequence[Sample]) -> list[list[Decision]]:
+    """``engine.step`` over each sample in order (a convenience for tests and tools)."""
+    return [engine.step(s) for s in samples]

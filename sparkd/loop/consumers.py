@@ -1,0 +1,272 @@
+"""Who holds the memory, in the running daemon: the periodic process scan and co-tenant warnings.
+
+Every ``consumers.interval_s`` (10 s) and at every trip, ``ConsumerWatch`` runs one
+``sparkd.sense.consumers.ConsumerScanner.scan`` in a worker thread (the guard tick never
+waits for it), with the ids of the container the supervisor manages or guards. Each scan:
+
+* is kept in memory (the last ``consumers.history`` scans, each with the MemAvailable read
+  at the time) and written through the writer queue as one ``consumer_scans`` row (group
+  totals as columns, the JSON summary beside them);
+* is checked against the co-tenant limit (``consumers.cotenant_limit``, or derived: what the
+  plan left to the host — MemTotal − budget, or ``budget.host_reserve_gib`` without a plan —
+  minus ``consumers.cotenant_margin_gib``): while host co-tenants hold more, a
+  ``cotenant_high`` event names the biggest, at most once per ``cotenant_repeat_s``.
+
+At a trip the daemon asks ``at_trip()``: a fresh scan (waited for at most ``TRIP_SCAN_WAIT_S``;
+the last periodic scan otherwise) and the sentence of who grew since the scan "before the
+fall" — the kept scan with the highest MemAvailable (``core.consumers.fall_text``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sparkd.config import ConsumersSettings
+from sparkd.core.consumers import ConsumerSummary, cotenant_excess, fall_shares, fall_text
+from sparkd.sense.consumers import ConsumerScanner
+from sparkd.units import GiB, fmt_gib, parse_size
+
+log = logging.getLogger("sparkd.loop.consumers")
+
+TRIP_SCAN_WAIT_S = 2.0  # a trip's own scan; the stop does not wait longer than this for it
+
+
+@dataclass(frozen=True, slots=True)
+class ScanPoint:
+    """One scan and the MemAvailable read just before it (bytes; None when unknown)."""
+
+    summary: ConsumerSummary
+    mem_available_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class TripShares:
+    """Who grew between the scan before the fall and the trip's scan (bytes per group) and its sentence."""
+
+    text: str
+    shares_bytes: dict[str, int]
+    before: ScanPoint | None
+    after: ScanPoint
+    fresh: bool  # False: the trip's own scan did not finish in time; the last periodic scan was used
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "shares_bytes": self.shares_bytes,
+            "fresh": self.fresh,
+            "before": _point_json(self.before),
+            "after": _point_json(self.after),
+        }
+
+
+def _point_json(p: ScanPoint | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {**p.summary.to_json(), "mem_available_bytes": p.mem_available_bytes}
+
+
+class ConsumerWatch:
+    """The scan loop and its kept history. Callables are read at each scan (the container may change).
+
+    ``container_ids()``: ids of the served/guarded container; ``mem_available()``: MemAvailable now
+    (bytes) from the guard's last sample; ``plan_left_bytes()``: what the plan leaves the host
+    (MemTotal − budget) or None; ``emit(kind, message, severity, details)``: the daemon's event;
+    ``submit(kind, item)``: the writer queue.
+    """
+
+    def __init__(
+        self,
+        settings: ConsumersSettings,
+        *,
+        host_reserve_bytes: int,
+        container_ids: Callable[[], list[str]],
+        mem_available: Callable[[], int | None],
+        plan_left_bytes: Callable[[], int | None],
+        emit: Callable[[str, str, str, dict[str, Any]], Any],
+        submit: Callable[[str, Any], Any] | None = None,
+        scanner: ConsumerScanner | None = None,
+        mono: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.host_reserve_bytes = host_reserve_bytes
+        self.container_ids = container_ids
+        self.mem_available = mem_available
+        self.plan_left_bytes = plan_left_bytes
+        self.emit = emit
+        self.submit = submit
+        self.scanner = scanner or ConsumerScanner(top_n=settings.top_n, uss_top=settings.uss_top)
+        self.mono = mono
+        self.history: collections.deque[ScanPoint] = collections.deque(maxlen=settings.history)
+        self.scans = 0
+        self.last_trip: TripShares | None = None
+        self._lock = threading.Lock()  # one scan at a time (periodic and trip scans share the scanner)
+        self._last_warned: float | None = None
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def last(self) -> ScanPoint | None:
+        return self.history[-1] if self.history else None
+
+    def cotenant_limit_bytes(self) -> int:
+        """The configured limit, or: (MemTotal − plan budget, else host reserve) − margin, floored at 0."""
+        if self.settings.cotenant_limit is not None:
+            return parse_size(self.settings.cotenant_limit)
+        left = self.plan_left_bytes()
+        if left is None:
+            left = self.host_reserve_bytes
+        return max(0, left - int(self.settings.cotenant_margin_gib * GiB))
+
+    def before_fall(self) -> ScanPoint | None:
+        """The kept scan with the highest MemAvailable (the latest of equals); None when none has one."""
+        best: ScanPoint | None = None
+        for p in self.history:
+            if p.mem_available_bytes is not None and (
+                best is None or p.mem_available_bytes >= (best.mem_available_bytes or 0)
+            ):
+                best = p
+        return best
+
+    # ------------------------------------------------------------------ scanning
+    def _scan_blocking(self, ids: list[str]) -> ConsumerSummary:
+        with self._lock:
+            return self.scanner.scan(ids)
+
+    async def scan(self) -> ScanPoint:
+        """One scan in a worker thread, kept, stored and checked against the co-tenant limit."""
+        ids = self.container_ids()
+        avail = self.mem_available()
+        summary = await asyncio.to_thread(self._scan_blocking, ids)
+        return self._record(summary, avail)
+
+    def _record(self, summary: ConsumerSummary, avail: int | None) -> ScanPoint:
+        point = ScanPoint(summary, avail)
+        self.history.append(point)
+        self.scans += 1
+        if self.submit is not None:
+            self.submit(
+                "consumers",
+                {
+                    "ts": summary.at,
+                    "container_bytes": summary.totals.get("container", 0),
+                    "host_bytes": summary.totals.get("host", 0),
+                    "system_bytes": summary.totals.get("system", 0),
+                    "data": {**summary.to_json(), "mem_available_bytes": avail},
+                },
+            )
+        self._check_cotenants(summary)
+        return point
+
+    def _check_cotenants(self, summary: ConsumerSummary) -> None:
+        limit = self.cotenant_limit_bytes()
+        excess = cotenant_excess(summary, limit)
+        if excess <= 0:
+            self._last_warned = None  # back within: the next crossing warns at once
+            return
+        now = self.mono()
+        if self._last_warned is not None and now - self._last_warned < self.settings.cotenant_repeat_s:
+            return
+        self._last_warned = now
+        names = summary.host_names(5)
+        biggest = ", ".join(
+            f"{n.name} ×{n.count} {fmt_gib(n.rss_bytes)}" if n.count > 1 else f"{n.name} {fmt_gib(n.rss_bytes)}"
+            for n in names
+        )
+        self.emit(
+            "cotenant_high",
+            f"host co-tenants hold {fmt_gib(summary.totals.get('host', 0))} RSS, {fmt_gib(excess)} over the "
+            f"co-tenant limit {fmt_gib(limit)}: {biggest or 'no names read'}",
+            "warning",
+            {
+                "host_bytes": summary.totals.get("host", 0),
+                "limit_bytes": limit,
+                "excess_bytes": excess,
+                "biggest": [{"name": n.name, "count": n.count, "rss_bytes": n.rss_bytes} for n in names],
+            },
+        )
+
+    async def run(self) -> None:
+        """Scan every ``interval_s`` until cancelled; a failing scan is logged and tried again next time."""
+        while True:
+            try:
+                await self.scan()
+            except Exception as e:  # psutil or /proc trouble must never end the daemon
+                log.warning("process scan failed (ignoring until the next one): %s", e)
+            await asyncio.sleep(self.settings.interval_s)
+
+    async def at_trip(self) -> TripShares | None:
+        """A trip's scan and who grew since the scan before the fall; None when nothing was ever scanned."""
+        before = self.before_fall()  # chosen among the scans before this trip's own
+        fresh = True
+        try:
+            ids, avail = self.container_ids(), self.mem_available()
+            summary = await asyncio.wait_for(asyncio.to_thread(self._scan_blocking, ids), TRIP_SCAN_WAIT_S)
+            after = self._record(summary, avail)
+        except Exception as e:  # TimeoutError included: the stop goes on with the last periodic scan
+            log.warning("trip scan did not finish (%s); using the last periodic scan", e or type(e).__name__)
+            fresh = False
+            if self.last is None:
+                return None
+            after = self.last
+            if before is after:
+                before = None
+        text = fall_text(
+            before.summary if before else None,
+            after.summary,
+            mem_available_before_bytes=before.mem_available_bytes if before else None,
+            mem_available_after_bytes=after.mem_available_bytes,
+        )
+        shares = fall_shares(before.summary if before else None, after.summary)
+        self.last_trip = TripShares(text, shares, before, after, fresh)
+        return self.last_trip
+
+    # ------------------------------------------------------------------ readers
+    def status(self) -> dict[str, Any] | None:
+        """``Status.consumers``: the last scan, the limit, the last trip's shares; None before the first scan."""
+        last = self.last
+        if last is None:
+            return None
+        s = last.summary
+        return {
+            "at": s.at,
+            "text": s.text(),
+            "totals_bytes": dict(s.totals),
+            "top": s.to_json()["top"],
+            "by_name": s.to_json()["by_name"],
+            "scanned": s.scanned,
+            "cpu_s": round(s.cpu_s, 6),
+            "scans": self.scans,
+            "cotenant_limit_bytes": self.cotenant_limit_bytes(),
+            "cotenant_excess_bytes": cotenant_excess(s, self.cotenant_limit_bytes()),
+            "last_trip": self.last_trip.text if self.last_trip else None,
+        }
+
+    def postmortem(self) -> dict[str, Any] | None:
+        """``consumers.json`` of a postmortem archive: the last scan, the trip's shares, the kept history."""
+        if self.last is None:
+            return None
+        return {
+            "last": _point_json(self.last),
+            "trip": self.last_trip.to_json() if self.last_trip else None,
+            "cotenant_limit_bytes": self.cotenant_limit_bytes(),
+            "history": [
+                {
+                    "at": p.summary.at,
+                    "totals_bytes": dict(p.summary.totals),
+                    "mem_available_bytes": p.mem_available_bytes,
+                }
+                for p in self.history
+            ],
+        }
+
+    def summary_line(self) -> str | None:
+        """The postmortem summary's ``consumers:`` line: the last trip's sentence, else the last scan's."""
+        if self.last_trip is not None:
+            return self.last_trip.text
+        return self.last.summary.text() if self.last else None

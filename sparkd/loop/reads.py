@@ -1,0 +1,112 @@
+"""The read side the API and dashboard use: the database when it answers, else the live view.
+
+``Reads(daemon)`` has the store's read methods (``events``, ``downsampled``,
+``launches``). Each asks the database; when there is none (``DbKeeper`` says
+unavailable) or it fails (corrupt, deleted, locked), it answers from the daemon's
+memory — the last ``LIVE_SAMPLES`` samples and the last 100 events — and
+``note()`` says so in one line. A corrupt database found by a read is handed to
+the keeper (``writer.fatal``), which moves it aside and reopens.
+
+Blocking when the database answers: call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sparkd.store.keeper import is_corrupt
+from sparkd.store.store import CHART_FIELDS
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+
+log = logging.getLogger("sparkd.loop.reads")
+
+
+class Reads:
+    """Store reads with a fallback to memory. ``note()`` is None while the database answers."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._failed: str | None = None
+
+    def note(self) -> str | None:
+        """One line for a page or response when answers come from memory, else None."""
+        d = self.daemon
+        why = self._failed if d.store is not None else (d.db.error or "not open")
+        if d.store is not None and self._failed is None:
+            return None
+        return (
+            f"database unavailable ({why}): showing the live in-memory view "
+            f"(last {len(d.live_samples)} samples, last {len(d.recent_events)} events)"
+        )
+
+    def _try(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        store = self.daemon.store
+        if store is None:
+            return None
+        try:
+            out = getattr(store, name)(*args, **kwargs)
+        except Exception as e:
+            why = str(getattr(e, "orig", None) or e).splitlines()[0][:200]
+            if self._failed != why:
+                log.error("database read failed (%s): answering from memory", why)
+            self._failed = why
+            w = self.daemon.writer
+            if w is not None and is_corrupt(e):
+                w.fatal = why  # the keeper moves it aside and reopens
+            return None
+        self._failed = None
+        return out
+
+    def events(
+        self, *, since: float | None = None, kinds: Iterable[str] | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """Events newest first (``Store.events`` shape; ``id`` None for those from memory)."""
+        kinds = list(kinds) if kinds else None
+        rows = self._try("events", since=since, kinds=kinds, limit=limit)
+        if rows is not None:
+            return list(rows)
+        out = []
+        for ev in self.daemon.recent_events:
+            if since is not None and ev["ts"] < since:
+                continue
+            if kinds and ev["kind"] not in kinds:
+                continue
+            out.append({"id": None, **ev})
+            if len(out) >= limit:
+                break
+        return out
+
+    def launches(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._try("launches", limit=limit)
+        return list(rows) if rows is not None else []
+
+    def downsampled(
+        self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
+    ) -> list[dict[str, Any]]:
+        """``Store.downsampled`` shape (min/avg/max per ``step_s`` bucket), from memory when needed."""
+        fields = list(fields)
+        rows = self._try("downsampled", since=since, until=until, step_s=step_s, fields=fields)
+        if rows is not None:
+            return list(rows)
+        step_s = max(step_s, 0.001)
+        buckets: dict[int, list[dict[str, Any]]] = {}
+        for r in list(self.daemon.live_samples):
+            ts = r.get("ts")
+            if ts is None or ts < since or ts > until:
+                continue
+            buckets.setdefault(int((ts - since) / step_s), []).append(r)
+        out = []
+        for b in sorted(buckets):
+            group = buckets[b]
+            d: dict[str, Any] = {"ts": since + b * step_s, "n": len(group)}
+            for f in fields:
+                vals = [g[f] for g in group if g.get(f) is not None]
+                d[f"{f}_min"] = min(vals) if vals else None
+                d[f"{f}_avg"] = sum(vals) / len(vals) if vals else None
+                d[f"{f}_max"] = max(vals) if vals else None
+            out.append(d)
+        return out

@@ -1,0 +1,276 @@
+"""One run of the container, as the supervisor executes ``core.lifecycle`` effects on it:
+adopting a run (first sight or started outside sparkd), readiness, the /health and progress
+probe (``check_health``), an exit nobody asked for (``handle_exit``) and the managed auto-restart
+(``maybe_restart``), the stop (``_stop``, executing ``act.stop.run_stop``).
+``loop.supervisor.Supervisor`` inherits it; split out to keep each module readable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sparkd.act import shm
+from sparkd.act.stop import StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
+from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
+from sparkd.errors import SparkdError
+from sparkd.loop.launchbook import LaunchBook
+from sparkd.sense import procfs
+from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
+from sparkd.units import fmt_gib, parse_size
+
+NVML_LOST = "Failed to initialize NVML: Unknown Error"
+
+
+class RunBook(LaunchBook):
+    """Effects on the current run. Attributes are set by ``Supervisor.__init__``."""
+
+    restarts: Any  # collections.deque[float]: auto-restarts and Docker restarts (UTC epoch)
+    seen_started_at: float | None
+    seen_restart_count: int | None
+    _last_nvml_check: float
+    _bg: asyncio.Task[Any] | None
+    shm_witness: shm.ShmWitness | None
+
+    stops_total: int
+    kills_total: int
+
+    def _record_state(self, state: ContainerState, reason: str | None) -> None:
+        raise NotImplementedError
+
+    async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
+        raise NotImplementedError
+
+    async def request(
+        self, action: str, *, source: str, reason: str | None = None, force: bool = False
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _restarts_in_window(self) -> int:
+        raise NotImplementedError
+
+    async def _take_run(self, obs: Observation, *, first_sight: bool) -> None:
+        """This run of the container is the one guarded now: its start time (the /dev/shm age
+        test of the next stop), fresh run figures, its log."""
+        assert self.container_id is not None
+        self.container_started_at = obs.started_at
+        self.launch_started_at = (self.launch_started_at or obs.started_at) if first_sight else obs.started_at
+        self._oom_record, self._metrics_prev, self._stall_polls = None, None, 0
+        if first_sight:
+            await self._adopted(obs)
+        else:
+            self.ready_at, self.trough_bytes, self.stay_stopped = None, None, False
+            if self.mode == "managed":
+                self._save_launch(status="starting")
+        self._follow_logs()
+
+    async def _adopted(self, obs: Observation) -> None:
+        assert self.container_id is not None
+        cid = self.container_id
+        self._event(
+            "adopted",
+            f"adopted running container {self.name} ({cid[:12]}), launch {self.launch_id}",
+            details={
+                "container_id": cid,
+                "image": self.image,
+                "launch_id": self.launch_id,
+                "started_at": obs.started_at,
+            },
+        )
+        try:
+            ins = await asyncio.to_thread(self.manager.inspect, cid)
+            self.mem_limit_bytes = ins.get("HostConfig", {}).get("Memory") or None
+            revision = (ins.get("Config", {}).get("Labels") or {}).get("sparkd.config_revision")
+        except SparkdError:
+            revision = None
+        if self.daemon and self.daemon.store and self.launch_id:
+            rec = await asyncio.to_thread(self.daemon.store.launch, self.launch_id)
+            if rec:
+                self.plan_json = rec.get("plan")
+                self.launch_started_at = rec.get("started_at") or self.launch_started_at
+                self.ready_at, self.trough_bytes = rec.get("ready_at"), rec.get("trough_bytes")
+        if revision not in (None, str(self.revision)) and self.mode == "managed":
+            self._event(
+                "adopted_other_revision",
+                f"{self.name} was launched with configuration revision "
+                f"{revision}; the current revision is {self.revision} — restart to apply it",
+                severity="warning",
+            )
+
+    def _forget(self) -> None:
+        assert self.container_id is not None
+        self._event(
+            "container_gone",
+            f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; staying stopped until `sparkd start`",
+            severity="warning",
+        )
+        self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
+        self.stay_stopped = True
+
+    def _mark_ready(self) -> None:
+        if self.ready_at is not None:
+            return  # readiness of an adopted launch was recorded when it happened
+        now = time.time()
+        self.ready_at = now
+        t_ready = now - (self.launch_started_at or now)
+        self._event(
+            "ready",
+            f"{self.name} /health ready after {t_ready:.1f} s; start-up trough "
+            f"MemAvailable {fmt_gib(self.trough_bytes)}",
+            details={"time_to_ready_s": t_ready, "trough_bytes": self.trough_bytes},
+        )
+        self._save_launch(ready_at=now, trough_bytes=self.trough_bytes, status="ready")
+
+    async def check_health(self) -> tuple[Probe, str | None]:
+        """vLLM's /health, then token progress and (managed, GPU hosts) NVML: the probe and why."""
+        h = await asyncio.to_thread(health_check, self.settings.container.port, "127.0.0.1", 2.0)
+        if not h.ok:
+            return Probe.FAILING, h.error
+        stall = await self._progress_stall()
+        await self._check_nvml()
+        return (Probe.STALLED, stall) if stall else (Probe.OK, None)
+
+    async def _progress_stall(self) -> str | None:
+        """Why the server makes no progress (3 polls without tokens while requests wait), or None."""
+        try:
+            cur = await asyncio.to_thread(read_vllm_metrics, self.settings.container.port)
+        except MetricsUnavailable:
+            return None
+        prev, self._metrics_prev = self._metrics_prev, cur
+        if prev is None:
+            return None
+        self._stall_polls = self._stall_polls + 1 if progress_stalled(prev, cur) else 0
+        if self._stall_polls < 3:
+            return None
+        return (
+            f"answers /health but no token progress with "
+            f"{cur.get('num_requests_running', 0):g} running, {cur.get('num_requests_waiting', 0):g} "
+            f"waiting for {self._stall_polls} polls"
+        )
+
+    async def _check_nvml(self) -> None:
+        """On GPU hosts: detect the container losing its GPU after a daemon-reload, and recreate it."""
+        if self.mode != "managed" or time.monotonic() - self._last_nvml_check < 60:
+            return
+        self._last_nvml_check = time.monotonic()
+        try:
+            if not await asyncio.to_thread(self.manager.has_nvidia_runtime):
+                return
+            _rc, out = await asyncio.to_thread(self.manager.exec, self.container_id or "", ["nvidia-smi", "-L"])
+        except SparkdError:
+            return
+        if NVML_LOST in out.decode(errors="replace"):
+            self._event("gpu_lost", f"{self.name} lost GPU access ({NVML_LOST}); recreating it", severity="critical")
+            self._bg = asyncio.create_task(
+                self.request("restart", source="sparkd (GPU lost)", reason="GPU access lost")
+            )
+
+    async def _stop_quietly(self, reason: str) -> None:
+        try:
+            await self.request("stop", source="sparkd", reason=reason)
+        except SparkdError as e:
+            self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
+
+    async def handle_exit(self, obs: Observation) -> None:
+        """An exit nobody asked for: the kernel's OOM attribution, the launch record, a postmortem."""
+        oom = self._oom_record
+        how = f"exit code {obs.exit_code}, OOMKilled={obs.oom_killed}"
+        if oom is not None:
+            how += (
+                f"; the kernel log shows an OOM kill of pid {oom.pid} ({oom.comm}) in this container "
+                f"(Docker reports OOMKilled={obs.oom_killed})"
+            )
+            self.state_reason = how
+            self._event(
+                "oom_kill_attributed",
+                f"{self.name} was OOM-killed by the kernel: {oom.message}",
+                severity="critical",
+                details={"line": oom.raw, "pid": oom.pid},
+            )
+        await self._finish_launch("oom_killed" if oom else "exited")
+        if self.container_id:
+            rep = StopReport(f"container exited unexpectedly: {how}", "sparkd")
+            name = await write_postmortem(self, rep, self.container_id)
+            self._event(
+                "exited",
+                f"{self.name} exited unexpectedly ({how}); archive {name or 'none'}",
+                severity="critical",
+                details={
+                    "exit_code": obs.exit_code,
+                    "oom_killed": obs.oom_killed,
+                    "kernel_oom_kill": oom is not None,
+                    "archive": name,
+                },
+            )
+
+    async def maybe_restart(self) -> None:
+        """Managed with ``container.auto_restart``: launch again after the cool-down, up to the cap."""
+        c = self.settings.container
+        if self.mode != "managed" or not c.auto_restart or self.stay_stopped:
+            return
+        if self._restarts_in_window() >= c.restart_cap:
+            self._event(
+                "restart_cap",
+                f"auto-restart cap reached ({c.restart_cap} per {c.restart_window_s:g} s): staying stopped",
+                severity="critical",
+            )
+            self.stay_stopped = True
+            return
+        await asyncio.sleep(c.restart_cooldown_s)
+        self.restarts.append(time.time())
+        try:
+            await self.request("start", source="auto-restart")
+        except SparkdError as e:
+            self._event("restart_failed", f"auto-restart failed: {e.message}", severity="critical")
+
+    async def _stop(self, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
+        """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its
+        dependencies handed in, then Docker's state read again (``stopped``)."""
+        assert self.container_id is not None
+        step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
+        self._record_state(step.state, step.reason)
+        s, cid = self.settings, self.container_id
+        reader = procfs.ProcReader(s.proc_root)
+
+        witness: list[shm.ShmWitness] = []
+
+        async def before_stop(rep: StopReport) -> None:
+            w = await witness_before_stop(
+                self.shm_witness, self.manager, cid, shm_dir=s.shm_dir, proc_root=s.proc_root, rep=rep
+            )
+            witness.append(w)
+
+        def cleanup_shm(started_at: float | None, stopped_at: float) -> shm.CleanupResult:
+            return shm.cleanup(
+                container_started_at=started_at,
+                shm_dir=s.shm_dir,
+                proc_root=s.proc_root,
+                ignore_unreadable_pids=s.shm_ignore_unreadable_pids,
+                witness=witness[0] if witness else None,
+                container_stopped_at=stopped_at,
+            )
+
+        async def postmortem(rep: StopReport) -> str | None:
+            return await write_postmortem(self, rep, cid)
+
+        try:
+            rep = await run_stop(
+                StopTarget(cid, self.name, self.container_started_at, self.launch_id),
+                self.manager,
+                reason=reason,
+                source=source,
+                grace_s=s.container.stop_timeout_s,
+                hard_floor_bytes=parse_size(s.container.hard_floor),
+                read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
+                emit=self._event,
+                postmortem=postmortem if archive_first else None,
+                before_stop=before_stop,
+                cleanup_shm=cleanup_shm,
+            )
+        finally:
+            reader.close()
+        self.stops_total += 1
+        self.kills_total += rep.killed
+        await self.reconcile(probe=False, detail=reason)
+        return rep

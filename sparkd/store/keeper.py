@@ -1,0 +1,188 @@
+"""Keeps the database usable, or says why it is not — the guard never waits for it.
+
+``DbKeeper`` owns the ``Store`` for the daemon. Opening can fail (state dir full,
+a corrupt header, another process holding a write lock, the file deleted while
+running); none of these stops the guard: the daemon runs from memory, the keeper
+is asked to ``attempt()`` again with exponential back-off (1 s doubling to 60 s,
+``BACKOFF_*_S``) and reports its state for status, ``/metrics`` and ``doctor``.
+
+A corrupt file is never deleted: it is renamed ``<name>.corrupt-<UTC time>``
+(with its ``-wal``/``-shm`` companions) and a fresh database is created beside it.
+
+Every method here blocks (SQLite, the file system): call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparkd.errors import StoreError
+from sparkd.store.store import Store
+
+log = logging.getLogger("sparkd.store.keeper")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+FILE_MODE = 0o600
+CORRUPT_MARKERS = ("file is not a database", "malformed", "not a database", "file is encrypted")
+
+
+def is_corrupt(err: BaseException) -> bool:
+    """True when ``err`` (SQLAlchemy, sqlite3 or our ``StoreError``) says the file is not a sound
+    SQLite database — SQLite's ``SQLITE_NOTADB``/``SQLITE_CORRUPT`` messages."""
+    text = str(getattr(err, "orig", None) or err).lower()
+    return any(m in text for m in CORRUPT_MARKERS)
+
+
+def is_permanent(err: BaseException) -> bool:
+    """True when retrying the same record cannot succeed (a constraint, a value SQLite or the JSON
+    encoder refuses), False for what passes (locked, busy, disk full, I/O) — those are retried."""
+    orig = getattr(err, "orig", None) or err
+    if isinstance(orig, sqlite3.IntegrityError | sqlite3.InterfaceError | sqlite3.ProgrammingError):
+        return True
+    if isinstance(orig, UnicodeError | TypeError | ValueError | OverflowError):
+        return True
+    return isinstance(orig, sqlite3.DataError)
+
+
+def harden(path: Path) -> None:
+    """Mode 0600 for the database and its ``-wal``/``-shm`` files, whatever the umask."""
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if p.exists() and (p.stat().st_mode & 0o777) != FILE_MODE:
+                os.chmod(p, FILE_MODE)
+        except OSError:
+            pass
+
+
+@dataclass
+class DbKeeper:
+    """The daemon's database, usable or not.
+
+    ``state`` is ``"opening"`` (before the first attempt ends), ``"ok"`` or ``"unavailable"``;
+    ``error`` the last reason (one line); ``since`` (epoch s) when the current state began;
+    ``next_attempt_mono`` when to try again (monotonic s). ``moved_aside`` lists corrupt files renamed so far.
+    """
+
+    path: Path
+    store: Store | None = None
+    state: str = "opening"
+    error: str | None = "not opened yet"
+    since: float = field(default_factory=time.time)
+    attempts: int = 0
+    backoff_s: float = BACKOFF_FIRST_S
+    next_attempt_mono: float = 0.0
+    inode: int | None = None
+    moved_aside: list[str] = field(default_factory=list)
+
+    def attempt(self, now_mono: float) -> Store | None:
+        """Open (and migrate) the database; on a corrupt file move it aside and open a fresh one.
+
+        Returns the ``Store`` or None (``error`` says why; the next attempt is scheduled with back-off).
+        """
+        self.attempts += 1
+        try:
+            store = self._open()
+        except StoreError as e:
+            if is_corrupt(e) and self._move_aside():
+                try:
+                    store = self._open()
+                except StoreError as e2:
+                    self._failed(str(e2), now_mono)
+                    return None
+            else:
+                self._failed(str(e), now_mono)
+                return None
+        self.store, self.state, self.error, self.since = store, "ok", None, time.time()
+        self.backoff_s = BACKOFF_FIRST_S
+        harden(self.path)
+        try:
+            self.inode = self.path.stat().st_ino
+        except OSError:
+            self.inode = None
+        return store
+
+    def _open(self) -> Store:
+        return Store.open(self.path)
+
+    def _failed(self, why: str, now_mono: float) -> None:
+        if self.state == "ok":
+            self.since = time.time()
+        self.state, self.error, self.store = "unavailable", _line(why), None
+        self.next_attempt_mono = now_mono + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, BACKOFF_MAX_S)
+
+    def _move_aside(self) -> bool:
+        """Rename the corrupt file (and its WAL/SHM) to ``<name>.corrupt-<UTC>``; never delete."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        try:
+            os.rename(self.path, target)
+        except OSError as e:
+            log.error("cannot move the corrupt database %s aside: %s", self.path, e)
+            return False
+        for suffix in ("-wal", "-shm"):
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                with contextlib.suppress(OSError):
+                    os.rename(side, target.with_name(target.name + suffix))
+        self.moved_aside.append(str(target))
+        log.error("database %s is corrupt: moved aside to %s; a new one is created", self.path, target)
+        return True
+
+    def lost(self, why: str, now_mono: float, *, at_once: bool = True) -> None:
+        """The store failed in use (corrupt, deleted, locked at the first write): drop it and retry —
+        at once (``at_once``: a deleted file is recreated, a corrupt one moved aside) or after the
+        back-off."""
+        store, self.store = self.store, None
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.close()
+        if at_once:
+            self.backoff_s = BACKOFF_FIRST_S
+        self._failed(why, now_mono)
+        if at_once:
+            self.next_attempt_mono = now_mono
+
+    def replaced(self) -> str | None:
+        """Why the open file is no longer the one at ``path`` (deleted or replaced), else None.
+
+        SQLite keeps writing into an unlinked file without a word; the inode says it."""
+        if self.store is None or self.inode is None:
+            return None
+        try:
+            ino = self.path.stat().st_ino
+        except FileNotFoundError:
+            return f"database file {self.path} was deleted while sparkd was running"
+        except OSError as e:
+            return f"cannot stat database file {self.path}: {e.strerror}"
+        if ino != self.inode:
+            return f"database file {self.path} was replaced while sparkd was running"
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """``{"state", "path", "error", "since", "attempts", "moved_aside"}`` for status and doctor."""
+        return {
+            "state": self.state,
+            "path": str(self.path),
+            "error": self.error,
+            "since": self.since,
+            "attempts": self.attempts,
+            "moved_aside": list(self.moved_aside),
+        }
+
+
+def _line(e: BaseException | str) -> str:
+    text = str(getattr(e, "orig", None) or e) if not isinstance(e, str) else e
+    return (text.splitlines() or [""])[0][:300]

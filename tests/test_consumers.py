@@ -1,0 +1,105 @@
+"""Who holds the memory: attribution by cgroup, summaries, and a real scan of real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkd.core.consumers import ConsumerSummary, ProcessMem, cotenant_excess, fall_shares, group_of, summarize
+from sparkd.sense.consumers import ConsumerScanner
+from sparkd.units import GiB, MiB
+
+CID = "3f" * 32  # a full 64-hex container id
+
+# cgroup texts as the kernel writes them
+V1_DOCKER = f"12:memory:/docker/{CID}\n1:name=systemd:/docker/{CID}\n"
+V2_SYSTEMD_DRIVER = f"0::/system.slice/docker-{CID}.scope\n"
+V2_SERVICE = "0::/system.slice/ssh.service\n"
+V2_USER = "0::/user.slice/user-1000.slice/session-3.scope\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (V1_DOCKER, "container"),
+        (V2_SYSTEMD_DRIVER, "container"),  # under system.slice, but the container id decides first
+        (V2_SERVICE, "system"),
+        ("0::/init.scope\n", "system"),
+        (V2_USER, "host"),
+        ("", "host"),  # unreadable: counted as a co-tenant, never hidden in the container's share
+    ],
+)
+def test_it_attributes_a_process_by_its_cgroup(text: str, expected: str) -> None:
+    assert group_of(text, [CID]) == expected
+
+
+def test_it_does_not_take_another_containers_process_for_ours() -> None:
+    # another container (a second engine) is a co-tenant, even under system.slice
+    assert group_of(f"0::/system.slice/docker-{'ab' * 32}.scope\n", [CID]) == "host"
+    assert group_of(f"4:memory:/docker/{'ab' * 32}\n", [CID]) == "host"
+
+
+def test_it_sums_groups_and_names_the_biggest_co_tenants() -> None:
+    procs = [ProcessMem(100, "vllm", 90 * GiB, "container"), ProcessMem(101, "python3", 3 * GiB, "container")]
+    procs += [ProcessMem(200 + i, "cc1plus", 320 * MiB, "host") for i in range(16)]
+    procs += [ProcessMem(300, "python", 1400 * MiB, "host"), ProcessMem(1, "systemd", 12 * MiB, "system")]
+    s = summarize(procs, at=0.0, top_n=3)
+    assert s.totals == {"container": 93 * GiB, "host": 16 * 320 * MiB + 1400 * MiB, "system": 12 * MiB}
+    assert [p.pid for p in s.top] == [100, 101, 300]
+    # 16 × 320 MiB = 5.00 GiB of cc1plus comes first among the host's names
+    assert s.text().startswith("container 93.00 GiB · host co-tenants 6.37 GiB: cc1plus ×16 5.00 GiB, python 1.37 GiB")
+    assert s.to_json()["totals_bytes"]["host"] == s.totals["host"]
+    assert cotenant_excess(s, 6 * GiB) == s.totals["host"] - 6 * GiB
+    assert cotenant_excess(s, 8 * GiB) == 0
+
+
+def test_it_splits_a_fall_between_container_and_others() -> None:
+    before = summarize([ProcessMem(1, "vllm", 80 * GiB, "container"), ProcessMem(2, "cc1", 1 * GiB, "host")], at=0)
+    after = summarize([ProcessMem(1, "vllm", 82 * GiB, "container"), ProcessMem(2, "cc1", 6 * GiB, "host")], at=1)
+    assert fall_shares(before, after) == {"container": 2 * GiB, "host": 5 * GiB, "system": 0}
+    assert fall_shares(None, after) == {"container": 0, "host": 0, "system": 0}
+
+
+def test_it_refuses_a_top_of_zero() -> None:
+    with pytest.raises(ValueError, match="top_n = 0"):
+        summarize([], at=0, top_n=0)
+
+
+HOG = (
+    "import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); "
+    "print('ok', flush=True); time.sleep(60)"
+)
+
+
+def test_a_real_scan_finds_a_real_host_process_holding_512_mib(tmp_path: Path) -> None:
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(512 * MiB)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ok"
+        s: ConsumerSummary = ConsumerScanner(top_n=10, uss_top=3).scan([])
+        mine = [p for p in s.top if p.pid == hog.pid]
+        assert mine, [(p.pid, p.name, p.rss_bytes) for p in s.top]
+        assert mine[0].group == "host"
+        assert 500 * MiB <= mine[0].rss_bytes <= 700 * MiB
+        assert mine[0].uss_bytes is not None and mine[0].uss_bytes >= 500 * MiB
+        assert s.scanned > 1 and s.totals["host"] >= mine[0].rss_bytes
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_a_scan_forgets_processes_that_ended() -> None:
+    scanner = ConsumerScanner(top_n=5, uss_top=0)
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)
+        scanner.scan([])
+        assert any(pid == p.pid for pid, _ in scanner._known)
+    finally:
+        p.kill()
+        p.wait()
+    scanner.scan([])
+    assert not any(pid == p.pid for pid, _ in scanner._known)

@@ -1,0 +1,250 @@
+"""Who holds the memory, wired into the running daemon: the background scan, the stored row,
+``/api/status``, ``/metrics``, the dashboard, co-tenant warnings and a trip's fall shares.
+
+A real ``Daemon`` with a real SQLite store samples this machine's /proc and scans its real
+processes (psutil); only the container side is ``FakeActions`` (the worked example's plan).
+The trip-scan tests hand ``ConsumerWatch`` scripted scans: the real scan at a trip is
+covered end to end with a real container in ``tests/test_e2e_consumers.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fakes import FakeActions
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkd.config import ConsumersSettings, load_settings
+from sparkd.core.consumers import ConsumerSummary, ProcessMem, summarize
+from sparkd.face.app import create_app
+from sparkd.loop.consumers import ConsumerWatch
+from sparkd.loop.daemon import Daemon
+from sparkd.store.store import Store
+from sparkd.units import GiB, MiB
+
+BASE = "http://127.0.0.1:8741"
+HOG = (
+    "import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); "
+    "print('ok', flush=True); time.sleep(60)"
+)
+
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _daemon(tmp_path: Path, **overrides: Any) -> Daemon:
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "kernlog_source": "off",
+            "interval_s": 0.25,
+            "consumers": {"interval_s": 1.0, **overrides.pop("consumers", {})},
+            **overrides,
+        }
+    )
+    d = Daemon(settings, actions=FakeActions(), serve_api=False)
+    await d.startup()
+    return d
+
+
+async def _until(pred: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_it_scans_in_the_background_and_serves_the_totals_everywhere(tmp_path: Path) -> None:
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(512 * MiB)], stdout=subprocess.PIPE, text=True)
+    d = await _daemon(tmp_path)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ok"
+        assert d.consumers is not None
+        start = d.consumers.scans
+        await _until(lambda: d.consumers is not None and d.consumers.scans >= start + 2)
+        st = d.status_json()
+        assert st.consumers is not None
+        mine = [p for p in st.consumers.top if p.pid == hog.pid]
+        # the 512 MiB host process is among the top consumers, as a host co-tenant
+        assert mine and mine[0].group == "host" and mine[0].rss_bytes >= 500 * MiB
+        assert st.consumers.totals_bytes["host"] >= 500 * MiB
+        assert st.consumers.text.startswith("container 0.00 GiB · host co-tenants ")
+        # the plan's left-over (121.69 GiB − 95.65 GiB budget) minus the 8 GiB margin is the default limit
+        plan = d.actions.status_json().plan
+        assert plan is not None
+        assert st.consumers.cotenant_limit_bytes == int((plan.mem_total_gib - plan.budget_gib) * GiB) - 8 * GiB
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(d)), base_url=BASE) as c:
+            api = (await c.get("/api/status")).json()
+            metrics = (await c.get("/metrics")).text
+            page = (await c.get("/")).text
+        assert api["consumers"]["totals_bytes"]["host"] >= 500 * MiB
+        got = {
+            s.labels["group"]: s.value
+            for fam in text_string_to_metric_families(metrics)
+            for s in fam.samples
+            if s.name == "sparkd_memory_group_rss_bytes"
+        }
+        assert set(got) == {"container", "host", "system"}  # per-group totals only, no process labels
+        assert got["host"] >= 500 * MiB
+        assert "Who holds the memory: container " in page
+        # one compact row per scan in the store
+        assert d.writer is not None
+        await asyncio.to_thread(d.writer.flush)
+        assert d.store is not None
+        rows = d.store.consumer_scans(since=0)
+        assert len(rows) >= 2
+        assert rows[-1]["host_bytes"] == rows[-1]["data"]["totals_bytes"]["host"]
+        assert any(p["pid"] == hog.pid for r in rows for p in r["data"]["top"])
+    finally:
+        hog.kill()
+        hog.wait()
+        await d.shutdown("test")
+
+
+async def test_it_warns_once_about_co_tenants_over_the_limit_and_names_the_biggest(tmp_path: Path) -> None:
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(512 * MiB)], stdout=subprocess.PIPE, text=True)
+    d = await _daemon(tmp_path, consumers={"cotenant_limit": "256MiB", "cotenant_repeat_s": 600})
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "ok"
+        assert d.consumers is not None
+        start = d.consumers.scans
+        await _until(lambda: d.consumers is not None and d.consumers.scans >= start + 3)
+        warns = [e for e in d.recent_events if e["kind"] == "cotenant_high"]
+        assert len(warns) == 1  # rate-limited: three scans over the limit, one warning
+        w = warns[0]
+        assert w["severity"] == "warning"
+        assert w["details"]["limit_bytes"] == 256 * MiB
+        assert w["details"]["excess_bytes"] == w["details"]["host_bytes"] - 256 * MiB > 0
+        assert "over the co-tenant limit 0.25 GiB: " in w["message"]
+        assert w["details"]["biggest"] and w["details"]["biggest"][0]["rss_bytes"] >= 500 * MiB
+    finally:
+        hog.kill()
+        hog.wait()
+        await d.shutdown("test")
+
+
+def test_a_configured_limit_must_be_a_size() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="cotenant_limit"):
+        ConsumersSettings(cotenant_limit="lots")
+
+
+# --------------------------------------------------------------------------- a trip's fall shares
+class ScriptedScanner:
+    """Scans in the order given; ``block`` makes the next scan wait (a hung /proc read)."""
+
+    def __init__(self, scans: list[ConsumerSummary]) -> None:
+        self.scans = scans
+        self.block = threading.Event()
+        self.block.set()
+
+    def scan(self, ids: Any = ()) -> ConsumerSummary:
+        assert self.block.wait(10)
+        return self.scans.pop(0)
+
+
+def _scan(at: float, container: int, host: int) -> ConsumerSummary:
+    return summarize([ProcessMem(10, "vllm", container, "container"), ProcessMem(20, "cc1plus", host, "host")], at=at)
+
+
+def _watch(scanner: Any, avail: list[int]) -> tuple[ConsumerWatch, list[tuple[str, str]]]:
+    events: list[tuple[str, str]] = []
+    w = ConsumerWatch(
+        ConsumersSettings(),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: ["ab" * 32],
+        mem_available=lambda: avail.pop(0),
+        plan_left_bytes=lambda: None,
+        emit=lambda k, m, s, det: events.append((k, m)),
+        scanner=scanner,
+    )
+    return w, events
+
+
+async def test_a_trip_says_how_much_of_the_fall_came_from_the_container_and_from_others() -> None:
+    scans = [_scan(0, 80 * GiB, 1 * GiB), _scan(10, 80 * GiB, 1 * GiB), _scan(20, 82 * GiB, 6 * GiB)]
+    # MemAvailable at each scan: the highest (30 GiB, the second scan) is "before the fall"
+    w, _ = _watch(ScriptedScanner(scans), [29 * GiB, 30 * GiB, 23 * GiB])
+    await w.scan()
+    await w.scan()
+    shares = await w.at_trip()
+    assert shares is not None and shares.fresh
+    assert shares.shares_bytes == {"container": 2 * GiB, "host": 5 * GiB, "system": 0}
+    assert shares.before is not None and shares.before.summary.at == 10
+    assert shares.text == (
+        "since 00:00:10 UTC MemAvailable 30.00 GiB → 23.00 GiB: container +2.00 GiB, "
+        "host co-tenants +5.00 GiB (now cc1plus 6.00 GiB), system services +0.00 GiB"
+    )
+    pm = w.postmortem()
+    assert pm is not None and pm["trip"]["shares_bytes"]["host"] == 5 * GiB and len(pm["history"]) == 3
+    assert w.summary_line() == shares.text
+
+
+async def test_a_trip_whose_scan_hangs_uses_the_last_periodic_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sparkd.loop.consumers as mod
+
+    monkeypatch.setattr(mod, "TRIP_SCAN_WAIT_S", 0.2)
+    scanner = ScriptedScanner([_scan(0, 80 * GiB, 1 * GiB), _scan(10, 81 * GiB, 3 * GiB), _scan(20, 0, 0)])
+    w, _ = _watch(scanner, [30 * GiB, 25 * GiB, 20 * GiB])
+    await w.scan()
+    await w.scan()
+    scanner.block.clear()
+    shares = await w.at_trip()
+    scanner.block.set()  # let the stuck thread finish
+    assert shares is not None and not shares.fresh
+    assert shares.after.summary.at == 10  # the last periodic scan
+    assert shares.shares_bytes == {"container": 1 * GiB, "host": 2 * GiB, "system": 0}
+
+
+async def test_a_trip_before_any_scan_has_no_shares_to_give() -> None:
+    w, _ = _watch(ScriptedScanner([_scan(0, GiB, GiB)]), [10 * GiB])
+    shares = await w.at_trip()
+    assert shares is not None and shares.before is None
+    assert shares.text.startswith("no scan before the fall; now: container 1.00 GiB")
+
+
+def test_scans_are_kept_for_the_retention_of_raw_samples(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "s.db")
+    try:
+        row = {"container_bytes": 1, "host_bytes": 2, "system_bytes": 3, "data": {"text": "x"}}
+        store.write_batch([("consumers", {"ts": 1000.0, **row}), ("consumers", {"ts": 5000.0, **row})])
+        assert [r["ts"] for r in store.consumer_scans(since=0)] == [1000.0, 5000.0]
+        removed = store.prune(now=5000.0 + 600, raw_keep_s=3600, minutes_keep_s=86400, events_keep_s=86400)
+        assert removed["consumer_scans"] == 1
+        assert [r["ts"] for r in store.consumer_scans(since=0)] == [5000.0]
+    finally:
+        store.close()
+
+
+async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    d = await _daemon(tmp_path)
+    try:
+        assert d.consumers is not None
+        await _until(lambda: d.consumers is not None and d.consumers.scans >= 1)
+    finally:
+        await d.shutdown("test")  # writes the last status snapshot
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    assert "who holds the memory (" in out and " UTC): container 0.00 GiB · host co-tenants " in out, out
+    data = json.loads(CliRunner().invoke(main, ["--config", str(cfg), "status", "--json"]).output)
+    assert data["consumers"]["scans"] >= 1 and set(data["consumers"]["totals_bytes"]) == {"container", "host", "system"}

@@ -1,0 +1,127 @@
+"""``core.engine.RuleEngine``: step, re-check, demote, and the changes a replay applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparkd.config import DEFAULT_RULES, RuleConfig
+from sparkd.core.engine import EngineChange, RuleEngine, engine_changes
+from sparkd.core.sample import Sample, derive
+from sparkd.ops.replay import replay
+from sparkd.units import GiB
+
+MEM_TOTAL = round(121.69 * GiB)
+
+
+def S(t: float, avail_gib: float, free_gib: float = 20.0) -> Sample:
+    s = Sample(ts=1_800_000_000 + t, mono=t, mem_total=MEM_TOTAL, mem_available=round(avail_gib * GiB))
+    s.mem_free = round(free_gib * GiB)
+    derive(s)
+    return s
+
+
+def engine() -> RuleEngine:
+    return RuleEngine([RuleConfig(**r) for r in DEFAULT_RULES], cooldown_s=60.0, horizon_s=30.0)
+
+
+def fall(n: int, start: float = 20.0, rate: float = 2.0, step: float = 0.25) -> list[Sample]:
+    return [S(i * step, start - rate * i * step) for i in range(n)]
+
+
+def test_a_recheck_judges_a_fresh_sample_without_changing_the_engine() -> None:
+    e = engine()
+    for s in fall(20):  # 20 -> 10.5 GiB at 2 GiB/s
+        e.step(s)
+    before = (list(e.slope.points), {k: (v.counter, v.trips) for k, v in e.states.items()})
+    assert e.recheck("collapse_projected", S(5.0, 10.0)) is True  # still falling
+    assert e.recheck("collapse_projected", S(5.0, 17.0)) is False  # recovered above the gate
+    assert e.recheck("no_such_rule", S(5.0, 10.0)) is False
+    assert (list(e.slope.points), {k: (v.counter, v.trips) for k, v in e.states.items()}) == before
+
+
+def test_demote_keeps_counting_but_warns() -> None:
+    e = engine()
+    e.demote("low_available", "cannot protect this host")  # before the rules are compiled: kept
+    e.compile(MEM_TOTAL)
+    rule = e.rule("low_available")
+    assert rule is not None and rule.action == "warn"
+    trips = [d for s in (S(t, 5.0) for t in range(6)) for d in e.step(s) if d.kind == "trip"]
+    assert [(d.rule, d.action) for d in trips] == [("low_available", "warn")]
+    assert e.rules_json()[0]["demoted"] == "cannot protect this host"
+
+
+def test_stored_events_become_engine_changes() -> None:
+    events = [
+        {"ts": 30.0, "kind": "killed", "details": {"durations_s": {"stop": 31.2}}},
+        {"ts": 10.0, "kind": "stopped", "details": {"durations_s": {"stop": 8.0, "total": 9.0}}},
+        {
+            "ts": 20.0,
+            "kind": "watermark",
+            "message": "rule x cannot protect",
+            "details": {"rule": "x", "action": "demoted to warn"},
+        },
+        {"ts": 25.0, "kind": "watermark", "message": "rule y may loop", "details": {"rule": "y"}},  # a warning only
+        {"ts": 26.0, "kind": "stopped", "details": {"durations_s": {}}},  # no stop duration: nothing
+    ]
+    assert engine_changes(events, run_starts=[5.0]) == [
+        EngineChange(5.0, "reset"),
+        EngineChange(10.0, "stop_duration", seconds=8.0),
+        EngineChange(20.0, "demote", rule="x", reason="rule x cannot protect"),
+        EngineChange(30.0, "stop_duration", seconds=31.2),
+    ]
+
+
+def test_replay_applies_the_daemons_changes_where_the_guard_did() -> None:
+    samples = [S(i * 0.25, max(7.0, 30.0 - 0.5 * i * 0.25)) for i in range(300)]  # 0.5 GiB/s to 7 GiB
+    base = samples[0].ts
+    plain = replay(samples, DEFAULT_RULES, mem_total_bytes=MEM_TOTAL)
+    assert plain.first_stop is not None and plain.first_stop.rule == "collapse_projected"
+    # a stop measured at 8 s before the fall: the horizon shrinks to 8 s, the trip comes later (at ~8 GiB)
+    measured = replay(
+        samples,
+        DEFAULT_RULES,
+        mem_total_bytes=MEM_TOTAL,
+        changes=[EngineChange(base - 1, "stop_duration", seconds=8.0)],
+    )
+    assert measured.first_stop is not None
+    assert measured.first_stop.t > plain.first_stop.t + 10
+    # a restart after the measured stop forgets it: the same as no change at all
+    reset = replay(
+        samples,
+        DEFAULT_RULES,
+        mem_total_bytes=MEM_TOTAL,
+        changes=[EngineChange(base - 2, "stop_duration", seconds=8.0), EngineChange(base - 1, "reset")],
+    )
+    assert reset.first_stop is not None and reset.first_stop.t == plain.first_stop.t
+    # a demotion before the fall: the predictive rule warns instead of stopping
+    demoted = replay(
+        samples,
+        DEFAULT_RULES,
+        mem_total_bytes=MEM_TOTAL,
+        changes=[EngineChange(base - 1, "demote", rule="collapse_projected", reason="loops")],
+    )
+    assert demoted.first_stop is None or demoted.first_stop.rule != "collapse_projected"
+    assert [d.action for d in demoted.trips("collapse_projected")][:1] == ["warn"]
+
+
+def test_the_daemon_hands_each_measured_stop_to_the_engine(tmp_path: Path) -> None:
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"enabled": False}})
+
+    async def go() -> tuple[float, float]:
+        d = Daemon(settings)
+        await d.startup()
+        assert d.guard is not None
+        before = d.guard.engine.horizon_s  # container.stop_timeout_s
+        # the stop procedure's event (act/stop.py: details = StopReport.to_json())
+        d.event("stopped", "sparkd-vllm stopped", details={"durations_s": {"stop": 12.5, "total": 14.0}})
+        after = d.guard.engine.horizon_s
+        d.should_exit.set()
+        await d.shutdown("test")
+        return before, after
+
+    assert asyncio.run(go()) == (30.0, 12.5)

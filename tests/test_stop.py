@@ -1,0 +1,84 @@
+"""``act.stop.run_stop`` with its dependencies handed in (no supervisor), on the real engine.
+
+The MemAvailable reading during the grace is injected here (a reading below the hard floor on
+demand); the real reading from /proc during a real grace period is covered by
+``test_e2e_supervision.test_below_the_hard_floor_during_the_grace_period_it_kills_at_once``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from sparkd.act import shm
+from sparkd.act.docker import ContainerManager
+from sparkd.act.stop import StopReport, StopTarget, run_stop
+from sparkd.units import GiB
+
+pytestmark = pytest.mark.docker
+pytest_plugins = ["dockerkit"]  # fixtures: mgr, launcher, image, docker_client
+
+
+def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: float) -> tuple[StopReport, list]:
+    events: list[tuple[str, str, str]] = []
+    started: list[float | None] = []
+
+    def emit(kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
+        events.append((kind, severity, message))
+
+    before: list[str] = []
+
+    async def before_stop(rep: StopReport) -> None:
+        before.append(mgr.state(target.container_id).status)  # still running when it is called
+
+    def cleanup(started_at: float | None, stopped_at: float) -> shm.CleanupResult:
+        started.append(started_at)
+        assert stopped_at >= (started_at or 0)
+        return shm.CleanupResult()
+
+    async def postmortem(rep: StopReport) -> str | None:
+        return "pm.tar.gz"
+
+    rep = asyncio.run(
+        run_stop(
+            target,
+            mgr,
+            reason="test",
+            source="pytest",
+            grace_s=grace_s,
+            hard_floor_bytes=GiB,
+            read_mem_available=lambda: avail[0],
+            emit=emit,
+            postmortem=postmortem,
+            before_stop=before_stop,
+            cleanup_shm=cleanup,
+        )
+    )
+    assert started == [target.started_at]  # the /dev/shm age test gets this run's start time
+    assert before == ["running"]
+    assert rep.stopped_at is not None and rep.stopped_at >= (target.started_at or 0)  # Docker's FinishedAt
+    return rep, events
+
+
+def test_it_stops_gracefully_with_events_in_order(mgr: ContainerManager, launcher: Any) -> None:
+    fv = launcher(mode="graceful", startup_s=0.2)
+    assert fv.wait_healthy()  # its SIGTERM handler is in place (PID 1 ignores SIGTERM until then)
+    info = mgr.get(fv.id)
+    rep, events = _run(mgr, StopTarget(fv.id, fv.name, info.started_at), [8 * GiB], grace_s=10)
+    assert rep.outcome == "exited" and rep.exit_code == 0 and rep.killed is False
+    assert rep.archive == "pm.tar.gz" and rep.errors == []
+    assert [k for k, _s, _m in events] == ["stopping", "stopped"]
+    assert mgr.state(fv.id).running is False
+
+
+def test_below_the_hard_floor_during_the_grace_it_kills_at_once(mgr: ContainerManager, launcher: Any) -> None:
+    fv = launcher(mode="ignore-term", startup_s=0.2)
+    assert fv.wait_healthy()
+    info = mgr.get(fv.id)
+    rep, events = _run(mgr, StopTarget(fv.id, fv.name, info.started_at), [GiB // 2], grace_s=20)
+    assert rep.hard_floor_kill is True and rep.exit_code == 137 and rep.killed is True
+    assert rep.durations_s["stop"] < 10  # not the 20 s grace
+    assert [k for k, _s, _m in events] == ["stopping", "hard_floor_kill", "killed"]
+    assert "0.50 GiB < hard floor 1.00 GiB" in events[1][2]
