@@ -179,6 +179,9 @@ class ContainerSettings(BaseModel):
     restart_cap: int = Field(default=2, ge=0, le=100)
     restart_window_s: float = Field(default=7200.0, ge=60)
     restart_cooldown_s: float = Field(default=30.0, ge=0)
+    restart_backoff_cap_s: float = Field(default=900.0, ge=0)
+    stable_uptime_s: float = Field(default=600.0, ge=0)
+    max_failed_launches: int = Field(default=3, ge=1, le=100)
     stop_on_exit: bool = False  # stop the model when sparkd itself stops (default: keep serving)
     autostart: bool = True  # launch at sparkd start unless the last launch was stopped
     archive_window_s: float = Field(default=600.0, ge=10, le=86400)
@@ -231,6 +234,13 @@ class NotifySettings(BaseModel):
     kinds: list[str] = Field(
         default_factory=lambda: [
             "trip",
+            "breaker_open",
+            "breaker_alert",
+            "launch_hold",
+            "probe_congestion",
+            "maintenance_expired",
+            "smoke_failed",
+            "heartbeat",
             "stopped",
             "killed",
             "nvrm_burst",
@@ -244,6 +254,41 @@ class NotifySettings(BaseModel):
     timeout_s: float = Field(default=5.0, gt=0, le=120)
     retries: int = Field(default=2, ge=0, le=10)
     min_interval_s: float = Field(default=30.0, ge=0)
+
+
+class SupervisionSettings(BaseModel):
+    """Running unattended (issue 15; CONTEXT.md "What the operators learned later")."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    breaker_threshold: int = Field(default=3, ge=1, le=100)
+    breaker_window_s: float = Field(default=7200.0, gt=0)
+    breaker_alert_every_s: float = Field(default=1800.0, gt=0)
+    breaker_reset_on_boot: bool = False
+    probe: bool = True
+    probe_interval_s: float = Field(default=60.0, gt=0)
+    probe_failures: int = Field(default=5, ge=1, le=100)
+    probe_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    probe_max_tokens: int = Field(default=16, ge=1, le=4096)
+    probe_adopt_grace_s: float = Field(default=300.0, ge=0)
+    api_key: str | None = None
+    maintenance_max_s: float = Field(default=7200.0, gt=0)
+    maintenance_schedule: str | None = None
+    maintenance_on_leak: bool = False
+    drain_limit_s: float = Field(default=600.0, ge=0, le=7200)
+    smoke_min_tok_s: float = Field(default=0.0, ge=0)
+    heartbeat: bool = True
+    heartbeat_interval_s: float = Field(default=86400.0, gt=0)
+    alert_collapse_s: float = Field(default=900.0, ge=0)
+
+    @field_validator("maintenance_schedule")
+    @classmethod
+    def _schedule(cls, v: str | None) -> str | None:
+        if v is not None:
+            from sparkd.core.supervision import parse_schedule
+
+            parse_schedule(v)
+        return v
 
 
 class RetentionSettings(BaseModel):
@@ -403,6 +448,7 @@ class Settings(BaseSettings):
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     retention: RetentionSettings = Field(default_factory=RetentionSettings)
+    supervision: SupervisionSettings = Field(default_factory=SupervisionSettings)
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)
     consumers: ConsumersSettings = Field(default_factory=ConsumersSettings)
     relief: ReliefSettings = Field(default_factory=ReliefSettings)
@@ -536,6 +582,8 @@ def effective_config(settings: Settings, *, redact: bool = True) -> dict[str, An
     d = settings.model_dump(mode="json")
     if redact:
         d["container"]["env"] = {k: REDACTED for k in d["container"]["env"]}
+        if d["supervision"].get("api_key"):
+            d["supervision"]["api_key"] = REDACTED
         url = d["notify"].get("webhook_url")
         if url and "?" in url:
             d["notify"]["webhook_url"] = url.split("?", 1)[0] + "?" + REDACTED
@@ -617,7 +665,11 @@ FIELD_DOCS: dict[str, str] = {
     "container.auto_restart": "Relaunch after a stop (default: stay stopped until an operator acts).",
     "container.restart_cap": "At most this many automatic restarts per restart_window_s.",
     "container.restart_window_s": "Window for restart_cap.",
-    "container.restart_cooldown_s": "Wait this long before an automatic restart.",
+    "container.restart_cooldown_s": "Back-off base: the first automatic relaunch waits this long, each further "
+    "consecutive one twice as long (30 s doubling, CONTEXT.md); the first launch is never delayed.",
+    "container.restart_backoff_cap_s": "Back-off ceiling (15 min).",
+    "container.stable_uptime_s": "A container up this long resets the back-off count.",
+    "container.max_failed_launches": "After this many consecutive launches that never reached ready: hold and alert.",
     "container.autostart": "Launch when sparkd starts — unless the last launch was stopped (by a rule, an operator "
     "or a crash): then stay stopped until `sparkd start`.",
     "container.stop_on_exit": "Stop the model when sparkd itself stops (default: keep serving, adopt later).",
@@ -652,6 +704,31 @@ FIELD_DOCS: dict[str, str] = {
     "notify.timeout_s": "Timeout of one command run or webhook POST.",
     "notify.retries": "Webhook retries after a failure.",
     "notify.min_interval_s": "Rate limit: at most one notification per kind per this many seconds.",
+    "supervision.breaker_threshold": "Emergency stops (rule, hard floor, probe) inside breaker_window_s that open "
+    "the circuit breaker: no automatic relaunch until `sparkd rearm`.",
+    "supervision.breaker_window_s": "Window of the breaker count (2 h).",
+    "supervision.breaker_alert_every_s": "While the breaker is open, repeat its alert this often (30 min).",
+    "supervision.breaker_reset_on_boot": "Re-arm the breaker when sparkd starts less than 5 min after host boot.",
+    "supervision.probe": "Deep probe: a completion must return tokens (/health 200 with empty completions happens).",
+    "supervision.probe_interval_s": "Seconds between completion probes (60).",
+    "supervision.probe_failures": "Consecutive failed probes before acting (5): congestion alert if /health is 200, "
+    "else an emergency stop.",
+    "supervision.probe_timeout_s": "Timeout of one probe completion.",
+    "supervision.probe_max_tokens": "Tokens asked of the probe completion (16, temperature 0).",
+    "supervision.probe_adopt_grace_s": "No probe this long after adopting a running container.",
+    "supervision.api_key": "Bearer key for the probe; default VLLM_API_KEY from container.env or --api-key in "
+    "container.args.",
+    "supervision.maintenance_max_s": "A maintenance stop intent expires with an alert after this long (2 h).",
+    "supervision.maintenance_schedule": 'Scheduled drain-and-relaunch, local time, e.g. "Sun 04:00" or '
+    '"daily 04:00"; unset: off.',
+    "supervision.maintenance_on_leak": "Run the drain-and-relaunch when a leak_trend event is raised (driver memory "
+    "that grew past leak_threshold since launch).",
+    "supervision.drain_limit_s": "Maintenance drain: wait at most this long for vllm:num_requests_running = 0.",
+    "supervision.smoke_min_tok_s": "Smoke test after a maintenance relaunch: decode tok/s of the probe must "
+    "reach this.",
+    "supervision.heartbeat": "Send a heartbeat event (notify kind 'heartbeat') even when all is fine.",
+    "supervision.heartbeat_interval_s": "Heartbeat period (a day).",
+    "supervision.alert_collapse_s": "Identical notifications (kind and message) collapse to one per this long.",
     "retention.raw_samples_s": "Keep raw samples this long (48 h).",
     "retention.minute_aggregates_s": "Keep per-minute min/avg/max this long (30 days).",
     "retention.events_s": "Keep events and launch records this long (a year).",

@@ -54,6 +54,7 @@ class SparkdUnderTest:
         top: dict[str, Any] | None = None,
         budget: dict[str, Any] | None = None,
         rules: list[dict[str, Any]] | None = None,
+        sections: dict[str, dict[str, Any]] | None = None,
         extra_toml: str = "",
     ) -> None:
         self.tmp = tmp_path
@@ -85,6 +86,8 @@ class SparkdUnderTest:
         lines += [f"{k} = {toml_value(v)}" for k, v in c.items() if v is not None]
         if budget:
             lines += ["[budget]"] + [f"{k} = {toml_value(v)}" for k, v in budget.items()]
+        for name, values in (sections or {}).items():  # e.g. {"supervision": {...}, "notify": {...}}
+            lines += [f"[{name}]"] + [f"{k} = {toml_value(v)}" for k, v in values.items()]
         for r in rules or []:
             lines += ["[[rules]]"] + [f"{k} = {toml_value(v)}" for k, v in r.items()]
         self.config = tmp_path / "sparkd.toml"

@@ -254,3 +254,38 @@ def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_
         assert "WITHOUT ROWID" in ddl and indexes.all() == []  # the table is its own ts index
     s.upgrade("0003")  # and back: the rows survive a downgrade too
     assert Store.open(db, migrate=False).count_samples() == 101
+
+
+def test_a_batch_in_flight_when_shutdown_cancels_the_writer_is_written_once() -> None:
+    """Shutdown cancels ``Writer.run`` while its worker thread writes; ``flush`` then waits for that
+    write and neither loses nor repeats the batch (seen as a lost last status snapshot)."""
+    import asyncio
+    import threading
+
+    from sparkd.store.store import Writer
+
+    class SlowStore:  # the edge: a database whose write takes a while
+        def __init__(self) -> None:
+            self.rows: list[tuple[str, object]] = []
+            self.started = threading.Event()
+
+        def write_batch(self, batch: list[tuple[str, object]]) -> None:
+            self.started.set()
+            time.sleep(0.3)
+            self.rows.extend(batch)
+
+    async def go() -> SlowStore:
+        store = SlowStore()
+        w = Writer(store)  # type: ignore[arg-type]
+        task = asyncio.create_task(w.run())
+        for i in range(3):
+            w.submit("event", i)
+        await asyncio.to_thread(store.started.wait, 5)
+        w.submit("event", 3)  # queued behind the batch in flight
+        task.cancel()  # shutdown
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(w.flush)
+        return store
+
+    store = asyncio.run(go())
+    assert [p for _, p in store.rows] == [0, 1, 2, 3]

@@ -26,6 +26,11 @@ Channels (``settings.notify``, ``config.NotifySettings``):
   timeout, HTTP 408, 429 or 5xx, with exponential back-off (0.5 s, 1 s, 2 s, …
   capped at 8 s). Any other 4xx is final. Success is any 2xx.
 
+Collapse: identical alerts (same kind and message) collapse to one per ``collapse_s`` (default 900 s,
+``supervision.alert_collapse_s``), timed from the last *successful* delivery; a copy arriving while one
+is in flight is collapsed too, a failed send is not counted as sent. Collapsed copies count as
+suppressed and are reported with the next send.
+
 Rate limit: at most one notification per kind every ``min_interval_s``
 seconds (both channels together). Events inside the interval are *suppressed*
 and counted; the next notification of that kind carries ``suppressed`` (the
@@ -59,6 +64,7 @@ from typing import Any
 import httpx
 
 from sparkd.config import NotifySettings
+from sparkd.core.supervision import Collapse
 
 log = logging.getLogger("sparkd.act.notify")
 
@@ -94,6 +100,7 @@ Dispatch = Callable[[Callable[[], Any]], Any]
 class _Item:
     event: dict[str, Any]
     suppressed: int = 0
+    collapsed: int = 0
 
 
 @dataclass(slots=True)
@@ -105,6 +112,7 @@ class NotifyStats:
     suppressed: int = 0  # rate-limited
     dropped: int = 0  # queue full, or submitted after close()
     sent: int = 0  # events delivered on every configured channel
+    collapsed: int = 0  # identical (kind, message) to one delivered < collapse_s ago or in flight
     failed: int = 0  # channel sends that failed (after retries)
     suppressed_by_kind: dict[str, int] = field(default_factory=dict)  # pending, reported on the next send
 
@@ -115,6 +123,7 @@ class NotifyStats:
             "suppressed": self.suppressed,
             "dropped": self.dropped,
             "sent": self.sent,
+            "collapsed": self.collapsed,
             "failed": self.failed,
         }
 
@@ -195,6 +204,7 @@ class Notifier:
         queue_max: int = DEFAULT_QUEUE_MAX,
         clock: Callable[[], float] = time.monotonic,
         transport: httpx.BaseTransport | None = None,
+        collapse_s: float = 900.0,
     ) -> None:
         self.settings = settings
         self.kinds = frozenset(settings.kinds)
@@ -208,6 +218,7 @@ class Notifier:
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_max)
         self._lock = threading.Lock()  # rate-limit state (submit may come from several threads)
         self._last_sent: dict[str, float] = {}
+        self.collapse = Collapse(window_s=collapse_s)
         self._closed = False
         self._abort = threading.Event()
         self._dropped_reported = 0
@@ -237,18 +248,27 @@ class Notifier:
                 self.stats.dropped += 1
                 return
             now = self.clock()
+            key = (kind, str(event.get("message", "")))
             with self._lock:
+                if not self.collapse.admit(key, now):  # an identical alert was delivered or is in flight
+                    self.stats.suppressed += 1
+                    self.stats.collapsed += 1
+                    return
+                collapsed = self.collapse.pending(key)
                 last = self._last_sent.get(kind)
                 if last is not None and now - last < self.settings.min_interval_s:
+                    self.collapse.done(key, now, ok=False)
                     self.stats.suppressed += 1
                     self.stats.suppressed_by_kind[kind] = self.stats.suppressed_by_kind.get(kind, 0) + 1
                     return
                 self._last_sent[kind] = now
                 pending = self.stats.suppressed_by_kind.pop(kind, 0)
             try:
-                self._queue.put_nowait(_Item(dict(event), pending))
+                self._queue.put_nowait(_Item(dict(event), pending + collapsed, collapsed))
                 self.stats.submitted += 1
             except queue.Full:
+                with self._lock:
+                    self.collapse.done(key, now, ok=False)
                 self.stats.dropped += 1
         except Exception:  # the guard path must never see a notifier error
             log.exception("notify: submit failed")
@@ -320,6 +340,9 @@ class Notifier:
             ok = self._post(client, self.settings.webhook_url, body) and ok
         if ok:
             self.stats.sent += 1
+        key = (str(item.event.get("kind", "")), str(item.event.get("message", "")))
+        with self._lock:  # counted as sent only after a successful delivery
+            self.collapse.done(key, self.clock(), ok=ok, reported=item.collapsed)
 
     def _run_command(self, body: dict[str, Any]) -> bool:
         argv = list(self.settings.command)

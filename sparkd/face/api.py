@@ -282,3 +282,36 @@ def install_control_routes(app: FastAPI, control: Control, resize: Resize) -> No
     async def api_resize(req: ResizeRequest, who: Who) -> ResizeResult:
         """Re-plan the budget: ``dry_run`` (default true) returns the plan and diff without applying."""
         return await resize(req, f"api:{who}")
+
+
+def install_supervision_routes(app: FastAPI, daemon: DaemonView) -> None:
+    """``POST /api/breaker/rearm`` and ``POST /api/maintenance/run`` (token or session + CSRF).
+
+    Raises (as HTTP errors):
+        Refused: monitor-only, or (maintenance) the container is not sparkd's or not running.
+        Conflict: another action is running.
+    """
+
+    def unattended() -> Any:
+        u = getattr(daemon.actions, "unattended", None)
+        if u is None:
+            raise Refused(f"monitor-only: {getattr(daemon.actions, 'why', 'no container configured')}")
+        return u
+
+    async def rearm_as(who: str) -> dict[str, Any]:
+        result: dict[str, Any] = await unattended().rearm(who)
+        return result
+
+    app.state.rearm = rearm_as
+
+    @app.post("/api/breaker/rearm", tags=["control"])
+    async def breaker_rearm(who: Who) -> dict[str, Any]:
+        """Close the circuit breaker, recording who and when; relaunches a model that an emergency took down."""
+        result: dict[str, Any] = await unattended().rearm(f"api:{who}")
+        return result
+
+    @app.post("/api/maintenance/run", tags=["control"])
+    async def maintenance_run(who: Who) -> dict[str, Any]:
+        """Drain, stop, start the same plan, smoke test; the maintenance intent is released only on pass."""
+        result: dict[str, Any] = await unattended().maintenance_run(f"api:{who}")
+        return result

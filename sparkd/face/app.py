@@ -14,7 +14,14 @@ from fastapi.staticfiles import StaticFiles
 
 from sparkd import __version__
 from sparkd.face.alertmanager import install_alertmanager
-from sparkd.face.api import install_control_routes, install_read_routes, make_control, make_resize, require_auth
+from sparkd.face.api import (
+    install_control_routes,
+    install_read_routes,
+    install_supervision_routes,
+    make_control,
+    make_resize,
+    require_auth,
+)
 from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
 from sparkd.face.replies import install_error_handlers
 from sparkd.face.web import error_page, install_web
@@ -57,6 +64,7 @@ def create_app(daemon: DaemonView) -> FastAPI:
     app.state.control, app.state.resize = control, resize
     install_read_routes(app, daemon)
     install_control_routes(app, control, resize)
+    install_supervision_routes(app, daemon)
     install_alertmanager(app, daemon)
     if daemon.cluster is not None:
         from sparkd.face.peer import install_peer

@@ -190,7 +190,12 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "memory_bytes": c.memory_bytes,
         "memory_gib": gib(c.memory_bytes),
         "busy": c.action or ("busy" if c.busy else None),
-        "level": level,
+        "intent": c.supervision.intent.intent if c.supervision and c.supervision.intent else None,
+        "intent_who": c.supervision.intent.who if c.supervision and c.supervision.intent else None,
+        "breaker_open": bool(c.supervision and c.supervision.breaker.open),
+        "breaker_count": c.supervision.breaker.count if c.supervision else None,
+        "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,
+        "level": "critical" if c.supervision and c.supervision.breaker.open else level,
         "raw": c.model_dump(mode="json"),
     }
 

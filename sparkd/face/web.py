@@ -294,6 +294,17 @@ def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
         text = result.get("message") or f"{action} requested"
         return _fragment(request, "partials/_message.html", level="ok", title=action, message=text, result=result)
 
+    @app.post("/ui/breaker/rearm", response_class=HTMLResponse, include_in_schema=False)
+    async def ui_rearm(request: Request) -> HTMLResponse:
+        who = await app.state.require_auth(request)
+        try:
+            result = await app.state.rearm(f"web:{who}")
+        except SparkdError as e:
+            return _error_fragment(request, e)
+        launched = f"; launched {result['launch_id']}" if result.get("launch_id") else ""
+        text = f"breaker re-armed by {result['rearmed_by']}{launched}"
+        return _fragment(request, "partials/_message.html", level="ok", title="re-armed", message=text, result=result)
+
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)
     async def ui_resize(request: Request) -> HTMLResponse:
 

@@ -35,7 +35,7 @@ from sparkd.units import GiB, fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.consumers")
 
-TRIP_SCAN_WAIT_S = 2.0  # a trip's own scan; the stop does not wait longer than this for it
+TRIP_SCAN_WAIT_S = 0.25  # a trip's own scan (~40 ms at 1,000 processes); the stop never waits longer for it
 
 
 @dataclass(frozen=True, slots=True)

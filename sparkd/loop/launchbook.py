@@ -19,6 +19,7 @@ from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
+from sparkd.core.supervision import StopIntent
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
 from sparkd.loop.status import diff_figures
@@ -31,6 +32,7 @@ from sparkd.units import GiB, fmt_gib
 
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
+    from sparkd.loop.unattended import Unattended
 
 log = logging.getLogger("sparkd.loop.supervisor")
 # After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
@@ -62,6 +64,7 @@ class LaunchBook:
     stay_stopped: bool
     autostart_pending: bool
     mem_limit_bytes: int | None
+    unattended: Unattended
     parser: LaunchLogParser | None
     _log_stop: threading.Event | None
     _metrics_prev: dict[str, float] | None
@@ -79,30 +82,36 @@ class LaunchBook:
 
     async def _remember_last_stop(self) -> None:
         """A model that was stopped (by a rule, an operator, a crash) stays stopped across restarts of sparkd
-        until an operator starts it; only a launch that was still up when sparkd went away is relaunched."""
+        until an operator starts it; only a launch that was still up when sparkd went away is relaunched —
+        unless the persisted stop intent (loop/unattended) is ``operator`` or ``maintenance``."""
         store = self.daemon.store if self.daemon else None
         if store is None or self.mode != "managed":
             return
         last = await asyncio.to_thread(store.launches, limit=1)
-        if last and last[0]["status"] not in ("starting", "ready"):
+        intent = self.unattended.state.intent
+        held = intent is not None and intent.intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE)
+        if (last and last[0]["status"] not in ("starting", "ready")) or held:
             self.autostart_pending = False
             self.stay_stopped = True
-            rec = last[0]
-            # show the container as it was left (its name and image), not as "none"
-            ended = {
-                "failed": ContainerState.FAILED,
-                "exited": ContainerState.EXITED,
-                "oom_killed": ContainerState.EXITED,
-            }
-            if rec["status"] != "removed":
-                self.state = ended.get(rec["status"], ContainerState.STOPPED)
-                self.image = rec.get("image") or self.image
-            self.state_reason = f"last launch {rec['id']} ended: {rec['status']}; stays stopped until `sparkd start`"
+            ended = f"the last launch ({last[0]['id']}) ended '{last[0]['status']}'" if last else "no launch yet"
+            if last:
+                rec = last[0]
+                # show the container as it was left (its name and image), not as "none"
+                states = {
+                    "failed": ContainerState.FAILED,
+                    "exited": ContainerState.EXITED,
+                    "oom_killed": ContainerState.EXITED,
+                }
+                if rec["status"] != "removed":
+                    self.state = states.get(rec["status"], ContainerState.STOPPED)
+                    self.image = rec.get("image") or self.image
+            why = f"stop intent {intent.intent.value} ({intent.who}: {intent.reason})" if intent else ended
+            self.state_reason = f"{why}; stays stopped until `sparkd start`"
             self._event(
                 "staying_stopped",
-                f"not launching at start: the last launch ({last[0]['id']}) ended "
-                f"'{last[0]['status']}'; `sparkd start` launches again",
+                f"not launching at start: {why}; {ended}; `sparkd start` launches again",
                 severity="warning",
+                details={"intent": intent.intent.value if intent else None},
             )
 
     def _mem_total(self) -> int:

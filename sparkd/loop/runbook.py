@@ -14,6 +14,7 @@ from typing import Any
 from sparkd.act import shm
 from sparkd.act.stop import StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
+from sparkd.core.supervision import StopIntent
 from sparkd.errors import SparkdError
 from sparkd.loop.launchbook import LaunchBook
 from sparkd.sense import procfs
@@ -67,6 +68,7 @@ class RunBook(LaunchBook):
 
     async def _adopted(self, obs: Observation) -> None:
         assert self.container_id is not None
+        self.unattended.adopted_at_mono = time.monotonic()  # the completion probe waits out its grace
         cid = self.container_id
         self._event(
             "adopted",
@@ -167,10 +169,15 @@ class RunBook(LaunchBook):
             )
 
     async def _stop_quietly(self, reason: str) -> None:
+        """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``)."""
         try:
-            await self.request("stop", source="sparkd", reason=reason)
+            await self.request("stop", source="sparkd (failed launch)", reason=reason)
         except SparkdError as e:
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
+            return
+        if self.mode == "managed":
+            self.stay_stopped = False
+            await self.unattended.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
 
     async def handle_exit(self, obs: Observation) -> None:
         """An exit nobody asked for: the kernel's OOM attribution, the launch record, a postmortem."""
@@ -205,11 +212,12 @@ class RunBook(LaunchBook):
             )
 
     async def maybe_restart(self) -> None:
-        """Managed with ``container.auto_restart``: launch again after the cool-down, up to the cap."""
+        """Managed: the relaunch decision of loop.unattended (back-off, breaker, intent ``exited``, or
+        ``failed_launch`` when the run never became ready), under the ``container.restart_cap``."""
         c = self.settings.container
-        if self.mode != "managed" or not c.auto_restart or self.stay_stopped:
+        if self.mode != "managed" or self.stay_stopped:
             return
-        if self._restarts_in_window() >= c.restart_cap:
+        if c.auto_restart and self._restarts_in_window() >= c.restart_cap:
             self._event(
                 "restart_cap",
                 f"auto-restart cap reached ({c.restart_cap} per {c.restart_window_s:g} s): staying stopped",
@@ -217,12 +225,12 @@ class RunBook(LaunchBook):
             )
             self.stay_stopped = True
             return
-        await asyncio.sleep(c.restart_cooldown_s)
-        self.restarts.append(time.time())
-        try:
-            await self.request("start", source="auto-restart")
-        except SparkdError as e:
-            self._event("restart_failed", f"auto-restart failed: {e.message}", severity="critical")
+        reached = self.ready_at is not None
+        uptime = time.time() - self.container_started_at if self.container_started_at else None
+        intent = StopIntent.EXITED if reached else StopIntent.FAILED_LAUNCH
+        d = await self.unattended.after_down(intent, uptime_s=uptime, reached_ready=reached)
+        if d.action == "relaunch":
+            self.restarts.append(time.time())
 
     async def _stop(self, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
         """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its

@@ -113,6 +113,43 @@ class PlanFigures(_Model):
     warnings: list[str]
 
 
+# --------------------------------------------------------------------------- running unattended
+class IntentStatus(_Model):
+    """The stop intent (``core.supervision.StopIntent``): why the model is down; ``since`` epoch s."""
+
+    intent: Literal["operator", "maintenance", "emergency", "exited", "failed_launch", "peer_emergency"]
+    since: float
+    who: str
+    reason: str
+    expired_alerted: bool = False
+
+
+class BreakerStatus(_Model):
+    """The circuit breaker: ``count`` emergencies inside ``window_s``; open at ``threshold``."""
+
+    open: bool
+    open_since: float | None = None
+    count: int
+    threshold: int
+    window_s: float
+    rearmed_by: str | None = None
+    rearmed_at: float | None = None
+
+
+class SupervisionStatus(_Model):
+    """``loop.unattended.Unattended.status_json()``: intent, breaker, back-off counts, the scheduled
+    relaunch (``{"at", "intent", "delay_s"}``), the last relaunch decision (``{"ts", "action", "delay_s",
+    "intent", "reason"}``), the completion probe (``{"failures", "last"}``) and the last heartbeat."""
+
+    intent: IntentStatus | None = None
+    breaker: BreakerStatus
+    backoff: dict[str, int]
+    pending_relaunch: dict[str, Any] | None = None
+    last_decision: dict[str, Any] | None = None
+    probe: dict[str, Any]
+    heartbeat_sent_at: float | None = None
+
+
 # --------------------------------------------------------------------------- the container side
 class ContainerStatus(_Model):
     """The container side (``Actions.status_json()``): the supervisor's view, or monitor-only.
@@ -152,6 +189,7 @@ class ContainerStatus(_Model):
     busy: bool = False
     stops_total: int = 0
     kills_total: int = 0
+    supervision: SupervisionStatus | None = None  # managed or guard mode; None in monitor-only
 
 
 # --------------------------------------------------------------------------- the guard
@@ -314,6 +352,7 @@ class NotifyStatus(_Model):
     dropped: int
     sent: int
     failed: int
+    collapsed: int = 0  # identical alerts collapsed (one per supervision.alert_collapse_s)
 
 
 class GpuStatus(_Model):

@@ -45,11 +45,13 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
+from sparkd.core.supervision import StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.daemon import Actions, MonitorOnly
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
 from sparkd.loop.runbook import RunBook
-from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, diff_figures
+from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, SupervisionStatus, diff_figures
+from sparkd.loop.unattended import Unattended
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_log import LaunchLogParser
 
@@ -130,11 +132,14 @@ class Supervisor(RunBook):
         self.restart_count = 0  # Docker's RestartCount, as last observed
         self.restart_policy: str | None = None
         self.docker_restarts_seen = 0
+        self.unattended = Unattended(self)  # back-off, breaker, intents, probe, maintenance (loop/unattended)
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
         await self._load_revision()
+        await self.unattended.load()
+        daemon.notify_hooks.append(self.unattended.on_event)
         await self._remember_last_stop()
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
 
@@ -147,10 +152,28 @@ class Supervisor(RunBook):
             self._log_stop.set()
 
     async def on_stop(self, decision: Decision) -> None:
+        await self.emergency_stop(f"rule {decision.rule}", decision.reason)
+
+    def running(self) -> bool:
+        return self.container_id is not None and self.state in RUNNING_STATES
+
+    async def emergency_stop(self, source: str, reason: str) -> None:
+        """A rule, the hard floor or the probe: stop through the normal procedure, count it once per launch
+        toward the breaker, then the relaunch decision (intent ``emergency``)."""
+        key, was_running = self.launch_id or self.container_id or "unknown", self.running()
+        uptime = time.time() - self.container_started_at if self.container_started_at else None
+        ready = self.ready_at is not None
         try:
-            await self.request("stop", source=f"rule {decision.rule}", reason=decision.reason)
+            await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
-            self._event("stop_not_executed", f"{decision.rule}: {e.message}", severity="warning")
+            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
+            if not isinstance(e, Conflict) or self.action != "stopping":
+                return
+        if was_running:
+            await self.unattended.emergency(key, reason)
+            if not self.lock.locked():
+                self.stay_stopped = False
+                await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
 
     def on_kernel_record(self, rec: KernRecord) -> None:
         if (
@@ -163,6 +186,7 @@ class Supervisor(RunBook):
 
     def observe(self, sample: Sample) -> None:
         """A memory sample (the daemon's tick): the start-up trough of MemAvailable."""
+        self.unattended.observe_mem(sample.mem_available)
         if (
             self.state is S.STARTING
             and sample.mem_available is not None
@@ -212,6 +236,7 @@ class Supervisor(RunBook):
             busy=self.lock.locked(),
             stops_total=self.stops_total,
             kills_total=self.kills_total,
+            supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
         )
 
     # ------------------------------------------------------------------ control
@@ -242,6 +267,9 @@ class Supervisor(RunBook):
                         out["stop"] = rep.to_json()
                         self.stay_stopped = action == "stop"
                         await self._finish_launch("stopped")
+                        if action == "stop":
+                            intent = self.unattended.intent_for(source)
+                            await self.unattended.set_intent(intent, source, reason or f"stop requested by {source}")
                 if action == "start" and up:
                     raise Refused(f"{self.name} is already running (state {self.state}); use restart")
                 if action in ("start", "restart"):
@@ -249,6 +277,7 @@ class Supervisor(RunBook):
                         raise Refused(f"{self.name} is guarded, not launched by sparkd: start it yourself")
                     out["launch_id"] = await self._launch(source, force=force)
                     self.stay_stopped = False
+                    await self.unattended.clear_intent(source)
                 return out
             finally:
                 self.action = None
@@ -350,6 +379,7 @@ class Supervisor(RunBook):
         while True:
             try:
                 await self._step()
+                await self.unattended.periodic()
             except asyncio.CancelledError:
                 raise
             except DockerUnavailable as e:
@@ -391,6 +421,31 @@ class Supervisor(RunBook):
         if self.lock.locked() and self.action in ("stopping", "restarting"):
             return  # the action reconciles itself when it is done
         await self.reconcile(probe=True)
+        if self.state in (S.READY, S.UNHEALTHY):
+            await self._probe()
+
+    async def _probe(self) -> None:
+        """The completion probe (loop.unattended) while the model is up; the start-up phase from the launch log."""
+        rec = self.parser.record if self.parser else None
+        phase = rec.state if rec is not None and rec.lines_seen and rec.state != "failed" else None
+        waiting = (self._metrics_prev or {}).get("num_requests_waiting")
+        await self.unattended.probe(ready=True, requests_waiting=waiting, startup_phase=phase)
+        if self.container_started_at:
+            await self.unattended.on_up(time.time() - self.container_started_at)
+
+    async def relaunch_same_plan(self, source: str) -> tuple[bool, str | None]:
+        """Stop (graceful, archived) and launch the same plan, waiting for ready. Raises Conflict when busy."""
+        if self.lock.locked():
+            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        async with self.lock:
+            self.action = "relaunching"  # not "restarting": the supervisor step must keep watching for ready
+            try:
+                if self.running():
+                    await self._stop(f"relaunch: {source}", source)
+                    await self._finish_launch("stopped")
+                return await self._launch_and_wait(source)
+            finally:
+                self.action = None
 
     async def _attach(self) -> None:
         """Find the container to watch (managed: the running labelled one; guard: the named one,

@@ -243,3 +243,12 @@ class ProcReader:
             if fd is not None:
                 os.close(fd)
         self._mem_fd = self._psi_fd = None
+
+
+def read_uptime_s(proc_root: str | Path = "/proc") -> float | None:
+    """Seconds since host boot, the first field of ``<proc_root>/uptime``; ``None`` when unreadable."""
+    try:
+        with open(os.path.join(proc_root, "uptime"), "rb") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -593,6 +593,9 @@ class Writer:
         self.last_error: str | None = None
         self.fatal: str | None = None
         self._kick = asyncio.Event()
+        # held while a batch is written: flush() at shutdown waits for a write still in flight in the
+        # worker thread (cancelling ``run`` cannot stop that thread), then sees exactly what is left
+        self._lock = threading.Lock()
 
     def attach(self, store: Store | None) -> None:
         """Write into ``store`` from now on (None: no database; records wait in the queue)."""
@@ -695,19 +698,30 @@ class Writer:
         backoff = 0.25
         pending: list[tuple[str, Any]] = []
         while True:
+            if pending and self._pending is not pending:
+                pending = []  # a flush took the retried batch meanwhile
             if not pending:
                 first = await self.queue.get()
                 if first[0] in GATHERED and self.write_every_s > 0:
                     await self._gather()
                 pending = self._take_batch(first)
-            if await asyncio.to_thread(self._write, pending):
-                pending, backoff, self._pending = [], 0.25, []
+            self._pending = pending  # in flight: a shutdown that cancels us still finds it (flush)
+            if await asyncio.to_thread(self._write_locked, pending):
+                pending, backoff = [], 0.25
             else:  # keep the batch (a locked or full database is usually temporary) and retry
-                self._pending = pending
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._kick.wait(), backoff)  # ``attach`` wakes it at once
                 self._kick.clear()
                 backoff = min(backoff * 2, 5.0)
+
+    def _write_locked(self, batch: list[tuple[str, Any]]) -> bool:
+        with self._lock:
+            if self._pending is not batch:  # a flush took it (and wrote or counted it) meanwhile
+                return True
+            ok = self._write(batch)
+            if ok:
+                self._pending = []
+            return ok
 
     async def _gather(self) -> None:
         """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
@@ -726,7 +740,14 @@ class Writer:
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
-        a batch the database keeps refusing after ``attempts`` tries is dropped and counted."""
+        a batch the database keeps refusing after ``attempts`` tries is dropped and counted.
+
+        Waits for a batch the worker thread is still writing, so nothing is written twice or lost.
+        """
+        with self._lock:
+            return self._flush(attempts)
+
+    def _flush(self, attempts: int) -> int:
         n = 0
         if self.store is None:  # no database: what is queued cannot be written now
             left = len(self._pending) + self.queue.qsize()

@@ -20,6 +20,7 @@ Test controls (POST, query parameters, JSON answers):
   ``generation_tokens_total`` grows with running and ``prompt_tokens_total``
   with waiting (``FAKEVLLM_TOKENS_PER_S`` per request, default 50);
 * ``/stall?on=1|0`` stop/resume token progress (``/health`` keeps answering);
+* ``/serve?mode=normal|empty|hang|unhealthy`` switch the serving mode (below) at run time;
 * ``/alloc?mib=N`` allocate N MiB, write every page, hold it; ``/free`` release;
 * ``/shm?n=K[&kib=S]`` create K /dev/shm entries with the names vLLM, NCCL and
   loky use, held open and mapped while running; answers ``{"names": [...]}``;
@@ -32,6 +33,14 @@ Behaviour (flag, else environment, else default):
   (logs and ignores SIGTERM; only SIGKILL ends it), ``crash`` (exits 1 after
   ``FAKEVLLM_CRASH_AFTER_S``, default 3), ``never-ready`` (/health never 200);
 * ``FAKEVLLM_STARTUP_S`` (default 1.0): seconds until ready;
+* ``--fake-serve`` / ``FAKEVLLM_SERVE``: how a ready server answers — ``normal`` (default), ``empty``
+  (``/health`` 200 but completions with no tokens, a known vLLM failure), ``hang`` (``/health`` 200,
+  completions never answer), ``unhealthy`` (``/health`` 500, completions 500);
+* ``FAKEVLLM_SERVE_AFTER_S`` (default 0): serve ``normal`` for this long after ready, then switch to
+  ``FAKEVLLM_SERVE`` (a server that breaks after it became ready, every launch);
+* ``FAKEVLLM_DECODE_TOK_S`` (default 0 = at once): a completion of N tokens takes N / this seconds;
+* a completion body may carry ``"fake_hold_s": S``: the request stays in flight S seconds, counted in
+  ``vllm:num_requests_running`` meanwhile (a real in-flight request for drain tests);
 * ``FAKEVLLM_SHM_CLEANUP=1``: unlink the /dev/shm entries on graceful exit.
 * ``FAKEVLLM_NEVER_READY_WHEN=--max-num-seqs=7``: never ready when launched with that
   argument value (a bad configuration, for rollback tests).
@@ -57,6 +66,7 @@ from urllib.parse import parse_qs, urlparse
 
 HERE = Path(__file__).resolve().parent
 MODES = ("graceful", "ignore-term", "crash", "never-ready")
+SERVE_MODES = ("normal", "empty", "hang", "unhealthy")
 PAGE = mmap.PAGESIZE
 SHM_DIR = Path("/dev/shm")
 
@@ -80,6 +90,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=None)
     p.add_argument("--api-key", default=env("VLLM_API_KEY"))
     p.add_argument("--fake-mode", choices=MODES, default=env("FAKEVLLM_MODE", "graceful"))
+    p.add_argument("--fake-serve", choices=SERVE_MODES, default=env("FAKEVLLM_SERVE", "normal"))
+    p.add_argument("--fake-serve-after-s", type=float, default=float(env("FAKEVLLM_SERVE_AFTER_S", "0")))
+    p.add_argument("--fake-decode-tok-s", type=float, default=float(env("FAKEVLLM_DECODE_TOK_S", "0")))
     p.add_argument("--fake-startup-s", type=float, default=float(env("FAKEVLLM_STARTUP_S", "1.0")))
     p.add_argument("--fake-exit-delay-s", type=float, default=float(env("FAKEVLLM_EXIT_DELAY_S", "0.2")))
     p.add_argument("--fake-crash-after-s", type=float, default=float(env("FAKEVLLM_CRASH_AFTER_S", "3")))
@@ -114,8 +127,11 @@ class Engine:
         self.lock = threading.Lock()
         self.ready = False
         self.stalled = False
+        self.serve = "normal" if args.fake_serve_after_s > 0 else args.fake_serve
+        self.held = 0  # completions in flight with fake_hold_s
         self.running = 0
         self.waiting = 0
+        self.completions = 0
         self.generation_tokens = 0.0
         self.prompt_tokens = 0.0
         self.created = time.time()
@@ -181,7 +197,7 @@ class Engine:
         with self.lock:
             if self.ready and not self.stalled:
                 rate = self.args.fake_tokens_per_s * dt_s
-                self.generation_tokens += self.running * rate
+                self.generation_tokens += (self.running + self.held) * rate
                 self.prompt_tokens += self.waiting * rate
 
     def metrics(self) -> str:
@@ -191,7 +207,7 @@ class Engine:
                 (
                     "vllm:num_requests_running",
                     "Number of requests in model execution batches.",
-                    self.running,
+                    self.running + self.held,
                 ),
                 (
                     "vllm:num_requests_waiting",
@@ -236,6 +252,9 @@ class Engine:
                 "mode": self.args.fake_mode,
                 "ready": self.ready,
                 "stalled": self.stalled,
+                "serve": self.serve,
+                "held": self.held,
+                "completions": self.completions,
                 "running": self.running,
                 "waiting": self.waiting,
                 "generation_tokens_total": self.generation_tokens,
@@ -275,7 +294,10 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path, eng = urlparse(self.path).path, self.engine
         if path == "/health":
-            self.reply(200 if eng.ready else 503, "" if eng.ready else "not ready", "text/plain")
+            if eng.ready and eng.serve == "unhealthy":
+                self.reply(500, "engine dead (fake serve mode unhealthy)", "text/plain")
+            else:
+                self.reply(200 if eng.ready else 503, "" if eng.ready else "not ready", "text/plain")
         elif path == "/metrics":
             self.reply(200, eng.metrics(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/state":
@@ -316,6 +338,13 @@ class Handler(BaseHTTPRequestHandler):
                     eng.running = int(q.get("running", eng.running))
                     eng.waiting = int(q.get("waiting", eng.waiting))
                 self.reply(200, eng.state())
+            elif path == "/serve":
+                mode = q.get("mode", "normal")
+                if mode not in SERVE_MODES:
+                    raise ValueError(f"mode: {mode!r} is not allowed; allowed: {', '.join(SERVE_MODES)}")
+                with eng.lock:
+                    eng.serve = mode
+                self.reply(200, eng.state())
             elif path == "/stall":
                 with eng.lock:
                     eng.stalled = q.get("on", "1") not in ("0", "false", "no")
@@ -336,15 +365,29 @@ class Handler(BaseHTTPRequestHandler):
         if not eng.ready:
             self.reply(503, {"error": "not ready"})
             return
+        if eng.serve == "unhealthy":
+            self.reply(500, {"error": "EngineDeadError (fake serve mode unhealthy)"})
+            return
         deadline = time.monotonic() + 600
-        while eng.stalled and time.monotonic() < deadline:  # a stuck engine never answers
+        while (eng.stalled or eng.serve == "hang") and time.monotonic() < deadline:  # a stuck engine never answers
             time.sleep(0.05)
+        hold_s = float(body.get("fake_hold_s", 0) or 0)
+        if hold_s > 0:  # a real request in flight: counted as running until it ends
+            with eng.lock:
+                eng.held += 1
+            time.sleep(min(hold_s, 600))
+            with eng.lock:
+                eng.held -= 1
         n = max(1, min(int(body.get("max_tokens", 16)), 64))
+        if eng.args.fake_decode_tok_s > 0:
+            time.sleep(n / eng.args.fake_decode_tok_s)
+        empty = eng.serve == "empty"
         prompt = str(body.get("prompt", ""))
         n_prompt = max(1, len(prompt.split()))
         with eng.lock:
+            eng.completions += 1
             eng.prompt_tokens += n_prompt
-            eng.generation_tokens += n
+            eng.generation_tokens += 0 if empty else n
         self.reply(
             200,
             {
@@ -352,11 +395,11 @@ class Handler(BaseHTTPRequestHandler):
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": eng.args.served_model_name,
-                "choices": [{"index": 0, "text": " fake" * n, "finish_reason": "length"}],
+                "choices": [{"index": 0, "text": "" if empty else " fake" * n, "finish_reason": "length"}],
                 "usage": {
                     "prompt_tokens": n_prompt,
-                    "completion_tokens": n,
-                    "total_tokens": n_prompt + n,
+                    "completion_tokens": 0 if empty else n,
+                    "total_tokens": n_prompt + (0 if empty else n),
                 },
             },
         )
@@ -406,11 +449,17 @@ def main(argv: list[str]) -> int:
             print(ln, flush=True)
 
     crash_at = t0 + args.fake_crash_after_s
+    serve_at = time.monotonic() + args.fake_serve_after_s if args.fake_serve_after_s > 0 else None
     last = time.monotonic()
     while not term.wait(0.1):
         now = time.monotonic()
         eng.tick(now - last)
         last = now
+        if serve_at is not None and now >= serve_at:
+            serve_at = None
+            with eng.lock:
+                eng.serve = args.fake_serve
+            log("WARNING", "fakevllm.py:1", f"serve mode now {args.fake_serve}")
         if args.fake_mode == "crash" and now >= crash_at:
             log("ERROR", "core.py:708", "EngineCore encountered a fatal error (fakevllm crash)")
             sys.stdout.flush()

@@ -1,0 +1,135 @@
+"""Host set-up and checks: ``config show``, ``db upgrade``, ``doctor``, ``install``, ``uninstall``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sparkd.config import Settings, effective_config
+from sparkd.errors import SparkdError
+from sparkd.face.cli.base import (
+    _settings,
+    _store,
+    main,
+)
+
+
+@main.group("config")
+def config_group() -> None:
+    """Inspect the configuration."""
+
+
+@config_group.command("show")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def config_show(ctx: click.Context, as_json: bool) -> None:
+    """Print the effective configuration (file + SPARKD_* env + defaults)."""
+    settings = _settings(ctx)
+    data = effective_config(settings)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    from sparkd.tomlout import dumps
+
+    click.echo(dumps(data))
+
+
+@main.group("db")
+def db_group() -> None:
+    """Database maintenance."""
+
+
+@db_group.command("upgrade")
+@click.pass_context
+def db_upgrade(ctx: click.Context) -> None:
+    """Create or upgrade the SQLite schema (Alembic) to the newest revision."""
+    settings = _settings(ctx)
+    store = _store(settings, migrate=True)
+    click.echo(f"{settings.db_file}: schema at revision {store.current_revision()}")
+
+
+def _last_trip(settings: Settings) -> Any:
+    from sparkd.ops.doctor import LastTrip
+
+    try:
+        rows = _store(settings).events(kinds=["trip"], limit=1) if settings.db_file.exists() else []
+    except SparkdError:
+        return None
+    return LastTrip(rows[0]["ts"], rows[0]["message"]) if rows else None
+
+
+@main.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Is this host ready? One line per check: OK, WARN or FAIL with what to do. Exit 1 on FAIL."""
+    settings = _settings(ctx)
+    from sparkd.ops import doctor as doc
+
+    checks = doc.run_checks(
+        doc.DoctorContext(
+            proc_root=Path(settings.proc_root),
+            shm_dir=Path(settings.shm_dir),
+            last_trip=lambda: _last_trip(settings),
+            shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
+            db_file=settings.db_file,
+            rules=settings.rules,
+        )
+    )
+    click.echo(doc.format_report(checks))
+    ctx.exit(doc.exit_code(checks))
+
+
+def _running_managed(settings: Settings) -> str | None:
+    """Id of the running sparkd-managed container, if the engine answers (for install's GPU check)."""
+    from sparkd.act.docker import ContainerManager
+
+    try:
+        info = ContainerManager(settings.container.docker_url, selector=settings.container.selector).adopt()
+    except SparkdError:
+        return None
+    return info.id if info else None
+
+
+def _sparkd_exe() -> str:
+    import shutil
+
+    exe = Path(sys.argv[0]).resolve() if Path(sys.argv[0]).name == "sparkd" else None
+    found = shutil.which("sparkd")
+    return str(exe or (Path(found).resolve() if found else Path(sys.executable).parent / "sparkd"))
+
+
+@main.command()
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default="/",
+    show_default=True,
+    help="Install into this directory tree instead of the live system.",
+)
+@click.option("--no-enable", is_flag=True, help="Lay the files down but do not enable/start the unit.")
+@click.option(
+    "--accept-gpu-risk", is_flag=True, help="Reload systemd even though a running GPU container could lose its GPU."
+)
+def install(root: str, no_enable: bool, accept_gpu_risk: bool) -> None:
+    """Lay down the systemd unit, an example /etc/sparkd/sparkd.toml and the API token; enable the service."""
+    from sparkd.ops.install import install as do_install
+
+    report = do_install(Path(root), sparkd_exe=_sparkd_exe(), enable=not no_enable, accept_gpu_risk=accept_gpu_risk)
+    click.echo(report.format())
+    sys.exit(report.exit_code)
+
+
+@main.command()
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True)
+@click.option("--purge", is_flag=True, help="Also delete /etc/sparkd and /var/lib/sparkd (data, token, archives).")
+def uninstall(root: str, purge: bool) -> None:
+    """Disable and remove the unit; configuration and data are kept unless --purge."""
+    from sparkd.ops.install import uninstall as do_uninstall
+
+    report = do_uninstall(Path(root), purge=purge)
+    click.echo(report.format())
+    sys.exit(report.exit_code)

@@ -1,0 +1,108 @@
+"""The ``sparkd`` group and what its commands share: settings, the store, times and sizes for people."""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from sparkd import __version__
+from sparkd.config import Settings, load_settings
+from sparkd.errors import SparkdError, StoreError
+from sparkd.loop.status import Status
+from sparkd.store.store import Store
+from sparkd.units import parse_duration_s
+
+STALE_S = 10.0
+
+
+def _settings(ctx: click.Context) -> Settings:
+    obj = ctx.ensure_object(dict)
+    if "settings" not in obj:
+        try:
+            obj["settings"] = load_settings(obj.get("config"), overrides=obj.get("overrides"))
+        except SparkdError as e:
+            click.echo(f"sparkd: {e.message}", err=True)
+            ctx.exit(2)
+    settings: Settings = obj["settings"]
+    return settings
+
+
+def _store(settings: Settings, *, migrate: bool = False) -> Store:
+    """The daemon's database for reading (no migration: the daemon owns the schema)."""
+    if not migrate and not settings.db_file.exists():
+        raise StoreError(
+            f"no database at {settings.db_file} yet: start the daemon (sparkd run), or pass the "
+            "--config / SPARKD_STATE_DIR it runs with"
+        )
+    return Store.open(settings.db_file, migrate=migrate)
+
+
+def _snapshot(store: Store) -> Status | None:
+    """The status the daemon stored last, typed; None when there is none or it is from another
+    sparkd version (its shape no longer matches ``Status``: said on stderr, ignoring it)."""
+    raw = store.status_snapshot()
+    if not raw:
+        return None
+    try:
+        return Status.model_validate(raw)
+    except ValidationError as e:
+        click.echo(f"sparkd: ignoring the stored status snapshot (another sparkd version?): {e.errors()[0]}", err=True)
+        return None
+
+
+def _ts(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SparkdError as e:
+            click.echo(f"sparkd: {e.message}", err=True)
+            sys.exit(1 if e.status_code < 500 or e.status_code == 503 else 3)
+
+
+@click.group(cls=_Group)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML settings file (default /etc/sparkd/sparkd.toml if present).",
+)
+@click.version_option(__version__, prog_name="sparkd")
+@click.pass_context
+def main(ctx: click.Context, config_path: str | None) -> None:
+    """sparkd — memory guard and cockpit for vLLM on DGX Spark."""
+    ctx.ensure_object(dict)["config"] = config_path
+
+
+def _age(s: float | None) -> str:
+    return "never" if s is None else f"{s:.0f} s ago"
+
+
+def _span(s: float) -> str:
+    """A duration for people: ``42 s``, ``17 min``, ``5.2 h``, ``3.1 d``."""
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 172800 else f"{s / 86400:.1f} d"
+
+
+def _since(text: str) -> float:
+    try:
+        return parse_duration_s(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from None
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}"

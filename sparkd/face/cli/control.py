@@ -1,0 +1,190 @@
+"""Control through the running daemon: ``start``, ``stop``, ``restart``, ``rearm``, ``maintenance run``, ``resize``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from sparkd.config import Settings
+from sparkd.core.choices import KV_CACHE_DTYPES
+from sparkd.face.cli.base import (
+    _settings,
+    main,
+)
+from sparkd.loop.status import ResizeResult
+
+
+# ---------------------------------------------------------------- control (through the daemon's API)
+def _api(
+    settings: Settings, method: str, path: str, *, json_body: dict[str, Any] | None = None, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Call the running daemon's API with the bearer token from the state directory.
+
+    Exits 1 with the API's ``{"error", "detail"}`` message on refusal; 3 when no daemon answers.
+    """
+    import httpx
+
+    try:
+        token = settings.token_file.read_text().strip()
+    except OSError as e:
+        click.echo(f"sparkd: cannot read the API token {settings.token_file}: {e} (is sparkd running here?)", err=True)
+        sys.exit(3)
+    host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
+    url = f"http://{host}:{settings.api.port}{path}"
+    try:
+        r = httpx.request(method, url, json=json_body, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as e:
+        click.echo(f"sparkd: no daemon answers at {url}: {e}", err=True)
+        sys.exit(3)
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"detail": r.text}
+    if r.status_code >= 400:
+        detail = data.get("detail")
+        msg = detail.get("message", detail) if isinstance(detail, dict) else detail
+        click.echo(f"sparkd: {data.get('error', r.status_code)}: {msg}", err=True)
+        sys.exit(1)
+    result: dict[str, Any] = data
+    return result
+
+
+def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False) -> None:
+    settings = _settings(ctx)
+    out = _api(
+        settings,
+        "POST",
+        f"/api/container/{action}" + ("?force=true" if force else ""),
+        timeout_s=settings.container.stop_timeout_s + settings.container.startup_timeout_s + 60,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    stop = out.get("stop")
+    if stop:
+        click.echo(
+            f"stopped: {stop.get('outcome')} (exit {stop.get('exit_code')}) in "
+            f"{stop.get('durations_s', {}).get('total', 0):.1f} s; archive {stop.get('archive')}"
+        )
+    if out.get("launch_id"):
+        click.echo(f"launched: launch {out['launch_id']} (follow with `sparkd status`)")
+
+
+@main.command()
+@click.option("--force", is_flag=True, help="Launch even if the preflight fails (recorded).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def start(ctx: click.Context, force: bool, as_json: bool) -> None:
+    """Launch the serving container (preflight first)."""
+    _control(ctx, "start", as_json, force)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def stop(ctx: click.Context, as_json: bool) -> None:
+    """Stop the serving container: archive, graceful 30 s stop, kill fallback, /dev/shm cleanup."""
+    _control(ctx, "stop", as_json)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def restart(ctx: click.Context, as_json: bool) -> None:
+    """Stop (as ``stop``) and launch again."""
+    _control(ctx, "restart", as_json)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def rearm(ctx: click.Context, as_json: bool) -> None:
+    """Re-arm the circuit breaker (recorded with who and when); relaunches after an emergency stop."""
+    out = _api(_settings(ctx), "POST", "/api/breaker/rearm")
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    click.echo(
+        f"breaker re-armed by {out['rearmed_by']}" + (f"; launched {out['launch_id']}" if out.get("launch_id") else "")
+    )
+
+
+@main.group("maintenance")
+def maintenance_group() -> None:
+    """Planned drain-and-relaunch."""
+
+
+@maintenance_group.command("run")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def maintenance_run(ctx: click.Context, as_json: bool) -> None:
+    """Drain (vllm:num_requests_running = 0, at most supervision.drain_limit_s), stop, start the same plan,
+    smoke test; release the maintenance intent on pass, alert and hold on fail (exit 1)."""
+    settings = _settings(ctx)
+    c, u = settings.container, settings.supervision
+    out = _api(
+        settings,
+        "POST",
+        "/api/maintenance/run",
+        timeout_s=u.drain_limit_s + c.stop_timeout_s + c.startup_timeout_s + u.probe_timeout_s + 60,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    else:
+        d = out["drain"]
+        click.echo(f"drain: {'drained' if d['drained'] else 'limit reached'} after {d['waited_s']:.1f} s")
+        click.echo(f"relaunched: {out['relaunched']} (launch {out.get('launch_id')})")
+        for name, check in out["smoke"]["checks"].items():
+            click.echo(f"  {name}: {'ok' if check.get('ok') else 'FAILED'} {check.get('error') or ''}".rstrip())
+        click.echo("released: maintenance intent cleared" if out["released"] else "HOLD: maintenance intent kept")
+    sys.exit(0 if out["released"] else 1)
+
+
+_RESIZE_OPTS = [
+    ("--kv-target-gib", "kv_target_gib", float),
+    ("--max-model-len", "max_model_len", int),
+    ("--max-num-seqs", "max_num_seqs", int),
+    ("--host-reserve-gib", "host_reserve_gib", float),
+    ("--kv-cache-dtype", "kv_cache_dtype", click.Choice(KV_CACHE_DTYPES)),
+    ("--gmu-override", "gmu_override", float),
+    ("--docker-headroom-gib", "docker_headroom_gib", float),
+]
+
+
+def _resize_options(f: Any) -> Any:
+    for flag, dest, typ in reversed(_RESIZE_OPTS):
+        f = click.option(flag, dest, type=typ, default=None)(f)
+    return f
+
+
+@main.command()
+@_resize_options
+@click.option("--dry-run", is_flag=True, help="Show the new plan and the differences; change nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def resize(ctx: click.Context, dry_run: bool, as_json: bool, **changes: Any) -> None:
+    """Change budget inputs: dry run shows the new plan; apply drains, stops and relaunches (rollback on failure)."""
+    settings = _settings(ctx)
+    body = {k: v for k, v in changes.items() if v is not None}
+    if not body:
+        raise click.UsageError("give at least one of " + ", ".join(f for f, _d, _t in _RESIZE_OPTS))
+    out = _api(
+        settings,
+        "POST",
+        "/api/resize",
+        json_body={**body, "dry_run": dry_run},
+        timeout_s=settings.container.drain_timeout_s + 2 * settings.container.startup_timeout_s + 120,
+    )
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+        return
+    r = ResizeResult.model_validate(out)
+    click.echo(
+        ("dry run: " if dry_run else "")
+        + f"new plan: GMU {r.plan.gmu}, budget {r.plan.budget_gib:.2f} GiB, KV {r.plan.kv_exp_gib:.2f}"
+        f" GiB, --memory {r.plan.docker_memory_gib:.2f} GiB"
+    )
+    for k, change in r.diff.items():
+        click.echo(f"  {k:<22} {change.old} -> {change.new}")
+    if not dry_run:
+        click.echo("applied" if r.applied else f"NOT applied: {r.error} (rolled back: {r.rolled_back})")

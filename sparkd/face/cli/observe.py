@@ -1,0 +1,273 @@
+"""Reading what the daemon sees: ``run``, ``status`` (and ``--cluster``), ``samples``, ``events``."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import os
+import sqlite3
+import sys
+import time
+from typing import Any
+
+import click
+from sqlalchemy.exc import SQLAlchemyError
+
+from sparkd.errors import SparkdError, StoreError
+from sparkd.face.cli.base import (
+    STALE_S,
+    _age,
+    _settings,
+    _since,
+    _snapshot,
+    _span,
+    _store,
+    _ts,
+    main,
+)
+from sparkd.loop.status import Status
+from sparkd.units import fmt_gib
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="Record what would happen; never stop anything.")
+@click.option("--no-api", is_flag=True, help="Do not serve the REST API / dashboard.")
+@click.pass_context
+def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
+    """Run the daemon in the foreground (systemd: Type=notify)."""
+    if dry_run:
+        ctx.obj["overrides"] = {**ctx.obj.get("overrides", {}), "dry_run": True}
+    settings = _settings(ctx)
+    from sparkd.face.app import create_app
+    from sparkd.logsetup import setup_logging
+    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.supervisor import make_actions
+
+    os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
+    setup_logging(settings.logs_path)
+    from sparkd.loop.cluster import Cluster
+
+    daemon = Daemon(
+        settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
+    )
+    if settings.cluster.peers:
+        daemon.cluster = Cluster(settings.cluster)
+        daemon.cluster.attach(daemon)
+    try:
+        asyncio.run(daemon.serve())
+    except SparkdError as e:
+        click.echo(f"sparkd: {e.message}", err=True)
+        sys.exit(1)
+    except OSError as e:
+        click.echo(f"sparkd: {e}", err=True)
+        sys.exit(1)
+
+
+def _echo_snapshot(st: Status) -> None:
+    """Rules, watermark warnings, driver memory, GPUs and the container of a stored status."""
+    if st.rules:
+        click.echo("rules:")
+        for r in st.rules:
+            extra = f", near misses {r.near_misses}" if r.evidence else ""
+            if r.demoted:
+                extra += f"  DEMOTED to warn: {r.demoted}"
+            need = f"{r.counter}/{r.samples}" + (f" ({r.for_s:g} s)" if r.for_s else "")
+            if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
+                need = f"BLIND ({r.blind})"
+            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]")
+    for name, blind_why in st.blind.sensors.items():
+        click.echo(f"BLIND: {name}: {blind_why}")
+    if st.kernel_log.lost:
+        click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
+    for w in st.watermark.warnings:
+        click.echo(f"WATERMARK WARNING: {w}")
+    leak = st.leak
+    if leak.baseline_bytes is not None:
+        click.echo(
+            f"driver memory: {fmt_gib(leak.current_bytes)} now, baseline {fmt_gib(leak.baseline_bytes)}, "
+            f"growth {fmt_gib(leak.growth_bytes)} ({leak.state})"
+        )
+    else:
+        click.echo(f"driver memory: {fmt_gib(leak.current_bytes)} ({leak.state})")
+    for g in st.gpu:
+        if g.available:
+            mem = fmt_gib(g.memory_used_bytes) if g.memory_supported else "memory Not Supported"
+            click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
+    c = st.container
+    what = "monitor-only" if c.mode == "monitor-only" else c.state.value
+    line = f"container: {what}"
+    if c.name:
+        line += f" {c.name}" + (f" ({c.container_id[:12]})" if c.container_id else "")
+    if c.image:
+        line += f", image {c.image}"
+    if c.uptime_s is not None:
+        line += f", up {_span(c.uptime_s)}"
+    if c.memory_bytes:
+        line += f", --memory {fmt_gib(c.memory_bytes)}"
+    why = c.reason or c.state_reason
+    if why:
+        line += f" — {why}"
+    if c.restart_count:
+        line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
+    click.echo(line)
+    if st.consumers is not None:
+        cs = st.consumers
+        over = f" — {fmt_gib(cs.cotenant_excess_bytes)} over the co-tenant limit" if cs.cotenant_excess_bytes else ""
+        click.echo(f"who holds the memory ({_ts(cs.at)} UTC): {cs.text}{over}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--cluster", "cluster", is_flag=True, help="Every node of the cluster side by side (asks the daemon).")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
+    """Latest sample, each rule's counter, container state and recent events."""
+    settings = _settings(ctx)
+    if cluster:
+        _cluster_status(settings, as_json)
+        return
+    try:
+        store = _store(settings)
+        st = _snapshot(store)
+        latest = store.latest_sample()
+        events = store.events(limit=10)
+    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
+        raise StoreError(
+            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
+            "memory: see `sparkd doctor` and /api/status"
+        ) from None
+    running = st is not None and st.running and time.time() - st.ts < STALE_S + 2 * settings.interval_s
+    snap = st.model_dump(mode="json") if st else {}
+    data = {
+        "daemon_running": running,
+        "snapshot_age_s": (time.time() - st.ts) if st else None,
+        "sample": latest,
+        "rules": snap.get("rules", []),
+        "container": snap.get("container"),
+        "mode": snap.get("mode"),
+        "interval_s": snap.get("interval_s"),
+        "kernel_log": snap.get("kernel_log"),
+        "blind": snap.get("blind"),
+        "usable_bytes": snap.get("usable_bytes"),
+        "leak": snap.get("leak"),
+        "watermark": snap.get("watermark"),
+        "notify": snap.get("notify"),
+        "gpu": snap.get("gpu"),
+        "consumers": snap.get("consumers"),
+        "events": events,
+        "db_path": str(settings.db_file),
+    }
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+        return
+    age = _age(data["snapshot_age_s"])
+    click.echo(
+        f"sparkd {'running (status of ' + age + ')' if running else 'NOT running (last snapshot ' + age + ')'}"
+        f" — db {settings.db_file}"
+    )
+    if latest:
+        click.echo(f"sample at {_ts(latest['ts'])} UTC:")
+        for key, label in (
+            ("mem_total", "MemTotal"),
+            ("mem_available", "MemAvailable"),
+            ("mem_available_minus_cma", "usable"),
+            ("mem_free", "MemFree"),
+            ("cached", "Cached"),
+            ("anon_pages", "AnonPages"),
+            ("slab", "Slab"),
+            ("page_tables", "PageTables"),
+            ("driver_bytes", "driver (est.)"),
+            ("shm_bytes", "/dev/shm"),
+        ):
+            click.echo(f"  {label:<14} {fmt_gib(latest.get(key)):>12}")
+        if latest.get("psi_some_avg10") is not None:
+            click.echo(
+                f"  {'PSI some/full':<14} {latest['psi_some_avg10']:.2f}% / {latest.get('psi_full_avg10') or 0:.2f}%"
+                " (avg10)"
+            )
+    else:
+        click.echo("no samples yet")
+    if st is None:
+        click.echo("no status snapshot yet")
+    else:
+        _echo_snapshot(st)
+    if events:
+        click.echo("recent events:")
+        for e in events:
+            click.echo(f"  {_ts(e['ts'])} {e['severity']:<8} {e['kind']:<22} {e['message'][:110]}")
+
+
+@main.command()
+@click.option("--since", default="10m", show_default=True, help="How far back (e.g. 30s, 10m, 2h).")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--csv", "as_csv", is_flag=True)
+@click.pass_context
+def samples(ctx: click.Context, since: str, as_json: bool, as_csv: bool) -> None:
+    """Stored samples (bytes) since a time ago."""
+    settings = _settings(ctx)
+    since_s = _since(since)
+    rows = _store(settings).samples(since=time.time() - since_s)
+    if as_json:
+        click.echo(json.dumps(rows))
+    elif as_csv:
+        buf = io.StringIO()
+        if rows:
+            w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        click.echo(buf.getvalue(), nl=False)
+    else:
+        click.echo(f"{'time (UTC)':<20} {'MemAvailable':>13} {'MemFree':>11} {'Cached':>11} {'driver':>11}")
+        for r in rows:
+            click.echo(
+                f"{_ts(r['ts']):<20} {fmt_gib(r['mem_available']):>13} {fmt_gib(r['mem_free']):>11} "
+                f"{fmt_gib(r['cached']):>11} {fmt_gib(r['driver_bytes']):>11}"
+            )
+
+
+@main.command()
+@click.option("--since", default="1h", show_default=True)
+@click.option("--kind", "kinds", multiple=True, help="Only these kinds (repeatable).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def events(ctx: click.Context, since: str, kinds: tuple[str, ...], as_json: bool) -> None:
+    """Recorded events (trips, stops, driver errors, OOM kills, ...)."""
+    settings = _settings(ctx)
+    rows = _store(settings).events(since=time.time() - _since(since), kinds=kinds or None, limit=10000)
+    if as_json:
+        click.echo(json.dumps(rows, default=str))
+        return
+    for e in reversed(rows):
+        click.echo(f"{_ts(e['ts'])} {e['severity']:<8} {e['kind']:<22} {e['message']}")
+
+
+def _cluster_status(settings: Any, as_json: bool) -> None:
+    """``sparkd status --cluster``: this node and its peers, through the running daemon's ``/api/cluster``."""
+    import httpx
+
+    base = f"http://127.0.0.1:{settings.api.port}"
+    try:
+        local = httpx.get(base + "/api/status", timeout=5).json()
+        view = httpx.get(base + "/api/cluster", timeout=15)
+    except httpx.HTTPError as e:
+        raise SparkdError(f"the daemon's API at {base} does not answer ({e}); is `sparkd run` running?") from None
+    if view.status_code == 404:
+        raise SparkdError("no cluster: [cluster] has no peers in this node's configuration")
+    nodes = [{"node": view.json()["node"], "reachable": True, "age_s": 0.0, "status": local}, *view.json()["peers"]]
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2, default=str))
+        return
+    click.echo(f"{'node':<16} {'reachable':<10} {'MemAvailable':>13} {'container':<12} last stop")
+    for n in nodes:
+        st = n.get("status") or {}
+        sample = st.get("sample") or {}
+        cont = st.get("container") or {}
+        seen = "yes" if n["reachable"] else f"no ({_age(n.get('age_s'))} old)" if n.get("age_s") is not None else "no"
+        last = next((e for e in st.get("events", []) if e.get("kind") in ("stopped", "killed")), None)
+        click.echo(
+            f"{n['node']:<16} {seen:<10} {fmt_gib(sample.get('mem_available')):>13} "
+            f"{cont.get('state', 'n/a')!s:<12} {last['message'][:60] if last else '-'}"
+        )

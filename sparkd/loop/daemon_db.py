@@ -1,0 +1,217 @@
+"""The daemon's database keeper and retention: start without a usable database, reopen with back-off,
+move a corrupt file aside, notice a deleted one; the retention pass. The guard never waits on any of it.
+
+Functions over the running ``Daemon`` (its methods delegate here), so ``daemon.py`` keeps the
+start-up, the main loop and the shutdown in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from sparkd import __version__
+from sparkd.config import effective_config
+from sparkd.units import parse_size
+
+log = logging.getLogger("sparkd.loop.daemon")
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+
+STATUS_EVERY_S = 1.0
+STATUS_QUIET_S = 5.0
+DB_FIRST_WAIT_S = 1.0
+DB_CHECK_S = 0.5
+LIVE_SAMPLES = 1800
+
+
+async def begin_run(daemon: Daemon) -> bool:
+    """Record this run in a just-opened store; False (store dropped, retried later) when the
+    database refuses the first write (a write lock held by another process, a full disk)."""
+    assert daemon.store is not None and daemon.writer is not None
+    try:
+        daemon.run_id = await asyncio.to_thread(
+            daemon.store.start_run,
+            pid=os.getpid(),
+            version=__version__,
+            hostname=socket.gethostname(),
+            config=effective_config(daemon.settings),
+        )
+    except Exception as e:
+        daemon.store = daemon.writer.store = None
+        daemon.db.lost(one_line(e), daemon.mono(), at_once=False)
+        return False
+    return True
+
+
+def db_down_event(daemon: Daemon) -> None:
+    nxt = max(0.0, daemon.db.next_attempt_mono - daemon.mono())
+    daemon.event(
+        "database_unavailable",
+        f"database {daemon.db.path} unusable: {daemon.db.error}; guarding from memory (samples, rules and "
+        f"stops go on, records wait in a bounded queue); retrying in {nxt:.0f} s with back-off",
+        severity="critical",
+        details=daemon.db.status(),
+    )
+
+
+async def db_loop(daemon: Daemon) -> None:
+    """Watch the database without ever holding up the guard: a corrupt file (from the writer),
+    a deleted or replaced file (inode), records refused for good; reopen with back-off."""
+    try:
+        daemon.store = await asyncio.to_thread(daemon.db.attempt, daemon.mono())
+        if daemon.store is not None and daemon.writer is not None:
+            daemon.writer.attach(daemon.store)
+        if daemon.store is None or not await daemon._begin_run():
+            daemon._db_down_event()
+        if daemon.db.moved_aside:
+            daemon.event(
+                "database_corrupt",
+                f"database {daemon.db.path} was corrupt: kept as {', '.join(daemon.db.moved_aside)}; "
+                "a new database was created and recording goes on",
+                severity="critical",
+                details=daemon.db.status(),
+            )
+    finally:
+        daemon._db_opened.set()
+    while True:
+        try:
+            await daemon._db_step()
+        except Exception as e:  # never let the keeper die: it is what brings recording back
+            log.error("database keeper: %s", one_line(e))
+        await asyncio.sleep(DB_CHECK_S)
+
+
+async def db_step(daemon: Daemon) -> None:
+    w, now = daemon.writer, daemon.mono()
+    if w is None:
+        return
+    while w.refusals:
+        kind, refusal = w.refusals.pop(0)
+        daemon.event(
+            "record_refused",
+            f"the database refused a {kind} record for good ({refusal}); dropped, later records go on",
+            severity="warning",
+            details={"kind": kind, "error": refusal},
+        )
+    if daemon.db.state == "ok":
+        checked_at = time.time()
+        why: str | None = w.fatal or await asyncio.to_thread(daemon.db.replaced)
+        if why is None:
+            daemon._db_good_at = checked_at
+            return
+        w.fatal, daemon.store = None, None
+        w.attach(None)
+        daemon.db.lost(why, now)
+        if "deleted" in why or "replaced" in why:
+            # what went into the unlinked file since the last good check is written again, from memory
+            for row in [r for r in daemon.live_samples if r["ts"] >= daemon._db_good_at]:
+                w.submit("sample", row)
+            for ev in [e for e in reversed(daemon.recent_events) if e["ts"] >= daemon._db_good_at]:
+                w.submit("event", dict(ev))
+        daemon._db_down_event()
+        return
+    if now < daemon.db.next_attempt_mono:
+        return
+    was_error, moved = daemon.db.error, len(daemon.db.moved_aside)
+    store = await asyncio.to_thread(daemon.db.attempt, now)
+    if store is None:
+        if daemon.db.error != was_error:  # said once per distinct reason, not once per attempt
+            daemon._db_down_event()
+        return
+    daemon.store = store
+    w.attach(store)
+    if not await daemon._begin_run():
+        daemon._db_down_event()
+        return
+    aside = daemon.db.moved_aside[moved:]
+    daemon.event(
+        "database_corrupt" if aside else "database_recovered",
+        f"database {daemon.db.path} usable again; recording resumes"
+        + (f" (corrupt file kept as {', '.join(aside)})" if aside else ""),
+        severity="warning",
+        details=daemon.db.status(),
+    )
+
+
+async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, Any]:
+    """Prune and aggregate the store, cap the archives (oldest first, never the newest)."""
+    from sparkd.act.archive import prune_archives
+
+    if daemon.store is None:
+        return {}
+    r = daemon.settings.retention
+    removed = await asyncio.to_thread(
+        daemon.store.prune,
+        now=now or time.time(),
+        raw_keep_s=r.raw_samples_s,
+        minutes_keep_s=r.minute_aggregates_s,
+        events_keep_s=r.events_s,
+    )
+    await asyncio.to_thread(daemon.store.vacuum)
+    gone = await asyncio.to_thread(
+        prune_archives,
+        daemon.settings.archives_path,
+        max_count=r.archives_max_count,
+        max_total_bytes=parse_size(r.archives_max_bytes),
+    )
+    if gone:
+        daemon.event(
+            "archives_pruned", f"removed {len(gone)} old archives: {', '.join(gone[:5])}", details={"removed": gone}
+        )
+    return {**removed, "archives": len(gone)}
+
+
+async def retention_loop(daemon: Daemon) -> None:
+    # not during start-up (the riskiest phase of a launch is then, and the first minute of a daemon)
+    await asyncio.sleep(min(60.0, daemon.settings.retention.interval_s))
+    while True:
+        try:
+            await daemon.retention_once()
+        except Exception as e:
+            log.warning("retention failed: %s", e)
+        await asyncio.sleep(daemon.settings.retention.interval_s)
+
+
+async def gpu_loop(daemon: Daemon) -> None:
+    """NVML readings in a worker thread (an NVML call can block in the driver)."""
+    from sparkd.sense.gpu import GpuSampler
+
+    sampler = GpuSampler(daemon.settings.gpu_interval_s)
+    while True:
+        try:
+            readings = await asyncio.to_thread(sampler.sample)
+        except Exception as e:
+            log.warning("GPU readings failed: %s", e)
+            readings = []
+        daemon.gpu = [r.to_json() for r in readings]
+        ts = time.time()
+        for r in readings:
+            if r.available and daemon.writer:
+                daemon.writer.submit(
+                    "gpu",
+                    {
+                        "ts": ts,
+                        "gpu_index": r.index,
+                        "name": r.name,
+                        "utilization_pct": r.utilization_pct,
+                        "temperature_c": r.temperature_c,
+                        "power_w": r.power_w,
+                        "memory_total_bytes": r.memory_total_bytes,
+                        "memory_used_bytes": r.memory_used_bytes,
+                        "memory_supported": r.memory_supported,
+                    },
+                )
+        if readings and not any(r.available for r in readings):
+            return  # no NVML here: asked once, answered once
+        await asyncio.sleep(daemon.settings.gpu_interval_s)
+
+
+def one_line(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e)
+    return (text.splitlines() or [type(e).__name__])[0][:300]

@@ -1,0 +1,182 @@
+"""From a tick to an action: record what the guard saw, decide on each rule decision (events, loop
+guard, dry run, the re-check before acting, the stop hooks, the stop), and the sampling mode.
+
+Functions over the running ``Daemon`` (its methods delegate here), so ``daemon.py`` keeps the
+start-up, the main loop and the shutdown in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from sparkd.core.rules import Decision
+from sparkd.core.sample import Sample
+from sparkd.loop.guard import TickResult
+from sparkd.sense.kernlog import KernRecord
+from sparkd.units import fmt_gib
+
+log = logging.getLogger("sparkd.loop.daemon")
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+
+STATUS_EVERY_S = 1.0
+STATUS_QUIET_S = 5.0
+DB_FIRST_WAIT_S = 1.0
+DB_CHECK_S = 0.5
+LIVE_SAMPLES = 1800
+
+
+async def handle(daemon: Daemon, result: TickResult) -> None:
+    assert daemon.writer is not None
+    sample = result.sample
+    row = sample.to_row()
+    daemon.live_samples.append(row)
+    daemon.writer.submit("sample", row)
+    daemon.actions.observe(sample)
+    alert = daemon.leak.observe(sample.ts, sample.driver_bytes)
+    if alert is not None:
+        daemon.event("leak_trend", alert.reason, severity="warning", details=alert.details(), launch_id=alert.launch_id)
+    for rec in result.kernel:
+        daemon._record_kernel(rec, sample)
+        if rec.kind == "nvrm_no_memory" and daemon.settings.nvrm_action == "stop":
+            await daemon._decide(
+                Decision("nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1)
+            )
+    if result.nvrm_burst is not None:
+        daemon.event(
+            "nvrm_burst",
+            f"{result.nvrm_burst} NV_ERR_NO_MEMORY lines within {daemon.settings.nvrm_window_s:g} s "
+            f"(threshold {daemon.settings.nvrm_burst}; usable {fmt_gib(sample.mem_available_minus_cma)})",
+            severity="warning",
+            details={
+                "lines": result.nvrm_burst,
+                "threshold": daemon.settings.nvrm_burst,
+                "context": sample.context(),
+            },
+        )
+    for d in result.decisions:
+        await daemon._decide(d, sample)
+    daemon._check_blind()
+    if daemon.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
+        daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
+    now = daemon.mono()
+    for start, count in daemon.guard.nvrm.closed_windows(daemon.guard.mono()) if daemon.guard else []:
+        daemon.writer.submit("nvrm_window", (start, daemon.settings.nvrm_window_s, count))
+    since = now - daemon._last_status
+    if since >= STATUS_EVERY_S:
+        g = daemon.guard
+        key = (
+            tuple(st.counter for st in g.states.values()) if g else (),
+            daemon.mode,
+            daemon.actions.status_json().state,
+            id(daemon.recent_events[0]) if daemon.recent_events else None,
+        )
+        if key != daemon._status_key or since >= STATUS_QUIET_S:
+            daemon._status_key, daemon._last_status = key, now
+            daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"))
+            daemon.notifier.notify(f"STATUS={daemon.summary_line()}")
+
+
+def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
+    assert daemon.writer is not None
+    minute = sample.ts - sample.ts % 60
+    daemon.writer.submit("kcount", (minute, rec.kind, 1))
+    severity = {"nvrm_no_memory": "warning", "oom_kill": "critical", "oom_killed": "critical"}.get(rec.kind, "info")
+    details = {"line": rec.raw, "context": sample.context(), **rec.details}
+    for key in ("pid", "comm", "container_id"):
+        if getattr(rec, key, None) is not None:
+            details[key] = getattr(rec, key)
+    daemon.event(rec.kind, rec.message, severity=severity, details=details)
+    daemon.actions.on_kernel_record(rec)
+
+
+async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> None:
+    if d.kind == "near_miss":
+        # one event per streak start keeps the log readable; every near miss is counted in the rule state
+        if daemon.guard and daemon.guard.states[d.rule].near_misses % 10 == 1:
+            daemon.event("near_miss", d.reason, severity="info", details={"rule": d.rule, **_jsonable(d.values)})
+        return
+    if d.kind == "cooldown":
+        # once per rule per cooldown window: a rule that keeps holding must not flood the event log
+        last = daemon._cooldown_logged.get(d.rule)
+        now = daemon.mono()
+        if last is None or now - last >= max(daemon.settings.cooldown_s, 1.0):
+            daemon._cooldown_logged[d.rule] = now
+            daemon.event(
+                "trip_cooldown",
+                d.reason + " (further trips in this cooldown are counted, not logged)",
+                severity="warning",
+                details={"rule": d.rule},
+            )
+        return
+    shares = await daemon.consumers.at_trip() if daemon.consumers else None
+    if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
+        d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
+    daemon.event(
+        "trip",
+        d.reason,
+        severity="critical" if d.action == "stop" else "warning",
+        details={
+            "rule": d.rule,
+            "action": d.action,
+            "count": d.counter,
+            "sample_ts": sample.ts if sample is not None else None,
+            **_jsonable(d.values),
+            **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
+        },
+    )
+    if d.action != "stop":
+        return
+    rule = daemon.guard.rule(d.rule) if daemon.guard else None
+    if daemon.guard and rule is not None:
+        verdict = daemon.loop_guard.record_trip(rule, time.time())
+        if verdict is not None:
+            daemon.guard.engine.demote(verdict.rule, verdict.reason)
+            daemon.event("watermark", verdict.reason, severity="warning", details=verdict.details())
+            return
+    if daemon.settings.dry_run:
+        daemon.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
+        return
+    if daemon.settings.recheck and daemon.guard:
+        fresh = daemon.guard.read_sample()
+        if daemon.guard.rule(d.rule) is not None and not daemon.guard.engine.recheck(d.rule, fresh):
+            daemon.event(
+                "recovered_before_stop",
+                f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "
+                f"usable {fmt_gib(fresh.mem_available_minus_cma)}, "
+                f"MemFree {fmt_gib(fresh.mem_free)} on re-check)",
+                severity="warning",
+                details={"rule": d.rule},
+            )
+            return
+    for hook in daemon.stop_hooks:
+        hook(d)
+    await daemon.actions.on_stop(d)
+
+
+def update_mode(daemon: Daemon, result: TickResult | None) -> None:
+    assert daemon.guard is not None
+    now = daemon.mono()
+    reason = daemon.actions.fast_reason()
+    if reason is None and result is not None:
+        reason = daemon.guard.fast_reason(result.sample)
+    if reason is not None:
+        daemon._fast_until = now + daemon.settings.fast_hold_s
+        if daemon.mode != "fast":
+            daemon.event(
+                "sampling_fast",
+                f"sampling every {daemon.settings.fast_interval_s:g} s: {reason}",
+                details={"reason": reason},
+            )
+        daemon.mode, daemon.mode_reason = "fast", reason
+    elif daemon.mode == "fast" and now >= daemon._fast_until:
+        daemon.mode, daemon.mode_reason = "normal", None
+        daemon.event("sampling_normal", f"sampling every {daemon.settings.interval_s:g} s again")
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v if isinstance(v, int | float | str | None) else str(v)) for k, v in values.items()}

@@ -1,0 +1,123 @@
+"""The daemon's HTTP side: the API server on its own socket (and the cluster link sockets), composed by
+``Daemon(app_factory=...)``; the loop never imports the face.
+
+Functions over the running ``Daemon`` (its methods delegate here), so ``daemon.py`` keeps the
+start-up, the main loop and the shutdown in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from sparkd.loop.httpserver import (
+    ACCEPT_BACKLOG,
+    HttpStats,
+    OncePerInterval,
+    RateLimitedLog,
+    connection_cap,
+    guarded_protocol,
+    install_exception_handler,
+    raise_nofile,
+)
+
+log = logging.getLogger("sparkd.loop.daemon")
+
+if TYPE_CHECKING:
+    from sparkd.loop.daemon import Daemon
+
+STATUS_EVERY_S = 1.0
+STATUS_QUIET_S = 5.0
+DB_FIRST_WAIT_S = 1.0
+DB_CHECK_S = 0.5
+LIVE_SAMPLES = 1800
+
+
+async def start_api(daemon: Daemon) -> None:
+    import uvicorn
+
+    from sparkd.loop.quietserver import QuietServer
+
+    assert daemon.app_factory is not None
+    app = daemon.app_factory(daemon)
+    host, port = daemon.settings.api.host, daemon.settings.api.port
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, as asyncio's own server sockets: asyncio sets TCP_NODELAY only on sockets
+    # that say TCP, and without it every response waits ~40 ms for a delayed ACK (bench/api.py)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            f"the API cannot listen on {host}:{port}: {e.strerror} (another sparkd? set api.port or SPARKD_API__PORT)"
+        ) from None
+    sock.listen(ACCEPT_BACKLOG)
+    sock.set_inheritable(True)
+    daemon.api_socket = sock
+    api = daemon.settings.api
+    soft, hard = raise_nofile()
+    cap = connection_cap(api.max_connections, soft)
+    daemon.http_stats = HttpStats(cap=cap)
+    limited = RateLimitedLog(logging.getLogger("sparkd.api.server"))
+    daemon.http_log = limited
+    install_exception_handler(asyncio.get_running_loop(), limited)
+    for name in ("uvicorn.error", "asyncio"):
+        logging.getLogger(name).addFilter(OncePerInterval())
+    log.info(
+        "API: at most %d connections (descriptor limit %d/%d), request head within %g s",
+        cap,
+        soft,
+        hard,
+        api.header_timeout_s,
+    )
+    sockets = [sock, *daemon._link_sockets(port)]
+    cfg = uvicorn.Config(
+        app,
+        host=daemon.settings.api.host,
+        port=daemon.settings.api.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        http=guarded_protocol(cap, api.header_timeout_s, daemon.http_stats, limited),
+        h11_max_incomplete_event_size=api.max_header_bytes,
+        timeout_keep_alive=5,
+        backlog=ACCEPT_BACKLOG,
+    )
+    server = QuietServer(cfg)  # no 0.1 s tick (uvicorn's Server wakes the loop ten times a second)
+    # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
+    daemon.api_server = server
+    daemon._tasks.append(asyncio.create_task(server.serve(sockets=sockets), name="sparkd-api"))
+    for _ in range(200):
+        if server.started:
+            break
+        if server.should_exit:
+            raise OSError(f"API could not bind {daemon.settings.api.host}:{daemon.settings.api.port}")
+        await asyncio.sleep(0.025)
+    if daemon.settings.api.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "API bound to %s:%d — reachable beyond this machine (api.allow_remote = true)",
+            daemon.settings.api.host,
+            daemon.settings.api.port,
+        )
+
+
+def link_sockets(daemon: Daemon, port: int) -> list[socket.socket]:
+    """Sockets on ``cluster.listen`` (the link network, for peer calls only; see face/peer.py)."""
+    out = []
+    for host in daemon.settings.cluster.listen:
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            s.close()
+            raise OSError(f"cluster.listen: the API cannot listen on {host}:{port}: {e.strerror}") from None
+        s.listen(ACCEPT_BACKLOG)
+        out.append(s)
+    return out

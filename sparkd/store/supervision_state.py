@@ -1,0 +1,120 @@
+"""The supervision state that must survive restarts of sparkd: breaker, stop intent, back-off counts,
+the last heartbeat. One small JSON file in the state dir (``<state_dir>/supervision.json``), written
+atomically (a temporary file in the same directory, ``fsync``, ``rename``, ``fsync`` of the directory),
+so a crash or power loss leaves either the old or the new file, never half of one.
+
+Shape (version 1)::
+
+    {"version": 1,
+     "breaker": {"emergencies": [[epoch_s, key], ...], "open_since": epoch_s|null, "last_alert_at": ...,
+                 "rearmed_by": str|null, "rearmed_at": epoch_s|null},
+     "intent": {"intent": "operator", "since": epoch_s, "who": str, "reason": str,
+                "expired_alerted": bool} | null,
+     "backoff": {"failures": int, "failed_launches": int},
+     "heartbeat_sent_at": epoch_s | null}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparkd.core.supervision import BackoffState, Breaker, IntentRecord
+from sparkd.errors import StoreError
+
+FILE_NAME = "supervision.json"
+VERSION = 1
+
+
+@dataclass
+class SupervisionState:
+    """What ``load`` returns and ``save`` writes (see the module docstring for the JSON)."""
+
+    breaker: Breaker = field(default_factory=Breaker)
+    intent: IntentRecord | None = None
+    backoff: BackoffState = field(default_factory=BackoffState)
+    heartbeat_sent_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": VERSION,
+            "breaker": self.breaker.to_json(),
+            "intent": self.intent.to_json() if self.intent else None,
+            "backoff": {"failures": self.backoff.failures, "failed_launches": self.backoff.failed_launches},
+            "heartbeat_sent_at": self.heartbeat_sent_at,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SupervisionState:
+        b = d.get("backoff") or {}
+        return cls(
+            breaker=Breaker.from_json(d.get("breaker") or {}),
+            intent=IntentRecord.from_json(d["intent"]) if d.get("intent") else None,
+            backoff=BackoffState(int(b.get("failures", 0)), int(b.get("failed_launches", 0))),
+            heartbeat_sent_at=d.get("heartbeat_sent_at"),
+        )
+
+
+def path_in(state_dir: str | Path) -> Path:
+    """``<state_dir>/supervision.json``."""
+    return Path(state_dir) / FILE_NAME
+
+
+def load(path: Path) -> SupervisionState:
+    """Read the state; a missing file is the default state (breaker closed, no intent).
+
+    Raises:
+        StoreError: the file exists but is not readable, not JSON of this shape, or of another version —
+            the message names the file and what to do (sparkd refuses to guess a breaker state).
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return SupervisionState()
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read the supervision state: {e}") from e
+    try:
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("version") != VERSION:
+            raise ValueError(f"version {d.get('version') if isinstance(d, dict) else None!r}, allowed: {VERSION}")
+        return SupervisionState.from_json(d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise StoreError(
+            f"{path}: not a supervision state file ({type(e).__name__}: {e}); move it aside to start with a "
+            "closed breaker and no stop intent"
+        ) from e
+
+
+def save(path: Path, state: SupervisionState) -> None:
+    """Write ``state`` atomically (tmp + fsync + rename + directory fsync), mode 0600.
+
+    Raises:
+        StoreError: the directory is not writable or the disk is full; the old file is left as it was.
+    """
+    data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write the supervision state: {e}") from e
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
