@@ -18,7 +18,7 @@ def _row(ts: float, avail: int) -> dict:
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0003"
+    assert s.current_revision() == "0004"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:
@@ -107,7 +107,7 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
     store = Store.open(db)
 
     async def go() -> Writer:
-        w = Writer(store, maxsize=1000)
+        w = Writer(store, maxsize=1000, write_every_s=0)  # write each sample at once: the lock outlasts a try
         task = asyncio.create_task(w.run())
         holder = sqlite3.connect(db, timeout=0)
         holder.execute("BEGIN EXCLUSIVE")  # another process holds the database
@@ -129,6 +129,131 @@ def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog:
     assert store.count_samples() == 20
     msgs = [r.getMessage() for r in caplog.records if "database write failed" in r.getMessage()]
     assert len(msgs) == 1 and "INSERT" not in msgs[0] and "locked" in msgs[0]
+
+
+def test_the_frequent_kinds_round_trip_through_the_prepared_statements(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "p.db")
+    t0 = 1_700_000_000.0
+    gpu = {"ts": t0, "gpu_index": 0, "name": "GB10", "utilization_pct": 3.0, "memory_supported": False}
+    s.write_batch(
+        [
+            ("sample", _row(t0, 7 << 30)),
+            ("sample", {**_row(t0 + 1, 6 << 30), "psi_some_avg10": 1.5}),
+            ("gpu", gpu),
+            ("kcount", (t0 - t0 % 60, "oom_kill", 1)),
+            ("kcount", (t0 - t0 % 60, "oom_kill", 2)),
+            ("status", {"ts": t0, "n": 1}),
+            ("status", {"ts": t0 + 1, "n": 2}),
+        ]
+    )
+    rows = s.samples(since=t0)
+    assert [(r["ts"], r["mem_available"], r["psi_some_avg10"]) for r in rows] == [
+        (t0, 7 << 30, None),
+        (t0 + 1, 6 << 30, 1.5),
+    ]
+    g = s.gpu_samples(since=t0)
+    assert len(g) == 1 and g[0]["name"] == "GB10" and g[0]["memory_supported"] is False
+    assert s.kernel_counts(since=t0 - 60) == [{"minute_ts": t0 - t0 % 60, "kind": "oom_kill", "count": 3}]
+    assert s.status_snapshot() == {"ts": t0 + 1, "n": 2}  # the newest of the batch
+
+
+def test_samples_are_gathered_for_write_every_s_and_an_event_is_written_at_once(tmp_path: Path) -> None:
+    db = tmp_path / "g.db"
+    store = Store.open(db)
+
+    def count(table: str) -> int:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            return int(con.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        finally:
+            con.close()
+
+    async def go() -> tuple[list[tuple[float, int]], float]:
+        w = Writer(store, write_every_s=1.5)
+        task = asyncio.create_task(w.run())
+        t0 = time.monotonic()
+        seen: list[tuple[float, int]] = []  # (s since the first sample, rows in the database)
+        for i in range(6):
+            w.submit("sample", _row(float(i), i))
+            await asyncio.sleep(0.25)
+            seen.append((time.monotonic() - t0, await asyncio.to_thread(count, "samples")))
+        for _ in range(60):  # the first batch is due 1.5 s after the first sample
+            if await asyncio.to_thread(count, "samples") == 6:
+                break
+            await asyncio.sleep(0.05)
+        w.submit("sample", _row(10.0, 10))
+        t_event = time.monotonic()
+        w.submit("event", {"ts": 10.0, "kind": "trip", "severity": "critical", "message": "m"})
+        while await asyncio.to_thread(count, "events") == 0 and time.monotonic() - t_event < 5:
+            await asyncio.sleep(0.02)
+        event_after_s = time.monotonic() - t_event
+        task.cancel()
+        return seen, event_after_s
+
+    seen, event_after_s = asyncio.run(go())
+    # nothing is written before write_every_s has passed since the first sample of a batch
+    assert all(n == 0 for t, n in seen if t < 1.4), seen
+    assert store.count_samples() == 7
+    # an event does not wait for the gathering window, and takes the sample queued before it along
+    assert event_after_s < 1.0
+
+
+def test_the_parsed_head_is_alembics_head_and_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from sparkd.resources import migrations_dir
+    from sparkd.store.store import script_head
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    assert script_head() == ScriptDirectory.from_config(cfg).get_current_head()
+    db = tmp_path / "h.db"
+    Store.open(db).close()  # a new file: migrated by Alembic
+    code = (
+        "import sys; from sparkd.store.store import Store; s = Store.open(sys.argv[1]); "
+        "print(s.current_revision(), 'alembic' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [script_head(), "False"]
+
+
+def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.db"
+    old = Store.open(db, migrate=False)
+    old.upgrade("0002")  # the schema sparkd 0.1 made
+    old.close()
+    t0 = 1_700_000_000.0
+    con = sqlite3.connect(db)
+    con.executemany(
+        "INSERT INTO samples (ts, mem_total, mem_available, mem_free, psi_some_avg10) VALUES (?, ?, ?, ?, ?)",
+        [(t0 + i, 128 << 30, (60 << 30) + i, 1 << 30, 0.5) for i in range(100)] + [(t0 + 5, 1, 2, 3, 4.0)],
+    )
+    con.commit()
+    con.close()
+    s = Store.open(db)
+    assert s.current_revision() == "0004"
+    rows = s.samples(since=t0)
+    assert len(rows) == 100  # the duplicate ts kept its first row
+    assert rows[5]["mem_available"] == (60 << 30) + 5 and rows[5]["mem_total"] == 128 << 30
+    assert rows[99]["psi_some_avg10"] == 0.5
+    latest = s.latest_sample()
+    assert latest is not None and latest["ts"] == t0 + 99
+    s.write_batch([("sample", _row(t0 + 100, 7)), ("sample", _row(t0 + 100, 8))])  # same ts: the first is kept
+    assert s.count_samples() == 101 and s.samples(since=t0 + 100)[0]["mem_available"] == 7
+    with s.engine.connect() as c:
+        ddl = c.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'samples'").scalar_one()
+        indexes = c.exec_driver_sql("SELECT name FROM sqlite_master WHERE tbl_name = 'samples' AND type = 'index'")
+        assert "WITHOUT ROWID" in ddl and indexes.all() == []  # the table is its own ts index
+    s.upgrade("0003")  # and back: the rows survive a downgrade too
+    assert Store.open(db, migrate=False).count_samples() == 101
 
 
 def test_a_batch_in_flight_when_shutdown_cancels_the_writer_is_written_once() -> None:

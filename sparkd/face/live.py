@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from sparkd.face import incidents as inc
 from sparkd.face import presenters as views
+from sparkd.store.store import READ_ERRORS
 
 if TYPE_CHECKING:
     from sparkd.loop.status import DaemonView, Status
@@ -80,7 +81,11 @@ class LastStop:
         newest = d.recent_events[0] if d.recent_events else None
         key = id(newest)
         if key != self._key:
-            self._value = await asyncio.to_thread(inc.last_stop, d.store)
+            try:
+                self._value = await asyncio.to_thread(inc.last_stop, d.store)
+            except READ_ERRORS:
+                return self._value  # the database cannot answer: the last known stop; the keeper says why
+
             # a stop event reaches the store through the writer queue: until it is there, ask again
             pending = newest is not None and newest["kind"] in inc.STOP_KINDS
             written = self._value is not None and self._value["ts"] >= newest["ts"] - 1e-6 if newest else True

@@ -61,7 +61,7 @@ from sparkd.units import parse_size
 log = logging.getLogger("sparkd.loop.daemon")
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
-STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old
+STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
 DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
 DB_CHECK_S = 0.5  # how often the database keeper looks at the writer and the file (inode)
 LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer

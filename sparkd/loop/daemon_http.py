@@ -39,6 +39,8 @@ LIVE_SAMPLES = 1800
 async def start_api(daemon: Daemon) -> None:
     import uvicorn
 
+    from sparkd.loop.quietserver import QuietServer
+
     assert daemon.app_factory is not None
     app = daemon.app_factory(daemon)
     host, port = daemon.settings.api.host, daemon.settings.api.port
@@ -86,7 +88,7 @@ async def start_api(daemon: Daemon) -> None:
         timeout_keep_alive=5,
         backlog=ACCEPT_BACKLOG,
     )
-    server = uvicorn.Server(cfg)
+    server = QuietServer(cfg)  # no 0.1 s tick (uvicorn's Server wakes the loop ten times a second)
     # the daemon owns SIGTERM/SIGINT; uvicorn must not capture (and later re-raise) them
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     daemon.api_server = server

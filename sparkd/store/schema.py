@@ -49,9 +49,12 @@ class Base(DeclarativeBase):
 
 
 class SampleRow(Base):
+    """One guard sample. Keyed by ``ts`` and ``WITHOUT ROWID`` (migration 0003): the table is
+    its own time index, no rowid and no separate index per row."""
+
     __tablename__ = "samples"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float, index=True)
+    __table_args__ = ({"sqlite_with_rowid": False},)
+    ts: Mapped[float] = mapped_column(Float, primary_key=True)
     # the class namespace is a dict: declare the many sample columns from the one list
     for _c in SAMPLE_INT_COLUMNS:
         locals()[_c] = mapped_column(_c, BigInteger, nullable=True)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -22,8 +24,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
@@ -47,7 +47,37 @@ from sparkd.store.schema import (
     StatusSnapshot,
 )
 
+#: what a read of the database can raise when it is corrupt, locked, full or gone (callers outside
+#: ``store`` catch this, never SQLAlchemy's classes: SQLAlchemy appears only in this package)
+READ_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, sqlite3.Error, OSError)
+
 log = logging.getLogger("sparkd.store.store")
+
+_GPU_COLUMNS = (
+    "ts",
+    "gpu_index",
+    "name",
+    "utilization_pct",
+    "temperature_c",
+    "power_w",
+    "memory_total_bytes",
+    "memory_used_bytes",
+    "memory_supported",
+)
+# OR IGNORE: ts is the key; a second sample at the very same ts (a clock stepped back) is not a reason
+# to refuse the whole batch (and retry it forever)
+_INSERT_SAMPLE = (
+    f"INSERT OR IGNORE INTO samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
+)
+_INSERT_GPU = f"INSERT INTO gpu_samples ({', '.join(_GPU_COLUMNS)}) VALUES ({', '.join('?' * len(_GPU_COLUMNS))})"
+_UPSERT_KCOUNT = (
+    "INSERT INTO kernel_counts (minute_ts, kind, count) VALUES (?, ?, ?) "
+    "ON CONFLICT (minute_ts, kind) DO UPDATE SET count = count + excluded.count"
+)
+_UPSERT_STATUS = (
+    "INSERT INTO status (id, ts, data) VALUES (1, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET ts = excluded.ts, data = excluded.data"
+)
 
 CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
 
@@ -84,6 +114,7 @@ class Store:
     def __init__(self, engine: Engine, path: Path) -> None:
         self.engine = engine
         self.path = path
+        self._write_lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path, *, migrate: bool = True) -> Store:
@@ -99,12 +130,25 @@ class Store:
         engine = create_engine(f"sqlite:///{p}", connect_args={"check_same_thread": False, "timeout": 2.0})
         event.listen(engine, "connect", _on_connect)
         store = cls(engine, p)
-        if migrate:
+        if migrate and not store._at_head():
             store.upgrade()
         return store
 
+    def _at_head(self) -> bool:
+        """True when the database is already at the newest migration (read from the scripts'
+        ``revision`` lines): then Alembic, a quarter of a second of imports, is not loaded."""
+        try:
+            with self.engine.connect() as conn:
+                current = conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars().all()
+        except SQLAlchemyError:
+            return False  # a new file, or not made by sparkd: let Alembic decide
+        return current == [script_head()]
+
     def upgrade(self, revision: str = "head") -> None:
         """Run Alembic migrations up to ``revision``."""
+        from alembic import command
+        from alembic.config import Config
+
         cfg = Config()
         cfg.set_main_option("script_location", str(migrations_dir()))
         cfg.set_main_option("sqlalchemy.url", str(self.engine.url))
@@ -128,36 +172,45 @@ class Store:
     # ------------------------------------------------------------------ writes
     def write_batch(self, items: list[tuple[str, Any]]) -> None:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
-        ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
+        ``gpu`` (row dict), ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
-        ``run_end`` (dict), ``gpu`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data).
+        ``run_end`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data).
+
+        The frequent kinds (samples, GPU rows, the status snapshot, kernel counts) go
+        through the DBAPI cursor as prepared statements (one ``executemany`` per kind):
+        building and compiling SQLAlchemy statements per batch was half of the idle
+        daemon's CPU (py-spy, issue 18). The rare kinds keep SQLAlchemy Core.
+        Thread-safe (a lock): the writer thread and ``save_launch`` may call it at once.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError, sqlite3.Error: the database refused the batch
+                (nothing of it is kept: one transaction).
         """
-        samples = [p for k, p in items if k == "sample"]
+        samples = [tuple(p.get(c) for c in SAMPLE_COLUMNS) for k, p in items if k == "sample"]
+        gpu = [tuple(p.get(c) for c in _GPU_COLUMNS) for k, p in items if k == "gpu"]
+        kcounts = [p for k, p in items if k == "kcount"]
+        statuses = [p for k, p in items if k == "status"]
         events = [p for k, p in items if k == "event"]
-        gpu = [p for k, p in items if k == "gpu"]
         scans = [p for k, p in items if k == "consumers"]
-        with self.engine.begin() as conn:
-            if samples:
-                conn.execute(insert(SampleRow), samples)
-            if gpu:
-                conn.execute(insert(GpuSample), gpu)
+        with self._write_lock, self.engine.begin() as conn:
+            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            try:
+                if samples:
+                    cur.executemany(_INSERT_SAMPLE, samples)
+                if gpu:
+                    cur.executemany(_INSERT_GPU, gpu)
+                if kcounts:
+                    cur.executemany(_UPSERT_KCOUNT, kcounts)
+                if statuses:  # one row: only the newest of the batch matters
+                    cur.execute(_UPSERT_STATUS, (statuses[-1]["ts"], json.dumps(statuses[-1])))
+            finally:
+                cur.close()
             if scans:
                 conn.execute(insert(ConsumerScan), scans)
             if events:
                 conn.execute(insert(Event), events)
             for kind, p in items:
-                if kind == "status":
-                    stmt = sqlite_insert(StatusSnapshot).values(id=1, ts=p["ts"], data=p)
-                    conn.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={"ts": p["ts"], "data": p}))
-                elif kind == "kcount":
-                    minute, k, n = p
-                    stmt2 = sqlite_insert(KernelCount).values(minute_ts=minute, kind=k, count=n)
-                    conn.execute(
-                        stmt2.on_conflict_do_update(
-                            index_elements=["minute_ts", "kind"], set_={"count": KernelCount.count + n}
-                        )
-                    )
-                elif kind == "nvrm_window":
+                if kind == "nvrm_window":
                     start, w, n = p
                     stmt3 = sqlite_insert(NvrmWindow).values(window_start=start, window_s=w, count=n)
                     conn.execute(
@@ -207,7 +260,7 @@ class Store:
     # ------------------------------------------------------------------ reads
     def latest_sample(self) -> dict[str, Any] | None:
         with Session(self.engine) as conn:
-            row = conn.execute(select(SampleRow).order_by(SampleRow.id.desc()).limit(1)).first()
+            row = conn.execute(select(SampleRow).order_by(SampleRow.ts.desc()).limit(1)).first()
         return _sample_dict(row[0]) if row else None
 
     def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
@@ -465,6 +518,27 @@ class Store:
             conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
+_REVISION_LINE = re.compile(r"^(down_revision|revision)\s*=\s*(?:\"([^\"]*)\"|None)", re.M)
+
+
+def script_head() -> str | None:
+    """The newest revision of ``migrations/versions`` (the one no script revises), parsed
+    from the scripts' ``revision = "…"`` / ``down_revision = "…"`` lines without Alembic.
+    None when that is not a single head (Alembic then decides)."""
+    revs: set[str] = set()
+    downs: set[str] = set()
+    for f in (migrations_dir() / "versions").glob("*.py"):
+        for key, value in _REVISION_LINE.findall(f.read_text()):
+            (revs if key == "revision" else downs).add(value)
+    heads = revs - downs
+    return heads.pop() if len(heads) == 1 else None
+
+
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _short(e: BaseException) -> str:
     """An error in one line, without the SQL statement and its parameters."""
     orig = getattr(e, "orig", None)
@@ -500,15 +574,38 @@ def _launch_dict(r: Launch) -> dict[str, Any]:
     }
 
 
+WRITE_EVERY_S = 2.0
+"""The writer gathers samples (and the other frequent kinds, ``GATHERED``) for this long
+before it writes them in one transaction: a sample reaches the database at most this long
+(plus the write itself) after the guard took it, and a ``kill -9`` loses at most this much
+history. Any other item (an event, a launch, the end of a run) is written at once with what
+was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18)."""
+
+GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window", "consumers"})
+
+
 class Writer:
     """Bounded queue → batched writes in a worker thread.
 
     ``submit`` never blocks and never raises: when the queue is full the item is
-    dropped and that is logged once until the queue drains again.
+    dropped and that is logged once until the queue drains again. Samples are
+    gathered for up to ``write_every_s`` (``WRITE_EVERY_S``) before a write; other
+    kinds are written at once.
     """
 
-    def __init__(self, store: Store | None, maxsize: int = 10000, batch_max: int = 1000) -> None:
+    def __init__(
+        self,
+        store: Store | None,
+        maxsize: int = 10000,
+        batch_max: int = 1000,
+        write_every_s: float = WRITE_EVERY_S,
+    ) -> None:
+        if write_every_s < 0:
+            raise ValueError(f"write_every_s = {write_every_s!r}: must be >= 0 (seconds)")
         self.store = store
+        self.write_every_s = write_every_s
+        self._urgent: asyncio.Future[None] | None = None
+        self._urgent_queued = False  # an item outside GATHERED waits in the queue
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=maxsize)
         self.batch_max = batch_max
         self.dropped = 0
@@ -535,6 +632,10 @@ class Writer:
     def submit(self, kind: str, payload: Any) -> bool:
         try:
             self.queue.put_nowait((kind, payload))
+            if kind not in GATHERED:
+                self._urgent_queued = True
+                if self._urgent is not None and not self._urgent.done():
+                    self._urgent.set_result(None)
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -552,6 +653,7 @@ class Writer:
             try:
                 batch.append(self.queue.get_nowait())
             except asyncio.QueueEmpty:
+                self._urgent_queued = False
                 break
         return batch
 
@@ -626,6 +728,12 @@ class Writer:
                 pending = []  # a flush took the retried batch meanwhile
             if not pending:
                 first = await self.queue.get()
+                holder = [first]
+                self._pending = holder  # out of the queue while we gather: a shutdown flush must see it
+                if first[0] in GATHERED and self.write_every_s > 0:
+                    await self._gather()
+                if self._pending is not holder:  # a flush wrote it meanwhile
+                    continue
                 pending = self._take_batch(first)
             self._pending = pending  # in flight: a shutdown that cancels us still finds it (flush)
             if await asyncio.to_thread(self._write_locked, pending):
@@ -644,6 +752,21 @@ class Writer:
             if ok:
                 self._pending = []
             return ok
+
+    async def _gather(self) -> None:
+        """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
+        (A timer and a future: ``wait_for`` would make a task each time.)"""
+        if self.queue.qsize() >= self.batch_max or self._urgent_queued:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._urgent = fut
+        handle = loop.call_later(self.write_every_s, _done, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._urgent = None
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;

@@ -7,13 +7,11 @@ import csv
 import io
 import json
 import os
-import sqlite3
 import sys
 import time
 from typing import Any
 
 import click
-from sqlalchemy.exc import SQLAlchemyError
 
 from sparkd.errors import SparkdError, StoreError
 from sparkd.face.cli.base import (
@@ -28,6 +26,7 @@ from sparkd.face.cli.base import (
     main,
 )
 from sparkd.loop.status import Status
+from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
 
 
@@ -133,7 +132,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         st = _snapshot(store)
         latest = store.latest_sample()
         events = store.events(limit=10)
-    except (SQLAlchemyError, sqlite3.Error, OSError) as err:  # disk full, corrupt, locked: one line, no traceback
+    except READ_ERRORS as err:  # disk full, corrupt, locked: one line, no traceback
         why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
         raise StoreError(
             f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "

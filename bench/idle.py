@@ -1,0 +1,265 @@
+"""Benchmark: the idle daemon's cost, side by side with earlyoom, in one window.
+
+Starts two real ``sparkd run`` daemons (monitor-only, API on, own state directories and
+ports): one sampling at 1 Hz, one at 4 Hz (``interval_s = fast_interval_s``), and
+``earlyoom`` (the distribution's, if installed; absent: said so, sparkd's figures alone).
+Each sparkd gets a ``NOTIFY_SOCKET`` datagram socket of this script: time to ``READY=1``
+is measured from ``Popen``. After ``--warmup`` seconds, CPU is read over ``--window``
+seconds for all three processes in the same window.
+
+CPU per process: utime+stime from ``/proc/PID/stat`` (clock ticks; includes threads that
+ended) and, finer, the sum of ``/proc/PID/task/*/schedstat`` run time (ns, live threads).
+DB growth: bytes in use in every table and index (``dbstat``: page size minus unused bytes,
+read through SQLite, so pages still in the WAL count) at window start and end, scaled to
+an hour. Samples lag: the largest ``now - max(samples.ts)`` seen while polling
+(how late the newest sample reaches the database).
+
+Goals (issue 18): 1 Hz ≤ 500 µs CPU per second (0.05 % of a core), 4 Hz ≤ 0.3 %;
+≤ 10 MB/day of history at 1 Hz; RSS ≤ 80 MiB after an hour idle; READY=1 ≤ 1.5 s.
+Run: .venv/bin/python bench/idle.py [--window 60] [--warmup 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_stat_s(pid: int) -> float:
+    """utime+stime of ``pid`` (all threads, including ended ones), seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_sched_s(pid: int) -> float:
+    """Sum of run time of the live threads of ``pid`` (``/proc/PID/task/*/schedstat``), seconds."""
+    total = 0
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int((t / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def db_bytes(db: Path) -> int:
+    """Bytes in use in all tables and indexes: the page bytes minus each page's unused bytes
+    (SQLite's ``dbstat``), so growth is seen to the byte, not to the 4 KiB page."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return int(con.execute("SELECT sum(pgsize - unused) FROM dbstat").fetchone()[0])
+    finally:
+        con.close()
+
+
+def table_bytes(db: Path) -> dict[str, int]:
+    """Bytes in use per table or index (``dbstat``), and ``samples/row``: the samples table's bytes per row."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        out = {n: int(b) for n, b in con.execute("SELECT name, sum(pgsize - unused) FROM dbstat GROUP BY name")}
+        rows = con.execute("SELECT count(*) FROM samples").fetchone()[0]
+        out["samples/row"] = out.get("samples", 0) // max(rows, 1)
+        return out
+    finally:
+        con.close()
+
+
+def newest_sample_ts(db: Path) -> float | None:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return con.execute("SELECT max(ts) FROM samples").fetchone()[0]
+    finally:
+        con.close()
+
+
+def max_gap_s(db: Path, since: float) -> float:
+    """Largest gap between consecutive samples after ``since``: a stalled daemon (or host), not the writer."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        ts = [r[0] for r in con.execute("SELECT ts FROM samples WHERE ts >= ? ORDER BY ts", (since,))]
+    finally:
+        con.close()
+    return max((b - a for a, b in itertools.pairwise(ts)), default=0.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    def __init__(self, root: Path, interval_s: float) -> None:
+        self.dir = root / f"sparkd-{interval_s:g}s"
+        self.dir.mkdir()
+        self.interval_s = interval_s
+        self.db = self.dir / "sparkd.db"
+        self.notify_path = str(self.dir / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.notify_path)
+        cfg = self.dir / "sparkd.toml"
+        cfg.write_text(
+            f'state_dir = "{self.dir}"\nlog_dir = "{self.dir / "logs"}"\n'
+            f"interval_s = {interval_s}\nfast_interval_s = {interval_s}\n"
+            f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n'
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
+        env["NOTIFY_SOCKET"] = self.notify_path
+        env.pop("WATCHDOG_USEC", None)
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "run"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "stderr.log", "wb"),  # noqa: SIM115 - lives as long as the daemon
+        )
+        self.ready_s: float | None = None
+
+    def wait_ready(self, timeout_s: float = 30.0) -> float:
+        self.sock.settimeout(0.1)
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"sparkd exited early: {(self.dir / 'stderr.log').read_text()[-2000:]}")
+            try:
+                msg = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            if b"READY=1" in msg.split(b"\n"):
+                self.ready_s = time.monotonic() - self.t0
+                # keep reading, as systemd does: a full datagram queue blocks the daemon's sendto
+                threading.Thread(target=self._drain, daemon=True).start()
+                return self.ready_s
+        raise SystemExit(f"no READY=1 within {timeout_s} s")
+
+    def _drain(self) -> None:
+        self.sock.settimeout(None)
+        with contextlib.suppress(OSError):
+            while self.sock.recv(4096):
+                pass
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close()
+
+
+def find_earlyoom() -> str | None:
+    path = shutil.which("earlyoom")
+    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        subprocess.run(["apt-get", "install", "-y", "-q", "earlyoom"], check=False, capture_output=True)
+        path = shutil.which("earlyoom")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--window", type=float, default=60.0, help="measuring window, s")
+    ap.add_argument("--warmup", type=float, default=15.0, help="after READY=1, before the window, s")
+    args = ap.parse_args()
+
+    eo_path = find_earlyoom()
+    procs: dict[str, Any] = {}
+    eo = None
+    with tempfile.TemporaryDirectory(prefix="sparkd-idle-") as tmp:
+        root = Path(tmp)
+        d1, d4 = Daemon(root, 1.0), Daemon(root, 0.25)
+        try:
+            r1, r4 = d1.wait_ready(), d4.wait_ready()
+            if eo_path:
+                # -r 0: no periodic memory report (earlyoom's own idle cost, as run by its unit)
+                eo = subprocess.Popen([eo_path, "-r", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(args.warmup)
+            procs = {"sparkd 1 Hz": d1.proc.pid, "sparkd 4 Hz": d4.proc.pid}
+            if eo is not None:
+                procs["earlyoom"] = eo.pid
+            db0 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
+            tb0 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
+            c0 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
+            w0, w0_wall = time.monotonic(), time.time()
+            lag = {d1.proc.pid: 0.0, d4.proc.pid: 0.0}
+            lag_at = {d1.proc.pid: 0.0, d4.proc.pid: 0.0}
+            while time.monotonic() - w0 < args.window:
+                time.sleep(0.5)
+                for d in (d1, d4):
+                    ts = newest_sample_ts(d.db)
+                    if ts is not None and time.time() - ts > lag[d.proc.pid]:
+                        lag[d.proc.pid], lag_at[d.proc.pid] = time.time() - ts, time.monotonic() - w0
+            win = time.monotonic() - w0
+            c1 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
+            db1 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
+            tb1 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
+            rss = {k: rss_bytes(p) for k, p in procs.items()}
+            time.sleep(3)  # the last gathered batch lands
+            gaps = {d.proc.pid: max_gap_s(d.db, w0_wall) for d in (d1, d4)}
+        finally:
+            d1.stop()
+            d4.stop()
+            for d in (d1, d4):
+                for line in (d.dir / "stderr.log").read_text(errors="replace").splitlines():
+                    if "database" in line or "retention" in line or "Traceback" in line:
+                        print(f"sparkd {d.interval_s:g} s log: {line[:200]}")
+            if eo is not None:
+                eo.terminate()
+                eo.wait(5)
+
+    print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; window {win:.1f} s after {args.warmup:g} s")
+    per_s = {k: ((c1[k][0] - c0[k][0]) / win, (c1[k][1] - c0[k][1]) / win) for k in procs}
+    print(f"{'process':<14} {'CPU µs/s (stat)':>16} {'CPU µs/s (sched)':>17} {'% core':>8} {'RSS MiB':>8}")
+    for k in procs:
+        st, sc = per_s[k]
+        print(f"{k:<14} {st * 1e6:16.0f} {sc * 1e6:17.0f} {sc * 100:8.3f} {rss[k] / 2**20:8.1f}")
+    if "earlyoom" in per_s:
+        eo_sc = max(per_s["earlyoom"][1], 1e-9)
+        print(
+            f"ratio sparkd/earlyoom (sched): 1 Hz {per_s['sparkd 1 Hz'][1] / eo_sc:.1f}x, "
+            f"4 Hz {per_s['sparkd 4 Hz'][1] / eo_sc:.1f}x"
+        )
+    else:
+        print("earlyoom: absent (not installed, and could not be installed here): sparkd's figures alone")
+    for name, d in (("1 Hz", d1), ("4 Hz", d4)):
+        grow_h = (db1[d.proc.pid] - db0[d.proc.pid]) / win * 3600
+        print(
+            f"sparkd {name}: READY=1 after {d.ready_s:.2f} s; DB +{grow_h / 1e6:.2f} MB/h "
+            f"({grow_h * 24 / 1e6:.1f} MB/day, all tables and indexes); newest sample reached the DB "
+            f"within {lag[d.proc.pid]:.1f} s (at {lag_at[d.proc.pid]:.0f} s; poll 0.5 s)"
+            f"; largest gap between samples {gaps[d.proc.pid]:.1f} s)"
+        )
+    for name, d in (("1 Hz", d1), ("4 Hz", d4)):
+        a, b = tb0[d.proc.pid], tb1[d.proc.pid]
+        grew = {t: b[t] - a.get(t, 0) for t in b if t != "samples/row" and b[t] != a.get(t, 0)}
+        print(
+            f"sparkd {name}: samples table {b['samples/row']} B/row; grew in the window (bytes): "
+            + ", ".join(f"{t} {n:+d}" for t, n in sorted(grew.items(), key=lambda x: -abs(x[1])))
+        )
+    print("goals: 1 Hz <= 500 µs/s; 4 Hz <= 3000 µs/s; <= 10 MB/day at 1 Hz; RSS <= 80 MiB; READY <= 1.5 s")
+    _ = (r1, r4)
+
+
+if __name__ == "__main__":
+    main()
