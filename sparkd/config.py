@@ -365,8 +365,9 @@ class ConsumersSettings(BaseModel):
 
     enabled: bool = True
     interval_s: float = Field(default=10.0, ge=1, le=3600)
+    store_every_s: float = Field(default=60.0, ge=1, le=86400)  # a scan row at most this often (and every trip)
     top_n: int = Field(default=10, ge=1, le=100)
-    uss_top: int = Field(default=5, ge=0, le=100)
+    uss_top: int = Field(default=0, ge=0, le=100)  # USS walks each process's page tables: off unless asked
     cotenant_limit: str | None = None  # a size ("12GiB"); unset: what the plan leaves the host minus the margin
     cotenant_margin_gib: float = Field(default=8.0, ge=0)
     cotenant_repeat_s: float = Field(default=600.0, ge=10)
@@ -744,6 +745,7 @@ FIELD_DOCS: dict[str, str] = {
     "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
     "consumers.enabled": "Scan processes for who holds the memory (container, host co-tenants, system services).",
     "consumers.interval_s": "Seconds between process scans (and one at every trip); in a worker thread.",
+    "consumers.store_every_s": "Store a scan at most this often (every trip's scan too); the rest stay in memory.",
     "consumers.top_n": "Processes and command names kept per scan.",
     "consumers.uss_top": "How many of the top processes also get USS (smaps_rollup; costs a page-table walk).",
     "consumers.cotenant_limit": "Warn when host co-tenants hold more RSS than this; unset: MemTotal minus the "

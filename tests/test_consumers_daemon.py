@@ -52,7 +52,7 @@ async def _daemon(tmp_path: Path, **overrides: Any) -> Daemon:
             "state_dir": str(tmp_path / "state"),
             "kernlog_source": "off",
             "interval_s": 0.25,
-            "consumers": {"interval_s": 1.0, **overrides.pop("consumers", {})},
+            "consumers": {"interval_s": 1.0, "store_every_s": 1.0, **overrides.pop("consumers", {})},
             **overrides,
         }
     )
@@ -101,7 +101,7 @@ async def test_it_scans_in_the_background_and_serves_the_totals_everywhere(tmp_p
         assert set(got) == {"container", "host", "system"}  # per-group totals only, no process labels
         assert got["host"] >= 500 * MiB
         assert "Who holds the memory: container " in page
-        # one compact row per scan in the store
+        # one compact row per stored scan (store_every_s = 1 s here; 60 s by default)
         assert d.writer is not None
         await asyncio.to_thread(d.writer.flush)
         assert d.store is not None
@@ -248,3 +248,19 @@ async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None
     assert "who holds the memory (" in out and " UTC): container 0.00 GiB · host co-tenants " in out, out
     data = json.loads(CliRunner().invoke(main, ["--config", str(cfg), "status", "--json"]).output)
     assert data["consumers"]["scans"] >= 1 and set(data["consumers"]["totals_bytes"]) == {"container", "host", "system"}
+
+
+async def test_scans_are_stored_at_most_every_store_every_s(tmp_path: Path) -> None:
+    d = await _daemon(tmp_path, consumers={"interval_s": 1.0, "store_every_s": 3600.0})
+    try:
+        assert d.consumers is not None
+        await _until(lambda: d.consumers is not None and d.consumers.scans >= 3)
+        assert d.writer is not None and d.store is not None
+        await asyncio.to_thread(d.writer.flush)
+        # three scans in memory, one row on disk: history stays small (bench/idle.py: MB per day)
+        assert len(d.store.consumer_scans(since=0)) == 1
+        await d.consumers.at_trip()  # a trip's scan is always stored
+        await asyncio.to_thread(d.writer.flush)
+        assert len(d.store.consumer_scans(since=0)) == 2
+    finally:
+        await d.shutdown("test")

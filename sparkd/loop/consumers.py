@@ -108,6 +108,7 @@ class ConsumerWatch:
         self.last_trip: TripShares | None = None
         self._lock = threading.Lock()  # one scan at a time (periodic and trip scans share the scanner)
         self._last_warned: float | None = None
+        self._last_stored: float | None = None
 
     # ------------------------------------------------------------------ figures
     @property
@@ -145,11 +146,15 @@ class ConsumerWatch:
         summary = await asyncio.to_thread(self._scan_blocking, ids)
         return self._record(summary, avail)
 
-    def _record(self, summary: ConsumerSummary, avail: int | None) -> ScanPoint:
+    def _record(self, summary: ConsumerSummary, avail: int | None, *, store: bool = False) -> ScanPoint:
+        """Keep a scan in memory; store it when ``store`` (a trip's) or ``store_every_s`` has passed."""
         point = ScanPoint(summary, avail)
         self.history.append(point)
         self.scans += 1
-        if self.submit is not None:
+        now = self.mono()
+        due = self._last_stored is None or now - self._last_stored >= self.settings.store_every_s
+        if self.submit is not None and (store or due):
+            self._last_stored = now
             self.submit(
                 "consumers",
                 {
@@ -207,7 +212,7 @@ class ConsumerWatch:
         try:
             ids, avail = self.container_ids(), self.mem_available()
             summary = await asyncio.wait_for(asyncio.to_thread(self._scan_blocking, ids), TRIP_SCAN_WAIT_S)
-            after = self._record(summary, avail)
+            after = self._record(summary, avail, store=True)
         except Exception as e:  # TimeoutError included: the stop goes on with the last periodic scan
             log.warning("trip scan did not finish (%s); using the last periodic scan", e or type(e).__name__)
             fresh = False
