@@ -173,3 +173,53 @@ def test_a_docker_restart_loop_is_restarting_counted_and_warned_about(
     st = docker_client.api.inspect_container(c.id)["State"]
     assert st["Running"] is False and st["Restarting"] is False
     assert s.wait_state("stopped", 10)["container_id"] == c.id
+
+
+def test_a_container_started_by_hand_is_stopped_again_within_the_cooldown(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    # a rule's cooldown (60 s here, the default) is for a stop that happened; a container the
+    # operator starts again while memory is still low must be stopped at the next trip, not 60 s later
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+    (proc / "meminfo").write_text(HIGH)
+    fv = launcher(managed=False, startup_s=0.3)
+    s = make(
+        container={"image": None, "guard": fv.name, "port": fv.port, "hard_floor": "1GiB"},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        top={"cooldown_s": 60.0, "proc_root": str(proc), "shm_dir": str(shm)},
+    )
+    s.wait_state("ready", 60)
+    (proc / "meminfo").write_text(LOW)
+    s.wait_event("stopped", 60)
+    docker_client.containers.get(fv.id).start()  # by hand, memory still low
+    s.wait_event("restarted_outside", 10)
+    t0 = time.time()
+    assert wait_for(lambda: len(s.events("stopped")) == 2, 30), s.output()[-3000:]
+    assert s.events("stopped")[-1]["ts"] - t0 < 20  # not held back by the first trip's 60 s cooldown
+    (proc / "meminfo").write_text(HIGH)
+
+
+def test_a_model_a_rule_stopped_stays_stopped_when_the_database_is_lost(make: Any, tmp_path: Path) -> None:
+    # the launch record is gone (disk full, file removed): the persisted stop intent still holds
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HIGH)
+    s = make(
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        top={"proc_root": str(proc), "shm_dir": str(tmp_path)},
+    )
+    s.wait_state("ready", 60)
+    (proc / "meminfo").write_text(LOW)  # below the 3 GiB hard floor too: killed at once
+    s.wait_event("container_stopped", 60)
+    (proc / "meminfo").write_text(HIGH)
+    s.stop()
+    for f in s.tmp.glob("sparkd.db*"):
+        f.unlink()
+    s.start()
+    ev = s.wait_event("staying_stopped", 20)
+    assert "emergency" in ev["message"], ev
+    time.sleep(2.0)
+    assert s.events("launched") == []  # the new database has no launch: none happened
+    assert s.container()["stay_stopped"] is True

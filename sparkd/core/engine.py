@@ -175,6 +175,12 @@ class RuleEngine:
             horizon_s=self.horizon_s,
         )
 
+    def reset_cooldowns(self) -> None:
+        """Forget every rule's last trip: a new run of the container (launched, adopted, started by hand)
+        or a trip that stopped nothing must not leave the rules silent for ``cooldown_s``."""
+        for st in self.states.values():
+            st.last_trip_mono = None
+
     def recheck(self, rule_name: str, sample: Sample) -> bool:
         """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
 

@@ -262,6 +262,10 @@ class Daemon:
             took = ((details or {}).get("durations_s") or {}).get("stop")
             if isinstance(took, int | float):
                 self.guard.engine.note_stop_duration(float(took))  # the predictive horizon learns it
+        if kind in ("launched", "adopted", "restarted_outside", "stop_not_executed") and self.guard is not None:
+            # a new run of the container, or a trip that stopped nothing: the next trip must act (a rule's
+            # cooldown is for a stop that happened, never for a container the operator just started)
+            self.guard.engine.reset_cooldowns()
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)

@@ -19,7 +19,6 @@ from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
-from sparkd.core.supervision import StopIntent
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
 from sparkd.loop.status import diff_figures
@@ -28,6 +27,7 @@ from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_http import MetricsUnavailable, read_vllm_metrics
 from sparkd.sense.vllm_log import LaunchLogParser
+from sparkd.store.store import READ_ERRORS
 from sparkd.units import GiB, fmt_gib
 
 if TYPE_CHECKING:
@@ -84,12 +84,31 @@ class LaunchBook:
         """A model that was stopped (by a rule, an operator, a crash) stays stopped across restarts of sparkd
         until an operator starts it; only a launch that was still up when sparkd went away is relaunched —
         unless the persisted stop intent (loop/unattended) is ``operator`` or ``maintenance``."""
-        store = self.daemon.store if self.daemon else None
-        if store is None or self.mode != "managed":
+        if self.mode != "managed":
             return
-        last = await asyncio.to_thread(store.launches, limit=1)
+        store = self.daemon.store if self.daemon else None
         intent = self.unattended.state.intent
-        held = intent is not None and intent.intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE)
+        if store is None:
+            # no database to read the last launch from: never guess "it was running" — a model a rule
+            # stopped must not come back because the database was lost (held until `sparkd start`)
+            self.autostart_pending = False
+            self.stay_stopped = True
+            self.state_reason = "the database cannot tell how the last launch ended; stays stopped until `sparkd start`"
+            self._event(
+                "staying_stopped",
+                "not launching at start: the database cannot be read, so how the last launch ended is unknown "
+                "(a model a rule stopped must stay stopped); `sparkd start` launches",
+                severity="critical",
+                details={"intent": intent.intent.value if intent else None},
+            )
+            return
+        try:
+            last = await asyncio.to_thread(store.launches, limit=1)
+        except READ_ERRORS:
+            last = []
+        # any persisted stop intent means the model was down when sparkd went away (it is released at the
+        # next launch): it holds even when the database lost the launch record (tmpfs full, file gone)
+        held = intent is not None
         if (last and last[0]["status"] not in ("starting", "ready")) or held:
             self.autostart_pending = False
             self.stay_stopped = True
