@@ -274,3 +274,24 @@ def test_a_stop_is_skipped_when_memory_recovered_before_acting(tmp_path: Path) -
     assert stops == [] and "recovered_before_stop" in kinds
     stops, kinds = asyncio.run(go(recover=False))
     assert len(stops) == 1 and stops[0].startswith("low_available: MemAvailable 2.00 GiB < 6.00 GiB for 2/2")
+
+
+def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
+    """SIGSTOP for 3 s then SIGCONT (a frozen host, a starved process): a critical ``guard_gap`` event
+    names the hole in the samples instead of leaving it silent."""
+    import json
+    import signal
+
+    from sparkdproc import db_query, sparkd_run, wait_for
+
+    with sparkd_run(tmp_path, config='interval_s = 0.25\nfast_interval_s = 0.25\nkernlog_source = "off"\n') as p:
+        db = tmp_path / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 4, 30)
+        p.send_signal(signal.SIGSTOP)
+        time.sleep(3.0)
+        p.send_signal(signal.SIGCONT)
+        rows = wait_for(lambda: db_query(db, "SELECT severity, details FROM events WHERE kind='guard_gap'"), 15)
+        assert rows, "no guard_gap event"
+        severity, details = rows[0]
+        assert severity == "critical"
+        assert 2.5 <= json.loads(details)["gap_s"] <= 10

@@ -192,6 +192,7 @@ class Daemon:
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
         # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
         self.stop_hooks: list[Callable[[Decision], None]] = []
+        self.blind_gaps = 0  # ticks that came far too late (``guard_gap`` events)
         self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
@@ -505,8 +506,23 @@ class Daemon:
             next_at += interval
             now = self.mono()
             if next_at < now - interval:  # fell behind (suspend, stall): do not burst
+                self._note_gap(now - (next_at - interval), interval)
                 next_at = now
             await self._sleep(next_at - now)
+
+    def _note_gap(self, gap_s: float, interval_s: float) -> None:
+        """A tick came far too late (the process was stopped, the host froze or starved us): the guard
+        saw nothing meanwhile — say so, loudly, instead of leaving a silent hole in the samples."""
+        if gap_s < max(3 * interval_s, 2.0):
+            return
+        self.blind_gaps += 1
+        self.event(
+            "guard_gap",
+            f"no sample for {gap_s:.1f} s (interval {interval_s:g} s): the guard was not running "
+            "(process stopped, host frozen or CPU-starved); nothing was guarded in that time",
+            severity="critical",
+            details={"gap_s": round(gap_s, 3), "interval_s": interval_s},
+        )
 
     async def _sleep(self, delay_s: float) -> None:
         """Sleep until the next tick; ``request_exit`` wakes it early. (A timer and a future per tick cost
