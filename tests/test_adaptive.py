@@ -376,7 +376,7 @@ def test_a_counting_rule_samples_fast_so_n_samples_take_n_fast_intervals(tmp_pat
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 1, 15.0)
         _quiet_normal(db)
         hog_start = time.time()
-        with Hog(1536) as hog:
+        with Hog(2048) as hog:  # 1 GiB beyond the threshold: other processes freeing memory meanwhile
             hog.wait_ready()
             assert _avail() < threshold
             trips = wait_for(lambda: _events(db, "trip", since=hog_start), 10.0, step_s=0.05)
