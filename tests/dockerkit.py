@@ -127,3 +127,9 @@ def sparkd_factory(
     yield make
     for s in made:
         s.stop()
+
+
+@pytest.fixture
+def make(sparkd_factory: Callable[..., SparkdUnderTest]) -> Callable[..., SparkdUnderTest]:
+    """``make(**kw)``: ``sparkd_factory(**kw).start()`` — a running sparkd with its API, stopped at the end."""
+    return lambda **kw: sparkd_factory(**kw).start()

@@ -28,22 +28,6 @@ pytest_plugins = ["dockerkit"]
 RUNNING = ("starting", "ready", "unhealthy")
 
 
-@pytest.fixture
-def make(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any):
-    made: list[SparkdUnderTest] = []
-
-    def _make(**kw: Any) -> SparkdUnderTest:
-        d = tmp_path / f"s{len(made)}"
-        d.mkdir()
-        s = SparkdUnderTest(d, image, case_labels, **kw)
-        made.append(s)
-        return s.start()
-
-    yield _make
-    for s in made:
-        s.stop()
-
-
 def _started_at(docker_client: Any, cid: str) -> float:
     t = epoch_from_docker(docker_client.api.inspect_container(cid)["State"]["StartedAt"])
     assert t is not None

@@ -9,31 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import pytest
 from checkpoints import make_checkpoint
 from conftest import need
-from sparkdapi import SparkdUnderTest
 from sparkdproc import db_query, wait_for
 from test_e2e_budget import BUDGET
 from test_kvcache import LLAMA_31_8B
 
 pytest_plugins = ["dockerkit"]
-
-
-@pytest.fixture
-def make(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any):
-    made: list[SparkdUnderTest] = []
-
-    def _make(**kw: Any) -> SparkdUnderTest:
-        d = tmp_path / f"s{len(made)}"
-        d.mkdir()
-        s = SparkdUnderTest(d, image, case_labels, **kw)
-        made.append(s)
-        return s.start()
-
-    yield _make
-    for s in made:
-        s.stop()
 
 
 def test_a_kernel_oom_kill_of_the_container_is_attributed_archived_and_corrected(make: Any, docker_client: Any) -> None:

@@ -13,27 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from sparkdapi import SparkdUnderTest
 from sparkdproc import wait_for
 
 pytest_plugins = ["dockerkit"]
-
-
-@pytest.fixture
-def make(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any):
-    made: list[SparkdUnderTest] = []
-
-    def _make(**kw: Any) -> SparkdUnderTest:
-        d = tmp_path / f"s{len(made)}"
-        d.mkdir()
-        s = SparkdUnderTest(d, image, case_labels, **kw)
-        made.append(s)
-        return s.start()
-
-    yield _make
-    for s in made:
-        s.stop()
 
 
 def sup(s: SparkdUnderTest) -> dict[str, Any]:
