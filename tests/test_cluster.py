@@ -132,6 +132,10 @@ def test_a_trip_on_the_worker_stops_both_gracefully_at_once(pair: Any, docker_cl
     assert view["node"] == "spark-h" and view["peers"][0]["node"] == "spark-w"
     assert view["peers"][0]["reachable"] is True
     assert view["peers"][0]["status"]["container"]["state"] == "stopped"
+    # the same as a page, on either node: every node side by side
+    page = httpx.get(f"http://127.0.0.1:{head.api_port}/cluster", timeout=10).text
+    assert 'id="cluster-nodes"' in page and "spark-w" in page and "spark-h" in page
+    assert page.count("<tr") == 3  # header + two nodes
     # the same from the command line, on the worker
     out = subprocess.run(
         [sys.executable, "-m", "sparkd.face.cli", "--config", str(worker.config), "status", "--cluster"],
@@ -157,6 +161,9 @@ def test_a_trip_with_the_peer_daemon_dead_stops_locally_on_time(pair: Any, docke
     assert stop["ts"] - t0 < 35
     un = worker.wait_event("peer_unreachable", 10)
     assert un["details"]["peer"] == "spark-h"
+    # the one view says the silent peer is silent (and how old its last status is, once one was seen)
+    page = httpx.get(f"http://127.0.0.1:{worker.api_port}/cluster", timeout=15).text
+    assert "spark-h" in page and "no " in page.split("spark-h", 1)[1][:200]
 
 
 def test_peer_calls_need_the_token_and_a_peer_address(pair: Any) -> None:

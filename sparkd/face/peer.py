@@ -16,7 +16,7 @@ import ipaddress
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -104,3 +104,33 @@ def install_peer(app: FastAPI, daemon: DaemonView, cluster: Cluster) -> None:
     async def cluster_view() -> dict[str, Any]:
         """This node and its peers side by side; a silent peer with the age of its last status."""
         return {"node": cluster.settings.node, "role": cluster.settings.role, "peers": await cluster.peer_statuses()}
+
+    @app.get("/cluster", response_class=HTMLResponse, include_in_schema=False)
+    async def cluster_page(request: Request) -> HTMLResponse:
+        """Every node side by side: headroom to its nearest stop line, container state, last stop."""
+        from sparkd.face.web import render
+
+        status = daemon.status_json().model_dump(mode="json")
+        local: dict[str, Any] = {"node": cluster.settings.node, "reachable": True, "age_s": 0.0, "status": status}
+        nodes = [local, *await cluster.peer_statuses()]
+        return render(request, "cluster.html", nodes=[node_row(n) for n in nodes], role=cluster.settings.role)
+
+
+def node_row(n: dict[str, Any]) -> dict[str, Any]:
+    """One node of ``/api/cluster`` as the cluster page shows it (GiB at this edge)."""
+    st = n.get("status") or {}
+    ns = st.get("nearest_stop") or {}
+    last = next((e for e in st.get("events") or [] if e.get("kind") in ("stopped", "killed")), None)
+    gib = 1024**3
+    return {
+        "node": n["node"],
+        "reachable": n["reachable"],
+        "age_s": n.get("age_s"),
+        "error": n.get("error"),
+        "mem_available_gib": ((st.get("sample") or {}).get("mem_available") or 0) / gib if st else None,
+        "headroom_gib": ns["headroom_bytes"] / gib if ns else None,
+        "rule": ns.get("rule"),
+        "counter": f"{ns['counter']}/{ns['samples']}" if ns else None,
+        "state": (st.get("container") or {}).get("state"),
+        "last_stop": last["message"] if last else None,
+    }
