@@ -273,6 +273,33 @@ def test_it_keeps_guarding_when_the_database_is_corrupted_while_running(tmp_path
         assert g.p.returncode == 0 and "Traceback" not in out, out[-2000:]
 
 
+def test_a_database_corrupt_inside_an_intact_header_is_moved_aside_without_a_storm(tmp_path: Path) -> None:
+    """Pages inside the file garbled, the header intact: it still opens, so each reopen failed again at
+    the next write (an unavailable/recovered pair every 0.5 s). The keeper checks the pages
+    (quick_check) before it trusts a file that said "malformed", and moves it aside."""
+    import sqlite3
+
+    state = tmp_path / "state"
+    with guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 20, 20.0)
+        con = sqlite3.connect(db)
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the rows into the main file
+        con.close()
+        size = db.stat().st_size
+        assert size > 3 * 4096
+        t0 = time.time()
+        with open(db, "r+b") as f:  # every page but the first (the header) garbled
+            f.seek(4096)
+            f.write(os.urandom(size - 4096))
+        assert wait_for(lambda: list(state.glob("sparkd.db.corrupt-*")), 30.0, 0.2), list(state.iterdir())
+        assert wait_for(lambda: g.status()["database"]["state"] == "ok", 15.0, 0.2)
+        time.sleep(3.0)
+        # said once or twice, not a storm of pairs
+        assert len(g.events("database_unavailable")) <= 3, len(g.events("database_unavailable"))
+        g.assert_sampling(t0)
+
+
 def test_it_says_and_recreates_a_database_deleted_while_running(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with guarded(tmp_path, state) as g:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.config import effective_config
+from sparkd.store.keeper import is_corrupt
 from sparkd.units import parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
@@ -175,6 +176,8 @@ async def retention_loop(daemon: Daemon) -> None:
             await daemon.retention_once()
         except Exception as e:
             log.warning("retention failed: %s", e)
+            if is_corrupt(e) and daemon.writer is not None and daemon.db.state == "ok":
+                daemon.writer.fatal = one_line(e)  # the keeper moves a corrupt file aside, loudly
         await asyncio.sleep(daemon.settings.retention.interval_s)
 
 

@@ -81,6 +81,7 @@ class DbKeeper:
     next_attempt_mono: float = 0.0
     inode: int | None = None
     moved_aside: list[str] = field(default_factory=list)
+    suspect_corrupt: bool = False  # a write or read said "malformed": the next open runs quick_check
 
     def attempt(self, now_mono: float) -> Store | None:
         """Open (and migrate) the database; on a corrupt file move it aside and open a fresh one.
@@ -90,6 +91,11 @@ class DbKeeper:
         self.attempts += 1
         try:
             store = self._open()
+            if self.suspect_corrupt and not _sound(store):
+                # it opens (the header is intact) but the pages are not: SQLite's "malformed" came from
+                # inside the file. Reopening it would fail again at the next write, forever: move it aside.
+                store.close()
+                raise StoreError(f"database disk image is malformed (quick_check failed): {self.path}")
         except StoreError as e:
             if is_corrupt(e) and self._move_aside():
                 try:
@@ -100,6 +106,7 @@ class DbKeeper:
             else:
                 self._failed(str(e), now_mono)
                 return None
+        self.suspect_corrupt = False
         self.store, self.state, self.error, self.since = store, "ok", None, time.time()
         self.backoff_s = BACKOFF_FIRST_S
         harden(self.path)
@@ -149,6 +156,8 @@ class DbKeeper:
         if store is not None:
             with contextlib.suppress(Exception):
                 store.close()
+        if is_corrupt(StoreError(why)):
+            self.suspect_corrupt = True  # the next open checks the pages, not just the header
         if at_once:
             self.backoff_s = BACKOFF_FIRST_S
         self._failed(why, now_mono)
@@ -181,6 +190,15 @@ class DbKeeper:
             "attempts": self.attempts,
             "moved_aside": list(self.moved_aside),
         }
+
+
+def _sound(store: Store) -> bool:
+    """``PRAGMA quick_check`` says ``ok`` (a page-level check: a corrupt page inside an intact file)."""
+    try:
+        with store.engine.connect() as conn:
+            return conn.exec_driver_sql("PRAGMA quick_check").scalar() == "ok"
+    except Exception:
+        return False
 
 
 def _line(e: BaseException | str) -> str:
