@@ -38,7 +38,9 @@ def _cluster_toml(node: str, role: str, link: str, peer: str, peer_link: str, pe
 
 
 @pytest.fixture
-def pair(tmp_path: Path, image: str, case_labels: dict[str, str]) -> Any:
+def pair(tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any) -> Any:
+    # ``launcher``: its finalizer removes every container carrying this test's case label (the daemons'
+    # managed containers here), after the daemons stop
     """(worker, head): the worker reads a scripted /proc (``pair.low()`` makes it trip; the head reads the
     real one, with a rule that cannot trip here)."""
     token = tmp_path / "pair.token"
@@ -220,7 +222,7 @@ def test_a_coordinated_launch_starts_the_worker_first(pair: Any) -> None:
 
 
 def test_a_worker_that_fails_to_launch_keeps_the_head_down(
-    tmp_path: Path, image: str, case_labels: dict[str, str]
+    tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any
 ) -> None:
     token = tmp_path / "pair.token"
     token.write_text("pair-secret-0123456789abcdef\n")
