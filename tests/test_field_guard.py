@@ -36,7 +36,16 @@ def test_a_tuned_host_below_the_floor_warns_and_does_not_loop(tmp_path: Path) ->
         trips = db_query(db, "SELECT count(*) FROM events WHERE kind='trip'")[0][0]
         stops = db_query(db, "SELECT count(*) FROM events WHERE kind IN ('stop_not_executed','stopping')")[0][0]
         assert trips >= 1 and stops == 0
-        status = json.loads(db_query(db, "SELECT data FROM status")[0][0])
+
+        # the stored snapshot (what `sparkd status` reads) lags the events by up to STATUS_QUIET_S plus the
+        # writer's 2 s gathering: wait for the one written after the demotion
+        def demoted_status() -> dict[str, Any] | None:
+            st = json.loads(db_query(db, "SELECT data FROM status")[0][0])
+            r = next(r for r in st["rules"] if r["name"] == "low_available")
+            return st if r["demoted"] else None
+
+        status = wait_for(demoted_status, 15)
+        assert status is not None, "the stored status never showed the demotion"
         rule = next(r for r in status["rules"] if r["name"] == "low_available")
         assert rule["demoted"] and rule["action"] == "warn"
         assert status["watermark"]["warnings"]
