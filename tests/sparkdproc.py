@@ -23,6 +23,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rewrite_in_place(path: Path, text: str) -> None:
+    """Write a scripted /proc file the way the kernel serves one: same inode (sparkd keeps /proc/meminfo
+    open and preads it), one write at offset 0, then the length cut; write texts of one length (fixed-width
+    numbers) and a reader never sees a half-empty file, which it would between a truncate and a write."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
 def db_query(db: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
     try:

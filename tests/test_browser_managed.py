@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from sparkdapi import SparkdUnderTest
-from sparkdproc import wait_for
+from sparkdproc import rewrite_in_place, wait_for
 from test_browser import ARTIFACTS, _EvilPage, browser  # noqa: F401 - the browser fixture
 from test_e2e_budget import BUDGET
 
@@ -123,18 +123,28 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
     case_labels: dict[str, str],
     launcher: Any,
 ) -> None:
-    from sparkd.sense import procfs
+    # a scripted /proc/meminfo (the real one, MemAvailable rewritten) drives the rule: the real-memory
+    # trip has its own test (test_e2e_docker), and on this shared host MemAvailable moves by a GiB or
+    # more while other tests' browsers and containers exit, so a stop line set from it can be missed.
+    # /dev/shm cleanup gets a private directory, since this /proc shows no live holders
+    real = Path("/proc/meminfo").read_text()
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
 
-    # a stop line 1.5 GiB below MemAvailable now (the machine is shared: others' tests move it);
-    # the container then takes 1.9 GiB (≤ 2 GiB)
-    threshold = procfs.read_meminfo().fields["MemAvailable"] - 3 * 2**29
+    def meminfo(available_gib: int) -> None:
+        text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        rewrite_in_place(proc / "meminfo", text)
+
+    meminfo(12)
     s = SparkdUnderTest(
         tmp_path,
         image,
         case_labels,
         budget=BUDGET,
         container={"memory": None, "env": {"FAKEVLLM_STARTUP_S": "0.5"}},
-        rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}],
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 3}],
     )
     s.start()
     try:
@@ -154,8 +164,9 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
 
         # the guard stops the container on the rule
         assert page.locator("#part-stopped").is_hidden()
-        s.vllm("POST", "/alloc?mib=1946")
+        meminfo(4)  # below the 6 GiB stop line, above the 3 GiB hard floor: a graceful stop
         stopped = s.wait_event("stopped", 90)
+        meminfo(12)
         assert stopped["details"]["source"] == "rule low_available"
         card = page.locator("#part-stopped")
         card.wait_for(state="visible", timeout=10000)
@@ -163,6 +174,8 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert "stopped by the guard" in text.lower() and "low_available" in text
         assert "exit code" in text and str(stopped["details"]["exit_code"]) in text
         assert "MemAvailable at the trip" in text
+        assert re.search(r"sample taken\s+\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", text), text
+        assert re.search(r"who grew \(since the fall began\)\s+container [\d.]+ GiB · host", text), text
         # never a green "ok" while the model stays stopped by the guard
         assert page.inner_text("#overall") == "stopped by the guard"
         assert "ok" not in (page.get_attribute("#overall", "class") or "").split()
@@ -177,7 +190,11 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         incident_id = int(page.url.rsplit("/", 1)[1])
         data = s.api("GET", f"/incidents/{incident_id}.json").json()
         assert data["rule"] == "low_available" and data["exit_code"] == stopped["details"]["exit_code"]
-        assert wait_for(lambda: page.evaluate("window.sparkdIncident && window.sparkdIncident.points()") > 5, 10)
+        # the chart draws every stored second from the daemon's start (a few seconds before the trip) on
+        stored = data["samples"]["ts"]
+        assert len(stored) >= 3 and stored[0] <= data["trip_ts"] <= stored[-1] + 1, (data["trip_ts"], stored)
+        points = wait_for(lambda: page.evaluate("window.sparkdIncident && window.sparkdIncident.points()"), 10)
+        assert points == len(stored), (points, stored)
         assert "trip" in page.evaluate("window.sparkdIncident.marks()")
         timeline = page.inner_text("#incident-timeline")
         assert "trip" in timeline and "stopping" in timeline and "stopped" in timeline

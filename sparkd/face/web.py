@@ -110,9 +110,15 @@ _SIZE_KEYS = frozenset({"MemAvailable", "MemFree", "Cached", "AnonPages", "Slab"
 
 
 def _fmt_tripval(v: Any, key: str = "") -> str:
-    """A value recorded at a trip, by its key: sizes in GiB, slopes in GiB/s, times in s."""
+    """A value recorded at a trip, by its key: sizes in GiB, slopes in GiB/s, times in s, epoch
+    timestamps (``*_ts``) as UTC times, and a mapping of sizes (``fall_shares_bytes``) as
+    ``part size · part size``."""
+    if isinstance(v, dict):
+        return " · ".join(f"{k} {_fmt_tripval(x, key)}" for k, x in v.items()) or "–"
     if not isinstance(v, int | float) or isinstance(v, bool):
         return "n/a" if v is None else str(v)
+    if key.endswith("_ts"):
+        return _fmt_datetime(v)
     if key.endswith("_bytes_per_s"):
         return f"{v / GiB:+.2f} GiB/s"
     if key.endswith("_s"):
@@ -120,6 +126,14 @@ def _fmt_tripval(v: Any, key: str = "") -> str:
     if key in _SIZE_KEYS or key.endswith("_bytes") or abs(v) >= 2**20:
         return f"{v / GiB:.2f} GiB"
     return _fmt_value(v)
+
+
+_TRIP_LABELS = {"sample_ts": "sample taken", "fall_shares_bytes": "who grew (since the fall began)"}
+
+
+def _trip_label(key: str) -> str:
+    """The row label of a value recorded at a trip (the stopped card, the incident page)."""
+    return _TRIP_LABELS.get(key) or f"{key} at the trip"
 
 
 def make_templates() -> Jinja2Templates:
@@ -133,6 +147,7 @@ def make_templates() -> Jinja2Templates:
         duration=_fmt_duration,
         size=_fmt_size,
         tripval=_fmt_tripval,
+        triplabel=_trip_label,
     )
     t.env.globals.update(version=__version__, plan_rows=PLAN_ROWS)
     return t

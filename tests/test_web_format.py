@@ -1,0 +1,25 @@
+"""The dashboard's formatting of values recorded at a trip (stopped card, incident page)."""
+
+from __future__ import annotations
+
+from sparkd.face.web import _fmt_tripval, _trip_label
+from sparkd.units import GiB, MiB
+
+
+def test_trip_values_are_shown_in_their_units() -> None:
+    assert _fmt_tripval(4 * GiB, "MemAvailable") == "4.00 GiB"
+    assert _fmt_tripval(-GiB // 2, "mem_available_slope_bytes_per_s") == "-0.50 GiB/s"
+    assert _fmt_tripval(2.25, "for_s") == "2.2 s"
+    # an epoch timestamp is a time, not 1.67 "GiB"
+    assert _fmt_tripval(1796091866.7, "sample_ts") == "2026-12-01 02:24:26 UTC"
+    # who grew: each share in GiB, in the recorded order
+    shares = {"container": 2 * GiB, "host": 512 * MiB, "system": 0}
+    assert _fmt_tripval(shares, "fall_shares_bytes") == "container 2.00 GiB · host 0.50 GiB · system 0.00 GiB"
+    assert _fmt_tripval(None, "MemFree") == "n/a"
+    assert _fmt_tripval({}, "fall_shares_bytes") == "–"
+
+
+def test_trip_rows_are_labelled_for_people() -> None:
+    assert _trip_label("MemAvailable") == "MemAvailable at the trip"
+    assert _trip_label("sample_ts") == "sample taken"
+    assert _trip_label("fall_shares_bytes") == "who grew (since the fall began)"
