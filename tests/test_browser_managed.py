@@ -184,6 +184,49 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "stopped-1440x900.png"), full_page=True)
 
+        # the chart: pointing at the trip mark says what it was; a drag zooms; a double-click goes back
+        card_link = page.get_attribute("#part-stopped a:has-text('Open the incident')", "href")
+        assert wait_for(
+            lambda: {"trip", "stopped"} <= set(page.evaluate("window.sparkdChart.markers().map((m) => m.kind)")), 10
+        )
+        page.locator("#chart").scroll_into_view_if_needed()
+        trip_x, over = page.evaluate(
+            """() => {
+                const p = window.sparkdChart.plot();
+                const t = window.sparkdChart.markers().find((m) => m.kind === 'trip');
+                const r = p.over.getBoundingClientRect();
+                return [p.valToPos(t.ts, 'x'), [r.left, r.top, r.height]];
+            }"""
+        )
+        left, top, height = over
+        page.mouse.move(left + trip_x, top + height / 2)
+        tip = page.locator("#chart-tip")
+        tip.wait_for(state="visible", timeout=5000)
+        assert "trip" in tip.inner_text() and "low_available" in tip.inner_text()
+        assert "click to open the incident" in tip.inner_text()
+        page.locator(".chart-card").screenshot(path=str(ARTIFACTS / "chart-mark-tooltip.png"))
+        page.mouse.move(left + trip_x - 160, top + height / 2)
+        page.mouse.down()
+        page.mouse.move(left + trip_x - 60, top + height / 2, steps=5)
+        page.mouse.up()
+        zoom = page.evaluate("window.sparkdChart.zoom()")
+        assert zoom and 0 < zoom[1] - zoom[0] < 300, zoom
+        scale = page.evaluate("[window.sparkdChart.plot().scales.x.min, window.sparkdChart.plot().scales.x.max]")
+        assert abs(scale[0] - zoom[0]) < 1 and abs(scale[1] - zoom[1]) < 1, (scale, zoom)
+        assert page.locator("#zoom-reset").is_visible()
+        page.wait_for_timeout(2500)  # a live update meanwhile does not undo the zoom
+        assert page.evaluate("window.sparkdChart.zoom()") == zoom
+        page.dblclick("#chart .u-over")
+        assert page.evaluate("window.sparkdChart.zoom()") is None and page.locator("#zoom-reset").is_hidden()
+        # a click on the trip mark opens the incident of the stop that followed it: the card's link
+        trip_x = page.evaluate(
+            "window.sparkdChart.plot().valToPos(window.sparkdChart.markers().find((m) => m.kind === 'trip').ts, 'x')"
+        )
+        page.mouse.click(left + trip_x, top + height / 2)
+        page.wait_for_url(re.compile(r".*/incidents/\d+$"))
+        assert page.url.endswith(card_link)
+        page.go_back()
+
         # the incident page: summary, chart with the trip mark, timeline, stop steps
         page.click("#part-stopped a:has-text('Open the incident')")
         page.wait_for_url(re.compile(r".*/incidents/\d+$"))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd.core.choices import RuleAction
 from sparkd.core.lifecycle import ContainerState
-from sparkd.loop.status import Status
+from sparkd.loop.status import GpuStatus, Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
@@ -130,7 +130,49 @@ def summary_from_status(status: Status) -> dict[str, Any]:
         "kernel_log": status.kernel_log.model_dump(),
         "writer": status.writer.model_dump(),
         "consumers": status.consumers.model_dump() if status.consumers else None,
+        # MemAvailable − CmaFree, what the rules judge; shown only where CMA makes it differ
+        "usable_bytes": status.usable_bytes if status.usable_bytes != avail else None,
+        "gpu": [gpu_line(g) for g in status.gpu],
+        "leak": leak_line(status),
+        "watermark_warnings": list(status.watermark.warnings),
     }
+
+
+def gpu_line(g: GpuStatus) -> dict[str, Any]:
+    """One GPU for the Now card: its readings, or n/a with the reason (``level`` ``na``).
+
+    ``memory_supported`` false (GB10: unified memory, NVML has no framebuffer figures) says so
+    instead of a 0 GiB reading."""
+    if not g.available:
+        return {"level": "na", "text": f"n/a ({g.reason or 'no reading'})"}
+    parts = [g.name or f"GPU {g.index}"]
+    if g.utilization_pct is not None:
+        parts.append(f"{g.utilization_pct:.0f} %")
+    if g.temperature_c is not None:
+        parts.append(f"{g.temperature_c:.0f} °C")
+    if g.power_w is not None:
+        parts.append(f"{g.power_w:.0f} W")
+    if g.memory_supported is False:
+        parts.append("memory n/a (unified memory: not reported by NVML)")
+    elif g.memory_used_bytes is not None and g.memory_total_bytes:
+        parts.append(f"{g.memory_used_bytes / GiB:.1f} of {g.memory_total_bytes / GiB:.1f} GiB")
+    return {"level": "ok", "text": " · ".join(parts)}
+
+
+def leak_line(status: Status) -> dict[str, Any] | None:
+    """The driver-memory leak trend (``core.leak``) once it has a baseline: growth since warm-up
+    against its alert threshold; ``level`` ``warn`` after an alert. None while there is nothing
+    to say (no launch, still warming up)."""
+    lk = status.leak
+    if lk.growth_bytes is None:
+        return None
+    level = "warn" if lk.alerts else "ok"
+    text = (
+        f"driver memory {lk.growth_bytes / GiB:+.2f} GiB since warm-up "
+        f"(alert at +{lk.threshold_bytes / GiB:.1f} GiB)"
+        + (f"; {lk.alerts} alert{'s' if lk.alerts != 1 else ''}" if lk.alerts else "")
+    )
+    return {"level": level, "text": text}
 
 
 def rules_from_status(status: Status) -> list[dict[str, Any]]:

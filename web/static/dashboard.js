@@ -1,8 +1,10 @@
 /* sparkd live memory chart (uPlot). Fetches /api/samples and the marks once per range; after
  * that live.js hands it only the new buckets and events (append). Stop thresholds are dashed
  * horizontal lines, labelled once per value; events are vertical marks (trip drawn last, on
- * top); a gap of more than max(3 buckets, 10 s) breaks the lines. Clicking near a trip/stop
- * mark opens its incident. No inline script: the page's CSP allows only 'self' scripts. */
+ * top); a gap of more than max(3 buckets, 10 s) breaks the lines. Pointing at a mark shows what it
+ * was (tooltip); clicking a trip or stop mark opens its incident (a trip: the stop that followed it).
+ * Dragging across the chart zooms into that stretch (live updates go on underneath); double-click or
+ * "Back to live" returns. No inline script: the page's CSP allows only 'self' scripts. */
 (function () {
   "use strict";
   const GiB = 1073741824;
@@ -42,6 +44,11 @@
   let plot = null;
   let timer = null;
   let generation = 0;
+  let zoom = null; // [min, max] epoch s while zoomed in; null: the live range
+  const tip = document.getElementById("chart-tip");
+  const zoomReset = document.getElementById("zoom-reset");
+  const INCIDENT_KINDS = ["stopped", "killed"];
+  const TRIP_TO_STOP_S = 120; // a trip's incident is the stop that followed within this
 
   const fmtGiB = (u, v) => (v == null ? "–" : v.toFixed(2) + " GiB");
   const pad = (n) => String(n).padStart(2, "0");
@@ -117,10 +124,10 @@
       width: el.clientWidth || 600,
       height: height(),
       tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
-      cursor: { drag: { x: false, y: false } },
+      cursor: { drag: { x: true, y: false, setScale: false } },
       legend: { live: true },
       scales: {
-        x: { time: true, auto: false, range: () => [Date.now() / 1000 - range, Date.now() / 1000] },
+        x: { time: true, auto: false, range: () => zoom || [Date.now() / 1000 - range, Date.now() / 1000] },
         y: {
           range: (u, min, max) => {
             const top = Math.max(max || 0, ...thresholds.map((t) => t.value / GiB));
@@ -148,7 +155,7 @@
         { label: "time (UTC)", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" },
         ...SERIES.map(([, , label, color, w]) => ({ label, stroke: color, width: w, value: fmtGiB, spanGaps: false })),
       ],
-      hooks: { draw: [draw], setData: [showLatest], setCursor: [showLatest] },
+      hooks: { draw: [draw], setData: [showLatest], setCursor: [showLatest, pointAt], setSelect: [zoomTo] },
     };
     plot = new uPlot(opts, data, el);
     showLatest(plot);
@@ -222,7 +229,8 @@
       if (keep < 0) keep = data[0].length;
       data = withGaps(data.map((arr, i) => arr.slice(0, keep).concat(cols[i])));
     }
-    const cutoff = Date.now() / 1000 - range;
+    // the live range slides on; a zoomed stretch keeps its data until the reader goes back to live
+    const cutoff = Math.min(Date.now() / 1000 - range, zoom ? zoom[0] : Infinity);
     const drop = data[0].findIndex((t) => t >= cutoff);
     if (drop > 0) data = data.map((arr) => arr.slice(drop));
     markers = markers.filter((m) => m.ts >= cutoff);
@@ -235,24 +243,83 @@
     return { since: data[0][data[0].length - 1], step };
   }
 
+  function markAt(x) {
+    // the mark within 4 px of x (css px over the plot); a trip wins over what it sits on
+    let best = null;
+    for (const m of markers) {
+      const d = Math.abs(plot.valToPos(m.ts, "x") - x);
+      if (d > 4) continue;
+      if (!best || (m.kind === "trip") > (best.m.kind === "trip") || d < best.d) best = { m, d };
+    }
+    return best && best.m;
+  }
+
+  function incidentOf(m) {
+    // a stop mark is its incident; a trip's incident is the stop that followed it
+    if (INCIDENT_KINDS.includes(m.kind)) return m.id;
+    if (m.kind !== "trip") return null;
+    const next = markers
+      .filter((x) => INCIDENT_KINDS.includes(x.kind) && x.ts >= m.ts && x.ts - m.ts <= TRIP_TO_STOP_S)
+      .sort((a, b) => a.ts - b.ts)[0];
+    return next ? next.id : null;
+  }
+
+  function pointAt(u) {
+    if (!tip) return;
+    const x = u.cursor.left;
+    const m = x != null && x >= 0 ? markAt(x) : null;
+    u.over.classList.toggle("on-mark", !!(m && incidentOf(m)));
+    if (!m) {
+      tip.hidden = true;
+      return;
+    }
+    const when = new Date(m.ts * 1000).toISOString().slice(11, 19);
+    tip.replaceChildren();
+    const head = document.createElement("strong");
+    head.textContent = `${when} UTC · ${m.kind}`;
+    const body = document.createElement("span");
+    const msg = m.message || "";
+    body.textContent = (msg.length > 240 ? `${msg.slice(0, 239)}…` : msg) + (incidentOf(m) ? " — click to open the incident" : "");
+    tip.append(head, body);
+    tip.hidden = false;
+    const left = u.over.offsetLeft + x + 12;
+    tip.style.left = `${Math.min(left, el.clientWidth - tip.offsetWidth - 4)}px`;
+    tip.style.top = `${u.over.offsetTop + 8}px`;
+  }
+
+  function zoomTo(u) {
+    // a drag across the chart: show that stretch; a plain click (no width) is not a zoom
+    if (u.select.width < 6) return;
+    const min = u.posToVal(u.select.left, "x");
+    const max = u.posToVal(u.select.left + u.select.width, "x");
+    u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+    setZoom([min, max]);
+  }
+
+  function setZoom(z) {
+    zoom = z;
+    if (zoomReset) zoomReset.hidden = !zoom;
+    el.dataset.zoom = zoom ? `${zoom[0].toFixed(3)},${zoom[1].toFixed(3)}` : "";
+    if (plot) plot.setScale("x", zoom ? { min: zoom[0], max: zoom[1] } : { min: Date.now() / 1000 - range, max: Date.now() / 1000 });
+  }
+
   el.addEventListener("click", (ev) => {
     // a click on (or within 4 px of) a trip or stop mark opens its incident
     if (!plot) return;
-    const rect = plot.over.getBoundingClientRect();
-    const x = ev.clientX - rect.left;
-    for (const m of markers) {
-      if (!["stopped", "killed"].includes(m.kind)) continue;
-      const mx = plot.valToPos(m.ts, "x");
-      if (Math.abs(mx - x) <= 4) {
-        window.location.href = `/incidents/${m.id}`;
-        return;
-      }
-    }
+    const m = markAt(ev.clientX - plot.over.getBoundingClientRect().left);
+    const id = m && incidentOf(m);
+    if (id) window.location.href = `/incidents/${id}`;
   });
+  el.addEventListener("dblclick", () => setZoom(null));
+  el.addEventListener("mouseleave", () => {
+    if (tip) tip.hidden = true;
+  });
+  if (zoomReset) zoomReset.addEventListener("click", () => setZoom(null));
 
-  document.querySelectorAll("button.range").forEach((b) => {
+  document.querySelectorAll("button.range[data-range]").forEach((b) => {
     b.addEventListener("click", async () => {
-      document.querySelectorAll("button.range").forEach((x) => x.classList.toggle("active", x === b));
+      setZoom(null);
+      document.querySelectorAll("button.range[data-range]").forEach((x) => x.classList.toggle("active", x === b));
       range = Number(b.dataset.range);
       generation += 1;
       data = null;
@@ -274,6 +341,7 @@
     markers: () => markers,
     append,
     cursor: cursorPos,
+    zoom: () => zoom,
   };
   refresh(true).catch(() => {});
 })();
