@@ -15,6 +15,7 @@ import pytest
 from sparkdapi import SparkdUnderTest
 from sparkdproc import rewrite_in_place, wait_for
 from test_browser import ARTIFACTS, _EvilPage, browser  # noqa: F401 - the browser fixture
+from test_browser_contrast import low_contrast
 from test_e2e_budget import BUDGET
 
 pytest_plugins = ["dockerkit"]
@@ -183,6 +184,7 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert page.locator("#part-stopped button", has_text="Start again").is_enabled()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "stopped-1440x900.png"), full_page=True)
+        assert not low_contrast(page)  # the stopped card's red, too, reads at ≥ 4.5:1
 
         # the chart: pointing at the trip mark says what it was; a drag zooms; a double-click goes back
         card_link = page.get_attribute("#part-stopped a:has-text('Open the incident')", "href")
@@ -247,6 +249,7 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         # logged in: the container's last log lines from the bundle
         assert data["log_tail"] and any("Application startup complete" in ln for ln in data["log_tail"])
         page.screenshot(path=str(ARTIFACTS / "incident-1440x900.png"), full_page=True)
+        assert not low_contrast(page)
         # the events page links the incident too
         page.goto(f"{base}/events")
         assert page.locator(f"a[href='/incidents/{incident_id}']").count() >= 1
