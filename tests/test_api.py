@@ -758,6 +758,71 @@ async def test_it_sends_only_what_changed(managed: Daemon) -> None:
         assert first["event_rows"].count("<li") >= 1
 
 
+async def test_an_idle_poll_reads_no_events_from_the_database_yet_misses_none(managed: Daemon) -> None:
+    d = managed
+    assert d.store is not None and d.writer is not None
+    calls: list[Any] = []
+    real = d.store.events
+
+    def spy(**kw: Any) -> Any:
+        if "after_id" in kw:  # the live list's "newer than" read (the stopped card asks for stops apart)
+            calls.append(kw)
+        return real(**kw)
+
+    d.store.events = spy  # type: ignore[method-assign]
+    async with _client(d) as c:
+        newest = (await c.get("/ui/live.json", params={"ev": 0})).json()["last_event_id"]
+        calls.clear()
+        for _ in range(3):
+            assert (await c.get("/ui/live.json", params={"ev": newest})).json().get("event_rows") is None
+        assert len(calls) == 1  # the first poll asked; nothing was recorded or written since: no more reads
+        # an event is in memory at once and in the database after the writer's batch: polls before the
+        # write ask again (and find nothing yet), the one after it shows the event
+        d.event("login", "a marker for this test")
+        r = (await c.get("/ui/live.json", params={"ev": newest})).json()
+        assert len(calls) == 2
+        await asyncio.to_thread(d.writer.flush)
+        rows = []
+        for _ in range(2):
+            r = (await c.get("/ui/live.json", params={"ev": newest})).json()
+            if r.get("event_rows"):
+                rows.append(r)
+                break
+        assert rows and "a marker for this test" in rows[0]["event_rows"]
+        assert rows[0]["last_event_id"] > newest
+
+
+async def test_the_live_chart_tail_comes_from_memory_on_the_databases_grid(managed: Daemon) -> None:
+    from sparkd.face import presenters as views
+    from sparkd.face.live import CHART_LIVE_COLUMNS, CHART_LIVE_FIELDS
+
+    d = managed
+    assert d.store is not None and d.writer is not None
+    for _ in range(8):  # two seconds of samples at 4 Hz
+        await asyncio.sleep(0.25)
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+    await asyncio.to_thread(d.writer.flush)
+    since = float(int(d.live_samples[0]["ts"]) + 1)  # a bucket start the memory reaches back to
+    assert d.reads.covers(since)
+    calls: list[Any] = []
+    real = d.store.downsampled
+    d.store.downsampled = lambda **kw: calls.append(kw) or real(**kw)  # type: ignore[method-assign]
+    async with _client(d) as c:
+        tail = (await c.get("/ui/live.json", params={"since": since, "step": 1})).json()["samples"]
+    assert calls == []  # answered from memory
+    db = views.samples_columns(d.reads, since, tail["until"], 1.0, list(CHART_LIVE_FIELDS))
+    assert len(calls) == 1  # that one from the database
+    assert tail["ts"] == db["ts"] and tail["points"] >= 2
+    for k in CHART_LIVE_COLUMNS:
+        assert tail[k] == [None if v is None else round(v) for v in db[k]], k
+    # before the memory's first sample: the database answers
+    async with _client(d) as c:
+        (await c.get("/ui/live.json", params={"since": since - 3600, "step": 1})).json()
+    assert len(calls) == 2
+
+
 async def test_it_shows_a_dry_run_plan_with_an_apply_button(managed: Daemon) -> None:
     async with _client(managed) as c:
         csrf = await _login(c, managed)

@@ -119,6 +119,7 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
 
     last = LastStop(daemon)
     app.state.last_stop = last
+    seen = EventsSeen(daemon)
 
     @app.get("/ui/live.json", tags=["dashboard"])
     async def live(
@@ -151,36 +152,65 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
             server_ts=time.time(),
             logged_in=auth["logged_in"],
         )
-        if ev is not None or since is not None:
-            out.update(await asyncio.to_thread(_store_delta, daemon, ev, since, step))
-            if out.get("events"):
-                tpl = env.get_template("partials/_event_rows.html")
-                out["event_rows"] = tpl.render(events=out["events"])
+        if since is not None and step is not None:
+            out["samples"] = await _samples_tail(daemon, since, step)
+        if ev is not None and not seen.nothing_after(ev):
+            events = await asyncio.to_thread(_events_after, daemon, ev)
+            seen.answered(ev, events)
+            if events:
+                out["event_rows"] = env.get_template("partials/_event_rows.html").render(events=events)
                 out["markers"] = [
                     {k: e[k] for k in ("id", "ts", "kind", "message")}
-                    for e in out["events"]
+                    for e in events
                     if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
                 ]
-                out["last_event_id"] = out["events"][0]["id"]
-                del out["events"]
+                out["last_event_id"] = events[0]["id"]
         return JSONResponse(out, headers={"Cache-Control": "no-store"})
 
 
-def _store_delta(daemon: DaemonView, ev: int | None, since: float | None, step: float | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+class EventsSeen:
+    """Skips the database read of "events after id N" when nothing can have arrived since the last
+    read for N answered "none": no event recorded in memory since, and the writer stored nothing
+    since (an event reaches the database through the writer's batches, after it is in memory)."""
+
+    def __init__(self, daemon: DaemonView) -> None:
+        self.daemon = daemon
+        self._empty: tuple[int, int, int] | None = None
+
+    def _key(self, ev: int) -> tuple[int, int, int]:
+        d = self.daemon
+        newest = d.recent_events[0] if d.recent_events else None
+        writer = getattr(d, "writer", None)
+        return (ev, id(newest), writer.written if writer is not None else -1)
+
+    def nothing_after(self, ev: int) -> bool:
+        return self._empty is not None and self._empty == self._key(ev)
+
+    def answered(self, ev: int, events: list[dict[str, Any]]) -> None:
+        self._empty = None if events else self._key(ev)
+
+
+def _events_after(daemon: DaemonView, ev: int) -> list[dict[str, Any]]:
     store = daemon.store
-    if store is None:
-        return out
-    if ev is not None:
-        out["events"] = store.events(after_id=ev, limit=100)
-    if since is not None and step is not None:
-        cols = views.samples_columns(store, since, time.time(), step, list(CHART_LIVE_FIELDS))
-        # only the columns the chart draws, as whole bytes (the page's chart: dashboard.js SERIES)
-        out["samples"] = {
-            k: ([None if v is None else round(v) for v in cols[k]] if k in CHART_LIVE_COLUMNS else cols[k])
-            for k in ("since", "until", "step", "points", "ts", *CHART_LIVE_COLUMNS)
-        }
-    return out
+    return [] if store is None else store.events(after_id=ev, limit=100)
+
+
+async def _samples_tail(daemon: DaemonView, since: float, step: float) -> dict[str, Any]:
+    """The chart's new buckets from ``since`` on, in the columnar shape of ``/api/samples``, only the
+    columns the chart draws (``dashboard.js`` SERIES), whole bytes. From the daemon's memory when it
+    reaches back that far (the usual case: ``since`` is the chart's last bucket), else the database."""
+    fields = list(CHART_LIVE_FIELDS)
+    aligned, now = (since // step) * step, time.time()
+    reads = daemon.reads
+    if reads.covers(aligned):
+        rows = reads.recent_downsampled(since=aligned, until=now, step_s=step, fields=fields)
+    else:
+        rows = await asyncio.to_thread(reads.downsampled, since=aligned, until=now, step_s=step, fields=fields)
+    cols = views.bucket_columns(rows, aligned, now, step, fields)
+    return {
+        k: ([None if v is None else round(v) for v in cols[k]] if k in CHART_LIVE_COLUMNS else cols[k])
+        for k in ("since", "until", "step", "points", "ts", *CHART_LIVE_COLUMNS)
+    }
 
 
 def title_of(h: dict[str, Any]) -> str:

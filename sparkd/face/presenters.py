@@ -423,13 +423,21 @@ def archives_view(archive_dir: str | Path) -> list[dict[str, Any]]:
     ]
 
 
-def samples_columns(store: Store, since: float, until: float, step: float, fields: list[str]) -> dict[str, Any]:
+def samples_columns(store: Store | Reads, since: float, until: float, step: float, fields: list[str]) -> dict[str, Any]:
     """min/avg/max per bucket, columnar (uPlot-ready): ``ts``, ``n`` and ``<field>_<min|avg|max>``
     arrays; buckets on a fixed grid (``since`` floored to ``step``) so incremental fetches line up.
     Blocking (SQLite)."""
     aligned = (since // step) * step
     rows = store.downsampled(since=aligned, until=until, step_s=step, fields=fields)
-    out: dict[str, Any] = {"since": aligned, "until": until, "step": step, "fields": fields, "points": len(rows)}
+    return bucket_columns(rows, aligned, until, step, fields)
+
+
+def bucket_columns(
+    rows: list[dict[str, Any]], since: float, until: float, step: float, fields: list[str]
+) -> dict[str, Any]:
+    """``Store.downsampled`` rows (buckets from ``since``, aligned to ``step``) → the columnar shape
+    of ``samples_columns``."""
+    out: dict[str, Any] = {"since": since, "until": until, "step": step, "fields": fields, "points": len(rows)}
     out["ts"] = [r["ts"] for r in rows]
     out["n"] = [r["n"] for r in rows]
     for f in fields:

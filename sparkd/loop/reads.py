@@ -92,16 +92,38 @@ class Reads:
         rows = self._try("downsampled", since=since, until=until, step_s=step_s, fields=fields)
         if rows is not None:
             return list(rows)
+        return self._downsample_memory(since, until, step_s, fields)
+
+    def covers(self, since: float) -> bool:
+        """True when the in-memory samples reach back to ``since`` (epoch s)."""
+        live = self.daemon.live_samples
+        return bool(live) and live[0].get("ts") is not None and live[0]["ts"] <= since
+
+    def recent_downsampled(
+        self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
+    ) -> list[dict[str, Any]]:
+        """``downsampled`` for a live tail: from memory when it ``covers(since)`` (no database read,
+        not blocking, and samples the writer has not stored yet are included), else as ``downsampled``
+        (blocking). Same buckets either way (``since + k·step_s``)."""
+        fields = list(fields)
+        if self.covers(since):
+            return self._downsample_memory(since, until, step_s, fields)
+        return self.downsampled(since=since, until=until, step_s=step_s, fields=fields)
+
+    def _downsample_memory(self, since: float, until: float, step_s: float, fields: list[str]) -> list[dict[str, Any]]:
         step_s = max(step_s, 0.001)
         buckets: dict[int, list[dict[str, Any]]] = {}
-        for r in list(self.daemon.live_samples):
+        for r in reversed(list(self.daemon.live_samples)):  # newest first: a live tail stops early
             ts = r.get("ts")
-            if ts is None or ts < since or ts > until:
+            if ts is None or ts > until:
                 continue
+            if ts < since:
+                break
             buckets.setdefault(int((ts - since) / step_s), []).append(r)
         out = []
         for b in sorted(buckets):
             group = buckets[b]
+            group.reverse()  # oldest first, as stored
             d: dict[str, Any] = {"ts": since + b * step_s, "n": len(group)}
             for f in fields:
                 vals = [g[f] for g in group if g.get(f) is not None]
