@@ -8,6 +8,7 @@ dangerous edge), whose resize runs the real budget formula.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import stat
@@ -711,6 +712,10 @@ async def test_it_renders_the_dashboard_server_side(managed: Daemon) -> None:
     assert r.status_code == 200
     assert "default-src 'self'" in r.headers["content-security-policy"]
     assert r.headers["x-frame-options"] == "DENY"
+    async with _client(managed) as c:  # not a page: the short set, still never sniffed nor framed
+        j = await c.get("/ui/live.json")
+    assert j.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
+    assert j.headers["x-content-type-options"] == "nosniff" and "x-frame-options" not in j.headers
     for text in ("low_available", "MemAvailable", "vllm/vllm-openai:v0.9.2", "Memory budget", "daemon_started"):
         assert text in r.text, text
     assert "Log in to control" in r.text and "disabled" in r.text  # buttons disabled until login
@@ -756,6 +761,44 @@ async def test_it_sends_only_what_changed(managed: Daemon) -> None:
         newest = first["last_event_id"]
         assert (await c.get("/ui/live.json", params={"ev": newest})).json().get("event_rows") is None
         assert first["event_rows"].count("<li") >= 1
+
+
+async def test_a_part_is_re_sent_only_when_what_it_shows_changes(managed: Daemon) -> None:
+    d = managed
+    async with _client(d) as c:
+        await _login(c, d)
+        page = (await c.get("/")).text
+        have = re.search(r'data-have="([^"]*)"', page)
+        assert have
+        # nothing sampled since the page: the page's hashes are the live ones, and nothing comes back
+        # (the sample's age ticks in the page; it is not a change of the headline)
+        r = (await c.get("/ui/live.json", params={"have": have.group(1)})).json()
+        assert ",".join(f"{k}:{v}" for k, v in r["hashes"].items()) == have.group(1)
+        assert r["parts"] == {}
+        # memory moves by 1 MiB: the headline shows 0.1 GiB, so it is not re-sent for that
+        assert d.guard is not None and d.guard.last is not None
+        sample = d.guard.last
+
+        def headline_at(ts: float, mem_available: int) -> Any:
+            assert d.guard is not None
+            # every field a stop line may be on (MemAvailable, usable = MemAvailable − CmaFree, MemFree)
+            d.guard.last = dataclasses.replace(
+                sample,
+                ts=ts,
+                mem_available=mem_available,
+                mem_available_minus_cma=mem_available,
+                mem_free=mem_available,
+                cma_free=0,
+            )
+            return c.get("/ui/live.json", params={"have": have.group(1)})
+
+        a = (await headline_at(sample.ts + 1, 20 * 2**30 + 10 * 2**20)).json()["hashes"]["headline"]
+        b = (await headline_at(sample.ts + 2, 20 * 2**30 + 11 * 2**20)).json()["hashes"]["headline"]
+        assert a == b
+        # 3 GiB less: it is
+        r = (await headline_at(sample.ts + 3, 17 * 2**30)).json()
+        assert r["hashes"]["headline"] != a and "headline" in r["parts"] and "17.0 GiB" in r["parts"]["headline"]
+        d.guard.last = sample
 
 
 async def test_an_idle_poll_reads_no_events_from_the_database_yet_misses_none(managed: Daemon) -> None:

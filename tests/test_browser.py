@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sparkdproc import free_port
+from sparkdproc import free_port, wait_for
 
 from tests.conftest import REPO, need
 
@@ -113,6 +113,12 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
+def until(page: Any, js: str, timeout_s: float) -> None:
+    """Poll ``js`` in the page until it is truthy (page.evaluate, which the page's CSP allows;
+    wait_for_function may compile its predicate inside the page, which 'script-src self' refuses)."""
+    assert wait_for(lambda: bool(page.evaluate(js)), timeout_s, 0.1), f"not true within {timeout_s} s: {js}"
+
+
 def _login(page: Any, sparkd: dict[str, Any]) -> None:
     page.goto(f"{sparkd['base']}/login")
     page.fill("#token", sparkd["token"])
@@ -130,7 +136,7 @@ def test_it_logs_in_and_shows_live_data(browser: Any, sparkd: dict[str, Any]) ->
     _login(page, sparkd)
 
     # the chart has data points (uPlot's own data arrays)
-    page.wait_for_function("window.sparkdChart && window.sparkdChart.points() > 0", timeout=15000)
+    until(page, "window.sparkdChart && window.sparkdChart.points() > 0", 15)
     n_points = page.evaluate("window.sparkdChart.plot().data[0].length")
     n_series = page.evaluate("window.sparkdChart.plot().series.length")
     assert n_points > 0 and n_series == 7
@@ -162,7 +168,7 @@ def test_it_reads_on_a_phone(browser: Any, sparkd: dict[str, Any]) -> None:
     ctx = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True)
     page = ctx.new_page()
     page.goto(f"{sparkd['base']}/")
-    page.wait_for_function("window.sparkdChart && window.sparkdChart.points() > 0", timeout=15000)
+    until(page, "window.sparkdChart && window.sparkdChart.points() > 0", 15)
     # single column: nothing wider than the viewport
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     boxes = [page.locator(sel).bounding_box() for sel in ("#part-summary", "#part-rules", "#part-container")]

@@ -17,18 +17,12 @@ from typing import Any
 import httpx
 import pytest
 from sparkdproc import free_port, wait_for
-from test_browser import ARTIFACTS, _login, browser, sparkd  # noqa: F401 - fixtures
+from test_browser import ARTIFACTS, _login, browser, sparkd, until  # noqa: F401 - fixtures
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.browser
 GiB = 2**30
-
-
-def until(page: Any, js: str, timeout_s: float) -> None:
-    """Poll ``js`` in the page until it is truthy (page.evaluate, which the page's CSP allows;
-    wait_for_function compiles its predicate inside the page, which 'script-src self' refuses)."""
-    assert wait_for(lambda: bool(page.evaluate(js)), timeout_s, 0.1), f"not true within {timeout_s} s: {js}"
 
 
 def _gib_text(text: str) -> float:

@@ -85,7 +85,11 @@ def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
     (proc / "meminfo").write_text(HIGH)
     assert s.wait_state("stopped", 10)["container_id"] == fv.id
     assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is False
-    assert s.events("stop_not_executed") == [] and s.events("watermark") == []
+    # no "not running" refusal up to that stop (after it, memory held low until HIGH is written may trip
+    # again with nothing left to stop: that refusal is right, and on a loaded host it can come first)
+    second_stop = max(e["ts"] for e in s.events("stopped"))
+    assert [e for e in s.events("stop_not_executed") if e["ts"] <= second_stop] == []
+    assert s.events("watermark") == []
 
 
 def test_a_managed_container_started_by_hand_can_be_stopped_through_the_api(make: Any, docker_client: Any) -> None:

@@ -298,6 +298,19 @@ SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"same-origin"),
 ]
+# everything that is not a page (JSON, metrics, scripts, archives): never sniffed, never framed, loads
+# nothing; ~250 bytes less on each live update than the page's set (issue 14's bytes per tab)
+NON_PAGE_HEADERS = [
+    (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'"),
+    (b"x-content-type-options", b"nosniff"),
+]
+
+
+def security_headers(response_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The security headers for a response with these headers: the page set for HTML, the short one else."""
+    ctype = next((v for k, v in response_headers if k.lower() == b"content-type"), b"")
+    return SECURITY_HEADERS if ctype.startswith(b"text/html") else NON_PAGE_HEADERS
+
 
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
@@ -368,7 +381,8 @@ class GuardMiddleware:
 
             async def send_with_headers(message: dict[str, Any]) -> None:
                 if message["type"] == "http.response.start" and not scope["path"].startswith(("/docs", "/redoc")):
-                    message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+                    headers = message.get("headers", [])
+                    message["headers"] = [*headers, *security_headers(headers)]
                 await send(message)
 
             await self.app(scope, self._capped(receive), send_with_headers)

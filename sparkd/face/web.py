@@ -228,12 +228,14 @@ def _is_reader(request: Request) -> bool:
 def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def index(request: Request) -> HTMLResponse:
-        from sparkd.face.live import live_parts, page_context, part_hash, title_of
+        from sparkd.face.live import live_parts, page_context, part_hashes, title_of
 
         data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
         status = views.status_view(daemon)
-        parts = live_parts(status, await app.state.last_stop.get(), _auth_ctx(request)["logged_in"])
-        hashes = ",".join(f"{k}:{part_hash(v)}" for k, v in parts.items())
+        auth_ctx = _auth_ctx(request)
+        parts = live_parts(status, await app.state.last_stop.get(), auth_ctx["logged_in"])
+        shown = part_hashes(templates().env, {**auth_ctx, **page_context(parts)})
+        hashes = ",".join(f"{k}:{v}" for k, v in shown.items())
         last_id = max((e.get("id") or 0 for e in data["events"]), default=0)
         return render(
             request,
