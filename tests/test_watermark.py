@@ -101,6 +101,26 @@ def test_check_floors_near_margin() -> None:
     assert "within 1.00 GiB of its floor 6.00 GiB" in ws[0].message
 
 
+def test_a_warn_rule_above_the_healthy_host_is_noted_not_called_a_stop_loop() -> None:
+    # only a stop can loop; a warn rule whose line this healthy host is below always holds (info)
+    cfgs = [
+        RuleConfig(name="climbing", when=["MemAvailable < 30GiB"], action="warn"),
+        RuleConfig(name="low_available", when=["MemAvailable < 30GiB"]),
+    ]
+    ws = check_floors(
+        compile_rules(cfgs, None),
+        healthy_mem_available_bytes=22 * GiB,
+        low_watermark_bytes=None,
+        min_free_kbytes=None,
+        watermark_scale_factor=None,
+    )
+    assert [(w.rule, w.problem, w.severity) for w in ws] == [
+        ("climbing", "always_holds", "info"),
+        ("low_available", "cannot_protect", "warning"),
+    ]
+    assert "stopping would loop" not in ws[0].message and "already holds on this healthy host" in ws[0].message
+
+
 def test_a_floor_sized_from_the_healthy_figure_passes() -> None:
     """docs/tuned-hosts.md: a percent-of-MemTotal floor on MemAvailable-CmaFree, more than the
     margin under the healthy figure (here 1.60 − 0.125 CmaFree = 1.48 GiB)."""

@@ -173,7 +173,9 @@ def check_floors(
     healthy = healthy_mem_available_bytes
     cma = healthy_cma_free_bytes or 0
     for rule in rules:
-        lf = loop_floor(rule, cma)
+        # only a stop can loop (stop → relaunch → the floor still holds → stop); a warn rule whose
+        # floor this healthy host is below just always holds, which the last branch reports
+        lf = loop_floor(rule, cma) if rule.action == "stop" else None
         attr = "mem_available"
         if healthy is not None and lf is not None and healthy < lf:
             out.append(
