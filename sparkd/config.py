@@ -247,6 +247,7 @@ class NotifySettings(BaseModel):
             "oom_kill",
             "leak_trend",
             "watermark",
+            "rule_never_fires",
         ]
     )
     command: list[str] = Field(default_factory=list)

@@ -1054,3 +1054,25 @@ def test_gpu_and_leak_lines_say_what_is_measured() -> None:
         "level": "warn",
         "text": "driver memory +3.00 GiB since warm-up (alert at +2.0 GiB); 1 alert",
     }
+
+
+async def test_a_rule_that_can_never_fire_is_said_at_start(tmp_path: Path) -> None:
+    d = await _daemon(
+        tmp_path,
+        rules=[
+            {"name": "never", "when": ["MemAvailable < 0GiB"]},
+            {"name": "band", "when": ["MemAvailable < 2GiB", "MemAvailable > 6GiB"]},
+            {"name": "fine", "when": ["MemAvailable < 6GiB"]},
+        ],
+    )
+    try:
+        said = {e["details"]["rule"]: e["message"] for e in d.recent_events if e["kind"] == "rule_never_fires"}
+        assert set(said) == {"never", "band"}  # the guard runs; the two rules that guard nothing are named
+        assert said["never"] == (
+            "rule never can never fire: 'MemAvailable < 0GiB' can never hold: MemAvailable is never below 0; "
+            "it guards nothing"
+        )
+        assert "never hold together" in said["band"]
+        assert d.guard is not None and [r.name for r in d.guard.rules] == ["never", "band", "fine"]
+    finally:
+        await d.shutdown("test")

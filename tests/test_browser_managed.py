@@ -248,6 +248,10 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert [st["step"] for st in data["steps"]][:2] == ["archive", "stop"]
         # logged in: the container's last log lines from the bundle
         assert data["log_tail"] and any("Application startup complete" in ln for ln in data["log_tail"])
+        # the kernel lines and the log lines share a row, half each (not squeezed to a column)
+        for card in ("k-h", "log-h"):
+            width = page.evaluate(f"document.querySelector('[aria-labelledby={card}]').getBoundingClientRect().width")
+            assert width > 1440 * 0.4, (card, width)
         page.screenshot(path=str(ARTIFACTS / "incident-1440x900.png"), full_page=True)
         assert not low_contrast(page)
         # the events page links the incident too

@@ -236,3 +236,45 @@ def test_a_daemon_with_its_own_state_dir_keeps_its_own_log(tmp_path: Path) -> No
     expected = Path("/var/log/sparkd") if os.geteuid() == 0 else Path("/var/lib/sparkd/logs")
     assert system.logs_path == expected
     assert load_settings(overrides={"state_dir": str(tmp_path), "log_dir": "/x/y"}).logs_path == Path("/x/y")
+
+
+@pytest.mark.parametrize(
+    ("rule", "why"),
+    [
+        ({"when": ["MemAvailable < 0GiB"]}, ["'MemAvailable < 0GiB' can never hold: MemAvailable is never below 0"]),
+        ({"when": ["mem_free < 0%"]}, ["'mem_free < 0%' can never hold: mem_free is never below 0"]),
+        (
+            {"when": ["MemFree > 32GiB"]},
+            ["'MemFree > 32GiB' can never hold: MemFree never exceeds MemTotal (16.00 GiB)"],
+        ),
+        (
+            {"when": ["MemAvailable < 4GiB", "mem_available > 8GiB"]},
+            ["'mem_available > 8GiB' and 'MemAvailable < 4GiB' never hold together"],
+        ),
+        (
+            {"when": ["MemAvailable < 5%", "MemAvailable >= 5%"]},
+            ["'MemAvailable >= 5%' and 'MemAvailable < 5%' never hold together"],
+        ),
+        (
+            {"when": ["MemFree < 2GiB"], "evidence": ["nvrm_recent < 0", "MemAvailable > 20GiB"]},
+            ["no evidence condition can ever hold: 'nvrm_recent < 0', 'MemAvailable > 20GiB'"],
+        ),
+        # rules that can fire
+        ({"when": ["MemAvailable < 6GiB", "MemAvailable > 2GiB"]}, []),
+        ({"when": ["MemAvailable <= 5%", "MemAvailable >= 5%"]}, []),
+        ({"when": ["psi_some_avg10 > 0.5", "psi_some_avg10 < 0.9"]}, []),
+        ({"when": ["MemAvailable < 4GiB", "MemFree > 8GiB"]}, []),
+        ({"when": ["MemFree < 2GiB"], "evidence": ["nvrm_recent < 0", "MemAvailable < 3GiB"]}, []),
+    ],
+)
+def test_rules_that_can_never_fire_are_named(rule: dict[str, list[str]], why: list[str]) -> None:
+    from sparkd.core.conditions import never_fires
+
+    assert never_fires(rule["when"], rule.get("evidence", []), 16 * 2**30) == why
+
+
+def test_a_rule_that_can_never_fire_still_loads_for_the_guard_to_start() -> None:
+    # accepted (a 0.1 configuration with such a rule must not leave the host unguarded); the
+    # daemon says so at start (rule_never_fires) and sparkd doctor WARNs
+    s = load_settings(overrides={"rules": [{"name": "never", "when": ["MemAvailable < 0GiB"]}]})
+    assert [r.name for r in s.rules] == ["never"]

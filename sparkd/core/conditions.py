@@ -7,9 +7,10 @@ never disagree about what a condition means.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from sparkd.core.sample import FIELD_ALIASES
-from sparkd.units import parse_size
+from sparkd.units import fmt_gib, parse_size
 
 _COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_()\-]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
 
@@ -35,3 +36,69 @@ def parse_condition(text: str) -> tuple[str, str, str]:
     else:
         parse_size(value)
     return fld, op, value
+
+
+# fields that are part of MemTotal: a threshold above MemTotal is never crossed upward
+_MEMORY_ATTRS = frozenset(
+    FIELD_ALIASES[n]
+    for n in ("MemAvailable", "MemFree", "Cached", "Buffers", "AnonPages", "Slab", "PageTables", "usable", "CmaFree")
+)
+
+
+def _bound(value: str, mem_total_bytes: int | None) -> tuple[str, float]:
+    """``("abs", number)`` (bytes for a size; a percentage of MemTotal when it is known), or
+    ``("%", pct)`` for a percentage while MemTotal is unknown."""
+    if value.endswith("%"):
+        pct = float(value[:-1])
+        return ("abs", mem_total_bytes * pct / 100) if mem_total_bytes else ("%", pct)
+    try:
+        return "abs", float(value)
+    except ValueError:
+        return "abs", float(parse_size(value))
+
+
+def condition_never_holds(text: str, mem_total_bytes: int | None = None) -> str | None:
+    """Why the condition ``text`` can never hold, or None. Every field a rule reads is ≥ 0 (sizes,
+    counts, PSI); a memory field never exceeds MemTotal (checked when ``mem_total_bytes`` is given)."""
+    fld, op, value = parse_condition(text)
+    unit, x = _bound(value, mem_total_bytes)
+    if (op == "<" and x <= 0) or (op == "<=" and x < 0):
+        return f"{fld} is never below 0"
+    total = mem_total_bytes or 0
+    memory = total > 0 and unit == "abs" and FIELD_ALIASES[fld] in _MEMORY_ATTRS
+    if memory and ((op == ">" and x >= total) or (op == ">=" and x > total)):
+        return f"{fld} never exceeds MemTotal ({fmt_gib(total)})"
+    return None
+
+
+def never_fires(when: Sequence[str], evidence: Sequence[str] = (), mem_total_bytes: int | None = None) -> list[str]:
+    """Why a rule with these conditions can never fire (empty: it can). Pure; texts already valid.
+
+    A ``when`` condition that never holds (``condition_never_holds``); two ``when`` conditions
+    on one field that exclude each other (``MemAvailable < 4GiB`` and ``MemAvailable > 8GiB``: all
+    must hold); an evidence clause none of whose conditions can hold. Percentages are compared as
+    bytes when ``mem_total_bytes`` is given, else only with percentages."""
+    out = []
+    for text in when:
+        why = condition_never_holds(text, mem_total_bytes)
+        if why:
+            out.append(f"{text!r} can never hold: {why}")
+    if evidence and all(condition_never_holds(t, mem_total_bytes) for t in evidence):
+        out.append("no evidence condition can ever hold: " + ", ".join(repr(t) for t in evidence))
+    # per field: the tightest upper and lower bound of the when-conditions
+    upper: dict[tuple[str, str], tuple[float, bool, str]] = {}
+    lower: dict[tuple[str, str], tuple[float, bool, str]] = {}
+    for text in when:
+        fld, op, value = parse_condition(text)
+        unit, x = _bound(value, mem_total_bytes)
+        key, strict = (FIELD_ALIASES[fld], unit), op in ("<", ">")
+        bounds, tighter = (upper, x.__lt__) if op in ("<", "<=") else (lower, x.__gt__)
+        cur = bounds.get(key)
+        if cur is None or tighter(cur[0]) or (x == cur[0] and strict):
+            bounds[key] = (x, strict, text)
+    for key, (hi, hi_strict, hi_text) in upper.items():
+        if key in lower:
+            lo, lo_strict, lo_text = lower[key]
+            if lo > hi or (lo == hi and (lo_strict or hi_strict)):
+                out.append(f"{lo_text!r} and {hi_text!r} never hold together")
+    return out

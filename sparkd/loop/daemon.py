@@ -397,6 +397,7 @@ class Daemon:
         if self.store is not None:
             await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
         self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
+        _daemon_view.report_rules_that_never_fire(self)
         if self.serve_api:
             try:
                 await self._start_api()

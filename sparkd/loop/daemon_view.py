@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
+from sparkd.core.conditions import never_fires
 from sparkd.core.floors import check_floors
 from sparkd.core.headroom import nearest_stop
 from sparkd.loop.consumers import ConsumerWatch
@@ -193,6 +194,24 @@ def run_floor_checks(daemon: Daemon, *, healthy: bool) -> None:
         if w.severity == "warning" and w.message not in daemon._reported_floors:
             daemon._reported_floors.add(w.message)
             daemon.event("watermark", w.message, severity="warning", details=w.details())
+
+
+def report_rules_that_never_fire(daemon: Daemon) -> None:
+    """A ``rule_never_fires`` warning at start for each rule this host can never trip
+    (``core.conditions.never_fires``: a line below 0, above MemTotal, or conditions that exclude
+    each other). Such a rule is accepted (a 0.1 configuration still starts the guard) but said
+    loudly: it looks armed and guards nothing. ``sparkd doctor`` reports the same (WARN)."""
+    last = daemon.guard.last if daemon.guard else None
+    total = last.mem_total if last else None
+    for r in daemon.settings.rules:
+        floor = [f"MemAvailable < {r.floor}"] if r.floor else []
+        for why in never_fires([*r.when, *floor], r.evidence, total):
+            daemon.event(
+                "rule_never_fires",
+                f"rule {r.name} can never fire: {why}; it guards nothing",
+                severity="warning",
+                details={"rule": r.name, "why": why},
+            )
 
 
 def consumers_status(daemon: Daemon) -> dict[str, Any] | None:

@@ -521,27 +521,6 @@ def check_database(ctx: DoctorContext) -> list[Check]:
 
 
 # Memory fields are bounded by [0, MemTotal]: a condition outside that range never holds.
-_MEMORY_FIELDS = frozenset(
-    {"MemAvailable", "MemFree", "Cached", "Buffers", "AnonPages", "Slab", "PageTables", "usable", "CmaFree"}
-)
-
-
-def unreachable(cond: str, mem_total_bytes: int) -> str | None:
-    """Why ``cond`` (``"MemAvailable < 0GiB"``) can never hold on a host with ``mem_total_bytes``, else None."""
-    from sparkd.core.conditions import parse_condition
-    from sparkd.units import parse_size
-
-    fld, op, value = parse_condition(cond)
-    if fld not in _MEMORY_FIELDS:
-        return None
-    limit = mem_total_bytes * float(value[:-1]) / 100 if value.endswith("%") else parse_size(value)
-    if (op == "<" and limit <= 0) or (op == "<=" and limit < 0):
-        return f"{fld} is never below 0"
-    if (op == ">" and limit >= mem_total_bytes) or (op == ">=" and limit > mem_total_bytes):
-        return f"{fld} never exceeds MemTotal ({fmt_gib(mem_total_bytes)})"
-    return None
-
-
 def check_rule_reach(ctx: DoctorContext) -> list[Check]:
     """WARN for a stop rule whose threshold this host can never reach (it looks armed and is not)."""
     if not ctx.rules:
@@ -549,12 +528,13 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
     total = read_meminfo(ctx.proc_root).fields.get("MemTotal")
     if not total:
         return []
+    from sparkd.core.conditions import never_fires
+
     out = []
     for r in ctx.rules:
-        for cond in list(r.when) + ([f"MemAvailable < {r.floor}"] if getattr(r, "floor", None) else []):
-            why = unreachable(cond, total)
-            if why:
-                out.append(Check("WARN", f"Rule {r.name}", f"'{cond}' can never hold: {why}", "fix the threshold"))
+        floor = [f"MemAvailable < {r.floor}"] if getattr(r, "floor", None) else []
+        for why in never_fires([*r.when, *floor], r.evidence, total):
+            out.append(Check("WARN", f"Rule {r.name}", why, "fix the threshold: this rule guards nothing"))
     return out or [Check("OK", "Rules", f"{len(ctx.rules)} rules, every threshold reachable on this host")]
 
 
