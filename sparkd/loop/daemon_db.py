@@ -28,6 +28,7 @@ STATUS_EVERY_S = 1.0
 STATUS_QUIET_S = 5.0
 DB_FIRST_WAIT_S = 1.0
 DB_CHECK_S = 0.5
+INODE_CHECK_S = 2.0  # a database deleted or replaced while running is found within this
 LIVE_SAMPLES = 1800
 
 
@@ -102,6 +103,8 @@ async def db_step(daemon: Daemon) -> None:
         )
     if daemon.db.state == "ok":
         checked_at = time.time()
+        if w.fatal is None and checked_at - daemon._db_good_at < INODE_CHECK_S:
+            return  # the file's inode was checked moments ago (a stat in a worker thread: not every 0.5 s)
         why: str | None = w.fatal or await asyncio.to_thread(daemon.db.replaced)
         if why is None:
             daemon._db_good_at = checked_at
