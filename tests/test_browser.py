@@ -257,3 +257,23 @@ def test_the_api_docs_work_offline(browser: Any, sparkd: dict[str, Any]) -> None
         assert foreign == [] and errors == [], (foreign, errors)
     finally:
         page.close()
+
+
+def test_the_redoc_reference_works_offline(browser: Any, sparkd: dict[str, Any]) -> None:
+    """/redoc is ReDoc from the vendored bundle: it renders the operations with no request leaving
+    this host (FastAPI's own page loads ReDoc from a CDN)."""
+    page = browser.new_page()
+    errors: list[str] = []
+    foreign: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    # its search index runs in a worker from a blob: URL, made in the page itself (not a request off the host)
+    local = (sparkd["base"], f"blob:{sparkd['base']}")
+    page.on("request", lambda r: foreign.append(r.url) if not r.url.startswith(local) else None)
+    try:
+        page.goto(sparkd["base"] + "/redoc")
+        page.wait_for_selector("[data-section-id^='tag/']", timeout=20000)
+        text = page.inner_text("body")
+        assert "/api/status" in text and "sparkd" in text
+        assert foreign == [] and errors == [], (foreign, errors)
+    finally:
+        page.close()

@@ -52,7 +52,7 @@ def create_app(daemon: DaemonView) -> FastAPI:
         version=__version__,
         description="Memory guard for vLLM on DGX Spark: status, samples, events, container control.",
         docs_url=None,  # face/docs.py serves /docs from the vendored Swagger UI (offline, CSP-clean)
-        redoc_url=None,  # ReDoc would need a CDN; /docs and /openapi.json cover the same
+        redoc_url=None,  # face/docs.py serves /redoc from the vendored ReDoc bundle (offline)
     )
     app.state.daemon = daemon
     app.state.auth = auth
