@@ -60,10 +60,6 @@ from sparkd.units import parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
 
-STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
-STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
-DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
-DB_CHECK_S = 0.5  # how often the database keeper looks at the writer and the file (inode)
 LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer
 
 
@@ -360,7 +356,7 @@ class Daemon:
         self.writer = Writer(None, maxsize=s.queue_max)
         db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
         self._tasks.append(db_task)
-        await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=DB_FIRST_WAIT_S)
+        await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=_daemon_db.DB_FIRST_WAIT_S)
         kern = None
         if s.kernlog_source != "off":
             kern = open_source(s.kernlog_source)

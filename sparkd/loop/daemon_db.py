@@ -24,12 +24,9 @@ log = logging.getLogger("sparkd.loop.daemon")
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
-STATUS_EVERY_S = 1.0
-STATUS_QUIET_S = 5.0
-DB_FIRST_WAIT_S = 1.0
-DB_CHECK_S = 0.5
+DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
+DB_CHECK_S = 0.5  # how often the database keeper looks at the writer
 INODE_CHECK_S = 2.0  # a database deleted or replaced while running is found within this
-LIVE_SAMPLES = 1800
 
 
 async def begin_run(daemon: Daemon) -> bool:

@@ -23,11 +23,8 @@ log = logging.getLogger("sparkd.loop.daemon")
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
-STATUS_EVERY_S = 1.0
-STATUS_QUIET_S = 5.0
-DB_FIRST_WAIT_S = 1.0
-DB_CHECK_S = 0.5
-LIVE_SAMPLES = 1800
+STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
+STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
 
 
 async def handle(daemon: Daemon, result: TickResult) -> None:

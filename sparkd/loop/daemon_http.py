@@ -29,11 +29,6 @@ log = logging.getLogger("sparkd.loop.daemon")
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
-STATUS_EVERY_S = 1.0
-STATUS_QUIET_S = 5.0
-DB_FIRST_WAIT_S = 1.0
-DB_CHECK_S = 0.5
-LIVE_SAMPLES = 1800
 
 
 async def start_api(daemon: Daemon) -> None:
