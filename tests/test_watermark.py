@@ -308,3 +308,30 @@ def test_the_docs_example_config_fits_the_fixture_host() -> None:
     g.note_launch(0)
     g.note_healthy(120, avail, cma)
     assert all(g.record_trip(r, 130) is None for r in rules)
+
+
+def test_a_low_healthy_reading_the_watermarks_do_not_explain_never_demotes_the_rule() -> None:
+    # the model started by hand while something else holds the memory: ready at 2 GiB on a host
+    # whose low watermarks are 0.08 GiB. That is memory taken, not a tuned host: keep stopping.
+    rule = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)[0]
+    g = LoopGuard()
+    for k in range(4):  # hand starts, each tripping right after
+        g.note_launch(k * 100.0)
+        g.note_healthy(k * 100.0 + 1, 2 * GiB, low_watermark_bytes=int(0.08 * GiB))
+        assert g.record_trip(rule, k * 100.0 + 2) is None
+    assert g.cannot_protect("low_available") is None
+
+
+def test_a_tuned_hosts_reserve_explains_the_shortfall_and_convicts_at_the_first_trip() -> None:
+    # the fixture host: healthy MemAvailable 1.60 GiB with 14.17 GiB of low watermarks (raised min_free_kbytes)
+    rule = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)[0]
+    g = LoopGuard()
+    g.note_launch(0.0)
+    g.note_healthy(100.0, int(1.6 * GiB), low_watermark_bytes=int(14.17 * GiB))
+    v = g.record_trip(rule, 101.0)
+    assert v is not None and "cannot protect this host" in v.reason
+    # the same reading with the watermarks unknown (no zoneinfo): counted as explained, as before
+    g2 = LoopGuard()
+    g2.note_launch(0.0)
+    g2.note_healthy(100.0, int(1.6 * GiB))
+    assert g2.record_trip(rule, 101.0) is not None

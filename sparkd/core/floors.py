@@ -356,6 +356,7 @@ class LoopGuard:
         self.healthy_bytes: int | None = None
         self.healthy_cma_free: int = 0
         self.healthy_t: float | None = None
+        self.low_watermark_bytes: int | None = None  # the zones' low watermarks at the healthy reading
         self.trips: dict[str, _RuleTrips] = {}
         self.verdicts: dict[str, LoopVerdict] = {}
 
@@ -364,14 +365,19 @@ class LoopGuard:
         self.launch_t = t
         self.launches += 1
 
-    def note_healthy(self, t: float, mem_available_bytes: int | None, cma_free_bytes: int | None = None) -> None:
-        """MemAvailable (and CmaFree) in bytes while the model is loaded, healthy and idle.
-
-        A ``None`` MemAvailable is ignored.
-        """
+    def note_healthy(
+        self,
+        t: float,
+        mem_available_bytes: int | None,
+        cma_free_bytes: int | None = None,
+        low_watermark_bytes: int | None = None,
+    ) -> None:
+        """MemAvailable (and CmaFree, and the zones' low watermarks) in bytes while the model is
+        loaded, healthy and idle. A ``None`` MemAvailable is ignored."""
         if mem_available_bytes is not None:
             self.healthy_bytes, self.healthy_t = mem_available_bytes, t
             self.healthy_cma_free = cma_free_bytes or 0
+            self.low_watermark_bytes = low_watermark_bytes
 
     def cannot_protect(self, rule_name: str) -> LoopVerdict | None:
         """The verdict on ``rule_name``, if one was reached."""
@@ -381,9 +387,17 @@ class LoopGuard:
         """Record a trip of ``rule`` at ``t``; return a verdict the first time it is convicted.
 
         Convicted when the rule has a loop floor (``loop_floor``) and either the
-        last healthy MemAvailable is below it (at the first such trip), or that
-        figure is within ``margin_bytes`` of it and this is the ``quick_trips``-th
-        consecutive trip within ``relaunch_window_s`` of a launch.
+        last healthy MemAvailable is below it and the kernel's watermarks explain the
+        shortfall (at the first such trip), or that figure is within ``margin_bytes``
+        of it and this is the ``quick_trips``-th consecutive trip within
+        ``relaunch_window_s`` of a launch.
+
+        "Explained": healthy MemAvailable + the low watermarks + ``margin_bytes`` reach
+        the floor — a tuned host (raised ``vm.min_free_kbytes``: MemAvailable is low by
+        the reserve, docs/tuned-hosts.md). A healthy reading far below the floor on a host
+        with small watermarks is memory taken by something (the model started by hand
+        while a co-tenant holds the memory): the rule is right and keeps stopping. With
+        the watermarks unknown (no zoneinfo) the shortfall counts as explained.
         """
         st = self.trips.setdefault(rule.name, _RuleTrips())
         st.trips += 1
@@ -399,12 +413,13 @@ class LoopGuard:
         since = ""
         if quick and self.launch_t is not None:
             since = f", {t - self.launch_t:.0f} s after the last launch"
-        if h < lf:
+        lw = self.low_watermark_bytes
+        if h < lf and (lw is None or h + lw + self.margin_bytes >= lf):
             reason = (
                 f"rule {rule.name} cannot protect this host: healthy MemAvailable {fmt_gib(h)} is below its floor "
                 f"{fmt_gib(lf)}; stopping would loop (trip {st.trips}{since}); demoted to warn"
             )
-        elif h - lf < self.margin_bytes and st.quick_streak >= self.quick_trips:
+        elif 0 <= h - lf < self.margin_bytes and st.quick_streak >= self.quick_trips:
             reason = (
                 f"rule {rule.name} cannot protect this host: {st.quick_streak} trips in a row each within "
                 f"{self.relaunch_window_s:g} s of a relaunch while healthy MemAvailable {fmt_gib(h)} sat within "

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 
-
 async def start_api(daemon: Daemon) -> None:
     import uvicorn
 

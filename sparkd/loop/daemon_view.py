@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 
-
 def status_json(daemon: Daemon) -> Status:
     """The in-memory state (``sparkd status``, ``/api/status``): a ``sparkd.loop.status.Status``.
 
@@ -176,7 +175,7 @@ def run_floor_checks(daemon: Daemon, *, healthy: bool) -> None:
     if g is None or last is None or last.mem_available is None:
         return
     if healthy:
-        daemon.loop_guard.note_healthy(time.time(), last.mem_available, last.cma_free)
+        daemon.loop_guard.note_healthy(time.time(), last.mem_available, last.cma_free, g.low_watermark)
     daemon.floor_warnings = check_floors(
         g.rules,
         healthy_mem_available_bytes=last.mem_available,
