@@ -335,3 +335,24 @@ def test_a_tuned_hosts_reserve_explains_the_shortfall_and_convicts_at_the_first_
     g2.note_launch(0.0)
     g2.note_healthy(100.0, int(1.6 * GiB))
     assert g2.record_trip(rule, 101.0) is not None
+
+
+def test_a_shortfall_the_watermarks_do_not_explain_is_memory_taken_not_a_stop_loop() -> None:
+    rules = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)
+
+    def problems(healthy: float, low_watermark: float | None) -> list[tuple[str, str]]:
+        ws = check_floors(
+            rules,
+            healthy_mem_available_bytes=int(healthy * GiB),
+            low_watermark_bytes=None if low_watermark is None else int(low_watermark * GiB),
+            min_free_kbytes=None,
+            watermark_scale_factor=None,
+        )
+        return [(w.problem, w.severity) for w in ws if w.problem != "at_watermark"]
+
+    # 2 GiB at a healthy reading with 0.08 GiB of watermarks: something holds the memory
+    assert problems(2.0, 0.08) == [("memory_taken", "warning")]
+    # the tuned fixture host: 1.60 GiB with 14.17 GiB of watermarks: a stop would loop
+    assert problems(1.6, 14.17) == [("cannot_protect", "warning")]
+    # watermarks unknown: as before
+    assert problems(2.0, None) == [("cannot_protect", "warning")]

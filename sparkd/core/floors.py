@@ -57,7 +57,7 @@ DEFAULT_RELAUNCH_WINDOW_S = 900.0
 
 VM_TUNABLES = ("min_free_kbytes", "watermark_scale_factor", "watermark_boost_factor")
 
-Problem = Literal["cannot_protect", "near_floor", "always_holds", "at_watermark"]
+Problem = Literal["cannot_protect", "memory_taken", "near_floor", "always_holds", "at_watermark"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,9 @@ class FloorWarning:
     """One finding of ``check_floors``.
 
     ``problem``: ``"cannot_protect"`` (healthy MemAvailable below the rule's loop
-    floor: stopping would loop), ``"near_floor"`` (within the margin: noise can
+    floor, explained by the kernel's watermarks: stopping would loop), ``"memory_taken"``
+    (below the floor, and the watermarks do not explain it: something holds the memory; the
+    rule stops the model, as it should), ``"near_floor"`` (within the margin: noise can
     loop it), ``"always_holds"`` (one condition of a multi-signal rule already
     holds on the healthy host; the other signals decide alone — info),
     ``"at_watermark"`` (the floor is at or below the kernel's low-watermark total).
@@ -177,7 +179,24 @@ def check_floors(
         # floor this healthy host is below just always holds, which the last branch reports
         lf = loop_floor(rule, cma) if rule.action == "stop" else None
         attr = "mem_available"
-        if healthy is not None and lf is not None and healthy < lf:
+        lw = low_watermark_bytes
+        # LoopGuard.record_trip's test: a tuned host's reserve explains its shortfall, taken memory does not
+        if healthy is not None and lf is not None and lw is not None and healthy + lw + margin_bytes < lf:
+            out.append(
+                FloorWarning(
+                    rule.name,
+                    attr,
+                    lf,
+                    "memory_taken",
+                    "warning",
+                    f"rule {rule.name}: MemAvailable {fmt_gib(healthy)} at a healthy reading is below its floor "
+                    f"{fmt_gib(lf)}, and the kernel's low watermarks ({fmt_gib(lw)}) do not "
+                    f"explain it: something holds the memory; the rule stops the model (not a tuned host){ctx}",
+                    healthy,
+                    low_watermark_bytes,
+                )
+            )
+        elif healthy is not None and lf is not None and healthy < lf:
             out.append(
                 FloorWarning(
                     rule.name,
