@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from conftest import fixture
 from sparkdproc import db_query, sparkd_run, wait_for
@@ -142,3 +143,45 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     cma_trips = [d for d in floor_trips if d["mem_available"] > 10 * 2**30]
     assert {d["rule"] for d in cma_trips} == {"low_available", "low_free_with_evidence"}, floor_trips
     assert all(d["usable"] < 3 * 2**30 for d in cma_trips)
+
+
+def _decisions_on(times: list[float], edge_s: float | None, monkeypatch: Any) -> list[tuple[str, int]]:
+    """Trips of the default rules over a fall sampled at ``times`` (s): (rule, sample index)."""
+    import sparkd.core.rules as rules_mod
+    import sparkd.core.slope as slope_mod
+    from sparkd.config import DEFAULT_RULES, RuleConfig
+    from sparkd.core.engine import RuleEngine
+    from sparkd.core.rules import compile_rules
+    from sparkd.core.sample import Sample, derive
+
+    if edge_s is not None:  # the edge as it was before (1e-9): a window ended exactly on a sample
+        monkeypatch.setattr(slope_mod, "WINDOW_EDGE_S", edge_s)
+        monkeypatch.setattr(rules_mod, "WINDOW_EDGE_S", edge_s)
+    total = 128 * 2**30
+    engine = RuleEngine.of(compile_rules([RuleConfig(**r) for r in DEFAULT_RULES], total), cooldown_s=0.0)
+    out = []
+    for i, t in enumerate(times):
+        # 30 GiB falling 0.9 GiB/s then holding near 5 GiB, with a little noise
+        avail = max(5 * 2**30, 30 * 2**30 - int(0.9 * 2**30 * t)) + (i * 7919 % 13) * 2**20
+        s = Sample(ts=1.8e9 + t, mono=t, mem_total=total, mem_available=avail, mem_free=avail // 2, cma_free=0)
+        derive(s)
+        out += [(d.rule, i) for d in engine.step(s) if d.kind == "trip"]
+    return out
+
+
+def test_microseconds_between_two_clocks_do_not_move_a_decision(monkeypatch: Any) -> None:
+    # the live guard times samples with the monotonic clock, a replay with their stored wall time: the
+    # two differ by microseconds. Windows and durations end between samples, so the decisions agree.
+    import random
+
+    rnd = random.Random(7)
+    regular = [k * 0.25 for k in range(200)]
+    skewed = [t + rnd.uniform(-5e-6, 5e-6) for t in regular]
+    live = _decisions_on(regular, None, monkeypatch)
+    assert live and {r for r, _ in live} >= {"collapse_projected"}, live
+    assert _decisions_on(skewed, None, monkeypatch) == live
+    # with the edge exactly at the window (as before), the same skew moves decisions
+    monkeypatch.undo()
+    old_regular = _decisions_on(regular, 1e-9, monkeypatch)
+    old_skewed = _decisions_on(skewed, 1e-9, monkeypatch)
+    assert old_regular != old_skewed

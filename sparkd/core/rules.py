@@ -43,7 +43,7 @@ from typing import Any, Literal, Protocol
 from sparkd.core.choices import RuleAction, RuleKind
 from sparkd.core.conditions import parse_condition
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS, Sample
-from sparkd.core.slope import SlopeWindow
+from sparkd.core.slope import WINDOW_EDGE_S, SlopeWindow
 from sparkd.units import GiB, fmt_gib, parse_size
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
@@ -432,7 +432,8 @@ def evaluate(
             st.started_mono = now
         st.counter += 1
         held_s = now - (st.started_mono if st.started_mono is not None else now)
-        if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - 1e-9):
+        # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
+        if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
             continue
         if rule.for_s is None:
             dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"

@@ -14,6 +14,13 @@ from collections import deque
 #: is O(n²) in the points, 32 points are 496 pairs (bench/engine.py).
 FIT_MIN_POINTS = 4
 FIT_MAX_POINTS = 32
+#: A window of ``w`` seconds holds the points up to ``w + WINDOW_EDGE_S`` old. Samples come at a
+#: regular cadence (≥ 0.1 s), so the point ``k`` intervals back sits on a window's edge; its age as
+#: the live guard measures it (the monotonic clock) and as a replay measures it (the stored wall
+#: time) differ by microseconds, and an edge at exactly ``w`` let that decide whether it counts
+#: (a predictive trip one sample apart between a live run and its replay). Half the shortest
+#: interval puts the edge between two samples.
+WINDOW_EDGE_S = 0.05
 
 
 class SlopeWindow:
@@ -30,12 +37,12 @@ class SlopeWindow:
         if value is None or (self.points and mono <= self.points[-1][0]):
             return
         self.points.append((mono, value))
-        while self.points and mono - self.points[0][0] > self.max_window_s:
+        while self.points and mono - self.points[0][0] > self.max_window_s + WINDOW_EDGE_S:
             self.points.popleft()
 
     def span(self, now: float, window_s: float) -> float:
         """Seconds between the oldest point within ``window_s`` of ``now`` and the newest."""
-        pts = [p[0] for p in self.points if now - p[0] <= window_s + 1e-9]
+        pts = [p[0] for p in self.points if now - p[0] <= window_s + WINDOW_EDGE_S]
         return pts[-1] - pts[0] if pts else 0.0
 
     def slope(
@@ -46,7 +53,7 @@ class SlopeWindow:
         Robust to a single outlier (one-sample dip); ``None`` with fewer than ``min_points``.
         More than ``max_points`` are thinned evenly (the newest kept) before fitting.
         """
-        pts = [p for p in self.points if now - p[0] <= window_s + 1e-9]
+        pts = [p for p in self.points if now - p[0] <= window_s + WINDOW_EDGE_S]
         if len(pts) < min_points:
             return None
         if len(pts) > max_points:
