@@ -71,13 +71,20 @@ def condition_never_holds(text: str, mem_total_bytes: int | None = None) -> str 
     return None
 
 
-def never_fires(when: Sequence[str], evidence: Sequence[str] = (), mem_total_bytes: int | None = None) -> list[str]:
+def never_fires(
+    when: Sequence[str],
+    evidence: Sequence[str] = (),
+    mem_total_bytes: int | None = None,
+    floor: str | None = None,
+) -> list[str]:
     """Why a rule with these conditions can never fire (empty: it can). Pure; texts already valid.
 
     A ``when`` condition that never holds (``condition_never_holds``); two ``when`` conditions
     on one field that exclude each other (``MemAvailable < 4GiB`` and ``MemAvailable > 8GiB``: all
-    must hold); an evidence clause none of whose conditions can hold. Percentages are compared as
-    bytes when ``mem_total_bytes`` is given, else only with percentages."""
+    must hold); an evidence clause none of whose conditions can hold. A predictive rule's ``floor``
+    (a size) counts as one more ``when`` condition, ``MemAvailable < floor``. Percentages are
+    compared as bytes when ``mem_total_bytes`` is given, else only with percentages."""
+    when = [*when, *([f"MemAvailable < {floor}"] if floor else [])]
     out = []
     for text in when:
         why = condition_never_holds(text, mem_total_bytes)

@@ -141,6 +141,16 @@ def _tunables_text(min_free_kbytes: int | None, wsf: int | None, low: int | None
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def watermarks_explain(
+    healthy_bytes: int, low_watermark_bytes: int | None, floor_bytes: float, margin_bytes: int
+) -> bool:
+    """Does the kernel's reserve explain a healthy MemAvailable below ``floor_bytes``? True when
+    healthy + the zones' low watermarks + ``margin_bytes`` reach the floor (a tuned host: raised
+    ``vm.min_free_kbytes`` lowers MemAvailable by the reserve, docs/tuned-hosts.md), or when the
+    watermarks are unknown (``None``). False: something holds the memory."""
+    return low_watermark_bytes is None or healthy_bytes + low_watermark_bytes + margin_bytes >= floor_bytes
+
+
 def check_floors(
     rules: Iterable[Rule],
     *,
@@ -179,9 +189,11 @@ def check_floors(
         # floor this healthy host is below just always holds, which the last branch reports
         lf = loop_floor(rule, cma) if rule.action == "stop" else None
         attr = "mem_available"
-        lw = low_watermark_bytes
-        # LoopGuard.record_trip's test: a tuned host's reserve explains its shortfall, taken memory does not
-        if healthy is not None and lf is not None and lw is not None and healthy + lw + margin_bytes < lf:
+        if (
+            healthy is not None
+            and lf is not None
+            and not watermarks_explain(healthy, low_watermark_bytes, lf, margin_bytes)
+        ):
             out.append(
                 FloorWarning(
                     rule.name,
@@ -190,7 +202,7 @@ def check_floors(
                     "memory_taken",
                     "warning",
                     f"rule {rule.name}: MemAvailable {fmt_gib(healthy)} at a healthy reading is below its floor "
-                    f"{fmt_gib(lf)}, and the kernel's low watermarks ({fmt_gib(lw)}) do not "
+                    f"{fmt_gib(lf)}, and the kernel's low watermarks ({fmt_gib(low_watermark_bytes)}) do not "
                     f"explain it: something holds the memory; the rule stops the model (not a tuned host){ctx}",
                     healthy,
                     low_watermark_bytes,
@@ -432,8 +444,7 @@ class LoopGuard:
         since = ""
         if quick and self.launch_t is not None:
             since = f", {t - self.launch_t:.0f} s after the last launch"
-        lw = self.low_watermark_bytes
-        if h < lf and (lw is None or h + lw + self.margin_bytes >= lf):
+        if h < lf and watermarks_explain(h, self.low_watermark_bytes, lf, self.margin_bytes):
             reason = (
                 f"rule {rule.name} cannot protect this host: healthy MemAvailable {fmt_gib(h)} is below its floor "
                 f"{fmt_gib(lf)}; stopping would loop (trip {st.trips}{since}); demoted to warn"

@@ -49,7 +49,7 @@ CHART_LIVE_COLUMNS = (
 def part_hashes(env: Environment, ctx: dict[str, Any]) -> dict[str, str]:
     """Each live part's hash: crc32 of the part as rendered with ``stable`` set, i.e. exactly what it
     shows, less the bits a template marks as ticking in the page anyway (the sample's age). A part is
-    re-sent only when what it shows changes; rendering all of them costs ~0.2 ms (``bench/ui.py``)."""
+    re-sent only when what it shows changes; rendering all of them costs ~0.2 ms (``bench/live.py``)."""
     stable = {**ctx, "stable": True}
     return {
         name: format(zlib.crc32(env.get_template(f"partials/_{name}.html").render(stable).encode()), "08x")
@@ -190,9 +190,8 @@ async def _samples_tail(daemon: DaemonView, since: float, step: float) -> dict[s
     fields = list(CHART_LIVE_FIELDS)
     aligned, now = (since // step) * step, time.time()
     reads = daemon.reads
-    if reads.covers(aligned):
-        rows = reads.recent_downsampled(since=aligned, until=now, step_s=step, fields=fields)
-    else:
+    rows = reads.recent_downsampled(since=aligned, until=now, step_s=step, fields=fields)
+    if rows is None:
         rows = await asyncio.to_thread(reads.downsampled, since=aligned, until=now, step_s=step, fields=fields)
     cols = views.bucket_columns(rows, aligned, now, step, fields)
     return {

@@ -198,8 +198,7 @@ def report_rules_that_never_fire(daemon: Daemon) -> None:
     last = daemon.guard.last if daemon.guard else None
     total = last.mem_total if last else None
     for r in daemon.settings.rules:
-        floor = [f"MemAvailable < {r.floor}"] if r.floor else []
-        for why in never_fires([*r.when, *floor], r.evidence, total):
+        for why in never_fires(r.when, r.evidence, total, r.floor):
             daemon.event(
                 "rule_never_fires",
                 f"rule {r.name} can never fire: {why}; it guards nothing",

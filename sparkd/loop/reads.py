@@ -101,14 +101,13 @@ class Reads:
 
     def recent_downsampled(
         self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
-    ) -> list[dict[str, Any]]:
-        """``downsampled`` for a live tail: from memory when it ``covers(since)`` (no database read,
-        not blocking, and samples the writer has not stored yet are included), else as ``downsampled``
-        (blocking). Same buckets either way (``since + k·step_s``)."""
-        fields = list(fields)
-        if self.covers(since):
-            return self._downsample_memory(since, until, step_s, fields)
-        return self.downsampled(since=since, until=until, step_s=step_s, fields=fields)
+    ) -> list[dict[str, Any]] | None:
+        """``downsampled`` for a live tail, from memory only: None unless it ``covers(since)`` (then
+        ask ``downsampled``, which blocks). Not blocking; samples the writer has not stored yet are
+        included; the same buckets as the database's (``since + k·step_s``)."""
+        if not self.covers(since):
+            return None
+        return self._downsample_memory(since, until, step_s, list(fields))
 
     def _downsample_memory(self, since: float, until: float, step_s: float, fields: list[str]) -> list[dict[str, Any]]:
         step_s = max(step_s, 0.001)

@@ -520,7 +520,6 @@ def check_database(ctx: DoctorContext) -> list[Check]:
     return out
 
 
-# Memory fields are bounded by [0, MemTotal]: a condition outside that range never holds.
 def check_rule_reach(ctx: DoctorContext) -> list[Check]:
     """WARN for a stop rule whose threshold this host can never reach (it looks armed and is not)."""
     if not ctx.rules:
@@ -532,8 +531,7 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
 
     out = []
     for r in ctx.rules:
-        floor = [f"MemAvailable < {r.floor}"] if getattr(r, "floor", None) else []
-        for why in never_fires([*r.when, *floor], r.evidence, total):
+        for why in never_fires(r.when, r.evidence, total, getattr(r, "floor", None)):
             out.append(Check("WARN", f"Rule {r.name}", why, "fix the threshold: this rule guards nothing"))
     return out or [Check("OK", "Rules", f"{len(ctx.rules)} rules, every threshold reachable on this host")]
 
