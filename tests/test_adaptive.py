@@ -389,7 +389,8 @@ def test_a_counting_rule_samples_fast_so_n_samples_take_n_fast_intervals(tmp_pat
                 r[0]
                 for r in db_query(
                     db,
-                    "SELECT ts FROM samples WHERE ts >= ? AND ts <= ? AND mem_available < ? ORDER BY ts",
+                    # mem_available is stored in KiB (migration 0005)
+                    "SELECT ts FROM samples WHERE ts >= ? AND ts <= ? AND mem_available * 1024 < ? ORDER BY ts",
                     (hog_start, trip_at, threshold),
                 )
             ]

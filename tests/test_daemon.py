@@ -34,7 +34,7 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         elapsed = time.monotonic() - t0
         assert rows, "no samples within 5 s"
         assert elapsed < 5.0
-        assert rows[0][0] == _mem_total()
+        assert rows[0][0] * 1024 == _mem_total()  # stored as KiB (migration 0005)
         out = subprocess.run(
             [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
             capture_output=True,

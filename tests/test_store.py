@@ -10,15 +10,18 @@ from sqlalchemy import inspect
 
 from sparkd.errors import StoreError
 from sparkd.store.store import Store, Writer
+from sparkd.units import KiB
 
 
 def _row(ts: float, avail: int) -> dict:
-    return {"ts": ts, "mem_available": avail, "mem_free": avail // 2, "mem_total": 100}
+    """A samples row; sizes in bytes (stored to the KiB, as meminfo gives them: pass KiB multiples
+    where a test reads a size back)."""
+    return {"ts": ts, "mem_available": avail, "mem_free": avail // 2, "mem_total": 100 * KiB}
 
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0004"
+    assert s.current_revision() == "0005"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:
@@ -36,11 +39,14 @@ def test_an_unwritable_path_is_a_clear_error(tmp_path: Path) -> None:
 def test_downsampling_returns_min_avg_max_per_bucket(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "s.db")
     t0 = 1_700_000_000.0
-    s.write_batch([("sample", _row(t0 + i, 1000 + i)) for i in range(120)])
-    b = s.downsampled(since=t0, until=t0 + 119, step_s=60, fields=["mem_available"])
+    s.write_batch([("sample", {**_row(t0 + i, (1000 + i) * KiB), "psi_some_avg10": i / 100}) for i in range(120)])
+    b = s.downsampled(since=t0, until=t0 + 119, step_s=60, fields=["mem_available", "psi_some_avg10"])
     assert [x["n"] for x in b] == [60, 60]
-    assert (b[0]["mem_available_min"], b[0]["mem_available_max"]) == (1000, 1059)
-    assert b[0]["mem_available_avg"] == pytest.approx(1029.5)
+    # stored as KiB and hundredths (migration 0005), read as bytes and floats: min, max and the mean
+    assert (b[0]["mem_available_min"], b[0]["mem_available_max"]) == (1000 * KiB, 1059 * KiB)
+    assert b[0]["mem_available_avg"] == pytest.approx(1029.5 * KiB)
+    assert (b[1]["psi_some_avg10_min"], b[1]["psi_some_avg10_max"]) == (0.6, 1.19)
+    assert b[1]["psi_some_avg10_avg"] == pytest.approx(0.895)
 
 
 def test_the_writer_drops_when_full_and_logs_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -82,7 +88,7 @@ def test_retention_aggregates_then_prunes(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "r.db")
     now = time.time()
     t0 = now - 3 * 3600
-    s.write_batch([("sample", _row(t0 + i, 5000 + (i % 60))) for i in range(0, 3 * 3600, 1)])
+    s.write_batch([("sample", _row(t0 + i, (5000 + (i % 60)) * KiB)) for i in range(0, 3 * 3600, 1)])
     s.write_batch(
         [
             (
@@ -97,7 +103,7 @@ def test_retention_aggregates_then_prunes(tmp_path: Path) -> None:
     assert s.events() and s.events()[0]["kind"] == "trip"
     chart = s.downsampled(since=t0, until=now, step_s=600, fields=["mem_available"])
     assert len(chart) == 18  # 2 h from minute aggregates + 1 h raw, in 10-minute buckets
-    assert all(x["mem_available_min"] == 5000 and x["mem_available_max"] == 5059 for x in chart)
+    assert all(x["mem_available_min"] == 5000 * KiB and x["mem_available_max"] == 5059 * KiB for x in chart)
 
 
 def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -234,25 +240,41 @@ def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_
     con = sqlite3.connect(db)
     con.executemany(
         "INSERT INTO samples (ts, mem_total, mem_available, mem_free, psi_some_avg10) VALUES (?, ?, ?, ?, ?)",
-        [(t0 + i, 128 << 30, (60 << 30) + i, 1 << 30, 0.5) for i in range(100)] + [(t0 + 5, 1, 2, 3, 4.0)],
+        [(t0 + i, 128 << 30, (60 << 30) + i * KiB, 1 << 30, 0.5) for i in range(100)] + [(t0 + 5, 1, 2, 3, 4.0)],
     )
     con.commit()
     con.close()
     s = Store.open(db)
-    assert s.current_revision() == "0004"
+    assert s.current_revision() == "0005"
     rows = s.samples(since=t0)
     assert len(rows) == 100  # the duplicate ts kept its first row
-    assert rows[5]["mem_available"] == (60 << 30) + 5 and rows[5]["mem_total"] == 128 << 30
+    assert rows[5]["mem_available"] == (60 << 30) + 5 * KiB and rows[5]["mem_total"] == 128 << 30
     assert rows[99]["psi_some_avg10"] == 0.5
     latest = s.latest_sample()
     assert latest is not None and latest["ts"] == t0 + 99
-    s.write_batch([("sample", _row(t0 + 100, 7)), ("sample", _row(t0 + 100, 8))])  # same ts: the first is kept
-    assert s.count_samples() == 101 and s.samples(since=t0 + 100)[0]["mem_available"] == 7
+    s.write_batch([("sample", _row(t0 + 100, 7 * KiB)), ("sample", _row(t0 + 100, 8 * KiB))])  # the first is kept
+    assert s.count_samples() == 101 and s.samples(since=t0 + 100)[0]["mem_available"] == 7 * KiB
+    with s.engine.connect() as c:  # on disk: KiB and hundredths (migration 0005), the 0.1 rows converted
+        raw = c.exec_driver_sql("SELECT mem_total, mem_available, psi_some_avg10 FROM samples WHERE ts = ?", (t0 + 5,))
+        assert raw.one() == (128 << 20, (60 << 20) + 5, 50)
     with s.engine.connect() as c:
         ddl = c.exec_driver_sql("SELECT sql FROM sqlite_master WHERE name = 'samples'").scalar_one()
         indexes = c.exec_driver_sql("SELECT name FROM sqlite_master WHERE tbl_name = 'samples' AND type = 'index'")
         assert "WITHOUT ROWID" in ddl and indexes.all() == []  # the table is its own ts index
-    s.upgrade("0003")  # and back: the rows survive a downgrade too
+    from alembic import command
+    from alembic.config import Config
+
+    from sparkd.resources import migrations_dir
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    with s.engine.begin() as conn:  # and back: the rows survive a downgrade too, in bytes and floats again
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0003")
+    with s.engine.connect() as c:
+        raw = c.exec_driver_sql("SELECT mem_total, mem_available, psi_some_avg10 FROM samples WHERE ts = ?", (t0 + 5,))
+        assert raw.one() == (128 << 30, (60 << 30) + 5 * KiB, 0.5)
+    assert Store.open(db, migrate=False).current_revision() == "0003"
     assert Store.open(db, migrate=False).count_samples() == 101
 
 

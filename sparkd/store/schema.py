@@ -1,6 +1,13 @@
 """SQLAlchemy 2 models. Times are UTC epoch seconds (float); sizes are bytes (int).
 
 The schema is owned by Alembic (``migrations/``); these models mirror it.
+
+On disk, the ``samples`` table keeps sizes as integer KiB (``SAMPLE_KIB_COLUMNS``: the
+resolution of /proc/meminfo, whose every figure is in kB) and PSI averages as integer
+hundredths (``SAMPLE_HUNDREDTHS_COLUMNS``: /proc/pressure prints two decimals); the models
+convert, so everything above this module sees bytes and floats (migration 0005, issue 18:
+a 128 GiB figure is 6 bytes in SQLite as bytes, 4 as KiB; a PSI average 8 bytes as REAL,
+at most 2 as hundredths).
 """
 
 from __future__ import annotations
@@ -8,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 # Sample columns (name -> SQL type), shared by the model and the CSV export.
 SAMPLE_INT_COLUMNS = (
@@ -39,6 +48,57 @@ SAMPLE_INT_COLUMNS = (
 )
 SAMPLE_FLOAT_COLUMNS = ("psi_some_avg10", "psi_some_avg60", "psi_full_avg10", "psi_full_avg60")
 SAMPLE_COLUMNS = ("ts", *SAMPLE_INT_COLUMNS, *SAMPLE_FLOAT_COLUMNS)
+# stored as integer KiB (bytes above this module); the other int columns are counts or µs
+SAMPLE_KIB_COLUMNS = tuple(
+    c for c in SAMPLE_INT_COLUMNS if c not in ("psi_some_total_us", "psi_full_total_us", "shm_entries", "nvrm_recent")
+)
+SAMPLE_HUNDREDTHS_COLUMNS = SAMPLE_FLOAT_COLUMNS  # stored as integer hundredths
+
+
+def bytes_to_kib(v: int | None) -> int | None:
+    """Bytes → integer KiB as stored (rounded to the nearest KiB; meminfo figures are exact)."""
+    return None if v is None else (int(v) + 512) // 1024
+
+
+def hundredths(v: float | None) -> int | None:
+    """A PSI average (two decimals in /proc/pressure) → integer hundredths as stored."""
+    return None if v is None else round(v * 100)
+
+
+#: column name → stored value from the value above the store (bytes, float); identity for the rest
+SAMPLE_TO_DB = {
+    **{c: bytes_to_kib for c in SAMPLE_KIB_COLUMNS},
+    **{c: hundredths for c in SAMPLE_HUNDREDTHS_COLUMNS},
+}
+#: column name → factor from the stored value to bytes or the float (for aggregates SQL computes)
+SAMPLE_FROM_DB_FACTOR = {**{c: 1024 for c in SAMPLE_KIB_COLUMNS}, **{c: 0.01 for c in SAMPLE_HUNDREDTHS_COLUMNS}}
+
+
+class KiB(TypeDecorator[int]):
+    """Bytes in Python, integer KiB in SQLite."""
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: int | None, dialect: Dialect) -> int | None:
+        return bytes_to_kib(value)
+
+    def process_result_value(self, value: int | None, dialect: Dialect) -> int | None:
+        return None if value is None else int(value) * 1024
+
+
+class Hundredths(TypeDecorator[float]):
+    """A float with two decimals in Python, integer hundredths in SQLite."""
+
+    impl = Integer
+    cache_ok = True
+
+    def process_bind_param(self, value: float | None, dialect: Dialect) -> int | None:
+        return hundredths(value)
+
+    def process_result_value(self, value: int | None, dialect: Dialect) -> float | None:
+        return None if value is None else value / 100
+
 
 # Fields kept as per-minute min/avg/max after raw samples expire (retention).
 AGGREGATE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
@@ -57,9 +117,9 @@ class SampleRow(Base):
     ts: Mapped[float] = mapped_column(Float, primary_key=True)
     # the class namespace is a dict: declare the many sample columns from the one list
     for _c in SAMPLE_INT_COLUMNS:
-        locals()[_c] = mapped_column(_c, BigInteger, nullable=True)
+        locals()[_c] = mapped_column(_c, KiB if _c in SAMPLE_KIB_COLUMNS else BigInteger, nullable=True)
     for _c in SAMPLE_FLOAT_COLUMNS:
-        locals()[_c] = mapped_column(_c, Float, nullable=True)
+        locals()[_c] = mapped_column(_c, Hundredths, nullable=True)
     del _c
 
 
