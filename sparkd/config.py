@@ -365,8 +365,10 @@ class ConsumersSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     enabled: bool = True
-    interval_s: float = Field(default=10.0, ge=1, le=3600)
-    store_every_s: float = Field(default=60.0, ge=1, le=86400)  # a scan row at most this often (and every trip)
+    interval_s: float = Field(default=10.0, ge=1, le=3600)  # while sampling fast (something moves)
+    quiet_interval_s: float = Field(default=60.0, ge=1, le=3600)  # while sampling normally (issue 18: idle cost)
+    store_every_s: float = Field(default=600.0, ge=1, le=86400)  # a scan row at least this often when stored
+    store_change_gib: float = Field(default=1.0, ge=0)  # ... and whenever a group total moved this much
     top_n: int = Field(default=10, ge=1, le=100)
     uss_top: int = Field(default=0, ge=0, le=100)  # USS walks each process's page tables: off unless asked
     cotenant_limit: str | None = None  # a size ("12GiB"); unset: what the plan leaves the host minus the margin
@@ -745,8 +747,13 @@ FIELD_DOCS: dict[str, str] = {
     "cluster.tls_ca_file": "CA certificate to verify https peers (default: the system's store).",
     "cluster.worker_start_delay_s": "Coordinated launch: how long the head waits after the worker runs.",
     "consumers.enabled": "Scan processes for who holds the memory (container, host co-tenants, system services).",
-    "consumers.interval_s": "Seconds between process scans (and one at every trip); in a worker thread.",
-    "consumers.store_every_s": "Store a scan at most this often (every trip's scan too); the rest stay in memory.",
+    "consumers.interval_s": "Seconds between process scans while sampling fast (start-up, a rule counting, near a "
+    "floor); one at every trip too. In a worker thread.",
+    "consumers.quiet_interval_s": "Seconds between process scans while sampling normally (a scan costs ~10-40 ms "
+    "of CPU; bench/consumers.py). Set it to interval_s for a fixed cadence.",
+    "consumers.store_every_s": "Store a scan this often (600 s), and every trip's scan; the rest stay in memory.",
+    "consumers.store_change_gib": "Store a scan as soon as a group total (container, host, system) moved this many "
+    "GiB since the last stored one (0: every scan).",
     "consumers.top_n": "Processes and command names kept per scan.",
     "consumers.uss_top": "How many of the top processes also get USS (smaps_rollup; costs a page-table walk).",
     "consumers.cotenant_limit": "Warn when host co-tenants hold more RSS than this; unset: MemTotal minus the "

@@ -57,6 +57,9 @@ class FakeActions:
     async def close(self) -> None:
         return None
 
+    def lifecycle_state(self) -> str:
+        return str(self.status_json().state)
+
     def status_json(self) -> ContainerStatus:
         plan = PlanFigures.model_validate(self.plan.to_json())
         return ContainerStatus(

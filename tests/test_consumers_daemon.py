@@ -52,7 +52,12 @@ async def _daemon(tmp_path: Path, **overrides: Any) -> Daemon:
             "state_dir": str(tmp_path / "state"),
             "kernlog_source": "off",
             "interval_s": 0.25,
-            "consumers": {"interval_s": 1.0, "store_every_s": 1.0, **overrides.pop("consumers", {})},
+            "consumers": {
+                "interval_s": 1.0,
+                "quiet_interval_s": 1.0,
+                "store_every_s": 1.0,
+                **overrides.pop("consumers", {}),
+            },
             **overrides,
         }
     )
@@ -211,6 +216,71 @@ async def test_a_trip_whose_scan_hangs_uses_the_last_periodic_scan(monkeypatch: 
     assert shares.shares_bytes == {"container": 1 * GiB, "host": 2 * GiB, "system": 0}
 
 
+async def test_a_scan_is_stored_when_a_group_total_moved_a_gib_or_store_every_s_passed() -> None:
+    now = [0.0]
+    rows: list[dict[str, Any]] = []
+    scans = [
+        _scan(0, 80 * GiB, 1 * GiB),  # the first: stored
+        _scan(10, 80 * GiB, int(1.9 * GiB)),  # host +0.9 GiB: kept in memory only
+        _scan(20, 80 * GiB, int(2.1 * GiB)),  # host +1.1 GiB since the stored one: stored
+        _scan(30, int(79.5 * GiB), int(2.1 * GiB)),  # -0.5 GiB: not stored
+        _scan(700, int(79.5 * GiB), int(2.1 * GiB)),  # store_every_s (600 s) passed: stored
+    ]
+    w = ConsumerWatch(
+        ConsumersSettings(),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: [],
+        mem_available=lambda: None,
+        plan_left_bytes=lambda: None,
+        emit=lambda *a: None,
+        submit=lambda kind, row: rows.append(row),
+        scanner=ScriptedScanner(scans),
+        mono=lambda: now[0],
+    )
+    for s in list(scans):
+        now[0] = s.at
+        await w.scan()
+    assert [r["ts"] for r in rows] == [0, 20, 700]
+    assert w.scans == 5
+
+
+async def test_scans_come_every_interval_s_while_sampling_fast_and_every_quiet_interval_s_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fast = [False]
+    now = [0.0]
+    w = ConsumerWatch(
+        ConsumersSettings(interval_s=10.0, quiet_interval_s=60.0),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: [],
+        mem_available=lambda: None,
+        plan_left_bytes=lambda: None,
+        emit=lambda *a: None,
+        scanner=ScriptedScanner([_scan(i, GiB, GiB) for i in range(100)]),
+        mono=lambda: now[0],
+        fast=lambda: fast[0],
+    )
+    at: list[float] = []
+
+    async def scan() -> Any:
+        at.append(now[0])
+
+    async def sleep(s: float) -> None:  # the loop's sleeps advance this clock instead of waiting
+        now[0] += s
+        if now[0] >= 300:
+            raise asyncio.CancelledError
+        if now[0] == 150:
+            fast[0] = True
+        await real_sleep(0)
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(w, "scan", scan)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await w.run()
+    assert at == [0, 60, 120, 150, 160, 170, 180, 190, 200, 210, 220, 230, 240, 250, 260, 270, 280, 290]
+
+
 async def test_a_trip_before_any_scan_has_no_shares_to_give() -> None:
     w, _ = _watch(ScriptedScanner([_scan(0, GiB, GiB)]), [10 * GiB])
     shares = await w.at_trip()
@@ -251,7 +321,7 @@ async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None
 
 
 async def test_scans_are_stored_at_most_every_store_every_s(tmp_path: Path) -> None:
-    d = await _daemon(tmp_path, consumers={"interval_s": 1.0, "store_every_s": 3600.0})
+    d = await _daemon(tmp_path, consumers={"interval_s": 1.0, "store_every_s": 3600.0, "store_change_gib": 1000.0})
     try:
         assert d.consumers is not None
         await _until(lambda: d.consumers is not None and d.consumers.scans >= 3)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,24 @@ def test_it_counts_shm_entries(tmp_path: Path) -> None:
     used, count = procfs.read_shm(tmp_path)
     assert count == 2 and used is not None and used >= 0
     assert procfs.read_shm(tmp_path / "missing") == (None, None)
+
+
+def test_the_shm_reader_lists_again_only_when_an_entry_came_or_went_and_sees_every_change(tmp_path: Path) -> None:
+    import os
+
+    r = procfs.ShmReader(tmp_path)
+    old = time.time_ns() - 10**9
+    os.utime(tmp_path, ns=(old, old))  # a settled directory: its listing is trusted
+    assert r.read()[1] == 0 and r.listings == 1
+    assert r.read()[1] == 0 and r.listings == 1  # nothing moved: not listed again
+    for n in range(1, 4):  # changes within one clock tick of each other: each is seen
+        (tmp_path / f"psm_{n}").write_bytes(b"")
+        assert r.read()[1] == n
+    (tmp_path / "psm_1").unlink()
+    assert r.read()[1] == 2
+    assert r.read() == procfs.read_shm(tmp_path)
+    tmp_path.rename(tmp_path.with_name("gone"))
+    assert r.read() == (None, None)
 
 
 def test_the_fast_reader_agrees_with_the_plain_reader_on_this_host() -> None:

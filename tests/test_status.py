@@ -283,3 +283,25 @@ def test_every_model_forbids_unknown_keys() -> None:
     assert len(models) > 10
     for m in models:
         assert m.model_config.get("extra") == "forbid", m.__name__
+
+
+def test_the_cheap_lifecycle_state_is_the_status_state_in_every_state_and_with_the_engine_down(
+    tmp_path: Path,
+) -> None:
+    # the daemon keys its stored snapshot on lifecycle_state() every second instead of building
+    # status_json(): a state the cheap answer missed would leave `sparkd status` stale
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path), "container": {"image": "x:1", "name": "sparkd-lifecycle-key"}}
+    )
+    sup = Supervisor(settings)
+    seen = set()
+    for engine_up in (None, True, False):
+        for state in ContainerState:
+            sup.state, sup.engine_up = state, engine_up
+            assert sup.lifecycle_state() == sup.status_json().state
+            seen.add(sup.lifecycle_state())
+    assert "unknown" in seen and len(seen) == len(ContainerState)
+    from sparkd.loop.daemon import MonitorOnly
+
+    mo = MonitorOnly()
+    assert mo.lifecycle_state() == mo.status_json().mode == "monitor-only"

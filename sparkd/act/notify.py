@@ -59,12 +59,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from sparkd.config import NotifySettings
 from sparkd.core.supervision import Collapse
+
+if TYPE_CHECKING:  # httpx is imported where a webhook is sent: most hosts have none (issue 18: RSS)
+    import httpx
 
 log = logging.getLogger("sparkd.act.notify")
 
@@ -298,6 +299,8 @@ class Notifier:
     def _run(self) -> None:
         client: httpx.Client | None = None
         if self.settings.webhook_url:
+            import httpx
+
             client = httpx.Client(timeout=self.settings.timeout_s, transport=self.transport)
         try:
             while not self._abort.is_set():
@@ -383,6 +386,8 @@ class Notifier:
         return True
 
     def _post(self, client: httpx.Client, url: str, body: dict[str, Any]) -> bool:
+        import httpx
+
         attempts = self.settings.retries + 1
         last = ""
         for attempt in range(attempts):
@@ -441,6 +446,8 @@ class Notifier:
 
 def _redact(url: str) -> str:
     """Scheme, host and port only: webhook URLs carry tokens in the path or query (Slack, Discord)."""
+    import httpx
+
     try:
         u = httpx.URL(url)
     except Exception:

@@ -93,8 +93,10 @@ class ConsumerWatch:
         submit: Callable[[str, Any], Any] | None = None,
         scanner: ConsumerScanner | None = None,
         mono: Callable[[], float] = time.monotonic,
+        fast: Callable[[], bool] = lambda: True,
     ) -> None:
         self.settings = settings
+        self.fast = fast
         self.host_reserve_bytes = host_reserve_bytes
         self.container_ids = container_ids
         self.mem_available = mem_available
@@ -109,6 +111,7 @@ class ConsumerWatch:
         self._lock = threading.Lock()  # one scan at a time (periodic and trip scans share the scanner)
         self._last_warned: float | None = None
         self._last_stored: float | None = None
+        self._stored_totals: dict[str, int] = {}
 
     # ------------------------------------------------------------------ figures
     @property
@@ -153,8 +156,12 @@ class ConsumerWatch:
         self.scans += 1
         now = self.mono()
         due = self._last_stored is None or now - self._last_stored >= self.settings.store_every_s
-        if self.submit is not None and (store or due):
-            self._last_stored = now
+        moved = any(
+            abs(v - self._stored_totals.get(g, 0)) >= self.settings.store_change_gib * GiB
+            for g, v in summary.totals.items()
+        )
+        if self.submit is not None and (store or due or moved):
+            self._last_stored, self._stored_totals = now, dict(summary.totals)
             self.submit(
                 "consumers",
                 {
@@ -197,12 +204,20 @@ class ConsumerWatch:
         )
 
     async def run(self) -> None:
-        """Scan every ``interval_s`` until cancelled; a failing scan is logged and tried again next time."""
+        """Scan every ``interval_s`` while ``fast()`` (the daemon samples fast: start-up, a rule counting,
+        near a floor), else every ``quiet_interval_s``, until cancelled; a failing scan is logged and
+        tried again next time. Looks every ``interval_s`` whether a scan is due."""
+        last: float | None = None
         while True:
-            try:
-                await self.scan()
-            except Exception as e:  # psutil or /proc trouble must never end the daemon
-                log.warning("process scan failed (ignoring until the next one): %s", e)
+            now = self.mono()
+            if last is None or now - last >= (
+                self.settings.interval_s if self.fast() else self.settings.quiet_interval_s
+            ):
+                last = now
+                try:
+                    await self.scan()
+                except Exception as e:  # psutil or /proc trouble must never end the daemon
+                    log.warning("process scan failed (ignoring until the next one): %s", e)
             await asyncio.sleep(self.settings.interval_s)
 
     async def at_trip(self) -> TripShares | None:

@@ -78,6 +78,11 @@ class Actions(Protocol):
 
     def status_json(self) -> ContainerStatus: ...
 
+    def lifecycle_state(self) -> str:
+        """``status_json().state`` (or the mode when there is no container), without building the
+        status: the daemon asks it every second to see whether the stored snapshot is due."""
+        ...
+
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]: ...
@@ -85,6 +90,20 @@ class Actions(Protocol):
     async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult: ...
 
     async def close(self) -> None: ...
+
+
+def make_actions(settings: Settings) -> Actions:
+    """The container side for ``settings``: a ``loop.supervisor.Supervisor`` (managed or guard mode),
+    or ``MonitorOnly``. The supervisor and the Docker SDK (requests, urllib3: ~8 MiB resident) are
+    imported only when there is a container to act on."""
+    c = settings.container
+    if settings.monitor_only:
+        return MonitorOnly("monitor_only = true")
+    if not c.image and not c.guard:
+        return MonitorOnly("no container configured (container.image or container.guard)")
+    from sparkd.loop.supervisor import Supervisor
+
+    return Supervisor(settings)
 
 
 class MonitorOnly:
@@ -117,6 +136,9 @@ class MonitorOnly:
 
     def status_json(self) -> ContainerStatus:
         return ContainerStatus(mode="monitor-only", reason=self.why)
+
+    def lifecycle_state(self) -> str:
+        return "monitor-only"
 
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
@@ -160,7 +182,7 @@ class Daemon:
         self.live_samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=LIVE_SAMPLES)
         self.reads = Reads(self)
         self._db_opened = asyncio.Event()
-        self._db_good_at = time.time()  # wall time of the last check that found the database file in place
+        self._db_wake: asyncio.Future[None] | None = None  # the database keeper's sleep (daemon_db.wake_keeper)
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face
         self.app_factory = app_factory
@@ -354,6 +376,8 @@ class Daemon:
         # The first open runs beside the guard: start-up waits for it at most DB_FIRST_WAIT_S (a
         # write lock held elsewhere costs SQLite's busy timeout), then sampling starts regardless.
         self.writer = Writer(None, maxsize=s.queue_max)
+        self.writer.check_file = self.db.replaced
+        self.writer.on_trouble = lambda: _daemon_db.wake_keeper(self)
         db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
         self._tasks.append(db_task)
         await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=_daemon_db.DB_FIRST_WAIT_S)

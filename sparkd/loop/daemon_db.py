@@ -25,8 +25,7 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
-DB_CHECK_S = 0.5  # how often the database keeper looks at the writer
-INODE_CHECK_S = 2.0  # a database deleted or replaced while running is found within this
+DB_IDLE_CHECK_S = 60.0  # with the database ok the keeper sleeps until the writer calls (Writer.on_trouble)
 
 
 async def begin_run(daemon: Daemon) -> bool:
@@ -78,12 +77,40 @@ async def db_loop(daemon: Daemon) -> None:
             )
     finally:
         daemon._db_opened.set()
+    loop = asyncio.get_running_loop()
     while True:
         try:
             await daemon._db_step()
         except Exception as e:  # never let the keeper die: it is what brings recording back
             log.error("database keeper: %s", one_line(e))
-        await asyncio.sleep(DB_CHECK_S)
+        # no polling: the writer wakes the keeper (a corrupt file, a deleted or replaced file, a
+        # refused record); while the database is down, the next attempt of the back-off does
+        w = daemon.writer
+        if w is not None and (w.fatal or w.lost or w.refusals):
+            continue
+        if daemon.db.state == "ok":
+            delay = DB_IDLE_CHECK_S
+        else:
+            delay = min(max(daemon.db.next_attempt_mono - daemon.mono(), 0.05), DB_IDLE_CHECK_S)
+        fut: asyncio.Future[None] = loop.create_future()
+        daemon._db_wake = fut
+        handle = loop.call_later(delay, _wake, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            daemon._db_wake = None
+
+
+def wake_keeper(daemon: Daemon) -> None:
+    """Wake the database keeper now (``Writer.on_trouble``, called on the event loop)."""
+    if daemon._db_wake is not None:
+        _wake(daemon._db_wake)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def db_step(daemon: Daemon) -> None:
@@ -99,21 +126,19 @@ async def db_step(daemon: Daemon) -> None:
             details={"kind": kind, "error": refusal},
         )
     if daemon.db.state == "ok":
-        checked_at = time.time()
-        if w.fatal is None and checked_at - daemon._db_good_at < INODE_CHECK_S:
-            return  # the file's inode was checked moments ago (a stat in a worker thread: not every 0.5 s)
-        why: str | None = w.fatal or await asyncio.to_thread(daemon.db.replaced)
+        why: str | None = w.fatal or w.lost  # the writer checks the file's inode after each write
         if why is None:
-            daemon._db_good_at = checked_at
             return
+        lost = w.lost is not None
+        safe_until = w.safe_until
         w.fatal, daemon.store = None, None
         w.attach(None)
         daemon.db.lost(why, now)
-        if "deleted" in why or "replaced" in why:
-            # what went into the unlinked file since the last good check is written again, from memory
-            for row in [r for r in daemon.live_samples if r["ts"] >= daemon._db_good_at]:
+        if lost:
+            # what went into the unlinked file since the last write found in place is written again, from memory
+            for row in [r for r in daemon.live_samples if r["ts"] > safe_until]:
                 w.submit("sample", row)
-            for ev in [e for e in reversed(daemon.recent_events) if e["ts"] >= daemon._db_good_at]:
+            for ev in [e for e in reversed(daemon.recent_events) if e["ts"] > safe_until]:
                 w.submit("event", dict(ev))
         daemon._db_down_event()
         return

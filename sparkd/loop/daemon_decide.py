@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
-STATUS_QUIET_S = 5.0  # otherwise: the snapshot `sparkd status` reads is at most this old (+ store.WRITE_EVERY_S)
+STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S)
 
 
 async def handle(daemon: Daemon, result: TickResult) -> None:
@@ -69,7 +69,7 @@ async def handle(daemon: Daemon, result: TickResult) -> None:
         key = (
             tuple(st.counter for st in g.states.values()) if g else (),
             daemon.mode,
-            daemon.actions.status_json().state,
+            daemon.actions.lifecycle_state(),
             id(daemon.recent_events[0]) if daemon.recent_events else None,
         )
         if key != daemon._status_key or since >= STATUS_QUIET_S:

@@ -159,11 +159,11 @@ def summary_line(daemon: Daemon) -> str:
         for r in (daemon.guard.rules_json() if daemon.guard else [])
         if r["counter"]
     ]
-    c = daemon.actions.status_json()
+    state = daemon.actions.lifecycle_state()
     return (
         f"MemAvailable {fmt_gib(last.mem_available)}, MemFree {fmt_gib(last.mem_free)}; "
         f"{'rules: ' + ', '.join(counting) if counting else 'rules quiet'}; "
-        f"container: {c.mode if c.mode == 'monitor-only' else c.state}; sampling {daemon.mode}"
+        f"container: {state}; sampling {daemon.mode}"
     )
 
 
@@ -237,6 +237,7 @@ def make_consumer_watch(daemon: Daemon) -> ConsumerWatch:
         plan_left_bytes=plan_left,
         emit=lambda k, m, sev, det: daemon.event(k, m, severity=sev, details=det),
         submit=daemon.writer.submit if daemon.writer else None,
+        fast=lambda: daemon.mode == "fast",
     )
 
 

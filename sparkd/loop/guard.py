@@ -85,6 +85,7 @@ class Guard:
         self.kern_lines_total = 0  # kernel-log lines read (all kinds)
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
+        self._shm = procfs.ShmReader(settings.shm_dir)
 
     # ------------------------------------------------------------------ reading
     def read_sample(self) -> Sample:
@@ -109,7 +110,7 @@ class Guard:
             log.warning(
                 "no PSI: %s/pressure/memory is absent or unreadable; PSI fields stay empty", self.settings.proc_root
             )
-        shm = procfs.read_shm(self.settings.shm_dir)
+        shm = self._shm.read()
         self.shm_missing = None if shm[0] is not None else f"cannot read {self.settings.shm_dir}"
         return build_sample(
             now_w,

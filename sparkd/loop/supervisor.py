@@ -1,6 +1,6 @@
 """The container side of the daemon: launch, adopt, health, stop, restart, resize.
 
-``make_actions(settings)`` picks the mode:
+``loop.daemon.make_actions(settings)`` picks the mode:
 * ``managed`` — ``container.image`` set: sparkd launches and owns the container
   (labelled ``sparkd.managed=true``);
 * ``guard`` — ``container.guard`` names a container the operator launches; sparkd
@@ -47,7 +47,6 @@ from sparkd.core.lifecycle import (
 from sparkd.core.rules import Decision
 from sparkd.core.supervision import StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
-from sparkd.loop.daemon import Actions, MonitorOnly
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
 from sparkd.loop.runbook import RunBook
 from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, SupervisionStatus, diff_figures
@@ -67,15 +66,6 @@ RECONCILE_MAX_S = 1.0
 # How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
 # the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
 SHM_WITNESS_INTERVAL_S = 30.0
-
-
-def make_actions(settings: Settings) -> Actions:
-    c = settings.container
-    if settings.monitor_only:
-        return MonitorOnly("monitor_only = true")
-    if not c.image and not c.guard:
-        return MonitorOnly("no container configured (container.image or container.guard)")
-    return Supervisor(settings)
 
 
 class Supervisor(RunBook):
@@ -196,6 +186,10 @@ class Supervisor(RunBook):
 
     def fast_reason(self) -> str | None:
         return f"container {self.name} starting" if self.state is S.STARTING else None
+
+    def lifecycle_state(self) -> str:
+        """``status_json().state`` without building the status (the daemon's per-second snapshot key)."""
+        return str(self.state if self.engine_up is not False else ContainerState.UNKNOWN)
 
     def status_json(self) -> ContainerStatus:
         """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).

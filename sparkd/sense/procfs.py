@@ -17,6 +17,7 @@ Shapes:
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from sparkd.core.sample import MeminfoResult, Psi
@@ -129,13 +130,40 @@ def read_shm(shm_dir: str | Path = "/dev/shm") -> tuple[int | None, int | None]:
 
     Returns ``(None, None)`` when the directory cannot be read.
     """
-    try:
-        st = os.statvfs(shm_dir)
-        used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        count = len(os.listdir(shm_dir))
-    except OSError:
-        return None, None
-    return used, count
+    return ShmReader(shm_dir).read()
+
+
+class ShmReader:
+    """``read_shm`` for every tick: the directory is listed again only when its mtime moved.
+
+    Adding or removing an entry sets the directory's mtime (POSIX). The kernel's file times are
+    coarse (a clock tick, ~4 ms), so two changes in one tick share an mtime: a listing is
+    trusted for later reads only when the mtime it saw was at least ``SETTLE_S`` old then.
+    """
+
+    SETTLE_S = 0.1
+
+    def __init__(self, shm_dir: str | Path = "/dev/shm") -> None:
+        self.shm_dir = os.fspath(shm_dir)
+        self._mtime_ns: int | None = None  # of the listing in _count, when it can be trusted
+        self._count = 0
+        self.listings = 0  # how many times the directory was listed (tests, benchmarks)
+
+    def read(self) -> tuple[int | None, int | None]:
+        """``(bytes_used, entry_count)``, or ``(None, None)`` when the directory cannot be read."""
+        try:
+            st = os.statvfs(self.shm_dir)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            mtime_ns = os.stat(self.shm_dir).st_mtime_ns
+            if mtime_ns != self._mtime_ns:
+                self._count = len(os.listdir(self.shm_dir))
+                self.listings += 1
+                settled = time.time_ns() - mtime_ns >= self.SETTLE_S * 1e9
+                self._mtime_ns = mtime_ns if settled else None
+        except OSError:
+            self._mtime_ns = None
+            return None, None
+        return used, self._count
 
 
 def read_zoneinfo_low_watermark_bytes(proc_root: str | Path = "/proc") -> int | None:

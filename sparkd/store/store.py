@@ -20,7 +20,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ from sparkd.resources import migrations_dir
 from sparkd.store.schema import (
     AGGREGATE_FIELDS,
     SAMPLE_COLUMNS,
+    SAMPLE_FROM_DB_FACTOR,
+    SAMPLE_TO_DB,
     ConfigRevision,
     ConsumerScan,
     DaemonRun,
@@ -69,6 +71,14 @@ _GPU_COLUMNS = (
 _INSERT_SAMPLE = (
     f"INSERT OR IGNORE INTO samples ({', '.join(SAMPLE_COLUMNS)}) VALUES ({', '.join('?' * len(SAMPLE_COLUMNS))})"
 )
+_SAMPLE_CONV = tuple((c, SAMPLE_TO_DB.get(c)) for c in SAMPLE_COLUMNS)  # bytes → KiB, PSI → hundredths
+
+
+def _sample_params(p: dict[str, Any]) -> tuple[Any, ...]:
+    """A samples row (bytes, floats) as the INSERT's parameters in stored units."""
+    return tuple(p.get(c) if f is None else f(p.get(c)) for c, f in _SAMPLE_CONV)
+
+
 _INSERT_GPU = f"INSERT INTO gpu_samples ({', '.join(_GPU_COLUMNS)}) VALUES ({', '.join('?' * len(_GPU_COLUMNS))})"
 _UPSERT_KCOUNT = (
     "INSERT INTO kernel_counts (minute_ts, kind, count) VALUES (?, ?, ?) "
@@ -186,7 +196,7 @@ class Store:
             sqlalchemy.exc.SQLAlchemyError, sqlite3.Error: the database refused the batch
                 (nothing of it is kept: one transaction).
         """
-        samples = [tuple(p.get(c) for c in SAMPLE_COLUMNS) for k, p in items if k == "sample"]
+        samples = [_sample_params(p) for k, p in items if k == "sample"]
         gpu = [tuple(p.get(c) for c in _GPU_COLUMNS) for k, p in items if k == "gpu"]
         kcounts = [p for k, p in items if k == "kcount"]
         statuses = [p for k, p in items if k == "status"]
@@ -297,6 +307,7 @@ class Store:
                 d = dict(r._mapping)
                 b = d.pop("b")
                 d["ts"] = since + b * step_s
+                _scale_avgs(d, fields)
                 out[b] = d
             agg_fields = [f for f in fields if f in AGGREGATE_FIELDS]
             first_raw = conn.execute(select(func.min(SampleRow.ts))).scalar()
@@ -469,6 +480,7 @@ class Store:
                     vals: dict[str, Any] = {"minute_ts": float(r[0]), "n": r[1]}
                     for i, f in enumerate(AGGREGATE_FIELDS):
                         vals[f"{f}_min"], vals[f"{f}_avg"], vals[f"{f}_max"] = r[2 + 3 * i : 5 + 3 * i]
+                    _scale_avgs(vals, AGGREGATE_FIELDS)
                     stmt = sqlite_insert(SampleMinute).values(**vals)
                     # a minute split across two prune passes: widen the envelope, weight the mean
                     n_old, n_new = SampleMinute.n, vals["n"]
@@ -552,6 +564,15 @@ def Integer_() -> Any:
     return Integer()
 
 
+def _scale_avgs(d: dict[str, Any], fields: Iterable[str]) -> None:
+    """``<f>_avg`` of samples columns from stored units (KiB, hundredths) to bytes and floats: SQL's
+    avg() has no column type, so the model cannot convert it (min and max it does)."""
+    for f in fields:
+        k = SAMPLE_FROM_DB_FACTOR.get(f)
+        if k is not None and d.get(f"{f}_avg") is not None:
+            d[f"{f}_avg"] *= k
+
+
 def _sample_dict(r: SampleRow) -> dict[str, Any]:
     return {c: getattr(r, c) for c in SAMPLE_COLUMNS}
 
@@ -619,6 +640,14 @@ class Writer:
         self.last_error: str | None = None
         self.fatal: str | None = None
         self._kick = asyncio.Event()
+        # in the worker thread after each write: why the file written is no longer the database at
+        # its path (``keeper.DbKeeper.replaced``: deleted, replaced), or None. SQLite keeps writing
+        # into an unlinked file without a word; this finds it within one write (WRITE_EVERY_S).
+        self.check_file: Callable[[], str | None] | None = None
+        self.lost: str | None = None  # what check_file said (the keeper reopens)
+        self.safe_until = 0.0  # newest ``ts`` of a record known to be in the database file at its path
+        # on the event loop, when the keeper has something to do (fatal, lost, refusals)
+        self.on_trouble: Callable[[], None] | None = None
         # held while a batch is written: flush() at shutdown waits for a write still in flight in the
         # worker thread (cancelling ``run`` cannot stop that thread), then sees exactly what is left
         self._lock = threading.Lock()
@@ -626,6 +655,7 @@ class Writer:
     def attach(self, store: Store | None) -> None:
         """Write into ``store`` from now on (None: no database; records wait in the queue)."""
         self.store = store
+        self.lost = None
         if store is not None:
             self._kick.set()
 
@@ -736,7 +766,10 @@ class Writer:
                     continue
                 pending = self._take_batch(first)
             self._pending = pending  # in flight: a shutdown that cancels us still finds it (flush)
-            if await asyncio.to_thread(self._write_locked, pending):
+            written = await asyncio.to_thread(self._write_locked, pending)
+            if (self.fatal or self.lost or self.refusals) and self.on_trouble is not None:
+                self.on_trouble()
+            if written:
                 pending, backoff = [], 0.25
             else:  # keep the batch (a locked or full database is usually temporary) and retry
                 with contextlib.suppress(TimeoutError):
@@ -751,6 +784,12 @@ class Writer:
             ok = self._write(batch)
             if ok:
                 self._pending = []
+                if self.check_file is not None and self.lost is None:
+                    self.lost = self.check_file()
+                    if self.lost is None:
+                        self.safe_until = max(
+                            (p["ts"] for _k, p in batch if isinstance(p, dict) and "ts" in p), default=self.safe_until
+                        )
             return ok
 
     async def _gather(self) -> None:

@@ -16,7 +16,7 @@ from sparkd.loop.status import Status
 from sparkd.store.store import Store
 from sparkd.units import parse_duration_s
 
-STALE_S = 10.0
+STALE_S = 10.0  # `sparkd status`: the daemon runs when its newest record (a sample, the snapshot) is younger
 
 
 def _settings(ctx: click.Context) -> Settings:

@@ -41,8 +41,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     settings = _settings(ctx)
     from sparkd.face.app import create_app
     from sparkd.logsetup import setup_logging
-    from sparkd.loop.daemon import Daemon
-    from sparkd.loop.supervisor import make_actions
+    from sparkd.loop.daemon import Daemon, make_actions
 
     os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
@@ -138,7 +137,10 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
             f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
             "memory: see `sparkd doctor` and /api/status"
         ) from None
-    running = st is not None and st.running and time.time() - st.ts < STALE_S + 2 * settings.interval_s
+    # alive: the newest record it wrote (the snapshot when something changes or every STATUS_QUIET_S,
+    # samples every store.WRITE_EVERY_S) is recent
+    newest = max(st.ts if st else 0.0, float(latest["ts"]) if latest else 0.0)
+    running = st is not None and st.running and time.time() - newest < STALE_S + 2 * settings.interval_s
     snap = st.model_dump(mode="json") if st else {}
     data = {
         "daemon_running": running,
