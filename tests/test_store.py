@@ -311,3 +311,28 @@ def test_a_batch_in_flight_when_shutdown_cancels_the_writer_is_written_once() ->
 
     store = asyncio.run(go())
     assert [p for _, p in store.rows] == [0, 1, 2, 3]
+
+
+def test_the_keeper_migrates_in_a_child_process_and_the_daemon_never_imports_alembic(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    db = tmp_path / "old.db"
+    old = Store.open(db, migrate=False)
+    old.upgrade("0002")  # what sparkd 0.1 made
+    old.close()
+    code = (
+        "import sys; from pathlib import Path; from sparkd.store.keeper import DbKeeper\n"
+        f"k = DbKeeper(Path({str(db)!r})); s = k.attempt(0.0)\n"
+        "print(s.current_revision(), k.state, 'alembic' in sys.modules, 'mako' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    head = __import__("sparkd.store.store", fromlist=["script_head"]).script_head()
+    assert out.stdout.split() == [head, "ok", "False", "False"], out.stderr
+    # a file that is not a database: the child's one-line reason, which the keeper reads as corrupt
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"x" * 4096)
+    s = Store.open(bad, migrate=False)
+    with pytest.raises(StoreError) as err:
+        s.upgrade_in_child()
+    assert "file is not a database" in err.value.message and "\n" not in err.value.message

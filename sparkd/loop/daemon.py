@@ -588,6 +588,7 @@ class Daemon:
                     self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
             try:
                 self.writer.flush()
+                self.writer.close()
                 if self.store and self.run_id is not None:
                     end = {"id": self.run_id, "stopped_at": time.time(), "exit_reason": reason}
                     self.store.write_batch([("run_end", {**end, "samples": self.samples_taken})])

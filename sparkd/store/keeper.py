@@ -117,7 +117,14 @@ class DbKeeper:
         return store
 
     def _open(self) -> Store:
-        return Store.open(self.path)
+        store = Store.open(self.path, migrate=False)
+        if not store.at_head():  # a new file, or one an older sparkd made: Alembic, in a child process
+            try:
+                store.upgrade_in_child()
+            except StoreError:
+                store.close()
+                raise
+        return store
 
     def _failed(self, why: str, now_mono: float) -> None:
         if self.state == "ok":
@@ -177,7 +184,8 @@ class DbKeeper:
         except OSError as e:
             return f"cannot stat database file {self.path}: {e.strerror}"
         if ino != self.inode:
-            return f"database file {self.path} was replaced while sparkd was running"
+            # deleted and created again (a reader's connection makes an empty file), or replaced
+            return f"database file {self.path} was deleted or replaced while sparkd was running"
         return None
 
     def status(self) -> dict[str, Any]:

@@ -140,11 +140,11 @@ class Store:
         engine = create_engine(f"sqlite:///{p}", connect_args={"check_same_thread": False, "timeout": 2.0})
         event.listen(engine, "connect", _on_connect)
         store = cls(engine, p)
-        if migrate and not store._at_head():
+        if migrate and not store.at_head():
             store.upgrade()
         return store
 
-    def _at_head(self) -> bool:
+    def at_head(self) -> bool:
         """True when the database is already at the newest migration (read from the scripts'
         ``revision`` lines): then Alembic, a quarter of a second of imports, is not loaded."""
         try:
@@ -168,6 +168,27 @@ class Store:
                 command.upgrade(cfg, revision)
         except (SQLAlchemyError, OSError) as e:
             raise StoreError(f"cannot migrate database {self.path}: {e}") from None
+
+    def upgrade_in_child(self, timeout_s: float = 900.0) -> None:
+        """``upgrade()`` to the head in a child process (``python -m sparkd.store.migrate PATH``), so
+        the daemon never imports Alembic and Mako: ~11 MiB resident for as long as it runs, for a
+        step taken once per release (issue 18). The child opens the file with ``Store.open``.
+
+        Raises:
+            StoreError: the child failed (its message, e.g. SQLite's "file is not a database") or
+                did not finish within ``timeout_s``.
+        """
+        import subprocess
+        import sys
+
+        cmd = [sys.executable, "-m", "sparkd.store.migrate", str(self.path)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise StoreError(f"cannot migrate database {self.path}: {e}") from None
+        if out.returncode != 0:
+            lines = (out.stderr or out.stdout).strip().splitlines() or [f"exit status {out.returncode}"]
+            raise StoreError(lines[-1].removeprefix("sparkd: ")[:500])
 
     def current_revision(self) -> str | None:
         with Session(self.engine) as conn:
@@ -602,16 +623,26 @@ before it writes them in one transaction: a sample reaches the database at most 
 history. Any other item (an event, a launch, the end of a run) is written at once with what
 was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18)."""
 
+DUE_SLACK_S = 0.1  # a submit this close before the due time ends the gathering (ticks jitter)
+FALLBACK_S = 1.5  # with no submit, the gathering ends this long after it was due
+
 GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window", "consumers"})
 
 
 class Writer:
-    """Bounded queue → batched writes in a worker thread.
+    """Bounded queue → batched writes in the writer's own thread.
 
     ``submit`` never blocks and never raises: when the queue is full the item is
     dropped and that is logged once until the queue drains again. Samples are
     gathered for up to ``write_every_s`` (``WRITE_EVERY_S``) before a write; other
     kinds are written at once.
+
+    Wake-ups (issue 18: on an idle host each wake-up of the process costs more than the work it
+    does): the gathering ends in the ``submit`` that finds it due, so the guard's own tick hands
+    the batch over and the event loop keeps no timer of its own (a fallback timer, cancelled
+    while submits come, covers a writer fed by nobody); the batch goes to a thread of the
+    writer, which nobody awaits: the loop is not woken when a write completes. Only a writer
+    that must wait for the thread (a batch still being written or retried) asks to be woken.
     """
 
     def __init__(
@@ -639,7 +670,17 @@ class Writer:
         self.refusals: list[tuple[str, str]] = []
         self.last_error: str | None = None
         self.fatal: str | None = None
-        self._kick = asyncio.Event()
+        self._retry = threading.Event()  # set by ``attach``: the thread retries a refused batch at once
+        self._gather_fut: asyncio.Future[None] | None = None
+        self._due = 0.0  # monotonic time the gathering ends
+        # the batch handed to the thread and not yet written (it retries it with back-off), and the
+        # loop's future woken when the thread is done with it (only while the loop waits for that)
+        self._inflight: list[tuple[str, Any]] | None = None
+        self._inflight_done: asyncio.Future[None] | None = None
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
         # in the worker thread after each write: why the file written is no longer the database at
         # its path (``keeper.DbKeeper.replaced``: deleted, replaced), or None. SQLite keeps writing
         # into an unlinked file without a word; this finds it within one write (WRITE_EVERY_S).
@@ -657,7 +698,7 @@ class Writer:
         self.store = store
         self.lost = None
         if store is not None:
-            self._kick.set()
+            self._retry.set()
 
     def submit(self, kind: str, payload: Any) -> bool:
         try:
@@ -666,6 +707,9 @@ class Writer:
                 self._urgent_queued = True
                 if self._urgent is not None and not self._urgent.done():
                     self._urgent.set_result(None)
+            fut = self._gather_fut
+            if fut is not None and not fut.done() and time.monotonic() >= self._due - DUE_SLACK_S:
+                fut.set_result(None)  # due: this submit (the guard's tick) ends the gathering
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -751,12 +795,11 @@ class Writer:
             self._drop_logged = False
 
     async def run(self) -> None:
-        backoff = 0.25
-        pending: list[tuple[str, Any]] = []
+        """Gather, hand each batch to the writer's thread; until cancelled (then ``flush`` and ``close``)."""
+        self._start_thread()
         while True:
-            if pending and self._pending is not pending:
-                pending = []  # a flush took the retried batch meanwhile
-            if not pending:
+            pending = self._pending if self._pending else None
+            if pending is None:
                 first = await self.queue.get()
                 holder = [first]
                 self._pending = holder  # out of the queue while we gather: a shutdown flush must see it
@@ -764,26 +807,81 @@ class Writer:
                     await self._gather()
                 if self._pending is not holder:  # a flush wrote it meanwhile
                     continue
-                pending = self._take_batch(first)
-            self._pending = pending  # in flight: a shutdown that cancels us still finds it (flush)
-            written = await asyncio.to_thread(self._write_locked, pending)
-            if (self.fatal or self.lost or self.refusals) and self.on_trouble is not None:
-                self.on_trouble()
-            if written:
-                pending, backoff = [], 0.25
-            else:  # keep the batch (a locked or full database is usually temporary) and retry
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._kick.wait(), backoff)  # ``attach`` wakes it at once
-                self._kick.clear()
+                pending = self._pending = self._take_batch(first)
+            # one batch at a time with the thread, as one transaction at a time: while it still writes
+            # (or retries, the database locked or full) the next batch waits here and the queue fills
+            while self._inflight is not None:
+                await self._wait_inflight()
+            if self._pending is not pending:
+                continue  # a flush took it while we waited
+            with self._cv:
+                self._inflight, self._pending = pending, []
+                self._cv.notify()
+
+    async def _wait_inflight(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._inflight_done = fut
+        if self._inflight is None:  # done meanwhile
+            return
+        try:
+            await fut
+        finally:
+            self._inflight_done = None
+
+    def _start_thread(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._thread is None or not self._thread.is_alive():
+            self._closing = False
+            self._thread = threading.Thread(target=self._thread_main, name="sparkd-writer", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the writer's thread (after ``flush`` at shutdown); what it still holds is left for ``flush``."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._retry.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _thread_main(self) -> None:
+        backoff = 0.25
+        while True:
+            with self._cv:
+                while self._inflight is None and not self._closing:
+                    self._cv.wait()
+                batch = self._inflight
+            if batch is None or self._closing:
+                return
+            written = self._write_locked(batch)
+            if not written:
+                self._retry.wait(backoff)  # ``attach`` wakes it at once
+                self._retry.clear()
                 backoff = min(backoff * 2, 5.0)
+            else:
+                backoff = 0.25
+            loop = self._loop
+            if loop is None:
+                continue
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                if self._inflight is None and self._inflight_done is not None:  # the loop waits for us
+                    loop.call_soon_threadsafe(self._done_inflight)
+                if (self.fatal or self.lost or self.refusals) and self.on_trouble is not None:
+                    loop.call_soon_threadsafe(self.on_trouble)
+
+    def _done_inflight(self) -> None:
+        fut = self._inflight_done
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _write_locked(self, batch: list[tuple[str, Any]]) -> bool:
         with self._lock:
-            if self._pending is not batch:  # a flush took it (and wrote or counted it) meanwhile
+            if self._inflight is not batch:  # a flush took it (and wrote or counted it) meanwhile
                 return True
             ok = self._write(batch)
             if ok:
-                self._pending = []
+                self._inflight = None
                 if self.check_file is not None and self.lost is None:
                     self.lost = self.check_file()
                     if self.lost is None:
@@ -794,18 +892,20 @@ class Writer:
 
     async def _gather(self) -> None:
         """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
-        (A timer and a future: ``wait_for`` would make a task each time.)"""
+        Ended by the first ``submit`` at or after the due time (no timer of ours wakes the loop), or
+        by a fallback timer ``FALLBACK_S`` later when nothing is submitted."""
         if self.queue.qsize() >= self.batch_max or self._urgent_queued:
             return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._urgent = fut
-        handle = loop.call_later(self.write_every_s, _done, fut)
+        self._urgent = self._gather_fut = fut
+        self._due = time.monotonic() + self.write_every_s
+        handle = loop.call_later(self.write_every_s + FALLBACK_S, _done, fut)
         try:
             await fut
         finally:
             handle.cancel()
-            self._urgent = None
+            self._urgent = self._gather_fut = None
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
@@ -818,6 +918,13 @@ class Writer:
 
     def _flush(self, attempts: int) -> int:
         n = 0
+        with self._cv:  # the batch the thread holds (not being written: we hold the write lock) comes first
+            inflight, self._inflight = self._inflight, None
+        if inflight:
+            self._pending = inflight + self._pending
+        if self._loop is not None and self._inflight_done is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._done_inflight)
         if self.store is None:  # no database: what is queued cannot be written now
             left = len(self._pending) + self.queue.qsize()
             self._pending = []
