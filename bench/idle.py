@@ -14,6 +14,12 @@ read through SQLite, so pages still in the WAL count) at window start and end, s
 an hour. Samples lag: the largest ``now - max(samples.ts)`` seen while polling
 (how late the newest sample reaches the database).
 
+A third reference, ``python sleep(1)``, is a Python process that does nothing but wake once
+a second: the floor of any Python daemon on this host. On a virtual machine whose idle vCPU
+loses its caches (measured here: an empty wake-up of Python costs 1.6-2.3 ms of CPU, a C loop
+reading /proc/meminfo 0.6-0.9 ms), the figures are dominated by wake-ups, so the table prints
+wake-ups per second (timeslices, ``schedstat``) beside the CPU.
+
 Goals (issue 18): 1 Hz ≤ 500 µs CPU per second (0.05 % of a core), 4 Hz ≤ 0.3 %;
 ≤ 10 MB/day of history at 1 Hz; RSS ≤ 80 MiB after an hour idle; READY=1 ≤ 1.5 s.
 Run: .venv/bin/python bench/idle.py [--window 60] [--warmup 15]
@@ -48,11 +54,18 @@ def cpu_stat_s(pid: int) -> float:
 
 def cpu_sched_s(pid: int) -> float:
     """Sum of run time of the live threads of ``pid`` (``/proc/PID/task/*/schedstat``), seconds."""
-    total = 0
+    return sched(pid)[0]
+
+
+def sched(pid: int) -> tuple[float, int]:
+    """(run time in s, timeslices) summed over the live threads of ``pid`` (``schedstat``: ns run,
+    ns waiting, timeslices run). Timeslices per second is how often the process is woken."""
+    total = slices = 0
     for t in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, IndexError, ValueError):
-            total += int((t / "schedstat").read_text().split()[0])
-    return total / 1e9
+            f = (t / "schedstat").read_text().split()
+            total, slices = total + int(f[0]), slices + int(f[2])
+    return total / 1e9, slices
 
 
 def rss_bytes(pid: int) -> int:
@@ -194,13 +207,17 @@ def main() -> None:
             if eo_path:
                 # -r 0: no periodic memory report (earlyoom's own idle cost, as run by its unit)
                 eo = subprocess.Popen([eo_path, "-r", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # the floor of any Python daemon on this host: a process that only wakes once a second
+            floor = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)"])
             time.sleep(args.warmup)
             procs = {"sparkd 1 Hz": d1.proc.pid, "sparkd 4 Hz": d4.proc.pid}
             if eo is not None:
                 procs["earlyoom"] = eo.pid
+            procs["python sleep(1)"] = floor.pid
             db0 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
             tb0 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
             c0 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
+            s0 = {k: sched(p)[1] for k, p in procs.items()}
             w0, w0_wall = time.monotonic(), time.time()
             lag = {d1.proc.pid: 0.0, d4.proc.pid: 0.0}
             lag_at = {d1.proc.pid: 0.0, d4.proc.pid: 0.0}
@@ -212,6 +229,7 @@ def main() -> None:
                         lag[d.proc.pid], lag_at[d.proc.pid] = time.time() - ts, time.monotonic() - w0
             win = time.monotonic() - w0
             c1 = {k: (cpu_stat_s(p), cpu_sched_s(p)) for k, p in procs.items()}
+            s1 = {k: sched(p)[1] for k, p in procs.items()}
             db1 = {d1.proc.pid: db_bytes(d1.db), d4.proc.pid: db_bytes(d4.db)}
             tb1 = {d1.proc.pid: table_bytes(d1.db), d4.proc.pid: table_bytes(d4.db)}
             rss = {k: rss_bytes(p) for k, p in procs.items()}
@@ -227,13 +245,24 @@ def main() -> None:
             if eo is not None:
                 eo.terminate()
                 eo.wait(5)
+            if "floor" in locals():
+                floor.terminate()
+                floor.wait(5)
 
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; window {win:.1f} s after {args.warmup:g} s")
     per_s = {k: ((c1[k][0] - c0[k][0]) / win, (c1[k][1] - c0[k][1]) / win) for k in procs}
-    print(f"{'process':<14} {'CPU µs/s (stat)':>16} {'CPU µs/s (sched)':>17} {'% core':>8} {'RSS MiB':>8}")
+    head = ("process", "CPU µs/s (stat)", "CPU µs/s (sched)", "% core", "wakes/s", "RSS MiB")
+    print(f"{head[0]:<16} {head[1]:>16} {head[2]:>17} {head[3]:>8} {head[4]:>8} {head[5]:>8}")
     for k in procs:
         st, sc = per_s[k]
-        print(f"{k:<14} {st * 1e6:16.0f} {sc * 1e6:17.0f} {sc * 100:8.3f} {rss[k] / 2**20:8.1f}")
+        wakes = (s1[k] - s0[k]) / win
+        print(f"{k:<16} {st * 1e6:16.0f} {sc * 1e6:17.0f} {sc * 100:8.3f} {wakes:8.1f} {rss[k] / 2**20:8.1f}")
+    fl = per_s["python sleep(1)"][1]
+    print(
+        f"floor: a Python process that only sleeps 1 s at a time costs {fl * 1e6:.0f} µs/s here "
+        f"(sparkd 1 Hz = {per_s['sparkd 1 Hz'][1] / max(fl, 1e-9):.1f}x that): on a VM whose idle vCPU "
+        "loses its caches each wake-up costs far more than the work it does"
+    )
     if "earlyoom" in per_s:
         eo_sc = max(per_s["earlyoom"][1], 1e-9)
         print(

@@ -79,7 +79,7 @@ def test_readme_command_1_samples_this_host_within_5_s(tmp_path: Path) -> None:
             timeout=60,
         )
         assert st.returncode == 0, st.stderr
-        assert json.loads(st.stdout)["sample"]["mem_total"] == rows[0][1]
+        assert json.loads(st.stdout)["sample"]["mem_total"] == rows[0][1] * 1024  # bytes again
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(30)
