@@ -4,6 +4,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import inspect
@@ -336,3 +337,48 @@ def test_the_keeper_migrates_in_a_child_process_and_the_daemon_never_imports_ale
     with pytest.raises(StoreError) as err:
         s.upgrade_in_child()
     assert "file is not a database" in err.value.message and "\n" not in err.value.message
+
+
+def test_the_gathering_ends_in_the_submit_that_finds_it_due_and_a_write_never_wakes_the_loop(tmp_path: Path) -> None:
+    """The writer keeps no timer that wakes the event loop while submits come (the tick's submit
+    ends the gathering), and a completed write does not wake the loop either (issue 18)."""
+    from sparkd.store import store as mod
+
+    async def go() -> tuple[list[int], int, float]:
+        store = Store.open(tmp_path / "g.db")
+        w = Writer(store, write_every_s=0.3)
+        loop = asyncio.get_running_loop()
+        wakes = 0
+        real = loop.call_soon_threadsafe
+
+        def counting(*a: Any, **k: Any) -> Any:
+            nonlocal wakes
+            wakes += 1
+            return real(*a, **k)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        task = asyncio.create_task(w.run())
+        counts = []
+        try:
+            for i in range(8):  # a tick every 0.1 s: a write every ~0.3 s, each ended by a submit
+                w.submit("sample", _row(float(i), i * KiB))
+                await asyncio.sleep(0.1)
+                counts.append(store.count_samples())
+            while store.count_samples() < 8:  # the rest, then the writer waits for the next item
+                await asyncio.sleep(0.05)
+            # no submit after this one: the fallback timer ends the gathering FALLBACK_S after it was due
+            w.submit("sample", _row(100.0, KiB))
+            t0 = time.monotonic()
+            while store.count_samples() < 9:
+                await asyncio.sleep(0.05)
+            waited = time.monotonic() - t0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            w.close()
+        return counts, wakes, waited
+
+    counts, wakes, waited = asyncio.run(go())
+    assert counts[0] == 0 and counts[-1] >= 6  # gathered, then written while the ticks went on
+    assert wakes == 0  # not one write woke the event loop
+    assert 0.3 + mod.FALLBACK_S - 0.2 <= waited <= 0.3 + mod.FALLBACK_S + 1.0
