@@ -822,9 +822,9 @@ class Writer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._inflight_done = fut
-        if self._inflight is None:  # done meanwhile
-            return
         try:
+            if self._inflight is None:  # done meanwhile
+                return
             await fut
         finally:
             self._inflight_done = None
