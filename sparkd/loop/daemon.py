@@ -38,6 +38,7 @@ from sparkd.loop import daemon_db as _daemon_db
 from sparkd.loop import daemon_decide as _daemon_decide
 from sparkd.loop import daemon_http as _daemon_http
 from sparkd.loop import daemon_view as _daemon_view
+from sparkd.loop.alarm import Alarm
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.daemon_db import one_line as _one_line
 from sparkd.loop.guard import Guard, TickResult
@@ -182,7 +183,7 @@ class Daemon:
         self.live_samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=LIVE_SAMPLES)
         self.reads = Reads(self)
         self._db_opened = asyncio.Event()
-        self._db_wake: asyncio.Future[None] | None = None  # the database keeper's sleep (daemon_db.wake_keeper)
+        self._db_alarm = Alarm()  # the database keeper's sleep; the writer's on_trouble ends it
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face
         self.app_factory = app_factory
@@ -197,7 +198,7 @@ class Daemon:
         self._fast_until = 0.0
         self._last_status = 0.0
         self._status_key: tuple[Any, ...] | None = None
-        self._wake: asyncio.Future[None] | None = None
+        self._tick_alarm = Alarm()  # the main loop's sleep between ticks; request_exit ends it
         self._last_watchdog = 0.0
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -377,7 +378,7 @@ class Daemon:
         # write lock held elsewhere costs SQLite's busy timeout), then sampling starts regardless.
         self.writer = Writer(None, maxsize=s.queue_max)
         self.writer.check_file = self.db.replaced
-        self.writer.on_trouble = lambda: _daemon_db.wake_keeper(self)
+        self.writer.on_trouble = self._db_alarm.wake
         db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
         self._tasks.append(db_task)
         await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=_daemon_db.DB_FIRST_WAIT_S)
@@ -546,25 +547,13 @@ class Daemon:
         )
 
     async def _sleep(self, delay_s: float) -> None:
-        """Sleep until the next tick; ``request_exit`` wakes it early. (A timer and a future per tick cost
-        far less than ``wait_for`` on the event, which makes a task each time.)"""
-        if delay_s <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._wake = fut
-        handle = loop.call_later(delay_s, _wake_up, fut)
-        try:
-            await fut
-        finally:
-            handle.cancel()
-            self._wake = None
+        """Sleep until the next tick; ``request_exit`` wakes it early."""
+        await self._tick_alarm.sleep(delay_s)
 
     def request_exit(self) -> None:
         """Ask the main loop to finish (signal handlers call this; it only sets flags)."""
         self.should_exit.set()
-        if self._wake is not None:
-            _wake_up(self._wake)
+        self._tick_alarm.wake()
 
     async def shutdown(self, reason: str = "signal") -> None:
         self.notifier.notify("STOPPING=1")
@@ -619,8 +608,3 @@ class Daemon:
             await self.main_loop()
         finally:
             await self.shutdown(reason["why"])
-
-
-def _wake_up(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)

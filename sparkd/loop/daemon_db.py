@@ -77,7 +77,6 @@ async def db_loop(daemon: Daemon) -> None:
             )
     finally:
         daemon._db_opened.set()
-    loop = asyncio.get_running_loop()
     while True:
         try:
             await daemon._db_step()
@@ -92,25 +91,7 @@ async def db_loop(daemon: Daemon) -> None:
             delay = DB_IDLE_CHECK_S
         else:
             delay = min(max(daemon.db.next_attempt_mono - daemon.mono(), 0.05), DB_IDLE_CHECK_S)
-        fut: asyncio.Future[None] = loop.create_future()
-        daemon._db_wake = fut
-        handle = loop.call_later(delay, _wake, fut)
-        try:
-            await fut
-        finally:
-            handle.cancel()
-            daemon._db_wake = None
-
-
-def wake_keeper(daemon: Daemon) -> None:
-    """Wake the database keeper now (``Writer.on_trouble``, called on the event loop)."""
-    if daemon._db_wake is not None:
-        _wake(daemon._db_wake)
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+        await daemon._db_alarm.sleep(delay)
 
 
 async def db_step(daemon: Daemon) -> None:

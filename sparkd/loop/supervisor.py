@@ -187,9 +187,13 @@ class Supervisor(RunBook):
     def fast_reason(self) -> str | None:
         return f"container {self.name} starting" if self.state is S.STARTING else None
 
+    def _shown_state(self) -> ContainerState:
+        """The state status shows: ``unknown`` while the Docker engine does not answer."""
+        return self.state if self.engine_up is not False else ContainerState.UNKNOWN
+
     def lifecycle_state(self) -> str:
         """``status_json().state`` without building the status (the daemon's per-second snapshot key)."""
-        return str(self.state if self.engine_up is not False else ContainerState.UNKNOWN)
+        return str(self._shown_state())
 
     def status_json(self) -> ContainerStatus:
         """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
@@ -197,7 +201,7 @@ class Supervisor(RunBook):
         While the Docker engine does not answer, ``state`` is ``unknown`` and ``engine`` is ``down``.
         """
         now = time.time()
-        state = self.state if self.engine_up is not False else ContainerState.UNKNOWN
+        state = self._shown_state()
         plan = PlanFigures.model_validate(self.plan_json) if self.plan_json else None
         return ContainerStatus(
             mode="managed" if self.mode == "managed" else "guard",

@@ -656,7 +656,6 @@ class Writer:
             raise ValueError(f"write_every_s = {write_every_s!r}: must be >= 0 (seconds)")
         self.store = store
         self.write_every_s = write_every_s
-        self._urgent: asyncio.Future[None] | None = None
         self._urgent_queued = False  # an item outside GATHERED waits in the queue
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=maxsize)
         self.batch_max = batch_max
@@ -705,11 +704,13 @@ class Writer:
             self.queue.put_nowait((kind, payload))
             if kind not in GATHERED:
                 self._urgent_queued = True
-                if self._urgent is not None and not self._urgent.done():
-                    self._urgent.set_result(None)
             fut = self._gather_fut
-            if fut is not None and not fut.done() and time.monotonic() >= self._due - DUE_SLACK_S:
-                fut.set_result(None)  # due: this submit (the guard's tick) ends the gathering
+            if (
+                fut is not None
+                and not fut.done()
+                and (self._urgent_queued or time.monotonic() >= self._due - DUE_SLACK_S)
+            ):
+                fut.set_result(None)  # urgent, or due: this submit (the guard's tick) ends the gathering
             return True
         except asyncio.QueueFull:
             self.dropped += 1
@@ -898,14 +899,14 @@ class Writer:
             return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        self._urgent = self._gather_fut = fut
+        self._gather_fut = fut
         self._due = time.monotonic() + self.write_every_s
         handle = loop.call_later(self.write_every_s + FALLBACK_S, _done, fut)
         try:
             await fut
         finally:
             handle.cancel()
-            self._urgent = self._gather_fut = None
+            self._gather_fut = None
 
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
