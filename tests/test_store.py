@@ -382,3 +382,46 @@ def test_the_gathering_ends_in_the_submit_that_finds_it_due_and_a_write_never_wa
     assert counts[0] == 0 and counts[-1] >= 6  # gathered, then written while the ticks went on
     assert wakes == 0  # not one write woke the event loop
     assert 0.3 + mod.FALLBACK_S - 0.2 <= waited <= 0.3 + mod.FALLBACK_S + 1.0
+
+
+def test_an_unexpected_error_in_the_writer_thread_is_counted_and_the_batch_written_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer's thread must outlive anything a write raises: dead, it would stop recording silently."""
+
+    async def go() -> tuple[int, int, str | None]:
+        store = Store.open(tmp_path / "e.db")
+        w = Writer(store, write_every_s=0)
+        calls = {"n": 0}
+
+        def check() -> str | None:  # the file check raises once (a bug, not an OSError)
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("boom")
+            return None
+
+        w.check_file = check
+        task = asyncio.create_task(w.run())
+        try:
+            w.submit("sample", _row(1.0, KiB))
+            w.submit("event", {"ts": 2.0, "kind": "k", "severity": "info", "message": "m", "details": None,
+                               "launch_id": None})  # fmt: skip
+            for _ in range(100):
+                if store.count_samples() == 1 and calls["n"] >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            w.submit("sample", _row(3.0, KiB))  # the thread still writes
+            for _ in range(100):
+                if store.count_samples() == 2:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            w.close()
+        return store.count_samples(), w.failures, w.last_error
+
+    n, failures, err = asyncio.run(go())
+    assert n == 2 and failures == 1
+    assert err is None  # the next write succeeded
+    assert any("database writer: RuntimeError: boom" in r.getMessage() for r in caplog.records)

@@ -855,7 +855,15 @@ class Writer:
                 batch = self._inflight
             if batch is None or self._closing:
                 return
-            written = self._write_locked(batch)
+            try:
+                written = self._write_locked(batch)
+            except Exception as e:  # never let the thread end: recording would stop without a word
+                written = False
+                self.failures += 1
+                self.last_error = _short(e)
+                if not self._fail_logged:
+                    log.error("database writer: %s; the batch is kept and tried again", self.last_error)
+                    self._fail_logged = True
             if not written:
                 self._retry.wait(backoff)  # ``attach`` wakes it at once
                 self._retry.clear()
