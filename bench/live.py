@@ -43,7 +43,7 @@ async def run(n: int) -> None:
             have_m, ev_m = re.search(r'data-have="([^"]*)"', page), re.search(r'data-ev="([^"]*)"', page)
             assert have_m and ev_m
             have, ev = have_m.group(1), ev_m.group(1)
-            since = int(d.live_samples[0]["ts"]) + 1  # a bucket the in-memory samples reach back to
+            since = int(d.live_samples[0].ts) + 1  # a bucket the in-memory samples reach back to
             shapes = {
                 "/healthz (the app's floor)": "/healthz",
                 "live.json, parts only": f"/ui/live.json?have={have}",

@@ -367,6 +367,7 @@ class ConsumersSettings(BaseModel):
     enabled: bool = True
     interval_s: float = Field(default=10.0, ge=1, le=3600)  # while sampling fast (something moves)
     quiet_interval_s: float = Field(default=60.0, ge=1, le=3600)  # while sampling normally (issue 18: idle cost)
+    quiet_change_gib: float = Field(default=0.5, ge=0)  # ... and only once MemAvailable moved this much
     store_every_s: float = Field(default=600.0, ge=1, le=86400)  # a scan row at least this often when stored
     store_change_gib: float = Field(default=1.0, ge=0)  # ... and whenever a group total moved this much
     top_n: int = Field(default=10, ge=1, le=100)
@@ -751,6 +752,9 @@ FIELD_DOCS: dict[str, str] = {
     "floor); one at every trip too. In a worker thread.",
     "consumers.quiet_interval_s": "Seconds between process scans while sampling normally (a scan costs ~10-40 ms "
     "of CPU; bench/consumers.py). Set it to interval_s for a fixed cadence.",
+    "consumers.quiet_change_gib": "While sampling normally, a scan comes only once MemAvailable moved this many GiB "
+    "since the last scan (and at least every store_every_s): a quiet host keeps its last scan. 0: every "
+    "quiet_interval_s.",
     "consumers.store_every_s": "Store a scan this often (600 s), and every trip's scan; the rest stay in memory.",
     "consumers.store_change_gib": "Store a scan as soon as a group total (container, host, system) moved this many "
     "GiB since the last stored one (0: every scan).",

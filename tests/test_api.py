@@ -146,6 +146,28 @@ async def test_it_downsamples_samples_columnar(daemon: Daemon) -> None:
         assert body["fields"] == ["mem_free"] and "mem_available_avg" not in body and body["since"] % 7 == 0
 
 
+async def test_samples_the_writer_has_not_stored_yet_come_from_memory(daemon: Daemon) -> None:
+    """The writer gathers samples for WRITE_EVERY_S before it writes them: /api/samples must not end
+    that much early (the stored buckets from the database, the rest from memory)."""
+    assert daemon.store is not None and daemon.writer is not None
+    stored = daemon.store.count_samples()
+    for _ in range(3):
+        result = daemon._tick_once()
+        assert result is not None
+        await daemon._handle(result)
+    assert daemon.store.count_samples() == stored  # still gathered, not written
+    taken = [r.ts for r in daemon.live_samples]
+    assert len(taken) == stored + 3
+    since = taken[0] - 1
+    async with _client(daemon) as c:
+        body = (await c.get("/api/samples", params={"since": since, "until": time.time() + 1, "step": 0.001})).json()
+    # every sample counted once (ticks this close share buckets), the newest one included
+    assert sum(body["n"]) == len(taken), (body["step"], body["n"])
+    assert body["ts"][-1] <= taken[-1] < body["ts"][-1] + body["step"]
+    await asyncio.to_thread(daemon.writer.flush)
+    assert daemon.store.count_samples() == stored + 3 and daemon.writer.safe_until == pytest.approx(taken[-1])
+
+
 @pytest.mark.parametrize(
     ("params", "field"),
     [
@@ -847,7 +869,7 @@ async def test_the_live_chart_tail_comes_from_memory_on_the_databases_grid(manag
         assert result is not None
         await d._handle(result)
     await asyncio.to_thread(d.writer.flush)
-    since = float(int(d.live_samples[0]["ts"]) + 1)  # a bucket start the memory reaches back to
+    since = float(int(d.live_samples[0].ts) + 1)  # a bucket start the memory reaches back to
     assert d.reads.covers(since)
     calls: list[Any] = []
     real = d.store.downsampled

@@ -55,6 +55,7 @@ async def _daemon(tmp_path: Path, **overrides: Any) -> Daemon:
             "consumers": {
                 "interval_s": 1.0,
                 "quiet_interval_s": 1.0,
+                "quiet_change_gib": 0.0,  # a scan every quiet_interval_s, however still the host
                 "store_every_s": 1.0,
                 **overrides.pop("consumers", {}),
             },
@@ -279,6 +280,48 @@ async def test_scans_come_every_interval_s_while_sampling_fast_and_every_quiet_i
     with pytest.raises(asyncio.CancelledError):
         await w.run()
     assert at == [0, 60, 120, 150, 160, 170, 180, 190, 200, 210, 220, 230, 240, 250, 260, 270, 280, 290]
+
+
+async def test_a_quiet_host_keeps_its_last_scan_until_memavailable_moves_or_store_every_s_passes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [0.0]
+    avail = [100 * GiB]
+    w = ConsumerWatch(
+        ConsumersSettings(interval_s=10.0, quiet_interval_s=60.0, quiet_change_gib=0.5, store_every_s=600.0),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: [],
+        mem_available=lambda: avail[0],
+        plan_left_bytes=lambda: None,
+        emit=lambda *a: None,
+        scanner=ScriptedScanner([_scan(i, GiB, GiB) for i in range(100)]),
+        mono=lambda: now[0],
+        fast=lambda: False,
+    )
+    at: list[float] = []
+    real_scan = w.scan
+
+    async def scan() -> Any:
+        at.append(now[0])
+        return await real_scan()
+
+    async def sleep(s: float) -> None:
+        now[0] += s
+        if now[0] >= 1500:
+            raise asyncio.CancelledError
+        if now[0] == 200:
+            avail[0] -= int(0.4 * GiB)  # less than quiet_change_gib: still quiet
+        if now[0] == 300:
+            avail[0] -= int(0.2 * GiB)  # 0.6 GiB since the scan at 0: due
+        await real_sleep(0)
+
+    real_sleep = asyncio.sleep
+    monkeypatch.setattr(w, "scan", scan)
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await w.run()
+    # 0: first; 300: moved 0.6 GiB; 900: store_every_s after 300 with nothing moving since
+    assert at == [0, 300, 900]
 
 
 async def test_a_trip_before_any_scan_has_no_shares_to_give() -> None:

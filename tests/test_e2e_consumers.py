@@ -29,7 +29,7 @@ def test_a_trip_names_the_container_and_the_host_process_that_ate_the_memory(spa
     threshold = avail - 768 * MiB
     s = sparkd_factory(
         rules=[{"name": "low_available", "when": [f"MemAvailable < {threshold}B"], "samples": 3}],
-        top={"consumers": {"interval_s": 1, "quiet_interval_s": 1}},
+        top={"consumers": {"interval_s": 1, "quiet_interval_s": 1, "quiet_change_gib": 0}},
     ).start()
     s.wait_state("ready", 60)
     # two scans with the container running: one of them is "before the fall"

@@ -52,6 +52,84 @@ def test_it_parses_psi_and_returns_none_when_absent(tmp_path: Path) -> None:
     assert procfs.parse_psi("garbage") is None
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "some avg10=1.50 avg60=0.25 avg300=0.00 total=123456\nfull avg10=0.50 avg60=0.10 avg300=0.00 total=789\n",
+        "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",  # before 5.2 kernels: no full line
+        "some avg10=99.99 avg60=12.34 avg300=1.00 total=18446744073709551615\n"
+        "full avg10=0.01 avg60=0.00 avg300=0.00 total=1\n",
+        "full avg10=0.50 avg60=0.10 avg300=0.00 total=789\nsome avg10=1.50 avg60=0.25 avg300=0.00 total=1\n",
+        "some avg10=1.50 avg60=0.25 avg300=0.00 total=1 extra=2\n",  # unknown key: the tolerant parser
+        "some avg10=x avg60=0.25 avg300=0.00 total=1\n",
+        "garbage",
+        "",
+    ],
+    ids=["some+full", "some-only", "extremes", "full-first", "extra-key", "bad-number", "garbage", "empty"],
+)
+def test_the_fast_psi_parse_answers_as_the_tolerant_one(text: str) -> None:
+    assert procfs.parse_psi_bytes(text.encode()) == procfs.parse_psi(text)
+
+
+def test_the_fast_psi_parse_reads_this_kernels_file() -> None:
+    try:
+        raw = Path("/proc/pressure/memory").read_bytes()
+    except OSError:
+        pytest.skip("this kernel has no PSI (/proc/pressure/memory)")
+    assert procfs._PSI_RE.match(raw) is not None, raw  # the fast path, not the fallback
+    assert procfs.parse_psi_bytes(raw) == procfs.parse_psi(raw.decode())
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [("meminfo", "gb10-idle.meminfo"), ("proc-watermark", "meminfo"), ("field-2", "proc-no-memavailable", "meminfo")],
+    ids=["gb10-idle", "proc-watermark", "no-memavailable"],
+)
+def test_the_named_fields_path_reads_what_the_full_parse_reads(tmp_path: Path, parts: tuple[str, ...]) -> None:
+    import re
+
+    text = fixture(*parts).read_text()
+    (tmp_path / "meminfo").write_text(text)
+
+    def named(t: str) -> dict[str, int]:
+        return {k: v for k, v in procfs.parse_meminfo(t).fields.items() if k in procfs.NAMED_FIELDS}
+
+    r = procfs.ProcReader(tmp_path)
+    try:
+        assert r.named_meminfo().fields == procfs.parse_meminfo(text).fields  # a full parse learns the layout
+        assert r._named is not None
+        assert r.named_meminfo().fields == named(text)  # then the named fields, in one match
+        # the same layout with other values (wider and narrower numbers): still one match
+        changed = re.sub(r"(MemFree: +)\d+", r"\g<1>123456789", text)
+        changed = re.sub(r"(Cached: +)\d+", r"\g<1>7", changed)
+        assert changed != text
+        (tmp_path / "meminfo").write_text(changed)
+        got = r.named_meminfo().fields
+        assert got == named(changed) and got["MemFree"] == 123456789 * 1024 and r._named is not None
+        # a field appears (another kernel, a file swapped under the reader): the full parse again
+        (tmp_path / "meminfo").write_text(text + "Zswap:         1 kB\n")
+        res = r.named_meminfo()
+        assert res.fields["Zswap"] == 1024 and res.fields["MemTotal"] == named(text)["MemTotal"]
+        # a garbled line: the tolerant parse, which reports it
+        (tmp_path / "meminfo").write_text(text.replace("MemFree:", "MemFree", 1))
+        assert r.named_meminfo().bad_lines
+    finally:
+        r.close()
+
+
+def test_the_named_fields_path_reads_this_kernels_meminfo() -> None:
+    r = procfs.ProcReader("/proc")
+    try:
+        r.named_meminfo()
+        fast = r.named_meminfo().fields
+        assert r._named is not None and set(fast) <= set(procfs.NAMED_FIELDS)
+        full = procfs.read_meminfo("/proc").fields
+        assert set(fast) == {k for k in full if k in procfs.NAMED_FIELDS}
+        assert fast["MemTotal"] == full["MemTotal"]
+    finally:
+        r.close()
+
+
 def test_it_counts_shm_entries(tmp_path: Path) -> None:
     (tmp_path / "a").write_bytes(b"x" * 10)
     (tmp_path / "b").write_bytes(b"")

@@ -68,7 +68,7 @@ def test_readme_command_1_samples_this_host_within_5_s(tmp_path: Path) -> None:
         started = wait_for(lambda: db_query(db, "SELECT started_at FROM daemon_runs"), 600, 0.1)
         assert started, p.stdout.read() if p.poll() is not None and p.stdout else "sparkd never started"
         t0 = time.time()
-        rows = wait_for(lambda: db_query(db, "SELECT ts, mem_total FROM samples"), 5.0, 0.05)
+        rows = wait_for(lambda: db_query(db, "SELECT ts, mem_total FROM samples"), 20.0, 0.05)
         assert rows and time.time() - t0 < 5.0
         assert rows[0][1] * 1024 == procfs.read_meminfo().fields["MemTotal"]  # stored as KiB
         st = subprocess.run(

@@ -117,8 +117,6 @@ class Sample:
     nvrm_recent: int = 0
     low_watermark_bytes: int | None = None
     mem_available_minus_cma: int | None = None
-    # every /proc/meminfo field in bytes (not stored per row; kept for events/archives)
-    meminfo: dict[str, int] = field(default_factory=dict, repr=False)
 
     def get(self, name: str) -> Any:
         """Value of a field by rule name (``MemAvailable`` or ``mem_available``).
@@ -129,7 +127,7 @@ class Sample:
         return getattr(self, FIELD_ALIASES[name])
 
     def to_row(self) -> dict[str, Any]:
-        """Columns for the ``samples`` table (everything but ``mono`` and the full meminfo)."""
+        """Columns for the ``samples`` table (everything but ``mono``)."""
         return {name: getattr(self, name) for name in ROW_FIELDS}
 
     def context(self) -> dict[str, Any]:
@@ -180,22 +178,48 @@ def build_sample(
 ) -> Sample:
     """Assemble a ``Sample`` from the readers' results and compute the derived signals."""
     m = meminfo.fields
-    s = Sample(ts=ts, mono=mono, meminfo=m)
-    for name, attr in MEMINFO_ATTRS.items():
-        setattr(s, attr, m.get(name))
-    if psi is not None:
-        s.psi_some_avg10 = psi.some_avg10
-        s.psi_some_avg60 = psi.some_avg60
-        s.psi_some_total_us = psi.some_total_us
-        s.psi_full_avg10 = psi.full_avg10
-        s.psi_full_avg60 = psi.full_avg60
-        s.psi_full_total_us = psi.full_total_us
-    s.shm_bytes, s.shm_entries = shm
-    s.driver_bytes = driver_bytes(m)
-    s.nvrm_recent = nvrm_recent
-    s.low_watermark_bytes = low_watermark_bytes
+    get = m.get
+    some10, some60, some_total, full10, full60, full_total = (
+        _NO_PSI
+        if psi is None
+        else (psi.some_avg10, psi.some_avg60, psi.some_total_us, psi.full_avg10, psi.full_avg60, psi.full_total_us)
+    )
+    s = Sample(
+        ts,
+        mono,
+        get("MemTotal"),
+        get("MemFree"),
+        get("MemAvailable"),
+        get("Buffers"),
+        get("Cached"),
+        get("SwapTotal"),
+        get("SwapFree"),
+        get("Shmem"),
+        get("AnonPages"),
+        get("Slab"),
+        get("SReclaimable"),
+        get("SUnreclaim"),
+        get("PageTables"),
+        get("KernelStack"),
+        get("CmaTotal"),
+        get("CmaFree"),
+        some10,
+        some60,
+        some_total,
+        full10,
+        full60,
+        full_total,
+        shm[0],
+        shm[1],
+        driver_bytes(m),
+        nvrm_recent,
+        low_watermark_bytes,
+    )
     derive(s)
     return s
+
+
+_NO_PSI: tuple[None, ...] = (None,) * 6
 
 
 def derive(s: Sample) -> None:
@@ -208,4 +232,9 @@ def derive(s: Sample) -> None:
     s.mem_available_minus_cma = None if s.mem_available is None else s.mem_available - (s.cma_free or 0)
 
 
-ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name not in ("mono", "meminfo"))
+ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name != "mono")
+
+# build_sample passes the fields by position (one call instead of 30 attribute sets; issue 18): the
+# order it assumes is checked at import
+if [f.name for f in fields(Sample)][2:18] != list(MEMINFO_ATTRS.values()):  # pragma: no cover - a bug
+    raise ImportError("core.sample: Sample's meminfo fields are not in MEMINFO_ATTRS order")

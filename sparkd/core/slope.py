@@ -40,10 +40,22 @@ class SlopeWindow:
         while self.points and mono - self.points[0][0] > self.max_window_s + WINDOW_EDGE_S:
             self.points.popleft()
 
+    def recent(self, now: float, window_s: float) -> list[tuple[float, int]]:
+        """The points within ``window_s`` of ``now``, oldest first. Points are in time order (``add``),
+        so the walk starts at the newest and stops at the first one outside: a 2 s window looks at
+        ~3 points, not the whole 64 s history (issue 18)."""
+        out = []
+        for p in reversed(self.points):
+            if now - p[0] > window_s + WINDOW_EDGE_S:
+                break
+            out.append(p)
+        out.reverse()
+        return out
+
     def span(self, now: float, window_s: float) -> float:
         """Seconds between the oldest point within ``window_s`` of ``now`` and the newest."""
-        pts = [p[0] for p in self.points if now - p[0] <= window_s + WINDOW_EDGE_S]
-        return pts[-1] - pts[0] if pts else 0.0
+        pts = self.recent(now, window_s)
+        return pts[-1][0] - pts[0][0] if pts else 0.0
 
     def slope(
         self, now: float, window_s: float, min_points: int = FIT_MIN_POINTS, max_points: int = FIT_MAX_POINTS
@@ -53,7 +65,7 @@ class SlopeWindow:
         Robust to a single outlier (one-sample dip); ``None`` with fewer than ``min_points``.
         More than ``max_points`` are thinned evenly (the newest kept) before fitting.
         """
-        pts = [p for p in self.points if now - p[0] <= window_s + WINDOW_EDGE_S]
+        pts = self.recent(now, window_s)
         if len(pts) < min_points:
             return None
         if len(pts) > max_points:

@@ -1,8 +1,8 @@
 """A sleep that another callback on the event loop can end early.
 
 A timer and a future per sleep: ``asyncio.wait_for`` on an event would make a task each time,
-which the daemon's once-a-second tick cannot afford (issue 18). Used by the main loop (ended by
-``request_exit``) and the database keeper (ended by the writer's ``on_trouble``).
+which a loop that wakes often cannot afford (issue 18). Used by the database keeper (ended by the
+writer's ``on_trouble``); the main loop's ticks are plain callbacks (``Daemon.main_loop``).
 """
 
 from __future__ import annotations

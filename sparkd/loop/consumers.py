@@ -1,6 +1,8 @@
 """Who holds the memory, in the running daemon: the periodic process scan and co-tenant warnings.
 
-Every ``consumers.interval_s`` (10 s) and at every trip, ``ConsumerWatch`` runs one
+Every ``consumers.interval_s`` (10 s) while the daemon samples fast, otherwise every
+``consumers.quiet_interval_s`` (60 s) once MemAvailable moved ``consumers.quiet_change_gib``
+(and at least every ``consumers.store_every_s``), and at every trip, ``ConsumerWatch`` runs one
 ``sparkd.sense.consumers.ConsumerScanner.scan`` in a worker thread (the guard tick never
 waits for it), with the ids of the container the supervisor manages or guards. Each scan:
 
@@ -203,15 +205,28 @@ class ConsumerWatch:
             },
         )
 
+    def _quiet(self) -> bool:
+        """While sampling normally: has MemAvailable stayed within ``quiet_change_gib`` of the last
+        scan's? Then that scan still tells who holds the memory (issue 18: a scan costs 10-40 ms of
+        CPU, more than a minute of guard ticks). Unknown MemAvailable never counts as quiet."""
+        last = self.last
+        avail = self.mem_available()
+        if last is None or avail is None or last.mem_available_bytes is None:
+            return False
+        return abs(avail - last.mem_available_bytes) < self.settings.quiet_change_gib * GiB
+
     async def run(self) -> None:
         """Scan every ``interval_s`` while ``fast()`` (the daemon samples fast: start-up, a rule counting,
-        near a floor), else every ``quiet_interval_s``, until cancelled; a failing scan is logged and
+        near a floor), else every ``quiet_interval_s`` once MemAvailable moved ``quiet_change_gib`` since
+        the last scan, and at least every ``store_every_s``; until cancelled. A failing scan is logged and
         tried again next time. Looks every ``interval_s`` whether a scan is due."""
         last: float | None = None
         while True:
             now = self.mono()
-            if last is None or now - last >= (
-                self.settings.interval_s if self.fast() else self.settings.quiet_interval_s
+            fast = self.fast()
+            if last is None or (
+                now - last >= (self.settings.interval_s if fast else self.settings.quiet_interval_s)
+                and (fast or now - last >= self.settings.store_every_s or not self._quiet())
             ):
                 last = now
                 try:

@@ -46,6 +46,7 @@ from sparkd.loop.httpserver import (
     HttpStats,
     RateLimitedLog,
 )
+from sparkd.loop.readable import ReadableGate
 from sparkd.loop.reads import Reads
 from sparkd.loop.relief import ReliefRunner
 from sparkd.loop.status import (
@@ -180,7 +181,7 @@ class Daemon:
         self.writer: Writer | None = None
         self.db = DbKeeper(settings.db_file)
         # the live view: what the read side answers from when the database cannot (newest last)
-        self.live_samples: collections.deque[dict[str, Any]] = collections.deque(maxlen=LIVE_SAMPLES)
+        self.live_samples: collections.deque[Sample] = collections.deque(maxlen=LIVE_SAMPLES)
         self.reads = Reads(self)
         self._db_opened = asyncio.Event()
         self._db_alarm = Alarm()  # the database keeper's sleep; the writer's on_trouble ends it
@@ -198,7 +199,11 @@ class Daemon:
         self._fast_until = 0.0
         self._last_status = 0.0
         self._status_key: tuple[Any, ...] | None = None
-        self._tick_alarm = Alarm()  # the main loop's sleep between ticks; request_exit ends it
+        # the main loop's pending tick (a TimerHandle) and the future main_loop waits on (set by a tick that
+        # has decisions to act on, by request_exit, or with a tick's exception)
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._tick_fut: asyncio.Future[Any] | None = None
+        self._next_at = 0.0
         self._last_watchdog = 0.0
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -238,6 +243,8 @@ class Daemon:
             mono=mono,
         )
         self._blind_key: tuple[tuple[str, str], ...] | None = None
+        self._kern_gate: ReadableGate | None = None  # the kernel log is read when the event loop saw it readable
+        self._blind_inputs: tuple[Any, ...] | None = None  # Guard.blind_key() when the report was last built
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -393,12 +400,15 @@ class Daemon:
             self.guard = Guard(s, kern)
         elif kern is not None and self.guard.kern_source is None:
             self.guard.kern_source = kern
+        loop = asyncio.get_running_loop()
+        if self.guard.kern_source is not None and self.guard.kern_gate is None:
+            self._kern_gate = ReadableGate(loop, self.guard.kern_source)
+            self.guard.kern_gate = self._kern_gate
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
         self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
         if s.consumers.enabled:
             self.consumers = self._make_consumer_watch()
-        loop = asyncio.get_running_loop()
         self.event_notifier = Notifier(
             s.notify,
             dispatch=loop.call_soon_threadsafe,
@@ -516,21 +526,64 @@ class Daemon:
             time.sleep(0.05)
 
     async def main_loop(self) -> None:
-        next_at = self.mono()
+        """Tick every ``current_interval()`` until ``request_exit``.
+
+        Each tick is a plain callback of the event loop (``_on_tick``, scheduled with ``call_later``):
+        sample, rules, ``handle_sync``, sampling mode, watchdog, next tick. On an idle host that is all,
+        and this coroutine is not resumed at all (issue 18: resuming it, its future and its timer
+        each tick cost more than the tick). A tick whose result may act (a trip; ``nvrm_action =
+        stop``) hands it here: the decisions are awaited in order (a stop included) and the ticks go
+        on after them, as they always did. An exception in a tick ends this coroutine, as before."""
+        loop = asyncio.get_running_loop()
+        self._next_at = self.mono()
         while not self.should_exit.is_set():
+            fut: asyncio.Future[tuple[TickResult, list[tuple[Decision, Sample | None]]] | None]
+            fut = self._tick_fut = loop.create_future()
+            self._tick_handle = loop.call_later(max(0.0, self._next_at - self.mono()), self._on_tick)
+            try:
+                acting = await fut
+            finally:
+                self._tick_fut = None
+                if self._tick_handle is not None:
+                    self._tick_handle.cancel()
+                    self._tick_handle = None
+            if acting is None:
+                continue
+            result, decisions = acting
+            for d, sample in decisions:
+                await self._decide(d, sample)
+            self._after_tick(result)
+
+    def _on_tick(self) -> None:
+        """One tick on the event loop; schedules the next one, or hands decisions to ``main_loop``."""
+        fut = self._tick_fut
+        self._tick_handle = None
+        if fut is None or fut.done():
+            return
+        try:
             self._test_stall()
             result = self._tick_once()
-            if result is not None:
-                await self._handle(result)
-            self._update_mode(result)
-            self._ping_watchdog()
-            interval = self.current_interval()
-            next_at += interval
-            now = self.mono()
-            if next_at < now - interval:  # fell behind (suspend, stall): do not burst
-                self._note_gap(now - (next_at - interval), interval)
-                next_at = now
-            await self._sleep(next_at - now)
+            acting = _daemon_decide.handle_sync(self, result) if result is not None else []
+            if acting:
+                assert result is not None
+                fut.set_result((result, acting))
+                return
+            delay_s = self._after_tick(result)
+            self._tick_handle = asyncio.get_running_loop().call_later(delay_s, self._on_tick)
+        except BaseException as e:  # never a silent end of the ticks: main_loop raises it
+            fut.set_exception(e)
+
+    def _after_tick(self, result: TickResult | None) -> float:
+        """Sampling mode, watchdog, and the next tick's time; returns the delay until it (s)."""
+        self._update_mode(result)
+        self._ping_watchdog()
+        interval = self.current_interval()
+        self._next_at += interval
+        now = self.mono()
+        if self._next_at < now - interval:  # fell behind (suspend, stall): do not burst
+            self._note_gap(now - (self._next_at - interval), interval)
+            self._next_at = now
+        return max(0.0, self._next_at - now)
 
     def _note_gap(self, gap_s: float, interval_s: float) -> None:
         """A tick came far too late (the process was stopped, the host froze or starved us): the guard
@@ -546,14 +599,12 @@ class Daemon:
             details={"gap_s": round(gap_s, 3), "interval_s": interval_s},
         )
 
-    async def _sleep(self, delay_s: float) -> None:
-        """Sleep until the next tick; ``request_exit`` wakes it early."""
-        await self._tick_alarm.sleep(delay_s)
-
     def request_exit(self) -> None:
         """Ask the main loop to finish (signal handlers call this; it only sets flags)."""
         self.should_exit.set()
-        self._tick_alarm.wake()
+        fut = self._tick_fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def shutdown(self, reason: str = "signal") -> None:
         self.notifier.notify("STOPPING=1")
@@ -583,6 +634,8 @@ class Daemon:
                     self.store.write_batch([("run_end", {**end, "samples": self.samples_taken})])
             except Exception as e:  # a database that failed while running must not turn a stop into a traceback
                 log.error("database at shutdown: %s; %d records not written", _one_line(e), self.writer.queue.qsize())
+        if self._kern_gate is not None:
+            self._kern_gate.close()
         if self.guard and self.guard.kern_source is not None:
             self.guard.kern_source.close()
         if self.store:

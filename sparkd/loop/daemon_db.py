@@ -117,7 +117,7 @@ async def db_step(daemon: Daemon) -> None:
         daemon.db.lost(why, now)
         if lost:
             # what went into the unlinked file since the last write found in place is written again, from memory
-            for row in [r for r in daemon.live_samples if r["ts"] > safe_until]:
+            for row in [r for r in daemon.live_samples if r.ts > safe_until]:
                 w.submit("sample", row)
             for ev in [e for e in reversed(daemon.recent_events) if e["ts"] > safe_until]:
                 w.submit("event", dict(ev))

@@ -28,21 +28,31 @@ STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside 
 
 
 async def handle(daemon: Daemon, result: TickResult) -> None:
+    """Everything a tick's result asks for: ``handle_sync``, then each decision that may act, in order."""
+    for d, sample in handle_sync(daemon, result):
+        await decide(daemon, d, sample)
+
+
+def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Sample | None]]:
+    """The part of a tick's handling that never waits: record the sample, kernel records, bursts,
+    near misses and cooldowns, blind inputs, relief, NVRM windows, the status snapshot. Returns the
+    decisions that may act (a trip, ``nvrm_action = stop``), in order, for ``decide``: on an idle
+    host the list is empty and the main loop stays a plain callback (issue 18)."""
     assert daemon.writer is not None
     sample = result.sample
-    row = sample.to_row()
-    daemon.live_samples.append(row)
-    daemon.writer.submit("sample", row)
+    # the Sample itself, not a dict of it: no per-tick copy, and ~half the memory of 1,800 kept rows
+    daemon.live_samples.append(sample)
+    daemon.writer.submit("sample", sample)
     daemon.actions.observe(sample)
     alert = daemon.leak.observe(sample.ts, sample.driver_bytes)
     if alert is not None:
         daemon.event("leak_trend", alert.reason, severity="warning", details=alert.details(), launch_id=alert.launch_id)
+    acting: list[tuple[Decision, Sample | None]] = []
     for rec in result.kernel:
         daemon._record_kernel(rec, sample)
         if rec.kind == "nvrm_no_memory" and daemon.settings.nvrm_action == "stop":
-            await daemon._decide(
-                Decision("nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1)
-            )
+            d = Decision("nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1)
+            acting.append((d, None))
     if result.nvrm_burst is not None:
         daemon.event(
             "nvrm_burst",
@@ -56,7 +66,8 @@ async def handle(daemon: Daemon, result: TickResult) -> None:
             },
         )
     for d in result.decisions:
-        await daemon._decide(d, sample)
+        if not decide_quietly(daemon, d):
+            acting.append((d, sample))
     daemon._check_blind()
     if daemon.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
         daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
@@ -76,6 +87,7 @@ async def handle(daemon: Daemon, result: TickResult) -> None:
             daemon._status_key, daemon._last_status = key, now
             daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"))
             daemon.notifier.notify(f"STATUS={daemon.summary_line()}")
+    return acting
 
 
 def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
@@ -91,12 +103,14 @@ def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
     daemon.actions.on_kernel_record(rec)
 
 
-async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> None:
+def decide_quietly(daemon: Daemon, d: Decision) -> bool:
+    """Record a decision that never acts (a near miss, a trip held by the cooldown); False for
+    one that may (``decide``)."""
     if d.kind == "near_miss":
         # one event per streak start keeps the log readable; every near miss is counted in the rule state
         if daemon.guard and daemon.guard.states[d.rule].near_misses % 10 == 1:
             daemon.event("near_miss", d.reason, severity="info", details={"rule": d.rule, **_jsonable(d.values)})
-        return
+        return True
     if d.kind == "cooldown":
         # once per rule per cooldown window: a rule that keeps holding must not flood the event log
         last = daemon._cooldown_logged.get(d.rule)
@@ -109,6 +123,12 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> N
                 severity="warning",
                 details={"rule": d.rule},
             )
+        return True
+    return False
+
+
+async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> None:
+    if decide_quietly(daemon, d):
         return
     shares = await daemon.consumers.at_trip() if daemon.consumers else None
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry

@@ -130,6 +130,11 @@ def blind_json(daemon: Daemon) -> dict[str, dict[str, str]]:
 
 def check_blind(daemon: Daemon) -> None:
     """An event at start and whenever the set of blind inputs or rules changes."""
+    if daemon.guard is not None:
+        inputs = daemon.guard.blind_key()
+        if inputs == daemon._blind_inputs:
+            return
+        daemon._blind_inputs = inputs
     b = daemon.blind_json()
     key = tuple(sorted(b["sensors"].items())) + tuple(sorted(("rule " + k, v) for k, v in b["rules"].items()))
     if key == daemon._blind_key:

@@ -65,6 +65,7 @@ class Guard:
     ) -> None:
         self.settings = settings
         self.kern_source = kern_source
+        self.kern_gate: Callable[[], bool] | None = None  # "may the kernel log have records?" (set by the daemon)
         self.mono = mono
         self.wall = wall
         # the one rule engine (core.engine): the same object answers step, re-check and demotion
@@ -95,7 +96,7 @@ class Guard:
             OSError: /proc/meminfo cannot be read (the caller reports and retries).
         """
         now_m, now_w = self.mono(), self.wall()
-        mi = self.proc.meminfo()
+        mi = self.proc.named_meminfo()
         if mi.bad_lines:
             for line in mi.bad_lines:
                 if line not in self._bad_lines_logged and len(self._bad_lines_logged) < 20:
@@ -128,7 +129,8 @@ class Guard:
             return []
         out = []
         now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
-        lines = self.kern_source.poll()
+        # kern_gate (loop.readable.ReadableGate): the event loop saw the source readable; None: poll always
+        lines = self.kern_source.poll() if self.kern_gate is None or self.kern_gate() else []
         self.kern_lines_total += len(lines)
         n = 0
         for line in lines:
@@ -203,6 +205,23 @@ class Guard:
             if err:
                 out["kernel log"] = str(err)
         return out
+
+    def blind_key(self) -> tuple[Any, ...]:
+        """Everything ``blind_sensors``, ``sensor_users`` and ``engine.blind`` depend on, cheap to compare
+        every tick: the daemon builds the blind report again only when this changes (issue 18)."""
+        last = self.last
+        src = self.kern_source
+        return (
+            last is None or last.mem_available is None,
+            last is None or last.mem_free is None,
+            self.psi_missing,
+            self.shm_missing,
+            src is None,
+            getattr(src, "error", None),
+            id(self.engine.rules),
+            len(self.engine.rules),
+            tuple(st.blind for st in self.engine.states.values()),
+        )
 
     def sensor_users(self) -> dict[str, list[str]]:
         """``{input: [rules that read it]}`` for the inputs ``blind_sensors`` names."""

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from sparkd.core.sample import Sample
 from sparkd.store.keeper import is_corrupt
 from sparkd.store.store import CHART_FIELDS
 
@@ -89,15 +90,34 @@ class Reads:
     ) -> list[dict[str, Any]]:
         """``Store.downsampled`` shape (min/avg/max per ``step_s`` bucket), from memory when needed."""
         fields = list(fields)
+        # read before the query: what the writer stores while the query runs must not fall between the two
+        w = self.daemon.writer
+        stored = w.safe_until if w is not None else until
         rows = self._try("downsampled", since=since, until=until, step_s=step_s, fields=fields)
         if rows is not None:
-            return list(rows)
+            return self._with_unstored_tail(list(rows), stored, since, until, step_s, fields)
         return self._downsample_memory(since, until, step_s, fields)
+
+    def _with_unstored_tail(
+        self, rows: list[dict[str, Any]], stored: float, since: float, until: float, step_s: float, fields: list[str]
+    ) -> list[dict[str, Any]]:
+        """The database's buckets, with the buckets from the one that holds ``stored`` (the newest sample
+        known stored, ``Writer.safe_until``, read before the query) onwards taken from memory: the writer
+        gathers samples for up to ``store.WRITE_EVERY_S`` before it writes them, and an answer must not
+        end that much early. Kept as the database has them when memory does not reach back that far."""
+        if stored >= until:
+            return rows
+        step_s = max(step_s, 0.001)
+        cut_b = max(0, int((stored - since) / step_s))
+        if not self.covers(since + cut_b * step_s):
+            return rows
+        head = [r for r in rows if round((r["ts"] - since) / step_s) < cut_b]
+        return head + self._downsample_memory(since, until, step_s, fields, start=since + cut_b * step_s)
 
     def covers(self, since: float) -> bool:
         """True when the in-memory samples reach back to ``since`` (epoch s)."""
         live = self.daemon.live_samples
-        return bool(live) and live[0].get("ts") is not None and live[0]["ts"] <= since
+        return bool(live) and live[0].ts <= since
 
     def recent_downsampled(
         self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
@@ -109,14 +129,18 @@ class Reads:
             return None
         return self._downsample_memory(since, until, step_s, list(fields))
 
-    def _downsample_memory(self, since: float, until: float, step_s: float, fields: list[str]) -> list[dict[str, Any]]:
+    def _downsample_memory(
+        self, since: float, until: float, step_s: float, fields: list[str], *, start: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Buckets ``since + k·step_s`` of the in-memory samples from ``start`` (default ``since``) to ``until``."""
         step_s = max(step_s, 0.001)
-        buckets: dict[int, list[dict[str, Any]]] = {}
+        first = since if start is None else start
+        buckets: dict[int, list[Sample]] = {}
         for r in reversed(list(self.daemon.live_samples)):  # newest first: a live tail stops early
-            ts = r.get("ts")
-            if ts is None or ts > until:
+            ts = r.ts
+            if ts > until:
                 continue
-            if ts < since:
+            if ts < first:
                 break
             buckets.setdefault(int((ts - since) / step_s), []).append(r)
         out = []
@@ -125,7 +149,7 @@ class Reads:
             group.reverse()  # oldest first, as stored
             d: dict[str, Any] = {"ts": since + b * step_s, "n": len(group)}
             for f in fields:
-                vals = [g[f] for g in group if g.get(f) is not None]
+                vals = [v for g in group if (v := getattr(g, f)) is not None]
                 d[f"{f}_min"] = min(vals) if vals else None
                 d[f"{f}_avg"] = sum(vals) / len(vals) if vals else None
                 d[f"{f}_max"] = max(vals) if vals else None

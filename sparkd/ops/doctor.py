@@ -208,7 +208,14 @@ def check_nvidia_runtime(ctx: DoctorContext) -> list[Check]:
     """``docker info`` lists an ``nvidia`` runtime (NVIDIA Container Toolkit)."""
     info = _docker_info(ctx)
     if info is None:
-        return [Check("WARN", "NVIDIA runtime", "unknown: `docker info` gave no answer")]
+        return [
+            Check(
+                "WARN",
+                "NVIDIA runtime",
+                "unknown: `docker info` gave no answer",
+                "start the Docker engine first (see the Docker check), then run `sparkd doctor` again",
+            )
+        ]
     runtimes = sorted(info.get("Runtimes") or {})
     if "nvidia" in runtimes:
         return [Check("OK", "NVIDIA runtime", "nvidia runtime registered with Docker")]

@@ -49,6 +49,10 @@ class _Closing:
     def close(self) -> None:  # pragma: no cover - overridden
         pass
 
+    def fileno(self) -> int | None:
+        """The descriptor that becomes readable when ``poll`` has something, or None (poll each tick)."""
+        return None
+
     def __enter__(self) -> Self:
         return self
 
@@ -174,6 +178,10 @@ class KmsgSource(_Closing):
             out.append(text)
         return out
 
+    def fileno(self) -> int | None:
+        """/dev/kmsg's descriptor: readable when a record arrives (``devkmsg_poll``); None once closed."""
+        return self._fd
+
     def close(self) -> None:
         """Close the device (idempotent)."""
         if self._fd is not None:
@@ -247,6 +255,11 @@ class JournalSource(_Closing):
         self.error = f"journalctl exited (status {rc}) {tail[0]}".strip()
         log.warning("kernel log: %s", self.error)
         self.close()
+
+    def fileno(self) -> int | None:
+        """journalctl's stdout: readable on a line or when it exits; None once closed."""
+        proc = self._proc
+        return proc.stdout.fileno() if proc is not None and proc.stdout is not None else None
 
     def close(self) -> None:
         """Terminate journalctl (idempotent)."""

@@ -17,6 +17,7 @@ Shapes:
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -116,11 +117,31 @@ def parse_psi(text: str) -> Psi | None:
         return None
 
 
+# The layout every kernel since 4.20 writes (kernel/sched/psi.c, psi_show): one match instead of
+# splitting into dicts each tick (issue 18). Anything else goes through the tolerant ``parse_psi``.
+_PSI_RE = re.compile(
+    rb"some avg10=([0-9.]+) avg60=([0-9.]+) avg300=([0-9.]+) total=([0-9]+)\n"
+    rb"(?:full avg10=([0-9.]+) avg60=([0-9.]+) avg300=([0-9.]+) total=([0-9]+)\n)?\Z"
+)
+
+
+def parse_psi_bytes(data: bytes) -> Psi | None:
+    """``parse_psi`` of the raw bytes, through one regular expression when the text has the kernel's
+    layout (``some`` then optionally ``full``, each ``avg10= avg60= avg300= total=``)."""
+    m = _PSI_RE.match(data)
+    if m is None:
+        return parse_psi(data.decode("ascii", "replace"))
+    a10, a60, a300, tot, f10, f60, f300, ftot = m.groups()
+    if f10 is None:
+        return Psi(float(a10), float(a60), float(a300), int(tot), None, None, None, None)
+    return Psi(float(a10), float(a60), float(a300), int(tot), float(f10), float(f60), float(f300), int(ftot))
+
+
 def read_psi(proc_root: str | Path = "/proc") -> Psi | None:
     """Read ``<proc_root>/pressure/memory``; ``None`` when absent or unreadable."""
     try:
         with open(os.path.join(proc_root, "pressure", "memory"), "rb") as f:
-            return parse_psi(f.read().decode("ascii", "replace"))
+            return parse_psi_bytes(f.read())
     except OSError:
         return None
 
@@ -211,6 +232,8 @@ class ProcReader:
         self._psi_fd: int | None = None
         self._psi_absent = False
         self._layout: tuple[int, list[bytes], list[tuple[int, str, int]]] | None = None
+        # the named fields only (``named_meminfo``): one regular expression over the learned layout
+        self._named: tuple[re.Pattern[bytes], tuple[str, ...], tuple[int, ...]] | None = None
 
     def _open(self, rel: str) -> int:
         return os.open(os.path.join(self.proc_root, rel), os.O_RDONLY | os.O_CLOEXEC)
@@ -232,6 +255,41 @@ class ProcReader:
         res = parse_meminfo(data.decode("ascii", "replace"))
         self._layout = None if res.bad_lines else self._learn(toks, res)
         return res
+
+    def named_meminfo(self) -> MeminfoResult:
+        """``NAMED_FIELDS`` of /proc/meminfo only (the guard's tick: the rules and the samples table
+        need no other), matched in one pass of a regular expression built from the layout the last
+        full parse saw; any other layout goes through ``meminfo`` (all fields, ``bad_lines``).
+        Raises OSError when /proc/meminfo cannot be read."""
+        named = self._named
+        if named is not None and self._mem_fd is not None:
+            try:
+                data = os.pread(self._mem_fd, 65536, 0)
+            except OSError:
+                os.close(self._mem_fd)
+                self._mem_fd = None
+                raise
+            m = named[0].fullmatch(data)
+            if m is not None:
+                return MeminfoResult({n: int(v) * k for n, v, k in zip(named[1], m.groups(), named[2], strict=True)})
+        res = self.meminfo()
+        self._named = None if self._layout is None else self._named_pattern(self._layout)
+        return res
+
+    @staticmethod
+    def _named_pattern(
+        layout: tuple[int, list[bytes], list[tuple[int, str, int]]],
+    ) -> tuple[re.Pattern[bytes], tuple[str, ...], tuple[int, ...]]:
+        parts, names, mults = [], [], []
+        for _i, name, mult in layout[2]:
+            unit = rb" kB" if mult == 1024 else rb""
+            if name in NAMED_FIELDS:
+                parts.append(re.escape(name.encode()) + rb": *([0-9]+)" + unit + rb"\n")
+                names.append(name)
+                mults.append(mult)
+            else:
+                parts.append(re.escape(name.encode()) + rb": *[0-9]+" + unit + rb"\n")
+        return re.compile(b"".join(parts)), tuple(names), tuple(mults)
 
     @staticmethod
     def _learn(toks: list[bytes], res: MeminfoResult) -> tuple[int, list[bytes], list[tuple[int, str, int]]] | None:
@@ -257,7 +315,7 @@ class ProcReader:
         try:
             if self._psi_fd is None:
                 self._psi_fd = self._open("pressure/memory")
-            return parse_psi(os.pread(self._psi_fd, 4096, 0).decode("ascii", "replace"))
+            return parse_psi_bytes(os.pread(self._psi_fd, 4096, 0))
         except OSError:
             if self._psi_fd is not None:
                 os.close(self._psi_fd)

@@ -74,8 +74,11 @@ _INSERT_SAMPLE = (
 _SAMPLE_CONV = tuple((c, SAMPLE_TO_DB.get(c)) for c in SAMPLE_COLUMNS)  # bytes → KiB, PSI → hundredths
 
 
-def _sample_params(p: dict[str, Any]) -> tuple[Any, ...]:
-    """A samples row (bytes, floats) as the INSERT's parameters in stored units."""
+def _sample_params(p: Any) -> tuple[Any, ...]:
+    """A samples row (a dict of bytes and floats, or a ``core.sample.Sample``, which the daemon queues
+    as it is) as the INSERT's parameters in stored units."""
+    if not isinstance(p, dict):
+        p = p.to_row()
     return tuple(p.get(c) if f is None else f(p.get(c)) for c, f in _SAMPLE_CONV)
 
 
@@ -616,7 +619,7 @@ def _launch_dict(r: Launch) -> dict[str, Any]:
     }
 
 
-WRITE_EVERY_S = 2.0
+WRITE_EVERY_S = 5.0
 """The writer gathers samples (and the other frequent kinds, ``GATHERED``) for this long
 before it writes them in one transaction: a sample reaches the database at most this long
 (plus the write itself) after the guard took it, and a ``kill -9`` loses at most this much
@@ -627,6 +630,12 @@ DUE_SLACK_S = 0.1  # a submit this close before the due time ends the gathering 
 FALLBACK_S = 1.5  # with no submit, the gathering ends this long after it was due
 
 GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window", "consumers"})
+
+
+def _ts_of(p: Any) -> float | None:
+    """The ``ts`` of a queued record (a dict, or a ``Sample``), or None."""
+    ts = p.get("ts") if isinstance(p, dict) else getattr(p, "ts", None)
+    return ts if isinstance(ts, int | float) else None
 
 
 class Writer:
@@ -685,7 +694,9 @@ class Writer:
         # into an unlinked file without a word; this finds it within one write (WRITE_EVERY_S).
         self.check_file: Callable[[], str | None] | None = None
         self.lost: str | None = None  # what check_file said (the keeper reopens)
-        self.safe_until = 0.0  # newest ``ts`` of a record known to be in the database file at its path
+        # newest ``ts`` of a record known to be in the database file at its path (what is newer waits in
+        # the queue: ``loop.reads`` answers it from memory)
+        self.safe_until = 0.0
         # on the event loop, when the keeper has something to do (fatal, lost, refusals)
         self.on_trouble: Callable[[], None] | None = None
         # held while a batch is written: flush() at shutdown waits for a write still in flight in the
@@ -893,11 +904,13 @@ class Writer:
                 self._inflight = None
                 if self.check_file is not None and self.lost is None:
                     self.lost = self.check_file()
-                    if self.lost is None:
-                        self.safe_until = max(
-                            (p["ts"] for _k, p in batch if isinstance(p, dict) and "ts" in p), default=self.safe_until
-                        )
+                if self.lost is None:
+                    self._stored(batch)
             return ok
+
+    def _stored(self, batch: list[tuple[str, Any]]) -> None:
+        """``safe_until`` moves to the newest ``ts`` of a batch just written."""
+        self.safe_until = max((ts for _k, p in batch if (ts := _ts_of(p)) is not None), default=self.safe_until)
 
     async def _gather(self) -> None:
         """Wait ``write_every_s``, or less when an item outside ``GATHERED`` or a full batch is queued.
@@ -949,6 +962,8 @@ class Writer:
             for i in range(attempts):
                 if self._write(batch):
                     n += len(batch)
+                    if self.lost is None:
+                        self._stored(batch)
                     break
                 time.sleep(0.2 * (i + 1))
             else:

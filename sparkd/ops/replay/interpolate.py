@@ -84,7 +84,7 @@ def interpolate(trace: Trace, interval_s: float, *, max_points: int | None = Non
         if abs(a.mono - t) < 1e-9 or abs(b.mono - t) < 1e-9:
             idx = j if abs(a.mono - t) < 1e-9 else j + 1
             rec = src[idx]
-            out.append(dataclasses.replace(rec, meminfo=dict(rec.meminfo)))
+            out.append(dataclasses.replace(rec))
             synthetic.append(False)
             labels.append(trace.labels[idx])
             continue
@@ -99,7 +99,7 @@ def interpolate(trace: Trace, interval_s: float, *, max_points: int | None = Non
         labels.append(None)
     last = src[-1]
     if out[-1].mono < last.mono - 1e-9:  # the grid stops short of the last recorded sample: keep it
-        out.append(dataclasses.replace(last, meminfo=dict(last.meminfo)))
+        out.append(dataclasses.replace(last))
         synthetic.append(False)
         labels.append(trace.labels[-1])
     n_syn = sum(synthetic)
