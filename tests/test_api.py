@@ -1098,3 +1098,43 @@ async def test_a_rule_that_can_never_fire_is_said_at_start(tmp_path: Path) -> No
         assert d.guard is not None and [r.name for r in d.guard.rules] == ["never", "band", "fine"]
     finally:
         await d.shutdown("test")
+
+
+def test_jinja2_and_prometheus_client_are_imported_at_the_first_page_and_scrape_only(tmp_path: Path) -> None:
+    """A daemon whose dashboard nobody opens and nobody scrapes does not hold them (issue 18: ~2.7 MiB)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import asyncio, sys, httpx
+from sparkd.config import load_settings
+from sparkd.face.app import create_app
+from sparkd.face.auth import ensure_token
+from sparkd.loop.daemon import Daemon
+
+async def main():
+    s = load_settings(overrides={{"state_dir": {str(tmp_path / "state")!r}, "kernlog_source": "off"}})
+    d = Daemon(s, serve_api=False, app_factory=create_app)
+    await d.startup()
+    app = create_app(d)
+    mods = lambda: ("jinja2" in sys.modules, "prometheus_client" in sys.modules)
+    out = [mods()]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8741") as c:
+        auth = {{"Authorization": "Bearer " + ensure_token(s.token_file)}}
+        assert (await c.get("/api/status", headers=auth)).status_code == 200
+        out.append(mods())
+        assert (await c.get("/login")).status_code == 200
+        out.append(mods())
+        r = await c.get("/metrics", headers=auth)
+        assert r.status_code == 200 and "sparkd_memory_MemAvailable_bytes" in r.text
+        out.append(mods())
+    await d.shutdown("test")
+    print(out)
+
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str([(False, False), (False, False), (True, False), (True, True)]), (
+        out.stdout
+    )

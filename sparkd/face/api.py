@@ -27,7 +27,6 @@ from sparkd.act.archive import open_archive
 from sparkd.errors import InvalidInput, Refused
 from sparkd.face import presenters as views
 from sparkd.face.auth import Auth
-from sparkd.face.exporter import metrics_response
 from sparkd.face.schemas import ResizeRequest, require_finite
 from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import CHART_FIELDS
@@ -213,6 +212,9 @@ def install_read_routes(app: FastAPI, daemon: DaemonView) -> None:
     @app.get("/metrics", tags=["health"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus text exposition (memory, PSI, rule counters, trips, container, ticks)."""
+        # prometheus_client (~1 MiB resident) is imported at the first scrape, not by a daemon never scraped
+        from sparkd.face.exporter import metrics_response
+
         return await metrics_response(app, daemon)
 
 

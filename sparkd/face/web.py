@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
-from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 
 from sparkd import __version__
@@ -33,6 +32,8 @@ from sparkd.resources import web_dir
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
+    from fastapi.templating import Jinja2Templates
+
     from sparkd.loop.status import DaemonView
 
 log = logging.getLogger("sparkd.face.web")
@@ -137,6 +138,10 @@ def _trip_label(key: str) -> str:
 
 
 def make_templates() -> Jinja2Templates:
+    """The dashboard's templates. Jinja2 (~1.6 MiB resident) is imported at the first page, not by a daemon
+    whose dashboard nobody opens (issue 18)."""
+    from fastapi.templating import Jinja2Templates
+
     t = Jinja2Templates(directory=str(web_dir() / "templates"))
     t.env.filters.update(
         gib=_fmt_gib,
