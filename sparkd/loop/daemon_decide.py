@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
-STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S)
+STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 5 s)
 
 
 async def handle(daemon: Daemon, result: TickResult) -> None:
