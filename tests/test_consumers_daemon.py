@@ -267,16 +267,17 @@ async def test_scans_come_every_interval_s_while_sampling_fast_and_every_quiet_i
         at.append(now[0])
 
     async def sleep(s: float) -> None:  # the loop's sleeps advance this clock instead of waiting
-        now[0] += s
+        target = now[0] + s
+        if now[0] < 150 <= target:  # the daemon starts sampling fast at 150 and wakes the watch
+            now[0], fast[0] = 150.0, True
+        else:
+            now[0] = target
         if now[0] >= 300:
             raise asyncio.CancelledError
-        if now[0] == 150:
-            fast[0] = True
-        await real_sleep(0)
+        await asyncio.sleep(0)
 
-    real_sleep = asyncio.sleep
     monkeypatch.setattr(w, "scan", scan)
-    monkeypatch.setattr(asyncio, "sleep", sleep)
+    monkeypatch.setattr(w.alarm, "sleep", sleep)
     with pytest.raises(asyncio.CancelledError):
         await w.run()
     assert at == [0, 60, 120, 150, 160, 170, 180, 190, 200, 210, 220, 230, 240, 250, 260, 270, 280, 290]
@@ -305,23 +306,27 @@ async def test_a_quiet_host_keeps_its_last_scan_until_memavailable_moves_or_stor
         at.append(now[0])
         return await real_scan()
 
+    looks: list[float] = []
+
     async def sleep(s: float) -> None:
+        assert s == 60.0  # quiet: one look per quiet_interval_s, no 10 s wake-ups
         now[0] += s
+        looks.append(now[0])
         if now[0] >= 1500:
             raise asyncio.CancelledError
-        if now[0] == 200:
+        if now[0] == 180:
             avail[0] -= int(0.4 * GiB)  # less than quiet_change_gib: still quiet
-        if now[0] == 300:
+        if now[0] == 240:
             avail[0] -= int(0.2 * GiB)  # 0.6 GiB since the scan at 0: due
-        await real_sleep(0)
+        await asyncio.sleep(0)
 
-    real_sleep = asyncio.sleep
     monkeypatch.setattr(w, "scan", scan)
-    monkeypatch.setattr(asyncio, "sleep", sleep)
+    monkeypatch.setattr(w.alarm, "sleep", sleep)
     with pytest.raises(asyncio.CancelledError):
         await w.run()
-    # 0: first; 300: moved 0.6 GiB; 900: store_every_s after 300 with nothing moving since
-    assert at == [0, 300, 900]
+    # 0: first; 180 (moved 0.4 GiB): still quiet; 240: moved 0.6 GiB; 840, 1440: store_every_s apart
+    assert at == [0, 240, 840, 1440]
+    assert len(looks) == 25  # every 60 s over 1,500 s
 
 
 async def test_a_trip_before_any_scan_has_no_shares_to_give() -> None:
@@ -375,5 +380,20 @@ async def test_scans_are_stored_at_most_every_store_every_s(tmp_path: Path) -> N
         await d.consumers.at_trip()  # a trip's scan is always stored
         await asyncio.to_thread(d.writer.flush)
         assert len(d.store.consumer_scans(since=0)) == 2
+    finally:
+        await d.shutdown("test")
+
+
+async def test_the_daemon_starting_to_sample_fast_wakes_the_quiet_scan_at_once(tmp_path: Path) -> None:
+    d = await _daemon(tmp_path, consumers={"interval_s": 1.0, "quiet_interval_s": 3600.0})
+    try:
+        assert d.consumers is not None and d.mode == "normal"
+        await _until(lambda: d.consumers is not None and d.consumers.scans == 1)
+        await asyncio.sleep(1.2)  # past interval_s since that scan; the quiet look is an hour away
+        assert d.consumers.scans == 1
+        d.actions.fast_reason = lambda: "a test reason"  # type: ignore[method-assign]
+        d._update_mode(None)
+        assert d.mode == "fast"
+        await _until(lambda: d.consumers is not None and d.consumers.scans == 2, 5.0)
     finally:
         await d.shutdown("test")

@@ -2,7 +2,8 @@
 
 A timer and a future per sleep: ``asyncio.wait_for`` on an event would make a task each time,
 which a loop that wakes often cannot afford (issue 18). Used by the database keeper (ended by the
-writer's ``on_trouble``); the main loop's ticks are plain callbacks (``Daemon.main_loop``).
+writer's ``on_trouble``) and the process scan (ended when the daemon starts sampling fast); the main
+loop's ticks are plain callbacks (``Daemon.main_loop``).
 """
 
 from __future__ import annotations

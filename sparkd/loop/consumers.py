@@ -32,6 +32,7 @@ from typing import Any
 
 from sparkd.config import ConsumersSettings
 from sparkd.core.consumers import ConsumerSummary, cotenant_excess, fall_shares, fall_text
+from sparkd.loop.alarm import Alarm
 from sparkd.sense.consumers import ConsumerScanner
 from sparkd.units import GiB, fmt_gib, parse_size
 
@@ -111,6 +112,7 @@ class ConsumerWatch:
         self.scans = 0
         self.last_trip: TripShares | None = None
         self._lock = threading.Lock()  # one scan at a time (periodic and trip scans share the scanner)
+        self.alarm = Alarm()  # run()'s sleep between looks; wake() ends it
         self._last_warned: float | None = None
         self._last_stored: float | None = None
         self._stored_totals: dict[str, int] = {}
@@ -219,7 +221,9 @@ class ConsumerWatch:
         """Scan every ``interval_s`` while ``fast()`` (the daemon samples fast: start-up, a rule counting,
         near a floor), else every ``quiet_interval_s`` once MemAvailable moved ``quiet_change_gib`` since
         the last scan, and at least every ``store_every_s``; until cancelled. A failing scan is logged and
-        tried again next time. Looks every ``interval_s`` whether a scan is due."""
+        tried again next time. Looks every ``interval_s`` while fast, every ``quiet_interval_s`` otherwise
+        (issue 18: no wake-up every 10 s on a quiet host); ``wake()`` (the daemon, when it starts sampling
+        fast) makes it look at once."""
         last: float | None = None
         while True:
             now = self.mono()
@@ -233,7 +237,11 @@ class ConsumerWatch:
                     await self.scan()
                 except Exception as e:  # psutil or /proc trouble must never end the daemon
                     log.warning("process scan failed (ignoring until the next one): %s", e)
-            await asyncio.sleep(self.settings.interval_s)
+            await self.alarm.sleep(self.settings.interval_s if fast else self.settings.quiet_interval_s)
+
+    def wake(self) -> None:
+        """Look now whether a scan is due (the daemon starts sampling fast). On the event loop's thread."""
+        self.alarm.wake()
 
     async def at_trip(self) -> TripShares | None:
         """A trip's scan and who grew since the scan before the fall; None when nothing was ever scanned."""

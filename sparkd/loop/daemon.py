@@ -569,7 +569,8 @@ class Daemon:
                 fut.set_result((result, acting))
                 return
             delay_s = self._after_tick(result)
-            self._tick_handle = asyncio.get_running_loop().call_later(delay_s, self._on_tick)
+            # the loop main_loop runs on (asyncio.get_running_loop() costs a getpid() system call)
+            self._tick_handle = fut.get_loop().call_later(delay_s, self._on_tick)
         except BaseException as e:  # never a silent end of the ticks: main_loop raises it
             fut.set_exception(e)
 

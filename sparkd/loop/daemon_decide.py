@@ -184,6 +184,8 @@ def update_mode(daemon: Daemon, result: TickResult | None) -> None:
     if reason is not None:
         daemon._fast_until = now + daemon.settings.fast_hold_s
         if daemon.mode != "fast":
+            if daemon.consumers is not None:
+                daemon.consumers.wake()  # its next scan is due at the fast cadence: look now
             daemon.event(
                 "sampling_fast",
                 f"sampling every {daemon.settings.fast_interval_s:g} s: {reason}",

@@ -918,7 +918,7 @@ class Writer:
         by a fallback timer ``FALLBACK_S`` later when nothing is submitted."""
         if self.queue.qsize() >= self.batch_max or self._urgent_queued:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()  # run() keeps it (get_running_loop costs a getpid())
         fut: asyncio.Future[None] = loop.create_future()
         self._gather_fut = fut
         self._due = time.monotonic() + self.write_every_s
