@@ -297,3 +297,32 @@ def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
         severity, details = rows[0]
         assert severity == "critical"
         assert 2.5 <= json.loads(details)["gap_s"] <= 10
+
+
+def test_sparkd_run_without_peers_imports_no_http_client(tmp_path: Path) -> None:
+    """The cluster and httpx (with pygments, idna: ~4 MiB resident) are imported only where [cluster] has
+    peers (issue 18): a plain `sparkd run`, API on, after READY=1 and a few ticks."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\n[api]\nhost = "127.0.0.1"\nport = {port}\n'
+    )
+    out = tmp_path / "modules.txt"
+    code = f"""
+import os, signal, sys, threading, time, runpy
+def probe():
+    time.sleep(4)
+    names = sorted(m for m in sys.modules if m.split(".")[0] in ("httpx", "pygments", "sparkd"))
+    open({str(out)!r}, "w").write(" ".join(names))
+    os.kill(os.getpid(), signal.SIGTERM)
+threading.Thread(target=probe, daemon=True).start()
+sys.argv = ["sparkd", "--config", {str(cfg)!r}, "run"]
+runpy.run_module("sparkd.face.cli", run_name="__main__")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k != "NOTIFY_SOCKET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    mods = out.read_text().split()
+    assert "sparkd.loop.daemon" in mods and "sparkd.face.app" in mods, (mods, r.stderr[-2000:])  # it ran
+    assert not [m for m in mods if m.startswith(("httpx", "pygments", "sparkd.loop.cluster"))], mods

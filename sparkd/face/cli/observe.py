@@ -45,12 +45,14 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
 
     os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
     setup_logging(settings.logs_path)
-    from sparkd.loop.cluster import Cluster
 
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
     if settings.cluster.peers:
+        # the cluster and httpx (with pygments and idna, ~4 MiB resident) only where there are peers (issue 18)
+        from sparkd.loop.cluster import Cluster
+
         daemon.cluster = Cluster(settings.cluster)
         daemon.cluster.attach(daemon)
     try:
