@@ -37,8 +37,8 @@ def test_a_tuned_host_below_the_floor_warns_and_does_not_loop(tmp_path: Path) ->
         stops = db_query(db, "SELECT count(*) FROM events WHERE kind IN ('stop_not_executed','stopping')")[0][0]
         assert trips >= 1 and stops == 0
 
-        # the stored snapshot (what `sparkd status` reads) lags the events by up to STATUS_QUIET_S plus the
-        # writer's 2 s gathering: wait for the one written after the demotion
+        # the stored snapshot (what `sparkd status` reads) lags a quiet refresh by up to STATUS_QUIET_S plus the
+        # writer's 5 s gathering (a change is written at once): wait for the one written after the demotion
         def demoted_status() -> dict[str, Any] | None:
             st = json.loads(db_query(db, "SELECT data FROM status")[0][0])
             r = next(r for r in st["rules"] if r["name"] == "low_available")

@@ -207,6 +207,80 @@ def test_samples_are_gathered_for_write_every_s_and_an_event_is_written_at_once(
     assert event_after_s < 1.0
 
 
+def test_an_urgent_status_snapshot_ends_the_gathering_and_a_quiet_one_waits(tmp_path: Path) -> None:
+    """The daemon submits a changed status snapshot urgent (`sparkd status` reads it within a second)
+    and the quiet 30 s refresh gathered with the samples."""
+    db = tmp_path / "u.db"
+    store = Store.open(db)
+
+    def stored_ts() -> float | None:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT ts FROM status").fetchone()
+            return float(row[0]) if row else None
+        finally:
+            con.close()
+
+    async def go() -> tuple[float | None, float]:
+        w = Writer(store, write_every_s=5.0)
+        task = asyncio.create_task(w.run())
+        w.submit("sample", _row(1.0, 1))
+        w.submit("status", {"ts": 1.0, "mode": "normal"})  # quiet: gathered
+        await asyncio.sleep(0.6)
+        quiet = await asyncio.to_thread(stored_ts)
+        t0 = time.monotonic()
+        w.submit("status", {"ts": 2.0, "mode": "fast"}, urgent=True)
+        while await asyncio.to_thread(stored_ts) != 2.0 and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.02)
+        took = time.monotonic() - t0
+        task.cancel()
+        return quiet, took
+
+    quiet, took = asyncio.run(go())
+    assert quiet is None  # still gathered after 0.6 s of a 5 s gathering
+    assert took < 1.0 and store.count_samples() == 1  # written at once, with the sample gathered before it
+
+
+def test_the_daemon_submits_a_changed_snapshot_urgent_and_the_quiet_refresh_gathered(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+    from sparkd.loop import daemon_decide
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"enabled": False}})
+
+    async def go() -> list[tuple[str, bool]]:
+        d = Daemon(settings, actions=MonitorOnly(), serve_api=False)
+        await d.startup()
+        assert d.writer is not None
+        got: list[tuple[str, bool]] = []
+        real = d.writer.submit
+
+        def spy(kind: str, payload: Any, *, urgent: bool = False) -> bool:
+            if kind == "status":
+                got.append((payload["mode"], urgent))
+            return real(kind, payload, urgent=urgent)
+
+        d.writer.submit = spy  # type: ignore[method-assign]
+        mono = [d.mono()]
+        d.mono = lambda: mono[0]  # type: ignore[method-assign]
+        for step, mode in ((2.0, "normal"), (2.0, "fast"), (2.0, "fast"), (daemon_decide.STATUS_QUIET_S, "fast")):
+            mono[0] += step
+            d.mode = mode  # type: ignore[assignment]
+            r = d._tick_once()
+            assert r is not None
+            daemon_decide.handle_sync(d, r)
+        out = list(got)
+        await d.shutdown("test")
+        return out
+
+    got = asyncio.run(go())
+    # the first tick: changed since start-up's snapshot (the daemon_started event): urgent; the mode
+    # changed: urgent; unchanged 2 s later: nothing; unchanged STATUS_QUIET_S later: the gathered refresh
+    assert got == [("normal", True), ("fast", True), ("fast", False)], got
+
+
 def test_the_parsed_head_is_alembics_head_and_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
     import subprocess
     import sys

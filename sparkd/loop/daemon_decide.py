@@ -83,9 +83,11 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
             daemon.actions.lifecycle_state(),
             id(daemon.recent_events[0]) if daemon.recent_events else None,
         )
-        if key != daemon._status_key or since >= STATUS_QUIET_S:
+        changed = key != daemon._status_key
+        if changed or since >= STATUS_QUIET_S:
             daemon._status_key, daemon._last_status = key, now
-            daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"))
+            # a change is written at once (`sparkd status` reads it within a second), the quiet refresh gathered
+            daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"), urgent=changed)
             daemon.notifier.notify(f"STATUS={daemon.summary_line()}")
     return acting
 

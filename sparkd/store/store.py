@@ -710,10 +710,12 @@ class Writer:
         if store is not None:
             self._retry.set()
 
-    def submit(self, kind: str, payload: Any) -> bool:
+    def submit(self, kind: str, payload: Any, *, urgent: bool = False) -> bool:
+        """Queue one record (never blocks, never raises; False when the queue is full and it was dropped).
+        ``urgent``: write it (and what was gathered) at once, though its kind is one ``GATHERED``."""
         try:
             self.queue.put_nowait((kind, payload))
-            if kind not in GATHERED:
+            if urgent or kind not in GATHERED:
                 self._urgent_queued = True
             fut = self._gather_fut
             if (
