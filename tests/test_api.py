@@ -1138,3 +1138,21 @@ asyncio.run(main())
     assert out.stdout.strip().splitlines()[-1] == str([(False, False), (False, False), (True, False), (True, True)]), (
         out.stdout
     )
+
+
+def test_a_write_that_lands_during_an_empty_events_read_is_read_at_the_next_poll() -> None:
+    """The live list skips "events after N" while nothing can have arrived; the key is taken before the
+    read, so an event the writer stores while the read runs is not marked as seen (CI saw it missed)."""
+    from types import SimpleNamespace
+
+    from sparkd.face.live import EventsSeen
+
+    writer = SimpleNamespace(written=5)
+    daemon: Any = SimpleNamespace(recent_events=[{"id": None}], writer=writer)
+    seen = EventsSeen(daemon)
+    asked = seen.key(7)
+    writer.written += 1  # the writer stores a batch (with the new event) while the read runs
+    seen.answered(asked, [])  # that read found nothing
+    assert not seen.nothing_after(7)  # so the next poll reads again
+    seen.answered(seen.key(7), [])
+    assert seen.nothing_after(7)  # nothing since: skipped

@@ -143,8 +143,9 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
         if since is not None and step is not None:
             out["samples"] = await _samples_tail(daemon, since, step)
         if ev is not None and not seen.nothing_after(ev):
+            asked = seen.key(ev)  # before the read: a write that lands during it must not be marked as seen
             events = await asyncio.to_thread(_events_after, daemon, ev)
-            seen.answered(ev, events)
+            seen.answered(asked, events)
             if events:
                 out["event_rows"] = env.get_template("partials/_event_rows.html").render(events=events)
                 out["markers"] = [
@@ -165,17 +166,21 @@ class EventsSeen:
         self.daemon = daemon
         self._empty: tuple[int, int, int] | None = None
 
-    def _key(self, ev: int) -> tuple[int, int, int]:
+    def key(self, ev: int) -> tuple[int, int, int]:
+        """What a read of "events after ``ev``" depends on, as of now: take it before the read."""
         d = self.daemon
         newest = d.recent_events[0] if d.recent_events else None
         writer = getattr(d, "writer", None)
         return (ev, id(newest), writer.written if writer is not None else -1)
 
     def nothing_after(self, ev: int) -> bool:
-        return self._empty is not None and self._empty == self._key(ev)
+        return self._empty is not None and self._empty == self.key(ev)
 
-    def answered(self, ev: int, events: list[dict[str, Any]]) -> None:
-        self._empty = None if events else self._key(ev)
+    def answered(self, asked: tuple[int, int, int], events: list[dict[str, Any]]) -> None:
+        """Record a read's answer under ``asked`` (``key`` taken before the read). An empty answer lets
+        the next poll skip the read while the key stays the same; a write that landed during the
+        read changed the key already, so the next poll reads again."""
+        self._empty = None if events else asked
 
 
 def _events_after(daemon: DaemonView, ev: int) -> list[dict[str, Any]]:
