@@ -240,14 +240,20 @@ class ProcReader:
 
     def meminfo(self) -> MeminfoResult:
         """Like ``read_meminfo``. Raises OSError when /proc/meminfo cannot be read."""
+        return self._parse_meminfo(self._meminfo_bytes())
+
+    def _meminfo_bytes(self) -> bytes:
+        """/proc/meminfo's text, re-read at offset 0 of the kept descriptor (reopened after an error)."""
         if self._mem_fd is None:
             self._mem_fd = self._open("meminfo")
         try:
-            data = os.pread(self._mem_fd, 65536, 0)
+            return os.pread(self._mem_fd, 65536, 0)
         except OSError:
             os.close(self._mem_fd)
             self._mem_fd = None
             raise
+
+    def _parse_meminfo(self, data: bytes) -> MeminfoResult:
         toks = data.split()
         lay = self._layout
         if lay is not None and len(toks) == lay[0] and [toks[i] for i, _n, _m in lay[2]] == lay[1]:
@@ -261,18 +267,13 @@ class ProcReader:
         need no other), matched in one pass of a regular expression built from the layout the last
         full parse saw; any other layout goes through ``meminfo`` (all fields, ``bad_lines``).
         Raises OSError when /proc/meminfo cannot be read."""
+        data = self._meminfo_bytes()
         named = self._named
-        if named is not None and self._mem_fd is not None:
-            try:
-                data = os.pread(self._mem_fd, 65536, 0)
-            except OSError:
-                os.close(self._mem_fd)
-                self._mem_fd = None
-                raise
+        if named is not None:
             m = named[0].fullmatch(data)
             if m is not None:
                 return MeminfoResult({n: int(v) * k for n, v, k in zip(named[1], m.groups(), named[2], strict=True)})
-        res = self.meminfo()
+        res = self._parse_meminfo(data)
         self._named = None if self._layout is None else self._named_pattern(self._layout)
         return res
 
