@@ -5,10 +5,10 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from sparkd.store.schema import Base
+from sparkd.store.schema import metadata
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def run_migrations_offline() -> None:

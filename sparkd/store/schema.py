@@ -1,10 +1,10 @@
-"""SQLAlchemy 2 models. Times are UTC epoch seconds (float); sizes are bytes (int).
+"""SQLAlchemy 2 Core tables. Times are UTC epoch seconds (float); sizes are bytes (int).
 
-The schema is owned by Alembic (``migrations/``); these models mirror it.
+The schema is owned by Alembic (``migrations/``); these tables mirror it.
 
 On disk, the ``samples`` table keeps sizes as integer KiB (``SAMPLE_KIB_COLUMNS``: the
 resolution of /proc/meminfo, whose every figure is in kB) and PSI averages as integer
-hundredths (``SAMPLE_HUNDREDTHS_COLUMNS``: /proc/pressure prints two decimals); the models
+hundredths (``SAMPLE_HUNDREDTHS_COLUMNS``: /proc/pressure prints two decimals); the column types
 convert, so everything above this module sees bytes and floats (migration 0005, issue 18:
 a 128 GiB figure is 6 bytes in SQLite as bytes, 4 as KiB; a PSI average 8 bytes as REAL,
 at most 2 as hundredths).
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-# Sample columns (name -> SQL type), shared by the model and the CSV export.
+# Sample columns (name -> SQL type), shared by the table and the CSV export.
 SAMPLE_INT_COLUMNS = (
     "mem_total",
     "mem_free",
@@ -104,143 +103,146 @@ class Hundredths(TypeDecorator[float]):
 AGGREGATE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
 
 
-class Base(DeclarativeBase):
-    pass
+metadata = MetaData()
+"""The tables, as SQLAlchemy Core ``Table`` objects (no ORM: importing ``sqlalchemy.orm`` costs
+6 MiB of resident memory in the daemon, issue 18). ``tests/test_store.py`` checks them against
+the migrated database with Alembic's ``compare_metadata``."""
 
 
-class SampleRow(Base):
-    """One guard sample. Keyed by ``ts`` and ``WITHOUT ROWID`` (migration 0003): the table is
-    its own time index, no rowid and no separate index per row."""
-
-    __tablename__ = "samples"
-    __table_args__ = ({"sqlite_with_rowid": False},)
-    ts: Mapped[float] = mapped_column(Float, primary_key=True)
-    # the class namespace is a dict: declare the many sample columns from the one list
-    for _c in SAMPLE_INT_COLUMNS:
-        locals()[_c] = mapped_column(_c, KiB if _c in SAMPLE_KIB_COLUMNS else BigInteger, nullable=True)
-    for _c in SAMPLE_FLOAT_COLUMNS:
-        locals()[_c] = mapped_column(_c, Hundredths, nullable=True)
-    del _c
+def _sample_column(name: str) -> Column[Any]:
+    if name in SAMPLE_FLOAT_COLUMNS:
+        return Column(name, Hundredths, nullable=True)
+    return Column(name, KiB if name in SAMPLE_KIB_COLUMNS else BigInteger, nullable=True)
 
 
-class SampleMinute(Base):
-    __tablename__ = "sample_minutes"
-    minute_ts: Mapped[float] = mapped_column(Float, primary_key=True)
-    n: Mapped[int] = mapped_column(Integer)
-    for _f in AGGREGATE_FIELDS:
-        for _agg in ("min", "avg", "max"):
-            locals()[f"{_f}_{_agg}"] = mapped_column(f"{_f}_{_agg}", Float, nullable=True)
-    del _f, _agg
+SAMPLES = Table(
+    "samples",
+    metadata,
+    # keyed by ts and WITHOUT ROWID (migration 0003): the table is its own time index
+    Column("ts", Float, primary_key=True),
+    *(_sample_column(c) for c in (*SAMPLE_INT_COLUMNS, *SAMPLE_FLOAT_COLUMNS)),
+    sqlite_with_rowid=False,
+)
+"""One guard sample per row."""
 
+SAMPLE_MINUTES = Table(
+    "sample_minutes",
+    metadata,
+    Column("minute_ts", Float, primary_key=True),
+    Column("n", Integer, nullable=False),
+    *(Column(f"{f}_{agg}", Float, nullable=True) for f in AGGREGATE_FIELDS for agg in ("min", "avg", "max")),
+)
+"""Per-minute min/avg/max of ``AGGREGATE_FIELDS`` after raw samples expire."""
 
-class Event(Base):
-    __tablename__ = "events"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float, index=True)
-    kind: Mapped[str] = mapped_column(String(64), index=True)
-    severity: Mapped[str] = mapped_column(String(16))
-    message: Mapped[str] = mapped_column(Text)
-    details: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    launch_id: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+EVENTS = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False, index=True),
+    Column("kind", String(64), nullable=False, index=True),
+    Column("severity", String(16), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("details", JSON, nullable=True),
+    Column("launch_id", String(64), nullable=True, index=True),
+)
+Index("ix_events_kind_ts", EVENTS.c.kind, EVENTS.c.ts)
 
+DAEMON_RUNS = Table(
+    "daemon_runs",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("started_at", Float, nullable=False),
+    Column("stopped_at", Float, nullable=True),
+    Column("pid", Integer, nullable=False),
+    Column("version", String(32), nullable=False),
+    Column("hostname", String(255), nullable=False),
+    Column("exit_reason", Text, nullable=True),
+    Column("samples", Integer, nullable=False, default=0),
+    Column("config", JSON, nullable=True),
+)
 
-class DaemonRun(Base):
-    __tablename__ = "daemon_runs"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    started_at: Mapped[float] = mapped_column(Float)
-    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    pid: Mapped[int] = mapped_column(Integer)
-    version: Mapped[str] = mapped_column(String(32))
-    hostname: Mapped[str] = mapped_column(String(255))
-    exit_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    samples: Mapped[int] = mapped_column(Integer, default=0)
-    config: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+KERNEL_COUNTS = Table(
+    "kernel_counts",
+    metadata,
+    Column("minute_ts", Float, primary_key=True),
+    Column("kind", String(32), primary_key=True),
+    Column("count", Integer, nullable=False),
+)
+"""Per-minute counts of classified kernel-log records, so bursts are visible."""
 
+NVRM_WINDOWS = Table(
+    "nvrm_windows",
+    metadata,
+    Column("window_start", Float, primary_key=True),
+    Column("window_s", Float, nullable=False),
+    Column("count", Integer, nullable=False),
+)
+"""Driver-error lines per non-overlapping window (each line counted once)."""
 
-class KernelCount(Base):
-    """Per-minute counts of classified kernel-log records, so bursts are visible."""
+STATUS = Table(
+    "status",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("data", JSON, nullable=False),
+)
+"""The daemon's latest in-memory state (rule counters, container), one row (id 1)."""
 
-    __tablename__ = "kernel_counts"
-    minute_ts: Mapped[float] = mapped_column(Float, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
-    count: Mapped[int] = mapped_column(Integer)
+LAUNCHES = Table(
+    "launches",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("revision", Integer, nullable=True),
+    Column("started_at", Float, nullable=False, index=True),
+    Column("ready_at", Float, nullable=True),
+    Column("stopped_at", Float, nullable=True),
+    Column("container_id", String(80), nullable=True),
+    Column("image", String(255), nullable=True),
+    Column("status", String(32), nullable=False),
+    Column("plan", JSON, nullable=True),
+    Column("actual", JSON, nullable=True),
+    Column("trough_bytes", BigInteger, nullable=True),
+    Column("driver_baseline_bytes", BigInteger, nullable=True),
+    Column("forced", Boolean, nullable=False, default=False),
+)
 
+CONFIG_REVISIONS = Table(
+    "config_revisions",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("who", String(128), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("data", JSON, nullable=False),
+    Column("diff", JSON, nullable=True),
+)
 
-class NvrmWindow(Base):
-    """Driver-error lines per non-overlapping window (each line counted once)."""
+GPU_SAMPLES = Table(
+    "gpu_samples",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False, index=True),
+    Column("gpu_index", Integer, nullable=True),
+    Column("name", String(128), nullable=True),
+    Column("utilization_pct", Float, nullable=True),
+    Column("temperature_c", Float, nullable=True),
+    Column("power_w", Float, nullable=True),
+    Column("memory_total_bytes", BigInteger, nullable=True),
+    Column("memory_used_bytes", BigInteger, nullable=True),
+    Column("memory_supported", Boolean, nullable=True),
+)
+"""NVML readings; ``memory_supported`` False where the driver says Not Supported (GB10)."""
 
-    __tablename__ = "nvrm_windows"
-    window_start: Mapped[float] = mapped_column(Float, primary_key=True)
-    window_s: Mapped[float] = mapped_column(Float)
-    count: Mapped[int] = mapped_column(Integer)
-
-
-class StatusSnapshot(Base):
-    """The daemon's latest in-memory state (rule counters, container), one row."""
-
-    __tablename__ = "status"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float)
-    data: Mapped[dict[str, Any]] = mapped_column(JSON)
-
-
-class Launch(Base):
-    __tablename__ = "launches"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    revision: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    started_at: Mapped[float] = mapped_column(Float, index=True)
-    ready_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
-    container_id: Mapped[str | None] = mapped_column(String(80), nullable=True)
-    image: Mapped[str | None] = mapped_column(String(255), nullable=True)
-    status: Mapped[str] = mapped_column(String(32))
-    plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    actual: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    trough_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    driver_baseline_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    forced: Mapped[bool] = mapped_column(default=False)
-
-
-class ConfigRevision(Base):
-    __tablename__ = "config_revisions"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float)
-    who: Mapped[str] = mapped_column(String(128))
-    reason: Mapped[str] = mapped_column(Text)
-    data: Mapped[dict[str, Any]] = mapped_column(JSON)
-    diff: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-
-
-class GpuSample(Base):
-    """NVML readings; ``memory_supported`` False where the driver says Not Supported (GB10)."""
-
-    __tablename__ = "gpu_samples"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float, index=True)
-    gpu_index: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    name: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    utilization_pct: Mapped[float | None] = mapped_column(Float, nullable=True)
-    temperature_c: Mapped[float | None] = mapped_column(Float, nullable=True)
-    power_w: Mapped[float | None] = mapped_column(Float, nullable=True)
-    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    memory_used_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    memory_supported: Mapped[bool | None] = mapped_column(nullable=True)
-
-
-class ConsumerScan(Base):
-    """Who holds the memory: one process scan (every ``consumers.interval_s``, and at trips).
-
-    Group RSS totals as columns (bytes); ``data``: the JSON summary (top processes, top command
-    names, MemAvailable at the scan) — ``sparkd.core.consumers.ConsumerSummary.to_json()``.
-    """
-
-    __tablename__ = "consumer_scans"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    ts: Mapped[float] = mapped_column(Float, index=True)
-    container_bytes: Mapped[int] = mapped_column(BigInteger)
-    host_bytes: Mapped[int] = mapped_column(BigInteger)
-    system_bytes: Mapped[int] = mapped_column(BigInteger)
-    data: Mapped[dict[str, Any]] = mapped_column(JSON)
-
-
-Index("ix_events_kind_ts", Event.kind, Event.ts)
+CONSUMER_SCANS = Table(
+    "consumer_scans",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("ts", Float, nullable=False, index=True),
+    Column("container_bytes", BigInteger, nullable=False),
+    Column("host_bytes", BigInteger, nullable=False),
+    Column("system_bytes", BigInteger, nullable=False),
+    Column("data", JSON, nullable=False),
+)
+"""Who holds the memory: one process scan (every ``consumers.interval_s``, and at trips). Group RSS
+totals as columns (bytes); ``data``: the JSON summary (top processes, top command names, MemAvailable
+at the scan) — ``sparkd.core.consumers.ConsumerSummary.to_json()``."""

@@ -24,29 +24,28 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, text, update
+from sqlalchemy import Engine, Row, create_engine, delete, event, func, insert, select, text, update
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.orm import Session
 
 from sparkd.errors import StoreError
 from sparkd.resources import migrations_dir
 from sparkd.store.schema import (
     AGGREGATE_FIELDS,
+    CONFIG_REVISIONS,
+    CONSUMER_SCANS,
+    DAEMON_RUNS,
+    EVENTS,
+    GPU_SAMPLES,
+    KERNEL_COUNTS,
+    LAUNCHES,
+    NVRM_WINDOWS,
     SAMPLE_COLUMNS,
     SAMPLE_FROM_DB_FACTOR,
+    SAMPLE_MINUTES,
     SAMPLE_TO_DB,
-    ConfigRevision,
-    ConsumerScan,
-    DaemonRun,
-    Event,
-    GpuSample,
-    KernelCount,
-    Launch,
-    NvrmWindow,
-    SampleMinute,
-    SampleRow,
-    StatusSnapshot,
+    SAMPLES,
+    STATUS,
 )
 
 #: what a read of the database can raise when it is corrupt, locked, full or gone (callers outside
@@ -104,7 +103,7 @@ def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur.close()
 
 
-def _event_dict(e: Event) -> dict[str, Any]:
+def _event_dict(e: Row[Any]) -> dict[str, Any]:
     return {
         "id": e.id,
         "ts": e.ts,
@@ -194,7 +193,7 @@ class Store:
             raise StoreError(lines[-1].removeprefix("sparkd: ")[:500])
 
     def current_revision(self) -> str | None:
-        with Session(self.engine) as conn:
+        with self.engine.connect() as conn:
             try:
                 return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
             except SQLAlchemyError:
@@ -240,29 +239,29 @@ class Store:
             finally:
                 cur.close()
             if scans:
-                conn.execute(insert(ConsumerScan), scans)
+                conn.execute(insert(CONSUMER_SCANS), scans)
             if events:
-                conn.execute(insert(Event), events)
+                conn.execute(insert(EVENTS), events)
             for kind, p in items:
                 if kind == "nvrm_window":
                     start, w, n = p
-                    stmt3 = sqlite_insert(NvrmWindow).values(window_start=start, window_s=w, count=n)
+                    stmt3 = sqlite_insert(NVRM_WINDOWS).values(window_start=start, window_s=w, count=n)
                     conn.execute(
                         stmt3.on_conflict_do_update(
-                            index_elements=["window_start"], set_={"count": NvrmWindow.count + n}
+                            index_elements=["window_start"], set_={"count": NVRM_WINDOWS.c.count + n}
                         )
                     )
                 elif kind == "launch":
                     cols = {k: v for k, v in p.items() if k != "id"}  # only what this item sets
-                    stmt4 = sqlite_insert(Launch).values(**{"status": "starting", **p})  # a row not yet written
+                    stmt4 = sqlite_insert(LAUNCHES).values(**{"status": "starting", **p})  # a row not yet written
                     conn.execute(stmt4.on_conflict_do_update(index_elements=["id"], set_=cols) if cols else stmt4)
                 elif kind == "run_end":
-                    conn.execute(update(DaemonRun).where(DaemonRun.id == p.pop("id")).values(**p))
+                    conn.execute(update(DAEMON_RUNS).where(DAEMON_RUNS.c.id == p.pop("id")).values(**p))
 
     def start_run(self, *, pid: int, version: str, hostname: str, config: dict[str, Any]) -> int:
         with self.engine.begin() as conn:
             r = conn.execute(
-                insert(DaemonRun).values(
+                insert(DAEMON_RUNS).values(
                     started_at=time.time(), pid=pid, version=version, hostname=hostname, config=config, samples=0
                 )
             )
@@ -281,7 +280,7 @@ class Store:
         """Write one event now (for CLI processes; the daemon goes through the queue)."""
         with self.engine.begin() as conn:
             conn.execute(
-                insert(Event).values(
+                insert(EVENTS).values(
                     ts=ts or time.time(),
                     kind=kind,
                     severity=severity,
@@ -293,22 +292,22 @@ class Store:
 
     # ------------------------------------------------------------------ reads
     def latest_sample(self) -> dict[str, Any] | None:
-        with Session(self.engine) as conn:
-            row = conn.execute(select(SampleRow).order_by(SampleRow.ts.desc()).limit(1)).first()
-        return _sample_dict(row[0]) if row else None
+        with self.engine.connect() as conn:
+            row = conn.execute(select(SAMPLES).order_by(SAMPLES.c.ts.desc()).limit(1)).first()
+        return _sample_dict(row) if row else None
 
     def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:
-        q = select(SampleRow).where(SampleRow.ts >= since).order_by(SampleRow.ts)
+        q = select(SAMPLES).where(SAMPLES.c.ts >= since).order_by(SAMPLES.c.ts)
         if until is not None:
-            q = q.where(SampleRow.ts <= until)
+            q = q.where(SAMPLES.c.ts <= until)
         if limit:
             q = q.limit(limit)
-        with Session(self.engine) as conn:
-            return [_sample_dict(r[0]) for r in conn.execute(q)]
+        with self.engine.connect() as conn:
+            return [_sample_dict(r) for r in conn.execute(q)]
 
     def count_samples(self) -> int:
-        with Session(self.engine) as conn:
-            return int(conn.execute(select(func.count()).select_from(SampleRow)).scalar_one())
+        with self.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(SAMPLES)).scalar_one())
 
     def downsampled(
         self, *, since: float, until: float, step_s: float, fields: Iterable[str] = CHART_FIELDS
@@ -319,14 +318,14 @@ class Store:
         """
         fields = list(fields)
         step_s = max(step_s, 0.001)
-        bucket = func.cast((SampleRow.ts - since) / step_s, Integer_())
+        bucket = func.cast((SAMPLES.c.ts - since) / step_s, Integer_())
         cols = [bucket.label("b"), func.count().label("n")]
         for f in fields:
-            c = getattr(SampleRow, f)
+            c = SAMPLES.c[f]
             cols += [func.min(c).label(f"{f}_min"), func.avg(c).label(f"{f}_avg"), func.max(c).label(f"{f}_max")]
-        q = select(*cols).where(SampleRow.ts >= since, SampleRow.ts <= until).group_by("b").order_by("b")
+        q = select(*cols).where(SAMPLES.c.ts >= since, SAMPLES.c.ts <= until).group_by("b").order_by("b")
         out: dict[int, dict[str, Any]] = {}
-        with Session(self.engine) as conn:
+        with self.engine.connect() as conn:
             for r in conn.execute(q):
                 d = dict(r._mapping)
                 b = d.pop("b")
@@ -334,20 +333,20 @@ class Store:
                 _scale_avgs(d, fields)
                 out[b] = d
             agg_fields = [f for f in fields if f in AGGREGATE_FIELDS]
-            first_raw = conn.execute(select(func.min(SampleRow.ts))).scalar()
+            first_raw = conn.execute(select(func.min(SAMPLES.c.ts))).scalar()
             agg_until = min(until, first_raw) if first_raw is not None else until
             if agg_fields and agg_until > since:
-                mb = func.cast((SampleMinute.minute_ts - since) / step_s, Integer_())
-                acols = [mb.label("b"), func.sum(SampleMinute.n).label("n")]
+                mb = func.cast((SAMPLE_MINUTES.c.minute_ts - since) / step_s, Integer_())
+                acols = [mb.label("b"), func.sum(SAMPLE_MINUTES.c.n).label("n")]
                 for f in agg_fields:
                     acols += [
-                        func.min(getattr(SampleMinute, f"{f}_min")).label(f"{f}_min"),
-                        func.avg(getattr(SampleMinute, f"{f}_avg")).label(f"{f}_avg"),
-                        func.max(getattr(SampleMinute, f"{f}_max")).label(f"{f}_max"),
+                        func.min(SAMPLE_MINUTES.c[f"{f}_min"]).label(f"{f}_min"),
+                        func.avg(SAMPLE_MINUTES.c[f"{f}_avg"]).label(f"{f}_avg"),
+                        func.max(SAMPLE_MINUTES.c[f"{f}_max"]).label(f"{f}_max"),
                     ]
                 aq = (
                     select(*acols)
-                    .where(SampleMinute.minute_ts >= since, SampleMinute.minute_ts < agg_until)
+                    .where(SAMPLE_MINUTES.c.minute_ts >= since, SAMPLE_MINUTES.c.minute_ts < agg_until)
                     .group_by("b")
                 )
                 for r in conn.execute(aq):
@@ -370,47 +369,44 @@ class Store:
     ) -> list[dict[str, Any]]:
         """Events newest first. ``since``/``until``: epoch s, inclusive; ``after_id``/``before_id``:
         only ids above/below (live updates and paging)."""
-        q = select(Event).order_by(Event.ts.desc(), Event.id.desc()).limit(limit)
+        q = select(EVENTS).order_by(EVENTS.c.ts.desc(), EVENTS.c.id.desc()).limit(limit)
         if since is not None:
-            q = q.where(Event.ts >= since)
+            q = q.where(EVENTS.c.ts >= since)
         if until is not None:
-            q = q.where(Event.ts <= until)
+            q = q.where(EVENTS.c.ts <= until)
         if after_id is not None:
-            q = q.where(Event.id > after_id)
+            q = q.where(EVENTS.c.id > after_id)
         if before_id is not None:
-            q = q.where(Event.id < before_id)
+            q = q.where(EVENTS.c.id < before_id)
         if kinds:
-            q = q.where(Event.kind.in_(list(kinds)))
-        with Session(self.engine) as conn:
-            rows = [r[0] for r in conn.execute(q)]
+            q = q.where(EVENTS.c.kind.in_(list(kinds)))
+        with self.engine.connect() as conn:
+            rows = list(conn.execute(q))
         return [_event_dict(e) for e in rows]
 
     def event(self, event_id: int) -> dict[str, Any] | None:
         """One event by id, or None."""
-        with Session(self.engine) as conn:
-            e = conn.get(Event, event_id)
+        with self.engine.connect() as conn:
+            e = conn.execute(select(EVENTS).where(EVENTS.c.id == event_id)).first()
             return _event_dict(e) if e is not None else None
 
     def status_snapshot(self) -> dict[str, Any] | None:
-        with Session(self.engine) as conn:
-            row = conn.execute(select(StatusSnapshot.data).where(StatusSnapshot.id == 1)).first()
+        with self.engine.connect() as conn:
+            row = conn.execute(select(STATUS.c.data).where(STATUS.c.id == 1)).first()
         return dict(row[0]) if row else None
 
     def kernel_counts(self, *, since: float) -> list[dict[str, Any]]:
-        q = select(KernelCount).where(KernelCount.minute_ts >= since).order_by(KernelCount.minute_ts)
-        with Session(self.engine) as conn:
-            return [{"minute_ts": r[0].minute_ts, "kind": r[0].kind, "count": r[0].count} for r in conn.execute(q)]
+        q = select(KERNEL_COUNTS).where(KERNEL_COUNTS.c.minute_ts >= since).order_by(KERNEL_COUNTS.c.minute_ts)
+        with self.engine.connect() as conn:
+            return [{"minute_ts": r.minute_ts, "kind": r.kind, "count": r.count} for r in conn.execute(q)]
 
     def nvrm_windows(self) -> list[dict[str, Any]]:
-        q = select(NvrmWindow).order_by(NvrmWindow.window_start)
-        with Session(self.engine) as conn:
-            return [
-                {"window_start": r[0].window_start, "window_s": r[0].window_s, "count": r[0].count}
-                for r in conn.execute(q)
-            ]
+        q = select(NVRM_WINDOWS).order_by(NVRM_WINDOWS.c.window_start)
+        with self.engine.connect() as conn:
+            return [{"window_start": r.window_start, "window_s": r.window_s, "count": r.count} for r in conn.execute(q)]
 
     def gpu_samples(self, *, since: float, limit: int = 10000) -> list[dict[str, Any]]:
-        q = select(GpuSample).where(GpuSample.ts >= since).order_by(GpuSample.ts).limit(limit)
+        q = select(GPU_SAMPLES).where(GPU_SAMPLES.c.ts >= since).order_by(GPU_SAMPLES.c.ts).limit(limit)
         cols = (
             "ts",
             "gpu_index",
@@ -422,19 +418,19 @@ class Store:
             "memory_used_bytes",
             "memory_supported",
         )
-        with Session(self.engine) as conn:
-            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+        with self.engine.connect() as conn:
+            return [{c: getattr(r, c) for c in cols} for r in conn.execute(q)]
 
     def consumer_scans(self, *, since: float, limit: int = 1000) -> list[dict[str, Any]]:
         """Process scans since ``since`` (UTC epoch s), oldest first: ts, group totals (bytes), data."""
-        q = select(ConsumerScan).where(ConsumerScan.ts >= since).order_by(ConsumerScan.ts).limit(limit)
+        q = select(CONSUMER_SCANS).where(CONSUMER_SCANS.c.ts >= since).order_by(CONSUMER_SCANS.c.ts).limit(limit)
         cols = ("ts", "container_bytes", "host_bytes", "system_bytes", "data")
-        with Session(self.engine) as conn:
-            return [{c: getattr(r, c) for c in cols} for (r,) in conn.execute(q)]
+        with self.engine.connect() as conn:
+            return [{c: getattr(r, c) for c in cols} for r in conn.execute(q)]
 
     def runs(self, *, limit: int = 20) -> list[dict[str, Any]]:
-        q = select(DaemonRun).order_by(DaemonRun.id.desc()).limit(limit)
-        with Session(self.engine) as conn:
+        q = select(DAEMON_RUNS).order_by(DAEMON_RUNS.c.id.desc()).limit(limit)
+        with self.engine.connect() as conn:
             return [
                 {
                     "id": r.id,
@@ -445,18 +441,18 @@ class Store:
                     "exit_reason": r.exit_reason,
                     "samples": r.samples,
                 }
-                for (r,) in conn.execute(q)
+                for r in conn.execute(q)
             ]
 
     def launches(self, *, limit: int = 50) -> list[dict[str, Any]]:
-        q = select(Launch).order_by(Launch.started_at.desc()).limit(limit)
-        with Session(self.engine) as conn:
-            return [_launch_dict(r) for (r,) in conn.execute(q)]
+        q = select(LAUNCHES).order_by(LAUNCHES.c.started_at.desc()).limit(limit)
+        with self.engine.connect() as conn:
+            return [_launch_dict(r) for r in conn.execute(q)]
 
     def launch(self, launch_id: str) -> dict[str, Any] | None:
-        with Session(self.engine) as conn:
-            row = conn.execute(select(Launch).where(Launch.id == launch_id)).first()
-        return _launch_dict(row[0]) if row else None
+        with self.engine.connect() as conn:
+            row = conn.execute(select(LAUNCHES).where(LAUNCHES.c.id == launch_id)).first()
+        return _launch_dict(row) if row else None
 
     def save_launch(self, data: dict[str, Any]) -> None:
         self.write_batch([("launch", dict(data))])
@@ -465,16 +461,16 @@ class Store:
     def add_revision(self, *, who: str, reason: str, data: dict[str, Any], diff: dict[str, Any] | None) -> int:
         with self.engine.begin() as conn:
             r = conn.execute(
-                insert(ConfigRevision).values(ts=time.time(), who=who, reason=reason, data=data, diff=diff)
+                insert(CONFIG_REVISIONS).values(ts=time.time(), who=who, reason=reason, data=data, diff=diff)
             )
             return int(r.inserted_primary_key[0])  # type: ignore[index]
 
     def revisions(self, *, limit: int = 50) -> list[dict[str, Any]]:
-        q = select(ConfigRevision).order_by(ConfigRevision.id.desc()).limit(limit)
-        with Session(self.engine) as conn:
+        q = select(CONFIG_REVISIONS).order_by(CONFIG_REVISIONS.c.id.desc()).limit(limit)
+        with self.engine.connect() as conn:
             return [
                 {"id": r.id, "ts": r.ts, "who": r.who, "reason": r.reason, "data": r.data, "diff": r.diff}
-                for (r,) in conn.execute(q)
+                for r in conn.execute(q)
             ]
 
     # ------------------------------------------------------------------ retention
@@ -489,62 +485,54 @@ class Store:
         removed = {"samples": 0, "sample_minutes": 0, "events": 0, "launches": 0, "kernel_counts": 0}
         while True:
             with self.engine.begin() as conn:
-                first = conn.execute(select(func.min(SampleRow.ts)).where(SampleRow.ts < cutoff)).scalar()
+                first = conn.execute(select(func.min(SAMPLES.c.ts)).where(SAMPLES.c.ts < cutoff)).scalar()
                 if first is None:
                     break
                 m0 = first - first % 60
                 m1 = min(m0 + 60 * max(1, batch // 60), cutoff)
-                mb = (func.cast(SampleRow.ts / 60, Integer_()) * 60).label("m")
+                mb = (func.cast(SAMPLES.c.ts / 60, Integer_()) * 60).label("m")
                 cols: list[Any] = [mb, func.count().label("n")]
                 for f in AGGREGATE_FIELDS:
-                    c = getattr(SampleRow, f)
+                    c = SAMPLES.c[f]
                     cols += [func.min(c), func.avg(c), func.max(c)]
-                rows = conn.execute(select(*cols).where(SampleRow.ts >= m0, SampleRow.ts < m1).group_by("m")).all()
+                rows = conn.execute(select(*cols).where(SAMPLES.c.ts >= m0, SAMPLES.c.ts < m1).group_by("m")).all()
                 for r in rows:
                     vals: dict[str, Any] = {"minute_ts": float(r[0]), "n": r[1]}
                     for i, f in enumerate(AGGREGATE_FIELDS):
                         vals[f"{f}_min"], vals[f"{f}_avg"], vals[f"{f}_max"] = r[2 + 3 * i : 5 + 3 * i]
                     _scale_avgs(vals, AGGREGATE_FIELDS)
-                    stmt = sqlite_insert(SampleMinute).values(**vals)
+                    stmt = sqlite_insert(SAMPLE_MINUTES).values(**vals)
                     # a minute split across two prune passes: widen the envelope, weight the mean
-                    n_old, n_new = SampleMinute.n, vals["n"]
+                    n_old, n_new = SAMPLE_MINUTES.c.n, vals["n"]
                     merged: dict[str, Any] = {"n": n_old + n_new}
                     for f in AGGREGATE_FIELDS:
                         if vals[f"{f}_avg"] is None:
                             continue
                         merged[f"{f}_min"] = func.min(
-                            func.coalesce(getattr(SampleMinute, f"{f}_min"), vals[f"{f}_min"]), vals[f"{f}_min"]
+                            func.coalesce(SAMPLE_MINUTES.c[f"{f}_min"], vals[f"{f}_min"]), vals[f"{f}_min"]
                         )
                         merged[f"{f}_max"] = func.max(
-                            func.coalesce(getattr(SampleMinute, f"{f}_max"), vals[f"{f}_max"]), vals[f"{f}_max"]
+                            func.coalesce(SAMPLE_MINUTES.c[f"{f}_max"], vals[f"{f}_max"]), vals[f"{f}_max"]
                         )
                         merged[f"{f}_avg"] = (
-                            func.coalesce(getattr(SampleMinute, f"{f}_avg"), vals[f"{f}_avg"]) * n_old
+                            func.coalesce(SAMPLE_MINUTES.c[f"{f}_avg"], vals[f"{f}_avg"]) * n_old
                             + vals[f"{f}_avg"] * n_new
                         ) / (n_old + n_new)
                     conn.execute(stmt.on_conflict_do_update(index_elements=["minute_ts"], set_=merged))
-                res = conn.execute(delete(SampleRow).where(SampleRow.ts >= m0, SampleRow.ts < m1))
+                res = conn.execute(delete(SAMPLES).where(SAMPLES.c.ts >= m0, SAMPLES.c.ts < m1))
                 removed["samples"] += res.rowcount or 0
+        expire = (
+            ("sample_minutes", SAMPLE_MINUTES.c.minute_ts, minutes_keep_s),
+            ("events", EVENTS.c.ts, events_keep_s),
+            ("launches", LAUNCHES.c.started_at, events_keep_s),
+            ("kernel_counts", KERNEL_COUNTS.c.minute_ts, minutes_keep_s),
+            ("gpu_samples", GPU_SAMPLES.c.ts, raw_keep_s),
+            ("consumer_scans", CONSUMER_SCANS.c.ts, raw_keep_s),
+            ("nvrm_windows", NVRM_WINDOWS.c.window_start, minutes_keep_s),
+        )
         with self.engine.begin() as conn:
-            removed["sample_minutes"] = (
-                conn.execute(delete(SampleMinute).where(SampleMinute.minute_ts < now - minutes_keep_s)).rowcount or 0
-            )
-            removed["events"] = conn.execute(delete(Event).where(Event.ts < now - events_keep_s)).rowcount or 0
-            removed["launches"] = (
-                conn.execute(delete(Launch).where(Launch.started_at < now - events_keep_s)).rowcount or 0
-            )
-            removed["kernel_counts"] = (
-                conn.execute(delete(KernelCount).where(KernelCount.minute_ts < now - minutes_keep_s)).rowcount or 0
-            )
-            removed["gpu_samples"] = (
-                conn.execute(delete(GpuSample).where(GpuSample.ts < now - raw_keep_s)).rowcount or 0
-            )
-            removed["consumer_scans"] = (
-                conn.execute(delete(ConsumerScan).where(ConsumerScan.ts < now - raw_keep_s)).rowcount or 0
-            )
-            removed["nvrm_windows"] = (
-                conn.execute(delete(NvrmWindow).where(NvrmWindow.window_start < now - minutes_keep_s)).rowcount or 0
-            )
+            for name, col, keep_s in expire:
+                removed[name] = conn.execute(delete(col.table).where(col < now - keep_s)).rowcount or 0
         return removed
 
     def vacuum(self) -> None:
@@ -597,11 +585,11 @@ def _scale_avgs(d: dict[str, Any], fields: Iterable[str]) -> None:
             d[f"{f}_avg"] *= k
 
 
-def _sample_dict(r: SampleRow) -> dict[str, Any]:
+def _sample_dict(r: Row[Any]) -> dict[str, Any]:
     return {c: getattr(r, c) for c in SAMPLE_COLUMNS}
 
 
-def _launch_dict(r: Launch) -> dict[str, Any]:
+def _launch_dict(r: Row[Any]) -> dict[str, Any]:
     return {
         "id": r.id,
         "revision": r.revision,
