@@ -122,6 +122,27 @@ def test_fast_reason_a_predictive_rules_floor_counts(tmp_path: Path) -> None:
     assert g.fast_reason(_steady(g, 10.0)) == watch
 
 
+def test_fast_reason_follows_the_rules_when_the_engine_compiles_them_again(tmp_path: Path) -> None:
+    """The floors are kept between ticks (issue 18) and built again when the rules are: a '%' floor
+    moves with MemTotal (a new compile), and a demoted rule keeps its floor under its new object."""
+    g = _guard(tmp_path, rules=[{"name": "pct", "when": ["MemAvailable < 10%"], "samples": 5}])
+    s = _steady(g, 10.5)  # MemTotal 100 GiB: the floor is 10 GiB, 0.5 GiB away
+    assert g.fast_reason(s) == "mem_available within 1GiB of pct's floor"
+    big = Sample(ts=s.ts, mono=s.mono, mem_total=int(200 * GiB), mem_available=int(10.5 * GiB), mem_free=int(20 * GiB))
+    derive(big)
+    g.ensure_rules(big)  # MemTotal 200 GiB: the floor is 20 GiB now, and 10.5 GiB is below it
+    assert g.rules[0].floors() == [("mem_available", 20 * GiB)]
+    assert g.fast_reason(big) == "mem_available within 1GiB of pct's floor"
+    far = Sample(ts=s.ts, mono=s.mono, mem_total=int(200 * GiB), mem_available=int(40 * GiB), mem_free=int(20 * GiB))
+    derive(far)
+    assert g.fast_reason(far) is None
+    near = Sample(ts=s.ts, mono=s.mono, mem_total=int(200 * GiB), mem_available=int(20.5 * GiB), mem_free=int(20 * GiB))
+    derive(near)
+    assert g.fast_reason(near) == "mem_available within 1GiB of pct's floor"  # 100 GiB's floor would say None
+    g.engine.demote("pct", "test")
+    assert g.rules[0].action == "warn" and g.fast_reason(near) is not None
+
+
 def test_fast_reason_falling_faster_than_the_rate_means_fast(tmp_path: Path) -> None:
     g = _guard(tmp_path)
     g.ensure_rules(_sample(0.0, 30.0))

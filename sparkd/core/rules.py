@@ -137,6 +137,11 @@ class Rule:
     within_s: float | None = None
     window_s: float = 2.0
     for_s: float | None = None
+    #: ``inputs()`` as a tuple, computed once (``blind_reason`` reads it every tick)
+    input_attrs: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_attrs", tuple(self.inputs()))
 
     @property
     def gated(self) -> bool:
@@ -367,6 +372,11 @@ def blind_reason(rule: Rule, sample: Sample) -> str | None:
 
     A ``when`` input missing, every ``evidence`` input missing, or (predictive) no usable
     memory figure makes it blind: it can never count, which must not read as a quiet 0/N."""
+    for attr in rule.input_attrs:  # the common case, every input read: nothing to explain
+        if getattr(sample, attr) is None:
+            break
+    else:
+        return None
     missing = [c for c in rule.when if getattr(sample, c.attr) is None]
     if rule.evidence and all(getattr(sample, c.attr) is None for c in rule.evidence):
         missing += list(rule.evidence)

@@ -87,6 +87,8 @@ class Guard:
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
         self._shm = procfs.ShmReader(settings.shm_dir)
+        self._levels: list[tuple[str, float, Rule, bool]] = []
+        self._levels_of: list[Rule] | None = None
 
     # ------------------------------------------------------------------ reading
     def read_sample(self) -> Sample:
@@ -233,30 +235,41 @@ class Guard:
                     out.setdefault(name, []).append(r.name)
         return out
 
+    def _near_levels(self) -> list[tuple[str, float, Rule, bool]]:
+        """``[(attr, level, rule, is_floor)]``: each rule's floors then its watch levels, in rule order,
+        built again only when the engine's rule list is replaced (a compile, a demotion): the fast
+        check reads it every tick (issue 18)."""
+        rules = self.engine.rules
+        if self._levels_of is not rules:  # the list itself is kept, so its identity cannot be reused
+            levels: list[tuple[str, float, Rule, bool]] = []
+            for r in rules:
+                levels += [(attr, floor, r, True) for attr, floor in r.floors()]
+                levels += [(attr, level, r, False) for attr, level in r.watch_levels()]
+            self._levels, self._levels_of = levels, rules
+        return self._levels
+
     def fast_reason(self, sample: Sample) -> str | None:
         """Why the next sample should come at the fast interval, or ``None``.
 
         Fast when a stop rule's counter is above zero, when MemAvailable is within
         ``fast_margin`` of a floor, or falling faster than ``fast_fall_rate`` per second.
         """
+        states = self.states
         for r in self.rules:
-            if self.states.get(r.name, RuleState()).counter > 0:
+            st = states.get(r.name)
+            if st is not None and st.counter > 0:
                 return f"rule {r.name} counting"
         avail = sample.mem_available
         if avail is None:
             return None
         margin = self._fast_margin
-        for r in self.rules:
-            for attr, floor in r.floors():
-                v = getattr(sample, attr)
-                if v is not None and v - floor < margin:
-                    name = "usable" if attr == "mem_available_minus_cma" else attr
+        for attr, level, r, is_floor in self._near_levels():
+            v = getattr(sample, attr)
+            if v is not None and v - level < margin:
+                name = "usable" if attr == "mem_available_minus_cma" else attr
+                if is_floor:
                     return f"{name} within {self.settings.fast_margin} of {r.name}'s floor"
-            for attr, level in r.watch_levels():
-                v = getattr(sample, attr)
-                if v is not None and v - level < margin:
-                    name = "usable" if attr == "mem_available_minus_cma" else attr
-                    return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
+                return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
         s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)
