@@ -301,7 +301,8 @@ def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
 
 def test_sparkd_run_without_peers_imports_no_http_client(tmp_path: Path) -> None:
     """The cluster and httpx (with pygments, idna: ~4 MiB resident) are imported only where [cluster] has
-    peers (issue 18): a plain `sparkd run`, API on, after READY=1 and a few ticks."""
+    peers, and SQLAlchemy's ORM (~6 MiB) never (issue 18): a plain `sparkd run`, API on, after READY=1 and
+    a few ticks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -314,8 +315,8 @@ def test_sparkd_run_without_peers_imports_no_http_client(tmp_path: Path) -> None
 import os, signal, sys, threading, time, runpy
 def probe():
     time.sleep(4)
-    names = sorted(m for m in sys.modules if m.split(".")[0] in ("httpx", "pygments", "sparkd"))
-    open({str(out)!r}, "w").write(" ".join(names))
+    names = sorted(m for m in sys.modules if m.split(".")[0] in ("httpx", "pygments", "sparkd", "sqlalchemy"))
+    open({str(out)!r}, "w").write(" ".join(names) + f" frozen={{__import__('gc').get_freeze_count()}}")
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=probe, daemon=True).start()
 sys.argv = ["sparkd", "--config", {str(cfg)!r}, "run"]
@@ -325,4 +326,6 @@ runpy.run_module("sparkd.face.cli", run_name="__main__")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     mods = out.read_text().split()
     assert "sparkd.loop.daemon" in mods and "sparkd.face.app" in mods, (mods, r.stderr[-2000:])  # it ran
-    assert not [m for m in mods if m.startswith(("httpx", "pygments", "sparkd.loop.cluster"))], mods
+    assert not [m for m in mods if m.startswith(("httpx", "pygments", "sparkd.loop.cluster", "sqlalchemy.orm"))], mods
+    # start-up's objects are frozen out of the collector's passes once READY=1 is sent
+    assert int(mods[-1].removeprefix("frozen=")) > 10_000, mods[-1]
