@@ -156,7 +156,8 @@ def test_it_guards_when_the_database_header_is_corrupt_at_start(tmp_path: Path) 
         aside = list(state.glob("sparkd.db.corrupt-*"))
         assert [p.name for p in aside if not p.name.endswith(("-wal", "-shm"))], list(state.iterdir())
         assert st["database"]["state"] == "ok" and st["database"]["moved_aside"]
-        assert g.events("database_corrupt")
+        # the event was queued before the new file existed: the writer stores it at its next write
+        assert wait_for(lambda: g.events("database_corrupt"), 10.0, 0.2)
         g.stop_during(t0)
         g.assert_sampling(t0)
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 5, 20.0)
