@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,100 @@ def test_the_daemon_submits_a_changed_snapshot_urgent_and_the_quiet_refresh_gath
     assert got == [("normal", True), ("fast", True), ("fast", False)], got
 
 
+def test_under_pressure_the_gathering_is_one_second_and_ends_early_when_pressure_begins(tmp_path: Path) -> None:
+    """The daemon sets ``Writer.pressure`` while it samples fast: a batch is gathered at most
+    PRESSURE_WRITE_EVERY_S (1 s), and a 5 s gathering under way when the pressure begins ends 1 s
+    after it began; back to 5 s once the pressure ends."""
+    from sparkd.store.store import PRESSURE_WRITE_EVERY_S
+
+    db = tmp_path / "p.db"
+    store = Store.open(db)
+
+    def count() -> int:
+        import sqlite3
+
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            return int(con.execute("SELECT count(*) FROM samples").fetchone()[0])
+        finally:
+            con.close()
+
+    async def first_write_after(w: Writer, start: float, *, pressure_at: float | None = None) -> float:
+        """Submit a sample every 0.1 s (a fast guard's ticks) from ``start``; seconds until the first is stored."""
+        t0, ts, before = time.monotonic(), start, await asyncio.to_thread(count)
+        while time.monotonic() - t0 < 8:
+            if pressure_at is not None and time.monotonic() - t0 >= pressure_at:
+                w.set_pressure(True)
+                pressure_at = None
+            w.submit("sample", _row(ts, 1))
+            ts += 0.1
+            await asyncio.sleep(0.1)
+            if await asyncio.to_thread(count) > before:
+                return time.monotonic() - t0
+        return float("inf")
+
+    async def go() -> tuple[float, float, float]:
+        w = Writer(store, write_every_s=5.0)
+        task = asyncio.create_task(w.run())
+        w.set_pressure(True)
+        under = await first_write_after(w, 100.0)
+        w.set_pressure(False)
+        await asyncio.sleep(0.5)
+        quiet = await first_write_after(w, 200.0)
+        await asyncio.sleep(0.5)
+        began = await first_write_after(w, 300.0, pressure_at=0.5)  # a 5 s gathering, pressure 0.5 s in
+        task.cancel()
+        return under, quiet, began
+
+    under, quiet, began = asyncio.run(go())
+    assert PRESSURE_WRITE_EVERY_S <= under < PRESSURE_WRITE_EVERY_S + 0.8, under
+    assert 4.9 <= quiet < 6.0, quiet
+    assert PRESSURE_WRITE_EVERY_S <= began < PRESSURE_WRITE_EVERY_S + 0.8, began
+
+
+def _wal_syncs(tmp_path: Path, db: Path, *, durable: bool) -> list[str]:
+    """The fsync/fdatasync calls on ``db``'s WAL (strace) while another process writes its second batch
+    (the first starts a WAL, whose header SQLite syncs either way; a marker system call between them)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import need
+
+    need(shutil.which("strace") is not None, "strace is not installed (scripts/setup-test-env installs it)")
+    out = tmp_path / f"strace-{durable}.txt"
+    marker = f"/sparkd-test-marker-{os.getpid()}"
+    code = (
+        "import os; from sparkd.store.store import Store\n"
+        f"s = Store.open({str(db)!r})\n"
+        f"s.write_batch([('sample', {{'ts': {10.0 + 2 * durable}, 'mem_available': 1024}})])\n"
+        f"os.access({marker!r}, os.F_OK)\n"
+        f"s.write_batch([('sample', {{'ts': {11.0 + 2 * durable}, 'mem_available': 1024}})], durable={durable})\n"
+        "os._exit(0)  # no close: closing the last connection checkpoints the WAL, which syncs anyway\n"
+    )
+    trace = "trace=fsync,fdatasync,access,faccessat,faccessat2"
+    cmd = ["strace", "-f", "-qq", "-y", "-e", trace, "-o", str(out), sys.executable, "-c", code]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = out.read_text().splitlines()
+    at = [i for i, line in enumerate(lines) if marker in line]
+    assert at, lines[-20:]
+    return [line for line in lines[at[-1] :] if f"{db.name}-wal" in line and "sync" in line]
+
+
+def test_a_durable_write_syncs_the_wal_at_its_commit_and_a_normal_one_does_not(tmp_path: Path) -> None:
+    """``write_batch(durable=True)`` (the writer under pressure) reaches the disk at its commit:
+    SQLite fsyncs the WAL (seen with strace, the real system calls). A normal write leaves the WAL to
+    the checkpoint and the kernel's write-back, as before (no sync per write: the idle cost)."""
+    db = tmp_path / "d.db"
+    Store.open(db).close()  # created and migrated here: the traced processes only write
+    normal = _wal_syncs(tmp_path, db, durable=False)
+    durable = _wal_syncs(tmp_path, db, durable=True)
+    assert normal == [], normal
+    assert durable, "no fsync/fdatasync of the WAL for a durable write"
+    assert Store.open(db).count_samples() == 4  # every write is in the database
+
+
 def test_the_parsed_head_is_alembics_head_and_a_current_database_opens_without_alembic(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -381,7 +476,7 @@ def test_a_batch_in_flight_when_shutdown_cancels_the_writer_is_written_once() ->
             self.rows: list[tuple[str, object]] = []
             self.started = threading.Event()
 
-        def write_batch(self, batch: list[tuple[str, object]]) -> None:
+        def write_batch(self, batch: list[tuple[str, object]], *, durable: bool = False) -> None:
             self.started.set()
             time.sleep(0.3)
             self.rows.extend(batch)

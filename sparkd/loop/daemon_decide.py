@@ -188,6 +188,8 @@ def update_mode(daemon: Daemon, result: TickResult | None) -> None:
         if daemon.mode != "fast":
             if daemon.consumers is not None:
                 daemon.consumers.wake()  # its next scan is due at the fast cadence: look now
+            if daemon.writer is not None:  # samples reach the disk within ~1 s, synced (a freeze may follow)
+                daemon.writer.set_pressure(True)
             daemon.event(
                 "sampling_fast",
                 f"sampling every {daemon.settings.fast_interval_s:g} s: {reason}",
@@ -196,6 +198,8 @@ def update_mode(daemon: Daemon, result: TickResult | None) -> None:
         daemon.mode, daemon.mode_reason = "fast", reason
     elif daemon.mode == "fast" and now >= daemon._fast_until:
         daemon.mode, daemon.mode_reason = "normal", None
+        if daemon.writer is not None:
+            daemon.writer.set_pressure(False)
         daemon.event("sampling_normal", f"sampling every {daemon.settings.interval_s:g} s again")
 
 

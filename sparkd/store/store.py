@@ -91,6 +91,9 @@ _UPSERT_STATUS = (
     "ON CONFLICT (id) DO UPDATE SET ts = excluded.ts, data = excluded.data"
 )
 
+_SYNC_FULL = "PRAGMA synchronous=FULL"
+_SYNC_NORMAL = "PRAGMA synchronous=NORMAL"
+
 CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
 
 
@@ -203,7 +206,7 @@ class Store:
         self.engine.dispose()
 
     # ------------------------------------------------------------------ writes
-    def write_batch(self, items: list[tuple[str, Any]]) -> None:
+    def write_batch(self, items: list[tuple[str, Any]], *, durable: bool = False) -> None:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
         ``gpu`` (row dict), ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
@@ -214,6 +217,13 @@ class Store:
         building and compiling SQLAlchemy statements per batch was half of the idle
         daemon's CPU (py-spy, issue 18). The rare kinds keep SQLAlchemy Core.
         Thread-safe (a lock): the writer thread and ``save_launch`` may call it at once.
+
+        ``durable``: the commit reaches the disk before this returns (``PRAGMA synchronous=FULL``: SQLite
+        syncs the WAL at the commit), so it survives a power cut, not only a crash of sparkd. Otherwise
+        ``synchronous=NORMAL``: WAL commits are synced at checkpoints, and the kernel writes them back
+        within its dirty-page expiry (``vm.dirty_expire_centisecs``, 30 s by default) — a host that
+        freezes and is power-cycled can lose that much. The writer asks for it under pressure
+        (``Writer.pressure``): the samples just before a freeze are the ones a postmortem needs.
 
         Raises:
             sqlalchemy.exc.SQLAlchemyError, sqlite3.Error: the database refused the batch
@@ -228,6 +238,9 @@ class Store:
         with self._write_lock, self.engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
             try:
+                # per connection, and before the first statement opens the transaction (pysqlite begins
+                # at the first INSERT): set either way, as the pool may hand out a connection set before
+                cur.execute(_SYNC_FULL if durable else _SYNC_NORMAL)
                 if samples:
                     cur.executemany(_INSERT_SAMPLE, samples)
                 if gpu:
@@ -612,7 +625,14 @@ WRITE_EVERY_S = 5.0
 before it writes them in one transaction: a sample reaches the database at most this long
 (plus the write itself) after the guard took it, and a ``kill -9`` loses at most this much
 history. Any other item (an event, a launch, the end of a run) is written at once with what
-was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18)."""
+was gathered. One commit per second cost more than the guard's tick (py-spy, issue 18).
+Under pressure (the daemon samples fast) the gathering is ``PRESSURE_WRITE_EVERY_S`` and each
+write is synced to the disk."""
+
+PRESSURE_WRITE_EVERY_S = 1.0
+"""Under pressure (``Writer.pressure``: the daemon samples fast) the writer gathers at most this long,
+and each write is durable (``Store.write_batch(durable=True)``): a ``kill -9`` or a power cut after a
+freeze loses at most ~1 s of the samples that led to it. ``WRITE_EVERY_S`` again once the host is quiet."""
 
 DUE_SLACK_S = 0.1  # a submit this close before the due time ends the gathering (ticks jitter)
 FALLBACK_S = 1.5  # with no submit, the gathering ends this long after it was due
@@ -631,7 +651,8 @@ class Writer:
 
     ``submit`` never blocks and never raises: when the queue is full the item is
     dropped and that is logged once until the queue drains again. Samples are
-    gathered for up to ``write_every_s`` (``WRITE_EVERY_S``) before a write; other
+    gathered for up to ``write_every_s`` (``WRITE_EVERY_S``) before a write, under
+    ``pressure`` for up to ``PRESSURE_WRITE_EVERY_S`` and written durably; other
     kinds are written at once.
 
     Wake-ups (issue 18: on an idle host each wake-up of the process costs more than the work it
@@ -669,6 +690,9 @@ class Writer:
         self._retry = threading.Event()  # set by ``attach``: the thread retries a refused batch at once
         self._gather_fut: asyncio.Future[None] | None = None
         self._due = 0.0  # monotonic time the gathering ends
+        self._gather_started = 0.0  # monotonic time the gathering began
+        # set by the daemon while it samples fast: gather PRESSURE_WRITE_EVERY_S, write durably
+        self.pressure = False
         # the batch handed to the thread and not yet written (it retries it with back-off), and the
         # loop's future woken when the thread is done with it (only while the loop waits for that)
         self._inflight: list[tuple[str, Any]] | None = None
@@ -697,6 +721,14 @@ class Writer:
         self.lost = None
         if store is not None:
             self._retry.set()
+
+    def set_pressure(self, on: bool) -> None:
+        """Under pressure (the daemon samples fast) or not: see ``PRESSURE_WRITE_EVERY_S``. Turned on
+        during a gathering, that gathering ends ``PRESSURE_WRITE_EVERY_S`` after it began (at once if
+        longer ago: the next submit ends it)."""
+        self.pressure = on
+        if on:
+            self._due = min(self._due, self._gather_started + PRESSURE_WRITE_EVERY_S)
 
     def submit(self, kind: str, payload: Any, *, urgent: bool = False) -> bool:
         """Queue one record (never blocks, never raises; False when the queue is full and it was dropped).
@@ -748,7 +780,7 @@ class Writer:
         if store is None:
             return False
         try:
-            store.write_batch(batch)
+            store.write_batch(batch, durable=self.pressure)
         except Exception as e:
             if is_permanent(e):
                 return self._write_each(store, batch)
@@ -773,7 +805,7 @@ class Writer:
 
         for i, item in enumerate(batch):
             try:
-                store.write_batch([item])
+                store.write_batch([item], durable=self.pressure)
             except Exception as e:
                 if not is_permanent(e):
                     self.failures += 1
@@ -911,7 +943,9 @@ class Writer:
         loop = self._loop or asyncio.get_running_loop()  # run() keeps it (get_running_loop costs a getpid())
         fut: asyncio.Future[None] = loop.create_future()
         self._gather_fut = fut
-        self._due = time.monotonic() + self.write_every_s
+        every_s = min(self.write_every_s, PRESSURE_WRITE_EVERY_S) if self.pressure else self.write_every_s
+        self._gather_started = time.monotonic()
+        self._due = self._gather_started + every_s
         handle = loop.call_later(self.write_every_s + FALLBACK_S, _done, fut)
         try:
             await fut
