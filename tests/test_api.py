@@ -752,6 +752,36 @@ async def test_it_says_monitor_only_clearly(daemon: Daemon) -> None:
     assert 'id="part-budget"' in page and "hidden" in page.split('id="part-budget"')[1].split(">")[0]
 
 
+async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp_path: Path) -> None:
+    """A warn-only rule set (monitor-only), or every stop rule demoted to warn: after the first sample the
+    headline, badge and tab title say the model is not guarded and why ("Waiting for the first sample"
+    and "unknown" told an operator the guard was only starting)."""
+    rule = {"name": "watch_only", "when": ["usable < 6GiB"], "samples": 5, "action": "warn"}
+    d = await _daemon(tmp_path, monitor_only=True, rules=[rule])
+    try:
+        async with _client(d) as c:
+            page = (await c.get("/")).text
+            live = (await c.get("/ui/live.json", params={"ev": 0})).json()
+        assert "No stop rule is armed: the model is not guarded" in page and "Waiting for the first" not in page
+        assert "every rule only warns (watch_only)" in page
+        assert (live["level"], live["label"], live["title"]) == ("warn", "not guarded", "sparkd · not guarded")
+    finally:
+        await d.shutdown("test")
+    d = await _daemon(tmp_path / "demoted")
+    try:
+        assert d.guard is not None
+        for r in list(d.guard.rules):
+            if r.action == "stop":
+                d.guard.engine.demote(r.name, "a test demoted it")
+        async with _client(d) as c:
+            page = (await c.get("/")).text
+            summary = (await c.get("/ui/summary.json")).json()["summary"]
+        assert "No stop rule is armed" in page and "demoted to warn: low_available (a test demoted it)" in page
+        assert summary["level"] == "warn"
+    finally:
+        await d.shutdown("test")
+
+
 @pytest.mark.parametrize("part", ["summary", "rules", "container", "budget", "events", "launches", "archives"])
 async def test_it_serves_each_part_with_a_json_twin(managed: Daemon, part: str) -> None:
     async with _client(managed) as c:

@@ -104,12 +104,35 @@ def _floors(status: Status, attr: str, action: RuleAction = "stop") -> list[floa
     return out
 
 
+def unarmed(rules: list[dict[str, Any]]) -> str | None:
+    """Why no rule would stop the model, or None when one would (``rules``: ``/api/status``'s, dicts).
+
+    Every rule warns only: configured so (a warn-only rule set, monitor-only) or demoted by the loop
+    guard (``demoted``). The page must then say the host is not guarded, never "waiting" or "ok"."""
+    if not rules or any(r.get("action") == "stop" for r in rules):
+        return None
+    demoted = [f"{r['name']} ({r['demoted']})" for r in rules if r.get("demoted")]
+    if demoted:
+        return "demoted to warn: " + "; ".join(demoted)
+    return "every rule only warns (" + ", ".join(str(r.get("name")) for r in rules) + ")"
+
+
+def _page_level(nearest_level: str | None, has_sample: bool, unarmed_why: str | None) -> str:
+    """The page's one level: the nearest stop line's (core.headroom), never an arming threshold;
+    ``warn`` when a sample came but no rule would stop (``unarmed``); ``unknown`` before a sample."""
+    if nearest_level is not None:
+        return nearest_level
+    if has_sample and unarmed_why is not None:
+        return "warn"
+    return "unknown"
+
+
 def summary_from_status(status: Status) -> dict[str, Any]:
-    """Memory now (bytes and GiB), sampling mode and the nearest stop's level (``unknown`` before a sample)."""
+    """Memory now (bytes and GiB), sampling mode and the page's level (``_page_level``)."""
     s = status.sample
     avail = s.mem_available if s else None
-    # one level for the page: the nearest stop line's (core.headroom), never an arming threshold
-    level = status.nearest_stop.level if status.nearest_stop else "unknown"
+    why = unarmed([r.model_dump() for r in status.rules])
+    level = _page_level(status.nearest_stop.level if status.nearest_stop else None, s is not None, why)
     row = s.model_dump() if s else {}
     rows = [{"key": k, "label": label, "bytes": row.get(k), "gib": gib(row.get(k))} for k, label in MEMORY_ROWS.items()]
     total = s.mem_total if s else None
@@ -262,15 +285,18 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
 
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
     nearest stop's level (``core.headroom``), raised to ``warn`` when the container failed or exited;
-    ``unknown`` before the first sample.
+    ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before the first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
     c = status.get("container") or {}
-    level = ns["level"] if ns else "unknown"
+    why = unarmed(status.get("rules") or [])
+    level = _page_level(ns["level"] if ns else None, bool(s), why)
     label = level
     if stopped is not None:
         level, label = "critical", "stopped by the guard"
+    elif ns is None and s and why is not None:
+        label = "not guarded"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
     return {
@@ -284,6 +310,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         "interval_s": status.get("interval_s"),
         "stopped": stopped is not None,
         "monitor_only": c.get("mode") == "monitor-only",
+        "has_sample": bool(s),
+        "unarmed": why,
     }
 
 
