@@ -135,10 +135,16 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> N
     shares = await daemon.consumers.at_trip() if daemon.consumers else None
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
         d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
+    # the loop guard's verdict first: a trip it demotes stops nothing, and its event must say so
+    rule = daemon.guard.rule(d.rule) if daemon.guard and d.action == "stop" else None
+    verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
+    reason = d.reason
+    if verdict is not None:
+        reason = f"{d.reason}. NOT stopped: {d.rule} is demoted to warn (see the watermark event)"
     daemon.event(
         "trip",
-        d.reason,
-        severity="critical" if d.action == "stop" else "warning",
+        reason,
+        severity="critical" if d.action == "stop" and verdict is None else "warning",
         details={
             "rule": d.rule,
             "action": d.action,
@@ -146,17 +152,15 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> N
             "sample_ts": sample.ts if sample is not None else None,
             **_jsonable(d.values),
             **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
+            **({"demoted": verdict.reason} if verdict is not None else {}),
         },
     )
     if d.action != "stop":
         return
-    rule = daemon.guard.rule(d.rule) if daemon.guard else None
-    if daemon.guard and rule is not None:
-        verdict = daemon.loop_guard.record_trip(rule, time.time())
-        if verdict is not None:
-            daemon.guard.engine.demote(verdict.rule, verdict.reason)
-            daemon.event("watermark", verdict.reason, severity="warning", details=verdict.details())
-            return
+    if verdict is not None and daemon.guard is not None:
+        daemon.guard.engine.demote(verdict.rule, verdict.reason)
+        daemon.event("watermark", verdict.reason, severity="warning", details=verdict.details())
+        return
     if daemon.settings.dry_run:
         daemon.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
         return
