@@ -83,6 +83,68 @@ def test_losing_and_regaining_memavailable_is_one_event_each(tmp_path: Path) -> 
     assert f"rule low_available {WHY}" in evs[0][2]
 
 
+def test_meminfo_failing_mid_run_makes_every_rule_blind_loudly_and_the_recovery_is_said(tmp_path: Path) -> None:
+    """/proc/meminfo that cannot be read any more (an lxcfs or FUSE /proc that died: ENOTCONN) while
+    the main loop runs: a critical ``sensor_blind`` naming every rule, the rules shown blind (never a
+    quiet 0/N), the status snapshot refreshed so `sparkd status` still sees sparkd alive; then
+    ``sensors_restored``. The kernel records of the failed ticks are handed on with the next sample.
+    (It was one log line: the status kept showing the last sample and nothing blind.)"""
+    import errno
+
+    from sparkd.sense.kernlog import KernRecord
+
+    proc = _proc(tmp_path)
+    settings = _settings(tmp_path, proc, interval_s=0.1, fast_interval_s=0.1)
+
+    async def go() -> tuple[list[tuple[str, str, str]], Any, int, list[Any]]:
+        d = Daemon(settings)
+        await d.startup()
+        assert d.guard is not None and d.writer is not None
+        reader = d.guard.proc
+        real = reader._meminfo_bytes
+        failing = [False]
+
+        def read() -> bytes:
+            if failing[0]:
+                raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+            return real()
+
+        reader._meminfo_bytes = read  # type: ignore[method-assign]
+        held: list[Any] = []
+        record = d._record_kernel
+        d._record_kernel = lambda rec, sample: (held.append(rec), record(rec, sample))  # type: ignore[method-assign]
+        task = asyncio.create_task(d.main_loop())
+        await asyncio.sleep(0.5)
+        submitted: list[Any] = []
+        submit = d.writer.submit
+        d.writer.submit = lambda k, p, urgent=False: (submitted.append((k, urgent)), submit(k, p, urgent=urgent))[1]  # type: ignore[method-assign]
+        failing[0] = True
+        rec = KernRecord(kind="nvrm_no_memory", message="m", raw="NVRM: ... NV_ERR_NO_MEMORY")
+        d.guard._held_kernel = [rec]  # as if polled on a tick whose read failed
+        await asyncio.sleep(1.0)
+        blind = d.status_json()
+        taken = d.samples_taken
+        failing[0] = False
+        await asyncio.sleep(0.5)
+        evs = [(e["kind"], e["severity"], e["message"]) for e in reversed(d.recent_events)]
+        d.request_exit()
+        await task
+        await d.shutdown("test")
+        statuses = [u for k, u in submitted if k == "status"]
+        return [e for e in evs if e[0] in ("sensor_blind", "sensors_restored")], blind, taken, [held, statuses]
+
+    evs, blind, taken, (held, statuses) = asyncio.run(go())
+    assert [(k, s) for k, s, _ in evs] == [("sensor_blind", "critical"), ("sensors_restored", "info")], evs
+    why = f"cannot read {proc}/meminfo: Transport endpoint is not connected"
+    assert why in evs[0][2] and "rule low_available cannot evaluate" in evs[0][2]
+    assert set(blind.blind.rules) == {"low_available", "low_free_with_evidence", "collapse_projected"}
+    assert all(r.blind == f"cannot evaluate: {why}" for r in blind.rules)
+    assert blind.blind.sensors["MemAvailable"].startswith(why)
+    assert statuses and statuses[0] is True  # the blind status is written at once
+    assert [r.kind for r in held] == ["nvrm_no_memory"]  # recorded with the first sample after the failure
+    assert taken > 0
+
+
 def test_a_rule_on_psi_without_psi_names_the_input_and_the_rule(tmp_path: Path) -> None:
     proc = _proc(tmp_path)  # no pressure/memory in this tree
     rules = [{"name": "psi_high", "when": ["psi_full_avg10 > 20"], "samples": 2}]

@@ -568,6 +568,8 @@ class Daemon:
         try:
             self._test_stall()
             result = self._tick_once()
+            if result is None:  # /proc/meminfo could not be read: blind, and said so (event, status)
+                _daemon_decide.handle_blind_tick(self)
             acting = _daemon_decide.handle_sync(self, result) if result is not None else []
             if acting:
                 assert result is not None

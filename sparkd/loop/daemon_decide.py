@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
+STATUS_BLIND_S = 5.0  # while no sample can be read (``Guard.read_error``): `sparkd status` judges liveness by it
 STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 5 s)
 
 
@@ -71,9 +72,25 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
     daemon._check_blind()
     if daemon.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
         daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
-    now = daemon.mono()
     for start, count in daemon.guard.nvrm.closed_windows(daemon.guard.mono()) if daemon.guard else []:
         daemon.writer.submit("nvrm_window", (start, daemon.settings.nvrm_window_s, count))
+    _refresh_status(daemon)
+    return acting
+
+
+def handle_blind_tick(daemon: Daemon) -> None:
+    """A tick that could not read /proc/meminfo (``Guard.read_error``): every rule is blind. The
+    ``sensor_blind`` event (critical) and the status snapshot say so at once; ``sensors_restored``
+    follows the first read that succeeds."""
+    daemon._check_blind()
+    _refresh_status(daemon)
+
+
+def _refresh_status(daemon: Daemon) -> None:
+    """The status snapshot `sparkd status` reads: at once when something changed, else every
+    ``STATUS_QUIET_S``."""
+    assert daemon.writer is not None
+    now = daemon.mono()
     since = now - daemon._last_status
     if since >= STATUS_EVERY_S:
         g = daemon.guard
@@ -84,12 +101,13 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
             id(daemon.recent_events[0]) if daemon.recent_events else None,
         )
         changed = key != daemon._status_key
-        if changed or since >= STATUS_QUIET_S:
+        # while /proc/meminfo cannot be read no sample is written: the snapshot is what shows sparkd alive
+        blind = g is not None and g.read_error is not None
+        if changed or since >= (STATUS_BLIND_S if blind else STATUS_QUIET_S):
             daemon._status_key, daemon._last_status = key, now
             # a change is written at once (`sparkd status` reads it within a second), the quiet refresh gathered
-            daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"), urgent=changed)
+            daemon.writer.submit("status", daemon.status_json().model_dump(mode="json"), urgent=changed or blind)
             daemon.notifier.notify(f"STATUS={daemon.summary_line()}")
-    return acting
 
 
 def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:

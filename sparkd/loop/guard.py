@@ -24,6 +24,8 @@ from sparkd.units import fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.guard")
 
+HELD_KERNEL_MAX = 1000  # kernel records kept across ticks whose /proc/meminfo read failed
+
 
 # sample attribute -> the input that feeds it (for "which rule is blind because of what")
 _SENSOR_OF = {
@@ -80,6 +82,9 @@ class Guard:
         self._bad_lines_logged: set[str] = set()
         self._psi_missing_logged = False
         self.last: Sample | None = None
+        # why the last tick could not read /proc/meminfo (every rule is blind then), else None
+        self.read_error: str | None = None
+        self._held_kernel: list[KernRecord] = []  # records polled on a tick whose read failed
         self.nvrm_lines_total = 0
         self.psi_missing: str | None = None
         self.shm_missing: str | None = None
@@ -173,10 +178,25 @@ class Guard:
         return self.engine.step(sample)
 
     def tick(self) -> TickResult:
-        """One guard step: kernel log, sample, rules. Never touches the database."""
+        """One guard step: kernel log, sample, rules. Never touches the database.
+
+        Raises:
+            OSError: /proc/meminfo could not be read. ``read_error`` says why and every rule is marked
+                blind (``RuleState.blind``) until a read succeeds; the kernel records polled on this
+                tick are handed out with the next sample (at most ``HELD_KERNEL_MAX``).
+        """
         self._burst = None
-        kernel = self.poll_kernel()
-        sample = self.read_sample()
+        kernel = self._held_kernel + self.poll_kernel()
+        self._held_kernel = []
+        try:
+            sample = self.read_sample()
+        except OSError as e:
+            self._held_kernel = kernel[-HELD_KERNEL_MAX:]
+            self.read_error = f"cannot read {self.settings.proc_root}/meminfo: {e.strerror or e}"
+            for st in self.engine.states.values():
+                st.blind = f"cannot evaluate: {self.read_error}"
+            raise
+        self.read_error = None
         decisions = self.evaluate(sample)
         self.last = sample
         return TickResult(sample, decisions, kernel, nvrm_burst=self._burst)
@@ -192,6 +212,8 @@ class Guard:
         """``{input: why}`` for each input a rule may need that could not be read on the last tick:
         MemAvailable, MemFree (absent from meminfo), PSI, /dev/shm, the kernel log."""
         out: dict[str, str] = {}
+        if self.read_error is not None:  # nothing was read: every memory figure is missing
+            return {"MemAvailable": self.read_error, "MemFree": self.read_error}
         last = self.last
         if last is not None:
             for name, attr in (("MemAvailable", "mem_available"), ("MemFree", "mem_free")):
@@ -214,6 +236,7 @@ class Guard:
         last = self.last
         src = self.kern_source
         return (
+            self.read_error,
             last is None or last.mem_available is None,
             last is None or last.mem_free is None,
             self.psi_missing,
