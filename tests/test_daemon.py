@@ -329,3 +329,71 @@ runpy.run_module("sparkd.face.cli", run_name="__main__")
     assert not [m for m in mods if m.startswith(("httpx", "pygments", "sparkd.loop.cluster", "sqlalchemy.orm"))], mods
     # start-up's objects are frozen out of the collector's passes once READY=1 is sent
     assert int(mods[-1].removeprefix("frozen=")) > 10_000, mods[-1]
+
+
+def test_a_guard_that_fails_is_a_critical_crash_never_a_clean_stop_by_signal(tmp_path: Path) -> None:
+    """An exception in a tick ends the daemon (systemd restarts it) and says so: a critical
+    ``daemon_crashed`` event with the error and where it was raised, the run's exit reason and the
+    ``daemon_stopped`` event name the crash, the traceback is in sparkd.log, and the last status
+    snapshot says "not running" (it read "signal" at info level, and `sparkd status` "running")."""
+    import asyncio
+
+    import pytest
+
+    from sparkd.config import load_settings
+    from sparkd.logsetup import setup_logging
+    from sparkd.loop.daemon import Daemon
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "kernlog_source": "off",
+            "interval_s": 0.1,
+            "fast_interval_s": 0.1,
+            "api": {"enabled": False},
+        }
+    )
+    import logging
+
+    logger = logging.getLogger("sparkd")
+    saved = (logger.handlers[:], logger.propagate, logger.level)
+    setup_logging(settings.logs_path)  # what `sparkd run` does: the log file the traceback must reach
+    d = Daemon(settings, serve_api=False)
+    ticks = itertools.count()
+
+    async def go() -> None:
+        await d.startup()
+        assert d.guard is not None
+        real = d.guard.tick
+
+        def tick() -> Any:
+            if next(ticks) >= 3:
+                raise RuntimeError("boom in the guard")
+            return real()
+
+        d.guard.tick = tick  # type: ignore[method-assign]
+        d.startup = _noop  # type: ignore[method-assign]  # serve() runs startup: done above, with the fault in place
+        await d.serve()
+
+    try:
+        with pytest.raises(RuntimeError, match="boom in the guard"):
+            asyncio.run(go())
+    finally:
+        for h in logger.handlers:
+            h.close()
+        logger.handlers[:], logger.propagate = saved[0], saved[1]
+        logger.setLevel(saved[2])
+    db = settings.db_file
+    crashed = db_query(db, "SELECT severity, message, details FROM events WHERE kind='daemon_crashed'")
+    assert crashed and crashed[0][0] == "critical" and "RuntimeError: boom in the guard" in crashed[0][1]
+    assert "test_daemon.py" in json.loads(crashed[0][2])["where"]
+    stopped = db_query(db, "SELECT message FROM events WHERE kind='daemon_stopped'")
+    assert stopped == [("sparkd stopping (crash: RuntimeError: boom in the guard)",)], stopped
+    assert db_query(db, "SELECT exit_reason FROM daemon_runs")[-1][0] == "crash: RuntimeError: boom in the guard"
+    assert json.loads(db_query(db, "SELECT data FROM status")[0][0])["running"] is False
+    log_text = "".join(p.read_text() for p in settings.logs_path.glob("*.log*"))
+    assert "Traceback" in log_text and "RuntimeError: boom in the guard" in log_text
+
+
+async def _noop() -> None:
+    return None

@@ -113,6 +113,15 @@ def test_the_named_fields_path_reads_what_the_full_parse_reads(tmp_path: Path, p
         # a garbled line: the tolerant parse, which reports it
         (tmp_path / "meminfo").write_text(text.replace("MemFree:", "MemFree", 1))
         assert r.named_meminfo().bad_lines
+        # a garbled value in the learned layout (same tokens, one not a number): reported, never raised
+        # (a ValueError here ended the daemon)
+        (tmp_path / "meminfo").write_text(text)
+        r.named_meminfo()  # learn the layout again
+        assert r._layout is not None
+        (tmp_path / "meminfo").write_text(re.sub(r"(MemFree: +)\d+", r"\g<1>12x4", text))
+        res = r.named_meminfo()
+        assert any("12x4" in line for line in res.bad_lines) and "MemFree" not in res.fields
+        assert res.fields["MemTotal"] == named(text)["MemTotal"]
     finally:
         r.close()
 

@@ -109,6 +109,17 @@ def make_actions(settings: Settings) -> Actions:
     return Supervisor(settings)
 
 
+def _where(e: BaseException) -> str:
+    """``file:line in function`` of the innermost frame of ``e``'s traceback (for the crash event)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+
+
 class MonitorOnly:
     """No container to act on: a stop decision is recorded, nothing else happens."""
 
@@ -615,6 +626,7 @@ class Daemon:
             fut.set_result(None)
 
     async def shutdown(self, reason: str = "signal") -> None:
+        self.should_exit.set()  # the last snapshot says "not running", whatever ended the loop
         self.notifier.notify("STOPPING=1")
         await self.actions.close()
         if self.api_server is not None:
@@ -667,5 +679,16 @@ class Daemon:
         await self.startup()
         try:
             await self.main_loop()
+        except Exception as e:  # the guard itself failed: say so loudly, never as a clean stop by a signal
+            err = f"{type(e).__name__}: {_one_line(e)}"
+            reason["why"] = f"crash: {err}"
+            log.critical("the guard loop failed, sparkd stops (systemd restarts it): %s", err, exc_info=True)
+            self.event(
+                "daemon_crashed",
+                f"the guard failed and sparkd stops: {err}; nothing is guarded until it is started again",
+                severity="critical",
+                details={"error": err, "where": _where(e)},
+            )
+            raise
         finally:
             await self.shutdown(reason["why"])

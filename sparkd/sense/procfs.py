@@ -257,7 +257,10 @@ class ProcReader:
         toks = data.split()
         lay = self._layout
         if lay is not None and len(toks) == lay[0] and [toks[i] for i, _n, _m in lay[2]] == lay[1]:
-            return MeminfoResult({name: int(toks[i + 1]) * mult for i, name, mult in lay[2]})
+            try:
+                return MeminfoResult({name: int(toks[i + 1]) * mult for i, name, mult in lay[2]})
+            except ValueError:  # a garbled value in the known layout: the full parse names the bad line
+                pass
         res = parse_meminfo(data.decode("ascii", "replace"))
         self._layout = None if res.bad_lines else self._learn(toks, res)
         return res
