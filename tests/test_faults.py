@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from conftest import need
 from sparkdproc import db_query, free_port, sparkd_run, wait_for
 
@@ -247,6 +248,45 @@ def test_it_guards_while_another_process_holds_the_write_lock_at_start(tmp_path:
             assert db_query(db, "SELECT count(*) FROM samples WHERE ts BETWEEN ? AND ?", (t0 + 1, t1))[0][0] > 3
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("fault", ["write lock", "disk full"])
+def test_writes_failing_while_running_are_said_and_recording_resumes(tmp_path: Path, fault: str) -> None:
+    """A write lock taken by another process, or the state directory filling up, while sparkd runs: after
+    store.FAILING_REPORT_S of failed writes the database reads unavailable (a critical event, /api/status)
+    and recording resumes once the fault passes, with what was sampled meanwhile (it read "ok" throughout,
+    with one log line, while the queue filled)."""
+    from sparkd.store.store import FAILING_REPORT_S
+
+    with contextlib.ExitStack() as stack:
+        state = (
+            stack.enter_context(small_tmpfs(tmp_path / "state", "8m")) if fault == "disk full" else tmp_path / "state"
+        )
+        db = state / "sparkd.db"
+        g = stack.enter_context(guarded(tmp_path, state))
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 25.0)
+        t0 = time.time()
+        if fault == "write lock":
+            holder = sqlite3.connect(db, timeout=0.1, isolation_level=None)
+            stack.callback(holder.close)
+            holder.execute("BEGIN EXCLUSIVE")
+            release = lambda: holder.execute("ROLLBACK")  # noqa: E731
+        else:
+            release = fill(state).unlink
+        down = wait_for(lambda: g.status()["database"]["state"] != "ok", FAILING_REPORT_S + 25.0, 0.5)
+        assert down, g.status()["database"]
+        st = g.status()["database"]
+        assert "writes failing" in (st["error"] or ""), st
+        ev = [e for e in g.events("database_unavailable") if "writes failing" in e["message"]]
+        assert ev and ev[0]["severity"] == "critical", g.events("database_unavailable")
+        g.assert_sampling(t0)  # the guard went on meanwhile
+        release()
+        t1 = time.time()
+        assert wait_for(lambda: g.status()["database"]["state"] == "ok", 30.0, 0.5), g.status()["database"]
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples WHERE ts > ?", (t1,))[0][0] > 2, 25.0)
+        # what was sampled while the writes failed waited in the queue and is recorded now
+        assert db_query(db, "SELECT count(*) FROM samples WHERE ts BETWEEN ? AND ?", (t0 + 2, t1 - 2))[0][0] > 5
+        assert wait_for(lambda: g.events("database_recovered"), 10.0, 0.5)
 
 
 # ---------------------------------------------------------------------------------------------- fault 2
@@ -714,3 +754,37 @@ def test_state_dir_is_0700_and_files_0600_whatever_the_umask(tmp_path: Path) -> 
             assert loose == {}, loose
     finally:
         os.umask(old)
+
+
+def test_records_dropped_by_a_full_writer_queue_are_a_critical_event_once_per_increase(tmp_path: Path) -> None:
+    """Writer.dropped (the queue full: records the rules saw, not recorded) reaches the event log, not
+    only a log line: one records_dropped event per increase, when the writer wakes the keeper."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "kernlog_source": "off",
+            "queue_max": 10,
+            "api": {"enabled": False},
+        }
+    )
+
+    async def go() -> list[dict[str, Any]]:
+        d = Daemon(settings, serve_api=False)
+        await d.startup()
+        assert d.writer is not None
+        for i in range(20):  # nobody drains the queue between these: 10 fit (startup left some)
+            d.writer.submit("sample", {"ts": 1000.0 + i, "mem_available": 1})
+        await asyncio.sleep(0.2)  # the keeper, woken by the writer, reports
+        await d._db_step()  # nothing new: no second event
+        evs = [e for e in d.recent_events if e["kind"] == "records_dropped"]
+        await d.shutdown("test")
+        return evs
+
+    evs = asyncio.run(go())
+    assert len(evs) == 1 and evs[0]["severity"] == "critical", evs
+    assert evs[0]["details"]["dropped"] >= 10 and "dropped after the rules saw them" in evs[0]["message"]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd import __version__
 from sparkd.config import effective_config
 from sparkd.store.keeper import is_corrupt
+from sparkd.store.store import FAILING_REPORT_S
 from sparkd.units import parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
@@ -106,15 +107,29 @@ async def db_step(daemon: Daemon) -> None:
             severity="warning",
             details={"kind": kind, "error": refusal},
         )
+    if w.dropped > daemon._drops_said:  # the queue was full: records the rules saw are not recorded
+        daemon.event(
+            "records_dropped",
+            f"the database writer's queue ({w.queue.maxsize}) is full: {w.dropped - daemon._drops_said} records "
+            f"dropped after the rules saw them ({w.dropped} since start; database: "
+            f"{w.last_error or daemon.db.error or 'slow'}); the guard goes on from memory",
+            severity="critical",
+            details={"dropped": w.dropped, "queue_max": w.queue.maxsize, "error": w.last_error},
+        )
+        daemon._drops_said = w.dropped
     if daemon.db.state == "ok":
+        failing_s = w.failing_for()
         why: str | None = w.fatal or w.lost  # the writer checks the file's inode after each write
+        if why is None and failing_s >= FAILING_REPORT_S:  # locked elsewhere, disk full: errors that pass
+            why = f"writes failing for {failing_s:.0f} s: {w.last_error}"
         if why is None:
             return
         lost = w.lost is not None
+        at_once = lost or w.fatal is not None  # recreate a deleted file, move a corrupt one aside; else back off
         safe_until = w.safe_until
         w.fatal, daemon.store = None, None
         w.attach(None)
-        daemon.db.lost(why, now)
+        daemon.db.lost(why, now, at_once=at_once)
         if lost:
             # what went into the unlinked file since the last write found in place is written again, from memory
             for row in [r for r in daemon.live_samples if r.ts > safe_until]:

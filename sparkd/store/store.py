@@ -634,6 +634,11 @@ PRESSURE_WRITE_EVERY_S = 1.0
 and each write is durable (``Store.write_batch(durable=True)``): a ``kill -9`` or a power cut after a
 freeze loses at most ~1 s of the samples that led to it. ``WRITE_EVERY_S`` again once the host is quiet."""
 
+FAILING_REPORT_S = 15.0
+"""Writes failing this long (a write lock held elsewhere, a full disk: errors that pass) make the
+keeper declare the database unavailable (``database_unavailable``, critical; ``database_recovered``
+after). Shorter episodes (a backup's lock, ``busy_timeout`` 2 s) are retried quietly."""
+
 DUE_SLACK_S = 0.1  # a submit this close before the due time ends the gathering (ticks jitter)
 FALLBACK_S = 1.5  # with no submit, the gathering ends this long after it was due
 
@@ -686,6 +691,7 @@ class Writer:
         self.refused = 0
         self.refusals: list[tuple[str, str]] = []
         self.last_error: str | None = None
+        self.failing_since: float | None = None  # monotonic time of the first failed write of this episode
         self.fatal: str | None = None
         self._retry = threading.Event()  # set by ``attach``: the thread retries a refused batch at once
         self._gather_fut: asyncio.Future[None] | None = None
@@ -753,6 +759,8 @@ class Writer:
                     self.queue.maxsize,
                 )
                 self._drop_logged = True
+                if self.on_trouble is not None:  # the keeper reports it (an event, not only a log line)
+                    self.on_trouble()
             return False
 
     def _take_batch(self, first: tuple[str, Any] | None = None) -> list[tuple[str, Any]]:
@@ -786,6 +794,8 @@ class Writer:
                 return self._write_each(store, batch)
             self.failures += 1
             self.last_error = _short(e)
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
             if is_corrupt(e):
                 self.fatal = self.last_error
             if not self._fail_logged:
@@ -819,7 +829,13 @@ class Writer:
         self._ok(0)
         return True
 
+    def failing_for(self) -> float:
+        """Seconds the writes have been failing (0.0 when the last one succeeded)."""
+        since = self.failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
     def _ok(self, n: int) -> None:
+        self.failing_since = None
         self.written += n
         if self._fail_logged:
             log.info("database writes recovered")
@@ -894,6 +910,8 @@ class Writer:
                 written = False
                 self.failures += 1
                 self.last_error = _short(e)
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
                 if not self._fail_logged:
                     log.error("database writer: %s; the batch is kept and tried again", self.last_error)
                     self._fail_logged = True
@@ -909,7 +927,8 @@ class Writer:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
                 if self._inflight is None and self._inflight_done is not None:  # the loop waits for us
                     loop.call_soon_threadsafe(self._done_inflight)
-                if (self.fatal or self.lost or self.refusals) and self.on_trouble is not None:
+                failing = self.store is not None and self.failing_for() >= FAILING_REPORT_S
+                if (self.fatal or self.lost or self.refusals or failing) and self.on_trouble is not None:
                     loop.call_soon_threadsafe(self.on_trouble)
 
     def _done_inflight(self) -> None:
