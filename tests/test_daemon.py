@@ -397,3 +397,38 @@ def test_a_guard_that_fails_is_a_critical_crash_never_a_clean_stop_by_signal(tmp
 
 async def _noop() -> None:
     return None
+
+
+def test_a_start_after_kill_9_says_the_last_run_ended_uncleanly_and_how_long_nothing_was_guarded(
+    tmp_path: Path,
+) -> None:
+    """A run that never recorded its end (kill -9 here; a power cut or a frozen host in the field): the
+    next start emits a critical ``unclean_exit`` with the unguarded time since the last stored sample,
+    and closes that run's row, so the next clean restart says nothing."""
+    import signal
+
+    db = tmp_path / "sparkd.db"
+    cfg = 'kernlog_source = "off"\ninterval_s = 0.2\nfast_interval_s = 0.2\n'
+    with sparkd_run(tmp_path, config=cfg) as p:
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 3, 30.0)
+        time.sleep(5.5)  # past one gathering: samples of this run are in the file
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        killed_at = time.time()
+    first_pid = db_query(db, "SELECT pid FROM daemon_runs ORDER BY id")[0][0]
+    time.sleep(2.0)
+    with sparkd_run(tmp_path, config=cfg):
+        rows = wait_for(
+            lambda: db_query(db, "SELECT severity, message, details FROM events WHERE kind='unclean_exit'"), 20
+        )
+        assert rows, "no unclean_exit event after a kill -9"
+        severity, message, details = rows[0]
+        d = json.loads(details)
+        assert severity == "critical" and f"pid {first_pid}" in message and "did not stop cleanly" in message
+        assert 2.0 <= d["unguarded_s"] <= time.time() - killed_at + 7.0, d  # from the last stored sample
+        run = db_query(db, "SELECT stopped_at, exit_reason FROM daemon_runs ORDER BY id")[0]
+        assert run[1] == "unclean" and run[0] == d["last_sample_ts"]
+    with sparkd_run(tmp_path, config=cfg):  # after a clean stop: nothing to say
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM daemon_runs")[0][0] >= 3, 20)
+        time.sleep(1.0)
+    assert len(db_query(db, "SELECT id FROM events WHERE kind='unclean_exit'")) == 1

@@ -198,6 +198,7 @@ class Daemon:
         self._db_opened = asyncio.Event()
         self._db_alarm = Alarm()  # the database keeper's sleep; the writer's on_trouble ends it
         self._drops_said = 0  # Writer.dropped already reported in a records_dropped event
+        self._unclean_checked = False  # the run before this process's first run row was checked (unclean_exit)
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face
         self.app_factory = app_factory

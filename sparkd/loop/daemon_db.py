@@ -8,6 +8,7 @@ start-up, the main loop and the shutdown in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -45,7 +46,35 @@ async def begin_run(daemon: Daemon) -> bool:
         daemon.store = daemon.writer.store = None
         daemon.db.lost(one_line(e), daemon.mono(), at_once=False)
         return False
+    if not daemon._unclean_checked:  # the first run row of this process: the one before is another process's
+        daemon._unclean_checked = True
+        with contextlib.suppress(Exception):  # a report about the past never holds up recording
+            await report_unclean_end(daemon, daemon.run_id)
     return True
+
+
+async def report_unclean_end(daemon: Daemon, run_id: int) -> None:
+    """The run before ``run_id`` never recorded its end (``kill -9``, a power cut, a frozen host): a
+    critical ``unclean_exit`` event with the time nobody guarded, from its last sample to this start;
+    that run's end is then set to its last sample (exit reason ``unclean``), so it is said once."""
+    store = daemon.store
+    assert store is not None
+    prev = await asyncio.to_thread(store.unclean_run, run_id)
+    if prev is None:
+        return
+    last = prev["last_sample_ts"]
+    end = last if last is not None else prev["started_at"]
+    gap_s = max(0.0, time.time() - end)
+    daemon.event(
+        "unclean_exit",
+        f"the previous sparkd (pid {prev['pid']}) did not stop cleanly (kill -9, a crash before its "
+        f"shutdown, a power cut or a frozen host): nothing was guarded for {gap_s:.0f} s, from its last "
+        f"sample at {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(end))} UTC to this start",
+        severity="critical",
+        details={"run_id": prev["id"], "pid": prev["pid"], "last_sample_ts": last, "unguarded_s": round(gap_s, 1)},
+    )
+    end_row = {"id": prev["id"], "stopped_at": end, "exit_reason": "unclean"}
+    await asyncio.to_thread(store.write_batch, [("run_end", end_row)])
 
 
 def db_down_event(daemon: Daemon) -> None:

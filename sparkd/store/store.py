@@ -457,6 +457,21 @@ class Store:
                 for r in conn.execute(q)
             ]
 
+    def unclean_run(self, before_id: int) -> dict[str, Any] | None:
+        """The newest run before ``before_id`` if it never recorded its end (``stopped_at`` NULL: a
+        ``kill -9``, a power cut, a frozen host), with ``last_sample_ts``: the newest sample before the
+        next run started (epoch s; None without one). None when that run ended cleanly, or there is none."""
+        with self.engine.connect() as conn:
+            prev = conn.execute(
+                select(DAEMON_RUNS).where(DAEMON_RUNS.c.id < before_id).order_by(DAEMON_RUNS.c.id.desc()).limit(1)
+            ).first()
+            if prev is None or prev.stopped_at is not None:
+                return None
+            nxt = conn.execute(select(DAEMON_RUNS.c.started_at).where(DAEMON_RUNS.c.id == before_id)).scalar()
+            q = select(func.max(SAMPLES.c.ts)).where(SAMPLES.c.ts >= prev.started_at)
+            last = conn.execute(q.where(SAMPLES.c.ts < nxt) if nxt is not None else q).scalar()
+        return {"id": prev.id, "pid": prev.pid, "started_at": prev.started_at, "last_sample_ts": last}
+
     def launches(self, *, limit: int = 50) -> list[dict[str, Any]]:
         q = select(LAUNCHES).order_by(LAUNCHES.c.started_at.desc()).limit(limit)
         with self.engine.connect() as conn:
