@@ -364,6 +364,26 @@ def test_it_says_and_recreates_a_database_deleted_while_running(tmp_path: Path) 
         assert cli(g, "status").returncode == 0
 
 
+def test_it_says_and_recovers_when_the_write_ahead_log_is_deleted_while_running(tmp_path: Path) -> None:
+    """``rm sparkd.db-wal sparkd.db-shm`` while sparkd runs: SQLite would append to the unlinked log
+    (every write since the last checkpoint, lost at a kill -9) while the status read "ok". The writer's
+    check after each write sees it; the database is reopened and samples reach the file at its path."""
+    state = tmp_path / "state"
+    with guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 25.0)
+        for p in (state / "sparkd.db-wal", state / "sparkd.db-shm"):
+            p.unlink()
+        t1 = time.time()
+        assert wait_for(lambda: g.events("database_unavailable"), 15.0, 0.1)  # found at the next write
+        ev = g.events("database_unavailable")[0]
+        assert "write-ahead log" in ev["message"] and "while sparkd was running" in ev["message"], ev["message"]
+        assert wait_for(lambda: g.status()["database"]["state"] == "ok", 15.0, 0.2), g.status()["database"]
+        # recording goes to the file at its path again (another process sees the new samples)
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples WHERE ts > ?", (t1 + 1,))[0][0] > 3, 25.0)
+        assert Path(f"{db}-wal").exists()
+
+
 def db_gap(db: Path, since: float, until: float) -> tuple[int, float]:
     """Samples stored between ``since`` and ``until`` and the largest gap between them (s)."""
     ts = [r[0] for r in db_query(db, "SELECT ts FROM samples WHERE ts BETWEEN ? AND ? ORDER BY ts", (since, until))]

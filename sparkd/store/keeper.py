@@ -80,6 +80,7 @@ class DbKeeper:
     backoff_s: float = BACKOFF_FIRST_S
     next_attempt_mono: float = 0.0
     inode: int | None = None
+    wal_inode: int | None = None  # of ``<path>-wal`` once a write made it (WAL mode), for ``replaced``
     moved_aside: list[str] = field(default_factory=list)
     suspect_corrupt: bool = False  # a write or read said "malformed": the next open runs quick_check
 
@@ -110,6 +111,7 @@ class DbKeeper:
         self.store, self.state, self.error, self.since = store, "ok", None, time.time()
         self.backoff_s = BACKOFF_FIRST_S
         harden(self.path)
+        self.wal_inode = None  # learnt at the first check after a write of this store
         try:
             self.inode = self.path.stat().st_ino
         except OSError:
@@ -186,6 +188,22 @@ class DbKeeper:
         if ino != self.inode:
             # deleted and created again (a reader's connection makes an empty file), or replaced
             return f"database file {self.path} was deleted or replaced while sparkd was running"
+        # the write-ahead log holds every write since the last checkpoint: unlinked (rm *.db-wal), SQLite
+        # keeps appending to the deleted file and a kill -9 loses all of it. While sparkd's connections
+        # are open SQLite never removes or recreates it, so another inode is someone else's doing.
+        wal = Path(f"{self.path}-wal")
+        try:
+            wal_ino = wal.stat().st_ino
+        except FileNotFoundError:
+            if self.wal_inode is None:  # not made yet (or not WAL mode): nothing to compare
+                return None
+            return f"write-ahead log {wal} was deleted while sparkd was running"
+        except OSError as e:
+            return f"cannot stat write-ahead log {wal}: {e.strerror}"
+        if self.wal_inode is None:
+            self.wal_inode = wal_ino
+        elif wal_ino != self.wal_inode:
+            return f"write-ahead log {wal} was deleted or replaced while sparkd was running"
         return None
 
     def status(self) -> dict[str, Any]:
