@@ -432,3 +432,41 @@ def test_a_start_after_kill_9_says_the_last_run_ended_uncleanly_and_how_long_not
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM daemon_runs")[0][0] >= 3, 20)
         time.sleep(1.0)
     assert len(db_query(db, "SELECT id FROM events WHERE kind='unclean_exit'")) == 1
+
+
+def test_sparkd_status_after_a_wall_clock_step_back_reads_the_real_latest_and_a_dead_daemon_as_dead(
+    tmp_path: Path,
+) -> None:
+    """Records dated ahead (written while the wall clock was an hour fast, then stepped back by NTP) are
+    not the latest reading, and a dead daemon's snapshot dated ahead is no sign of life (it printed
+    an hour-old figure as current and "running" after a kill -9)."""
+    import sqlite3
+
+    db = tmp_path / "sparkd.db"
+    with sparkd_run(tmp_path, config='kernlog_source = "off"\n'):
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM status")[0][0], 20.0)
+    now = time.time()
+    con = sqlite3.connect(db)
+    try:
+        con.execute("UPDATE samples SET ts = ts - 120")  # the daemon died two minutes ago
+        real_ts = con.execute("SELECT max(ts) FROM samples").fetchone()[0]
+        cols = [r[1] for r in con.execute("PRAGMA table_info(samples)")]
+        row = con.execute(f"SELECT {', '.join(cols)} FROM samples WHERE ts = ?", (real_ts,)).fetchone()
+        ahead = dict(zip(cols, row, strict=True)) | {"ts": now + 3600, "mem_available": 1}
+        con.execute(
+            f"INSERT INTO samples ({', '.join(ahead)}) VALUES ({', '.join('?' * len(ahead))})", list(ahead.values())
+        )
+        data = json.loads(con.execute("SELECT data FROM status").fetchone()[0]) | {"running": True, "ts": now + 3600}
+        con.execute("UPDATE status SET ts = ?, data = ?", (now + 3600, json.dumps(data)))
+        con.commit()
+    finally:
+        con.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "status", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    st = json.loads(out.stdout)
+    assert st["sample"]["ts"] == real_ts and st["sample"]["mem_available"] != 1024
+    assert st["daemon_running"] is False

@@ -304,9 +304,14 @@ class Store:
             )
 
     # ------------------------------------------------------------------ reads
-    def latest_sample(self) -> dict[str, Any] | None:
+    def latest_sample(self, *, until: float | None = None) -> dict[str, Any] | None:
+        """The newest sample (dict, bytes), or the newest at or before ``until`` (epoch s): after the wall
+        clock stepped back, samples dated in the future are not the latest reading."""
+        q = select(SAMPLES).order_by(SAMPLES.c.ts.desc()).limit(1)
+        if until is not None:
+            q = q.where(SAMPLES.c.ts <= until)
         with self.engine.connect() as conn:
-            row = conn.execute(select(SAMPLES).order_by(SAMPLES.c.ts.desc()).limit(1)).first()
+            row = conn.execute(q).first()
         return _sample_dict(row) if row else None
 
     def samples(self, *, since: float, until: float | None = None, limit: int | None = None) -> list[dict[str, Any]]:

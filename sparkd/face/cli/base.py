@@ -16,6 +16,7 @@ from sparkd.loop.status import Status
 from sparkd.store.store import Store
 from sparkd.units import parse_duration_s
 
+CLOCK_SLACK_S = 2.0  # `sparkd status`: a record dated further ahead than this is from before a clock step back
 STALE_S = 10.0  # `sparkd status`: the daemon runs when its newest record (a sample, the snapshot) is younger
 
 

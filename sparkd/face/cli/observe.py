@@ -15,6 +15,7 @@ import click
 
 from sparkd.errors import SparkdError, StoreError
 from sparkd.face.cli.base import (
+    CLOCK_SLACK_S,
     STALE_S,
     _age,
     _settings,
@@ -131,7 +132,9 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     try:
         store = _store(settings)
         st = _snapshot(store)
-        latest = store.latest_sample()
+        now = time.time()
+        # a wall clock stepped back leaves samples dated in the future: they are not the latest reading
+        latest = store.latest_sample(until=now + CLOCK_SLACK_S)
         events = store.events(limit=10)
     except READ_ERRORS as err:  # disk full, corrupt, locked: one line, no traceback
         why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
@@ -141,8 +144,10 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         ) from None
     # alive: the newest record it wrote (the snapshot when something changes or every STATUS_QUIET_S,
     # samples every store.WRITE_EVERY_S) is recent
-    newest = max(st.ts if st else 0.0, float(latest["ts"]) if latest else 0.0)
-    running = st is not None and st.running and time.time() - newest < STALE_S + 2 * settings.interval_s
+    # ... nor a snapshot dated in the future (a dead daemon's, written before the step) a sign of life
+    stamps = [t for t in (st.ts if st else None, float(latest["ts"]) if latest else None) if t is not None]
+    newest = max((t for t in stamps if t <= now + CLOCK_SLACK_S), default=0.0)
+    running = st is not None and st.running and now - newest < STALE_S + 2 * settings.interval_s
     snap = st.model_dump(mode="json") if st else {}
     data = {
         "daemon_running": running,
