@@ -41,8 +41,10 @@ def test_it_backs_off_3_6_12_s_after_exits_and_never_delays_the_first_launch(mak
     launched = s.events("launched")
     exited = s.events("exited")
     decisions = s.events("relaunch_decision")
-    # the first launch: no back-off charged (measured 1.3 s from sparkd's start: Docker create + start)
-    assert launched[0]["ts"] - started["ts"] < base_s
+    # the first launch: no back-off charged. Its own Docker create + start (vfs copies the image) took
+    # 2.7-3.2 s from sparkd's start on this 2-core VM, with the previous release's code and this one alike
+    # (it was 1.3 s when this was written); a charged back-off would add base_s on top of that.
+    assert launched[0]["ts"] - started["ts"] < 2 * base_s - 0.5
     assert not [d for d in decisions if d["ts"] < launched[0]["ts"]]
     # each relaunch waited base × 2^(n−1), measured from the exit event to the next launch
     gaps = [launched[i + 1]["ts"] - exited[i]["ts"] for i in range(3)]
