@@ -425,19 +425,8 @@ class Store:
 
     def gpu_samples(self, *, since: float, limit: int = 10000) -> list[dict[str, Any]]:
         q = select(GPU_SAMPLES).where(GPU_SAMPLES.c.ts >= since).order_by(GPU_SAMPLES.c.ts).limit(limit)
-        cols = (
-            "ts",
-            "gpu_index",
-            "name",
-            "utilization_pct",
-            "temperature_c",
-            "power_w",
-            "memory_total_bytes",
-            "memory_used_bytes",
-            "memory_supported",
-        )
         with self.engine.connect() as conn:
-            return [{c: getattr(r, c) for c in cols} for r in conn.execute(q)]
+            return [{c: getattr(r, c) for c in _GPU_COLUMNS} for r in conn.execute(q)]
 
     def consumer_scans(self, *, since: float, limit: int = 1000) -> list[dict[str, Any]]:
         """Process scans since ``since`` (UTC epoch s), oldest first: ts, group totals (bytes), data."""
