@@ -131,7 +131,7 @@ def summary_from_status(status: Status) -> dict[str, Any]:
     """Memory now (bytes and GiB), sampling mode and the page's level (``_page_level``)."""
     s = status.sample
     avail = s.mem_available if s else None
-    why = unarmed([r.model_dump() for r in status.rules])
+    why = unarmed([{"name": r.name, "action": r.action, "demoted": r.demoted} for r in status.rules])
     level = _page_level(status.nearest_stop.level if status.nearest_stop else None, s is not None, why)
     row = s.model_dump() if s else {}
     rows = [{"key": k, "label": label, "bytes": row.get(k), "gib": gib(row.get(k))} for k, label in MEMORY_ROWS.items()]
