@@ -458,7 +458,7 @@ class Daemon:
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
-            details={"dry_run": s.dry_run},
+            details={"dry_run": s.dry_run, "event_loop": type(loop).__module__.split(".")[0]},
         )
         self.ready = True
         self.notifier.notify("READY=1")
