@@ -221,6 +221,11 @@ class Daemon:
         self._last_watchdog = 0.0
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
+        # decisions that may act (trips, nvrm_action = stop), handed over by ticks to the decider task
+        self._decisions: collections.deque[tuple[Decision, Sample | None]] = collections.deque()
+        self._decider: asyncio.Task[None] | None = None
+        self._decider_error: BaseException | None = None
+        self._last_tick_at: float | None = None  # monotonic time the last tick ended (guard_gap)
         self._read_error_logged = False
         self.api_server: Any = None
         self.http_stats = HttpStats()
@@ -550,11 +555,17 @@ class Daemon:
         sample, rules, ``handle_sync``, sampling mode, watchdog, next tick. On an idle host that is all,
         and this coroutine is not resumed at all (issue 18: resuming it, its future and its timer
         each tick cost more than the tick). A tick whose result may act (a trip; ``nvrm_action =
-        stop``) hands it here: the decisions are awaited in order (a stop included) and the ticks go
-        on after them, as they always did. An exception in a tick ends this coroutine, as before."""
+        stop``) hands its decisions here, to the decider task (``_run_decisions``): they run in order,
+        one at a time, while the ticks go on. A stop can take its whole grace (30 s); meanwhile the guard
+        keeps sampling (the postmortem's samples, the dashboard, the kernel log) and the rules keep
+        counting (a second trip is held by the cooldown, or refused as "not running"). On exit the
+        decision in progress is finished, never cut short. An exception in a tick or in a decision
+        ends this coroutine (the daemon reports a crash)."""
         loop = asyncio.get_running_loop()
         self._next_at = self.mono()
         while not self.should_exit.is_set():
+            if self._decider_error is not None:
+                raise self._decider_error
             fut: asyncio.Future[tuple[TickResult, list[tuple[Decision, Sample | None]]] | None]
             fut = self._tick_fut = loop.create_future()
             self._tick_handle = loop.call_later(max(0.0, self._next_at - self.mono()), self._on_tick)
@@ -568,9 +579,28 @@ class Daemon:
             if acting is None:
                 continue
             result, decisions = acting
-            for d, sample in decisions:
-                await self._decide(d, sample)
+            self._decisions.extend(decisions)
+            if self._decider is None or self._decider.done():
+                self._decider = asyncio.create_task(self._run_decisions(), name="sparkd-decide")
+                self._decider.add_done_callback(self._decider_done)
             self._after_tick(result)
+        if self._decider is not None:  # a stop in progress is finished before the daemon stops
+            await self._decider
+
+    async def _run_decisions(self) -> None:
+        """The decisions ticks handed over, in order, one at a time (a stop is awaited to its end)."""
+        while self._decisions:
+            d, sample = self._decisions.popleft()
+            await self._decide(d, sample)
+
+    def _decider_done(self, task: asyncio.Task[None]) -> None:
+        """A decision that raised ends the main loop as a failed tick does (``daemon_crashed``)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._decider_error = task.exception()
+        fut = self._tick_fut
+        if fut is not None and not fut.done():
+            fut.set_exception(self._decider_error)  # type: ignore[arg-type]
 
     def _on_tick(self) -> None:
         """One tick on the event loop; schedules the next one, or hands decisions to ``main_loop``."""
@@ -601,8 +631,11 @@ class Daemon:
         interval = self.current_interval()
         self._next_at += interval
         now = self.mono()
+        last, self._last_tick_at = self._last_tick_at, now
         if self._next_at < now - interval:  # fell behind (suspend, stall): do not burst
-            self._note_gap(now - (self._next_at - interval), interval)
+            # the time since the previous tick: the whole hole in the samples (from the time this tick was
+            # due, it read one interval short: 9.4 s for a 10 s SIGSTOP at 1 Hz)
+            self._note_gap(now - last if last is not None else now - (self._next_at - interval), interval)
             self._next_at = now
         return max(0.0, self._next_at - now)
 
@@ -629,6 +662,8 @@ class Daemon:
 
     async def shutdown(self, reason: str = "signal") -> None:
         self.should_exit.set()  # the last snapshot says "not running", whatever ended the loop
+        if self._decider is not None and not self._decider.done():
+            await asyncio.wait([self._decider])  # a stop in progress is finished, never cut short
         self.notifier.notify("STOPPING=1")
         await self.actions.close()
         if self.api_server is not None:
