@@ -301,6 +301,32 @@ def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
         assert 3.0 <= json.loads(details)["gap_s"] <= 10
 
 
+def test_short_stops_that_add_up_are_one_critical_guard_stalled_event(tmp_path: Path) -> None:
+    """SIGSTOP 1.2 s / SIGCONT 0.2 s, 12 times (a starved or frozen-and-thawed process): no gap reaches
+    ``guard_gap``'s 2 s, yet the guard takes a sample where it should take six. Once 10 s of the last 30 s
+    went missing, one critical ``guard_stalled`` event says so (it was silent)."""
+    import json
+    import signal
+
+    from sparkdproc import db_query, sparkd_run, wait_for
+
+    with sparkd_run(tmp_path, config='interval_s = 0.25\nfast_interval_s = 0.25\nkernlog_source = "off"\n') as p:
+        db = tmp_path / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 4, 30)
+        for _ in range(12):
+            p.send_signal(signal.SIGSTOP)
+            time.sleep(1.2)
+            p.send_signal(signal.SIGCONT)
+            time.sleep(0.2)
+        q = "SELECT severity, message, details FROM events WHERE kind='guard_stalled'"
+        rows = wait_for(lambda: db_query(db, q), 15)
+        assert rows and len(rows) == 1, rows
+        severity, message, details = rows[0]
+        d = json.loads(details)
+        assert severity == "critical" and "the guard ran late" in message
+        assert d["missed_s"] >= 10 and d["late_ticks"] >= 6 and d["longest_gap_s"] < 3, d
+
+
 def test_sparkd_run_without_peers_imports_no_http_client(tmp_path: Path) -> None:
     """The cluster and httpx (with pygments, idna: ~4 MiB resident) are imported only where [cluster] has
     peers, and SQLAlchemy's ORM (~6 MiB) never (issue 18): a plain `sparkd run`, API on, after READY=1 and

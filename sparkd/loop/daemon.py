@@ -34,6 +34,7 @@ from sparkd.core.floors import FloorWarning, LoopGuard, read_vm_tunables
 from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
+from sparkd.core.stalls import LATE_FACTOR, StallWindow
 from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop import daemon_db as _daemon_db
 from sparkd.loop import daemon_decide as _daemon_decide
@@ -236,6 +237,7 @@ class Daemon:
         # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
         self.stop_hooks: list[Callable[[Decision], None]] = []
         self.blind_gaps = 0  # ticks that came far too late (``guard_gap`` events)
+        self.stalls = StallWindow()  # short stalls, summed (``guard_stalled`` events)
         self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
@@ -632,18 +634,26 @@ class Daemon:
         self._next_at += interval
         now = self.mono()
         last, self._last_tick_at = self._last_tick_at, now
+        # the time since the previous tick: the whole hole in the samples (from the time this tick was
+        # due, it read one interval short: 9.4 s for a 10 s SIGSTOP at 1 Hz)
+        gap_s = now - last if last is not None else 0.0
+        if gap_s > LATE_FACTOR * interval and not self._note_gap(gap_s, interval):
+            self._note_stall(now, gap_s, interval)  # a short stall: many of them are reported together
         if self._next_at < now - interval:  # fell behind (suspend, stall): do not burst
-            # the time since the previous tick: the whole hole in the samples (from the time this tick was
-            # due, it read one interval short: 9.4 s for a 10 s SIGSTOP at 1 Hz)
-            self._note_gap(now - last if last is not None else now - (self._next_at - interval), interval)
             self._next_at = now
         return max(0.0, self._next_at - now)
 
-    def _note_gap(self, gap_s: float, interval_s: float) -> None:
+    def _note_stall(self, now: float, gap_s: float, interval_s: float) -> None:
+        report = self.stalls.late(now, gap_s, interval_s)
+        if report is not None:
+            self.event("guard_stalled", report.message(), severity="critical", details=report.details())
+
+    def _note_gap(self, gap_s: float, interval_s: float) -> bool:
         """A tick came far too late (the process was stopped, the host froze or starved us): the guard
-        saw nothing meanwhile — say so, loudly, instead of leaving a silent hole in the samples."""
+        saw nothing meanwhile — say so, loudly, instead of leaving a silent hole in the samples.
+        Returns whether it was reported (False: a short stall, for ``core.stalls``)."""
         if gap_s < max(3 * interval_s, 2.0):
-            return
+            return False
         self.blind_gaps += 1
         self.event(
             "guard_gap",
@@ -652,6 +662,7 @@ class Daemon:
             severity="critical",
             details={"gap_s": round(gap_s, 3), "interval_s": interval_s},
         )
+        return True
 
     def request_exit(self) -> None:
         """Ask the main loop to finish (signal handlers call this; it only sets flags)."""
