@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import need
 from sparkdproc import db_query, sparkd_run, wait_for
 
@@ -507,11 +508,16 @@ def test_sparkd_status_after_a_wall_clock_step_back_reads_the_real_latest_and_a_
     assert st["daemon_running"] is False
 
 
-def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cooldown_s", [60.0, 0.2])
+def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
+    tmp_path: Path, cooldown_s: float
+) -> None:
     """A stop can take its whole 30 s grace (a model that ignores SIGTERM). The ticks go on meanwhile:
     samples for the postmortem and the dashboard, the kernel log, the rules (a second trip is held by
     the cooldown), and no ``guard_gap`` claiming the process was stopped or the host frozen. Here the
-    container's stop takes 2 s (an ``on_stop`` that waits) and the guard samples every 0.1 s."""
+    container's stop takes 2 s (an ``on_stop`` that waits) and the guard samples every 0.1 s. With a
+    cooldown shorter than the stop the rule trips again during it: those trips are covered by the stop
+    under way (``trip_during_stop``), never a second stop."""
     import asyncio
 
     from sparkd.config import load_settings
@@ -530,6 +536,7 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(tm
             "interval_s": 0.1,
             "fast_interval_s": 0.1,
             "recheck": False,
+            "cooldown_s": cooldown_s,
             "api": {"enabled": False},
             "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
         }
@@ -573,3 +580,10 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(tm
     assert n1 - n0 >= 10, f"{n1 - n0} samples during a {ended - began:.1f} s stop"
     kinds = [e["kind"] for e in events]
     assert "trip" in kinds and "guard_gap" not in kinds, kinds
+    if cooldown_s < 1:  # ~2 trips a second through the 2 s stop, each covered by it
+        assert kinds.count("trip_during_stop") >= 2, kinds
+        covered = next(e for e in events if e["kind"] == "trip_during_stop")
+        assert covered["details"] == {"rule": "low_available", "covered_by": "low_available"}
+        assert "not acted on: the stop for low_available was under way" in covered["message"]
+    else:
+        assert "trip_during_stop" not in kinds and "trip_cooldown" in kinds, kinds

@@ -56,11 +56,13 @@ def test_a_trip_names_the_container_and_the_host_process_that_ate_the_memory(spa
     assert "who grew since " in summary and "consumers:    since " in summary, summary
     after = record["trip"]["after"]
     top = {p["pid"]: p for p in after["top"]}
-    # the top-consumer record attributes each 512 MiB holder to its group
+    # the top-consumer record attributes each 512 MiB holder to its group. The container's may still be
+    # writing its last pages at the trip's scan (the rule trips 0.5 s after the pair crosses the line, while
+    # it touches 131,072 pages; 495.6 MiB seen on a loaded host): the same 450 MiB bound as its share above
     assert top[hog.pid]["group"] == "host" and top[hog.pid]["rss_bytes"] >= 500 * MiB, after["top"]
-    held_by_container = [p for p in after["top"] if p["group"] == "container" and p["rss_bytes"] >= 500 * MiB]
+    held_by_container = [p for p in after["top"] if p["group"] == "container" and p["rss_bytes"] >= 450 * MiB]
     assert held_by_container, after["top"]
-    assert after["totals_bytes"]["container"] >= 500 * MiB
+    assert after["totals_bytes"]["container"] >= 450 * MiB
     before = record["trip"]["before"]
     # (not asserted: that the hog is absent from "before" — the scan before the fall is the one of highest
     # MemAvailable, and on this shared host another tester freeing memory can make that one come after it)

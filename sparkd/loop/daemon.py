@@ -503,8 +503,8 @@ class Daemon:
     def _record_kernel(self, rec: KernRecord, sample: Any) -> None:
         _daemon_decide.record_kernel(self, rec, sample)
 
-    async def _decide(self, d: Decision, sample: Sample | None = None) -> None:
-        await _daemon_decide.decide(self, d, sample)
+    async def _decide(self, d: Decision, sample: Sample | None = None) -> bool:
+        return await _daemon_decide.decide(self, d, sample)
 
     def _update_mode(self, result: TickResult | None) -> None:
         _daemon_decide.update_mode(self, result)
@@ -590,10 +590,27 @@ class Daemon:
             await self._decider
 
     async def _run_decisions(self) -> None:
-        """The decisions ticks handed over, in order, one at a time (a stop is awaited to its end)."""
+        """The decisions ticks handed over, in order, one at a time (a stop is awaited to its end).
+
+        After a stop was asked of the container, the stop decisions queued meanwhile (a rule that held
+        through the stop with a short cooldown, a second rule of the same tick, ``nvrm_action = stop``)
+        are covered by it: each is an info ``trip_during_stop`` event, not a second stop refused as "not
+        running". A stop that failed resets the cooldowns (``stop_not_executed``): a rule that still
+        holds trips again, and that trip acts."""
         while self._decisions:
             d, sample = self._decisions.popleft()
-            await self._decide(d, sample)
+            if not await self._decide(d, sample):
+                continue
+            covered = [x for x in self._decisions if x[0].action == "stop"]
+            if not covered:
+                continue
+            self._decisions = collections.deque(x for x in self._decisions if x[0].action != "stop")
+            for c, _ in covered:
+                self.event(
+                    "trip_during_stop",
+                    f"{c.reason}; not acted on: the stop for {d.rule} was under way and covers it",
+                    details={"rule": c.rule, "covered_by": d.rule},
+                )
 
     def _decider_done(self, task: asyncio.Task[None]) -> None:
         """A decision that raised ends the main loop as a failed tick does (``daemon_crashed``)."""

@@ -147,9 +147,11 @@ def decide_quietly(daemon: Daemon, d: Decision) -> bool:
     return False
 
 
-async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> None:
+async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> bool:
+    """Record a decision and act on it; True when a stop was asked of the container (``on_stop``), False
+    when it was recorded only (quiet kinds, a warn rule, a demotion, a dry run, recovered on re-check)."""
     if decide_quietly(daemon, d):
-        return
+        return False
     shares = await daemon.consumers.at_trip() if daemon.consumers else None
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
         d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
@@ -174,14 +176,14 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> N
         },
     )
     if d.action != "stop":
-        return
+        return False
     if verdict is not None and daemon.guard is not None:
         daemon.guard.engine.demote(verdict.rule, verdict.reason)
         daemon.event("watermark", verdict.reason, severity="warning", details=verdict.details())
-        return
+        return False
     if daemon.settings.dry_run:
         daemon.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
-        return
+        return False
     if daemon.settings.recheck and daemon.guard:
         fresh = daemon.guard.read_sample()
         if daemon.guard.rule(d.rule) is not None and not daemon.guard.engine.recheck(d.rule, fresh):
@@ -193,10 +195,11 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> N
                 severity="warning",
                 details={"rule": d.rule},
             )
-            return
+            return False
     for hook in daemon.stop_hooks:
         hook(d)
     await daemon.actions.on_stop(d)
+    return True
 
 
 def update_mode(daemon: Daemon, result: TickResult | None) -> None:
