@@ -510,14 +510,16 @@ def test_sparkd_status_after_a_wall_clock_step_back_reads_the_real_latest_and_a_
 
 @pytest.mark.parametrize("cooldown_s", [60.0, 0.2])
 def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
-    tmp_path: Path, cooldown_s: float
+    tmp_path: Path, cooldown_s: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop can take its whole 30 s grace (a model that ignores SIGTERM). The ticks go on meanwhile:
     samples for the postmortem and the dashboard, the kernel log, the rules (a second trip is held by
     the cooldown), and no ``guard_gap`` claiming the process was stopped or the host frozen. Here the
     container's stop takes 2 s (an ``on_stop`` that waits) and the guard samples every 0.1 s. With a
     cooldown shorter than the stop the rule trips again during it: those trips are covered by the stop
-    under way (``trip_during_stop``), never a second stop."""
+    under way (``trip_during_stop``), never a second stop. The systemd watchdog goes on being pinged: the
+    unit's ``WatchdogSec=30`` is shorter than a stop's archive + 30 s grace + kill, and the pings came only
+    from ticks (systemd would have killed sparkd in the middle of an emergency stop)."""
     import asyncio
 
     from sparkd.config import load_settings
@@ -552,16 +554,28 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
             assert self.daemon is not None
             began, n0 = time.monotonic(), self.daemon.samples_taken
             await asyncio.sleep(2.0)
+            (proc / "meminfo").write_text(high)  # the stopped model's memory is free again
             self.stops.append((began, time.monotonic(), n0, self.daemon.samples_taken))
+
+    class Notifier:  # the NOTIFY_SOCKET side, recorded
+        def __init__(self) -> None:
+            self.sent: list[tuple[float, str]] = []
+
+        def notify(self, msg: str) -> None:
+            self.sent.append((time.monotonic(), msg))
+
+    notifier = Notifier()
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # a ping every 0.2 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
 
     async def go() -> tuple[SlowStop, list[dict[str, Any]]]:
         actions = SlowStop()
-        d = Daemon(settings, actions=actions)
+        d = Daemon(settings, actions=actions, notifier=notifier)  # type: ignore[arg-type]
         actions.daemon = d
         await d.startup()
         loop_task = asyncio.create_task(d.main_loop())
         await asyncio.sleep(0.5)
-        (proc / "meminfo").write_text(low)  # trips after 2 samples, then stays low through the stop
+        (proc / "meminfo").write_text(low)  # trips after 2 samples, then stays low until the stop ends
         for _ in range(60):
             await asyncio.sleep(0.1)
             if actions.stops:
@@ -578,6 +592,8 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
     began, ended, n0, n1 = actions.stops[0]
     # ~20 ticks in the 2 s stop (0.1 s interval); at least half of them, however loaded the host
     assert n1 - n0 >= 10, f"{n1 - n0} samples during a {ended - began:.1f} s stop"
+    pings = [t for t, m in notifier.sent if m == "WATCHDOG=1" and began <= t <= ended]
+    assert len(pings) >= 5, f"{len(pings)} watchdog pings during a {ended - began:.1f} s stop (one due every 0.2 s)"
     kinds = [e["kind"] for e in events]
     assert "trip" in kinds and "guard_gap" not in kinds, kinds
     if cooldown_s < 1:  # ~2 trips a second through the 2 s stop, each covered by it
