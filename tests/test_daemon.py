@@ -599,7 +599,11 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
     if cooldown_s < 1:  # ~2 trips a second through the 2 s stop, each covered by it
         assert kinds.count("trip_during_stop") >= 2, kinds
         covered = next(e for e in events if e["kind"] == "trip_during_stop")
-        assert covered["details"] == {"rule": "low_available", "covered_by": "low_available"}
+        assert {k: covered["details"][k] for k in ("rule", "covered_by")} == {
+            "rule": "low_available",
+            "covered_by": "low_available",
+        }
+        assert covered["details"]["sample_ts"] > 0  # the sample it tripped on, as a trip event names it
         assert "not acted on: the stop for low_available was under way" in covered["message"]
     else:
         assert "trip_during_stop" not in kinds and "trip_cooldown" in kinds, kinds

@@ -605,11 +605,15 @@ class Daemon:
             if not covered:
                 continue
             self._decisions = collections.deque(x for x in self._decisions if x[0].action != "stop")
-            for c, _ in covered:
+            for c, c_sample in covered:
                 self.event(
                     "trip_during_stop",
                     f"{c.reason}; not acted on: the stop for {d.rule} was under way and covers it",
-                    details={"rule": c.rule, "covered_by": d.rule},
+                    details={
+                        "rule": c.rule,
+                        "covered_by": d.rule,
+                        "sample_ts": c_sample.ts if c_sample is not None else None,
+                    },
                 )
 
     def _decider_done(self, task: asyncio.Task[None]) -> None:
