@@ -607,3 +607,48 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
         assert "not acted on: the stop for low_available was under way" in covered["message"]
     else:
         assert "trip_during_stop" not in kinds and "trip_cooldown" in kinds, kinds
+
+
+def test_monitor_only_trips_once_per_cooldown_while_memory_stays_low(tmp_path: Path) -> None:
+    """Monitor-only (no container): the trip's ``stop_not_executed`` used to reset the cooldowns (as a failed
+    stop must, for the next trip to retry it), so memory held low gave a critical ``trip`` and a warning
+    every ``samples`` ticks (here ~15 of each in 3 s). Nothing can be stopped in monitor-only: one trip per
+    cooldown, then ``trip_cooldown``."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    (proc / "meminfo").write_text(high)  # healthy at start (else the watermark check demotes the rule)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "interval_s": 0.1,
+            "fast_interval_s": 0.1,
+            "recheck": False,
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+
+    async def go() -> list[dict[str, Any]]:
+        d = Daemon(settings, actions=MonitorOnly())
+        await d.startup()
+        loop_task = asyncio.create_task(d.main_loop())
+        (proc / "meminfo").write_text(low)
+        await asyncio.sleep(3.0)
+        d.request_exit()
+        await loop_task
+        events = list(d.recent_events)
+        await d.shutdown("test")
+        return events
+
+    kinds = [e["kind"] for e in asyncio.run(go())]
+    assert kinds.count("trip") == 1 and kinds.count("stop_not_executed") == 1, kinds
+    assert kinds.count("trip_cooldown") == 1, kinds  # said once per cooldown window, the holds counted

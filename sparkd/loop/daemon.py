@@ -137,7 +137,7 @@ class MonitorOnly:
                 "stop_not_executed",
                 f"monitor-only ({self.why}): would stop: {decision.reason}",
                 severity="warning",
-                details={"rule": decision.rule},
+                details={"rule": decision.rule, "monitor_only": True},
             )
 
     def on_kernel_record(self, rec: KernRecord) -> None:
@@ -310,9 +310,15 @@ class Daemon:
             took = ((details or {}).get("durations_s") or {}).get("stop")
             if isinstance(took, int | float):
                 self.guard.engine.note_stop_duration(float(took))  # the predictive horizon learns it
-        if kind in ("launched", "adopted", "restarted_outside", "stop_not_executed") and self.guard is not None:
+        if (
+            kind in ("launched", "adopted", "restarted_outside", "stop_not_executed")
+            and self.guard is not None
+            and not (details or {}).get("monitor_only")
+        ):
             # a new run of the container, or a trip that stopped nothing: the next trip must act (a rule's
-            # cooldown is for a stop that happened, never for a container the operator just started)
+            # cooldown is for a stop that happened, never for a container the operator just started). Not in
+            # monitor-only, where no stop can ever happen: the reset only repeated the critical trip every
+            # `samples` ticks for as long as memory stayed low; the cooldown applies as after a stop.
             self.guard.engine.reset_cooldowns()
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
