@@ -565,8 +565,9 @@ class Daemon:
         each tick cost more than the tick). A tick whose result may act (a trip; ``nvrm_action =
         stop``) hands its decisions here, to the decider task (``_run_decisions``): they run in order,
         one at a time, while the ticks go on. A stop can take its whole grace (30 s); meanwhile the guard
-        keeps sampling (the postmortem's samples, the dashboard, the kernel log) and the rules keep
-        counting (a second trip is held by the cooldown, or refused as "not running"). On exit the
+        keeps sampling (the postmortem's samples, the dashboard, the kernel log, the watchdog's pings) and
+        the rules keep counting (a second trip is held by the cooldown, or covered by the stop under way:
+        ``_run_decisions``). On exit the
         decision in progress is finished, never cut short. An exception in a tick or in a decision
         ends this coroutine (the daemon reports a crash)."""
         loop = asyncio.get_running_loop()
