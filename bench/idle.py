@@ -364,7 +364,8 @@ def main() -> None:
             if eo is not None:
                 eo.terminate()
                 eo.wait(5)
-            for ref in [floor, *refs.values()] if "refs" in locals() else []:
+            started = [locals().get("floor"), *locals().get("refs", {}).values()]
+            for ref in [r for r in started if r is not None]:  # what was started, also when a later one failed
                 ref.terminate()
                 ref.wait(5)
 
