@@ -209,6 +209,30 @@ async def test_it_filters_events(daemon: Daemon) -> None:
         assert detail["field"] == "limit" and "greater than or equal to 1" in detail["message"]
 
 
+async def test_an_event_not_yet_written_is_answered_from_memory_once(daemon: Daemon) -> None:
+    """After the keeper reopened the database, the events recorded while it was down wait in the
+    writer's queue: /api/events answered them from memory a moment before and must not lose them until
+    the write (CI: ``database_unavailable`` seen, then gone). Written, each is listed once, with its id."""
+    assert daemon.store is not None and daemon.writer is not None
+    store = daemon.store
+    daemon.writer.attach(None)  # the writer holds records back; the database still answers reads
+    daemon.event("database_recovered", "usable again", severity="warning")
+    daemon.event("trip", "low_available tripped", severity="critical")
+    async with _client(daemon) as c:
+        body = (await c.get("/api/events", params={"kind": "database_recovered,trip"})).json()
+        assert [(e["kind"], e["id"]) for e in body["events"]] == [("trip", None), ("database_recovered", None)]
+        body = (await c.get("/api/events", params={"kind": "trip"})).json()
+        assert [e["message"] for e in body["events"]] == ["low_available tripped"]
+        body = (await c.get("/api/events", params={"limit": 1})).json()
+        assert [e["kind"] for e in body["events"]] == ["trip"]
+        assert not store.events(kinds=["trip"])  # not in the database yet
+        daemon.writer.attach(store)
+        await asyncio.to_thread(daemon.writer.flush)
+        body = (await c.get("/api/events", params={"kind": "database_recovered,trip"})).json()
+    assert [e["kind"] for e in body["events"]] == ["trip", "database_recovered"]
+    assert all(isinstance(e["id"], int) for e in body["events"])
+
+
 async def test_it_lists_launches_with_estimate_and_actual(daemon: Daemon) -> None:
     assert daemon.store is not None
     plan = FakeActions().plan.to_json()

@@ -65,11 +65,32 @@ class Reads:
     def events(
         self, *, since: float | None = None, kinds: Iterable[str] | None = None, limit: int = 100
     ) -> list[dict[str, Any]]:
-        """Events newest first (``Store.events`` shape; ``id`` None for those from memory)."""
+        """Events newest first (``Store.events`` shape; ``id`` None for those from memory).
+
+        From the database, with the events it does not hold yet taken from memory: those newer than
+        the newest record known stored (``Writer.safe_until``, read before the query). An event is in
+        memory at once and in the database a write later; after the keeper reopened the database, the
+        events recorded while it was down wait in the writer's queue. Without them an event a reader
+        just saw (answered from memory) would vanish until that write."""
         kinds = list(kinds) if kinds else None
+        w = self.daemon.writer
+        stored = w.safe_until if w is not None else None  # before the query, as in ``downsampled``
         rows = self._try("events", since=since, kinds=kinds, limit=limit)
-        if rows is not None:
+        if rows is None:
+            return self._memory_events(since, kinds, limit)
+        if stored is None:
             return list(rows)
+        seen = {(r["ts"], r["kind"], r["message"]) for r in rows}
+        floor = stored if since is None else max(stored, since)
+        tail = [e for e in self._memory_events(floor, kinds, limit) if e["ts"] > stored]
+        tail = [e for e in tail if (e["ts"], e["kind"], e["message"]) not in seen]
+        if not tail:
+            return list(rows)
+        merged = sorted([*tail, *rows], key=lambda e: e["ts"], reverse=True)
+        return merged[:limit]
+
+    def _memory_events(self, since: float | None, kinds: list[str] | None, limit: int) -> list[dict[str, Any]]:
+        """The in-memory events (the last 100), newest first, ``id`` None."""
         out = []
         for ev in self.daemon.recent_events:
             if since is not None and ev["ts"] < since:
