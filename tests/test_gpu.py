@@ -14,6 +14,7 @@ import pytest
 from sparkd.sense.gpu import (
     GpuReading,
     GpuSampler,
+    GpuSession,
     parse_nvidia_smi_query_csv,
     parse_nvidia_smi_table,
     read_gpu,
@@ -41,6 +42,7 @@ class FakeNvml:
     def __init__(self, *, init_error: int | None = None, memory: Any = None) -> None:
         self.init_error = init_error
         self.memory = memory  # an int error code, or (total, used)
+        self.handle_error: int | None = None  # e.g. 15, NVML_ERROR_GPU_IS_LOST
         self.calls: list[str] = []
 
     def nvmlInit(self) -> None:
@@ -58,6 +60,8 @@ class FakeNvml:
         return 1
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        if self.handle_error is not None:
+            raise FakeNVMLError(self.handle_error)
         return f"h{i}"
 
     def nvmlDeviceGetName(self, h: str) -> bytes:
@@ -122,6 +126,47 @@ def test_it_reports_unavailable_without_the_package(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "pynvml", None)
     [r] = read_gpu()
     assert not r.available and "nvidia-ml-py" in (r.reason or "")
+
+
+def test_a_session_initializes_nvml_once_across_readings() -> None:
+    """The daemon reads every gpu_interval_s (5 s): one nvmlInit for its life, not 17,280 a day."""
+    nvml = FakeNvml(memory=3)
+    s = GpuSession(nvml)
+    readings = [s.read() for _ in range(3)]
+    assert nvml.calls == ["init"]
+    assert readings == [read_gpu(FakeNvml(memory=3))] * 3  # the same readings as one-off reads
+    s.close()
+    assert nvml.calls == ["init", "shutdown"]
+    s.read()
+    assert nvml.calls == ["init", "shutdown", "init"]
+
+
+def test_a_session_starts_afresh_after_a_lost_handle_or_a_failed_init() -> None:
+    nvml = FakeNvml(memory=3)
+    s = GpuSession(nvml)
+    s.read()
+    nvml.handle_error = 15  # the GPU fell off the bus, the driver reloaded
+    [r] = s.read()
+    assert r.name is None and r.notes == ("handle: code 15",)
+    assert nvml.calls == ["init", "shutdown"]  # closed: the next reading opens a new session
+    nvml.handle_error, nvml.init_error = None, 9
+    assert s.read() == [GpuReading.unavailable("NVML init failed: Driver Not Loaded")]
+    nvml.init_error = None
+    [r] = s.read()
+    assert r.name == "NVIDIA GB10"
+    assert nvml.calls == ["init", "shutdown", "init", "init"]
+
+
+def test_the_sampler_keeps_one_session_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = FakeNvml(memory=3)
+    monkeypatch.setattr("sparkd.sense.gpu._import_pynvml", lambda: nvml)
+    now = [0.0]
+    s = GpuSampler(5.0, clock=lambda: now[0])
+    for t in range(0, 30):
+        now[0] = float(t)
+        [r] = s.sample()
+        assert r.name == "NVIDIA GB10"
+    assert nvml.calls == ["init"]
 
 
 def test_the_sampler_calls_nvml_at_most_every_interval_and_logs_not_supported_once(

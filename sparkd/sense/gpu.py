@@ -91,7 +91,9 @@ def _is_not_supported(nvml: Any, exc: BaseException) -> bool:
 
 
 def read_gpu(nvml: Any = None) -> list[GpuReading]:
-    """Read every NVIDIA device through NVML; never raises.
+    """Read every NVIDIA device through NVML once: ``nvmlInit``, the readings, ``nvmlShutdown``;
+    never raises. For repeated readings keep a ``GpuSession`` open instead (``bench/nvml.py``:
+    the init is most of a reading's cost).
 
     Args:
         nvml: an object with pynvml's API (``nvmlInit``, ``nvmlDeviceGetCount``,
@@ -103,23 +105,53 @@ def read_gpu(nvml: Any = None) -> list[GpuReading]:
         when ``nvidia-ml-py`` is not installed, NVML cannot initialize (no
         driver) or there is no device.
     """
-    if nvml is None:
-        try:
-            nvml = _import_pynvml()
-        except ImportError:
-            return [GpuReading.unavailable("nvidia-ml-py (pynvml) is not installed")]
-    nvml_error: type[BaseException] = getattr(nvml, "NVMLError", Exception)
+    session = GpuSession(nvml)
     try:
-        nvml.nvmlInit()
-    except nvml_error as exc:
-        return [GpuReading.unavailable(f"NVML init failed: {exc}")]
-    except OSError as exc:  # libnvidia-ml.so missing on some pynvml versions
-        return [GpuReading.unavailable(f"NVML library not found: {exc}")]
-    try:
-        return _read_devices(nvml, nvml_error)
+        return session.read()
     finally:
-        with contextlib.suppress(nvml_error):
-            nvml.nvmlShutdown()
+        session.close()
+
+
+class GpuSession:
+    """One NVML session kept open across readings: ``nvmlInit`` at the first ``read`` and again
+    after a reading that failed (no device answered, a handle lost: the driver reloaded, a GPU
+    fell off the bus), ``nvmlShutdown`` at ``close``. Not thread-safe: one reader at a time.
+
+    ``read()`` has ``read_gpu``'s shape and never raises.
+    """
+
+    def __init__(self, nvml: Any = None) -> None:
+        self._nvml = nvml
+        self._open = False
+
+    def read(self) -> list[GpuReading]:
+        nvml = self._nvml
+        if nvml is None:
+            try:
+                nvml = self._nvml = _import_pynvml()
+            except ImportError:
+                return [GpuReading.unavailable("nvidia-ml-py (pynvml) is not installed")]
+        nvml_error: type[BaseException] = getattr(nvml, "NVMLError", Exception)
+        if not self._open:
+            try:
+                nvml.nvmlInit()
+            except nvml_error as exc:
+                return [GpuReading.unavailable(f"NVML init failed: {exc}")]
+            except OSError as exc:  # libnvidia-ml.so missing on some pynvml versions
+                return [GpuReading.unavailable(f"NVML library not found: {exc}")]
+            self._open = True
+        readings = _read_devices(nvml, nvml_error)
+        if any(not r.available or any(n.startswith("handle:") for n in r.notes) for r in readings):
+            self.close()  # start afresh at the next reading
+        return readings
+
+    def close(self) -> None:
+        """End the session (``nvmlShutdown``); the next ``read`` opens a new one."""
+        if self._open:
+            self._open = False
+            nvml = self._nvml
+            with contextlib.suppress(getattr(nvml, "NVMLError", Exception)):
+                nvml.nvmlShutdown()
 
 
 def _read_devices(nvml: Any, nvml_error: type[BaseException]) -> list[GpuReading]:
@@ -188,7 +220,8 @@ class GpuSampler:
     Args:
         interval_s: minimum seconds between NVML calls (10 s: readings are
             dashboard context, never a stop trigger).
-        reader: ``read_gpu`` or a fake.
+        reader: default one ``GpuSession`` kept open (one ``nvmlInit`` for the daemon's life,
+            not one per reading: the init is the costly part, llnl/variorum#427); or a fake.
         clock: monotonic seconds (``time.monotonic``); injectable for tests.
     """
 
@@ -196,12 +229,12 @@ class GpuSampler:
         self,
         interval_s: float = 10.0,
         *,
-        reader: Callable[[], list[GpuReading]] = read_gpu,
+        reader: Callable[[], list[GpuReading]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger = log,
     ) -> None:
         self.interval_s = interval_s
-        self._reader = reader
+        self._reader = reader if reader is not None else GpuSession().read
         self._clock = clock
         self._log = logger
         self._last_at: float | None = None

@@ -1,0 +1,66 @@
+"""What one NVML reading costs: ``read_gpu`` as the daemon's GPU loop calls it (nvmlInit, the
+readings, nvmlShutdown each time) against one NVML session kept open (nvmlInit once).
+
+The idle bench (``bench/idle.py``) runs where there is no NVIDIA driver: there the GPU loop asks
+once, gets "unavailable" and ends, so its cost on a Spark never shows. This bench needs a driver.
+
+Prints, for each way: CPU (process time, µs) and wall time (ms) per reading, median and max over
+``--reps``, and the CPU that costs per second of the daemon at ``gpu_interval_s`` (default 5 s).
+
+    python bench/nvml.py [--reps 40] [--interval 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparkd.sense.gpu import GpuSession, read_gpu
+
+
+def measure(fn: Callable[[], object], reps: int) -> tuple[list[float], list[float]]:
+    """(CPU µs, wall ms) of each of ``reps`` calls, after one warm-up call."""
+    fn()
+    cpu: list[float] = []
+    wall: list[float] = []
+    for _ in range(reps):
+        c0, w0 = time.process_time_ns(), time.perf_counter_ns()
+        fn()
+        cpu.append((time.process_time_ns() - c0) / 1e3)
+        wall.append((time.perf_counter_ns() - w0) / 1e6)
+        time.sleep(0.05)
+    return cpu, wall
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--interval", type=float, default=5.0, help="gpu_interval_s (s)")
+    a = ap.parse_args()
+    first = read_gpu()
+    if not any(r.available for r in first):
+        print(f"no NVML here: {first[0].reason}")
+        return 1
+    print(f"{len(first)} device(s): {', '.join(str(r.name) for r in first)}; driver {first[0].driver_version}")
+    session = GpuSession()
+    ways: dict[str, Callable[[], object]] = {
+        "init + read + shutdown (read_gpu)": read_gpu,
+        "session kept open (GpuSession.read)": session.read,
+    }
+    print(f"{'way':<38} {'CPU µs med':>10} {'CPU µs max':>10} {'wall ms med':>11} {'µs/s at interval':>16}")
+    for name, fn in ways.items():
+        cpu, wall = measure(fn, a.reps)
+        med = statistics.median(cpu)
+        print(f"{name:<38} {med:>10.0f} {max(cpu):>10.0f} {statistics.median(wall):>11.2f} {med / a.interval:>16.1f}")
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
