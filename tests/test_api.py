@@ -1042,6 +1042,46 @@ async def test_it_answers_a_lone_surrogate_with_422_naming_the_field(managed: Da
     assert r.json()["detail"]["field"] == "kv_cache_dtype", detail
 
 
+def _chart_config(page: str) -> dict[str, Any]:
+    import html
+    import json
+
+    m = re.search(r'id="chart" class="chart" data-config="([^"]*)"', page)
+    assert m, page[:2000]
+    result: dict[str, Any] = json.loads(html.unescape(m.group(1)))
+    return result
+
+
+@pytest.mark.parametrize("cma", [True, False])
+async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_there_is_cma(
+    tmp_path: Path, cma: bool
+) -> None:
+    """The default rules judge usable memory (MemAvailable − CmaFree): their stop lines are on the chart
+    (they were not: only MemFree < 2 GiB was), and where the host has CMA usable is a series of its own."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    extra = "CmaTotal: 4194304 kB\nCmaFree: 2097152 kB\n" if cma else ""
+    (proc / "meminfo").write_text(f"MemTotal: 16777216 kB\nMemFree: 4194304 kB\nMemAvailable: 12582912 kB\n{extra}")
+    d = await _daemon(tmp_path, proc_root=str(proc))  # the default rules
+    try:
+        async with _client(d) as c:
+            cfg = _chart_config((await c.get("/")).text)
+            body = (await c.get("/api/samples", params={"fields": "mem_available,mem_available_minus_cma"})).json()
+    finally:
+        await d.shutdown("test")
+    lines = {(t["rule"], t["label"], t["value"] / 2**30) for t in cfg["thresholds"]}
+    assert lines == {
+        ("low_available", "usable", 6.0),
+        ("low_free_with_evidence", "MemFree", 2.0),
+        ("low_free_with_evidence", "usable", 10.0),
+        ("collapse_projected", "usable (projected)", 4.0),  # the floor, not the 16 GiB arming gate
+    }
+    assert cfg["cma"] is cma
+    usable = 10 * 2**30 if cma else 12 * 2**30
+    assert body["mem_available_avg"][-1] == 12 * 2**30
+    assert body["mem_available_minus_cma_avg"][-1] == body["mem_available_minus_cma_min"][-1] == usable
+
+
 async def test_the_now_card_tells_usable_memory_gpu_and_watermark_truths(tmp_path: Path) -> None:
     """Truth in small things (issue 14 #9): usable memory beside MemAvailable where CMA exists, GPU
     readings or why there are none, watermark warnings; nothing unmeasured shows as 0."""

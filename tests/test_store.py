@@ -23,7 +23,7 @@ def _row(ts: float, avail: int) -> dict:
 
 def test_it_creates_the_schema_through_alembic(tmp_path: Path) -> None:
     s = Store.open(tmp_path / "db" / "sparkd.db")
-    assert s.current_revision() == "0005"
+    assert s.current_revision() == "0006"
     tables = set(inspect(s.engine).get_table_names())
     assert {"samples", "events", "daemon_runs", "kernel_counts", "status", "launches", "alembic_version"} <= tables
     with s.engine.connect() as c:
@@ -121,6 +121,25 @@ def test_retention_aggregates_then_prunes(tmp_path: Path) -> None:
     chart = s.downsampled(since=t0, until=now, step_s=600, fields=["mem_available"])
     assert len(chart) == 18  # 2 h from minute aggregates + 1 h raw, in 10-minute buckets
     assert all(x["mem_available_min"] == 5000 * KiB and x["mem_available_max"] == 5059 * KiB for x in chart)
+
+
+def test_usable_memory_is_charted_from_raw_samples_and_from_the_minute_aggregates(tmp_path: Path) -> None:
+    """The default rules judge usable = MemAvailable − CmaFree (CONTEXT.md "CMA"): the chart's usable
+    line and its stop lines need it both within and beyond the raw samples' retention (migration 0006)."""
+    s = Store.open(tmp_path / "u.db")
+    now = time.time()
+    t0 = now - 2 * 3600
+    rows = []
+    for i in range(2 * 3600):
+        avail, cma = (20_000 + i % 60) * KiB, 8_000 * KiB  # a host with 8,000 KiB of free CMA
+        rows.append(("sample", {**_row(t0 + i, avail), "cma_free": cma, "mem_available_minus_cma": avail - cma}))
+    s.write_batch(rows)
+    s.prune(now=now, raw_keep_s=3600, minutes_keep_s=30 * 86400, events_keep_s=365 * 86400)
+    chart = s.downsampled(since=t0, until=now, step_s=600, fields=["mem_available", "mem_available_minus_cma"])
+    assert len(chart) == 12  # 1 h from minute aggregates + 1 h raw
+    for x in chart:
+        assert (x["mem_available_minus_cma_min"], x["mem_available_minus_cma_max"]) == (12_000 * KiB, 12_059 * KiB)
+        assert x["mem_available_minus_cma_avg"] == pytest.approx(x["mem_available_avg"] - 8_000 * KiB)
 
 
 def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -427,16 +446,25 @@ def test_a_database_made_by_0_1_upgrades_with_its_samples_kept_and_readable(tmp_
         "INSERT INTO samples (ts, mem_total, mem_available, mem_free, psi_some_avg10) VALUES (?, ?, ?, ?, ?)",
         [(t0 + i, 128 << 30, (60 << 30) + i * KiB, 1 << 30, 0.5) for i in range(100)] + [(t0 + 5, 1, 2, 3, 4.0)],
     )
+    m0 = t0 - 3600  # a minute aggregated by 0.1 (bytes, as sample_minutes keeps them)
+    con.execute(
+        "INSERT INTO sample_minutes (minute_ts, n, mem_available_min, mem_available_avg, mem_available_max) "
+        "VALUES (?, 60, ?, ?, ?)",
+        (m0, 50 << 30, 55 << 30, 59 << 30),
+    )
     con.commit()
     con.close()
     s = Store.open(db)
-    assert s.current_revision() == "0005"
+    assert s.current_revision() == "0006"
     rows = s.samples(since=t0)
     assert len(rows) == 100  # the duplicate ts kept its first row
     assert rows[5]["mem_available"] == (60 << 30) + 5 * KiB and rows[5]["mem_total"] == 128 << 30
     assert rows[99]["psi_some_avg10"] == 0.5
     latest = s.latest_sample()
     assert latest is not None and latest["ts"] == t0 + 99
+    [minute] = s.downsampled(since=m0, until=m0 + 60, step_s=60, fields=["mem_available", "mem_available_minus_cma"])
+    assert (minute["n"], minute["mem_available_min"], minute["mem_available_max"]) == (60, 50 << 30, 59 << 30)
+    assert minute["mem_available_minus_cma_avg"] is None  # not aggregated before 0006: a gap, nothing made up
     s.write_batch([("sample", _row(t0 + 100, 7 * KiB)), ("sample", _row(t0 + 100, 8 * KiB))])  # the first is kept
     assert s.count_samples() == 101 and s.samples(since=t0 + 100)[0]["mem_available"] == 7 * KiB
     with s.engine.connect() as c:  # on disk: KiB and hundredths (migration 0005), the 0.1 rows converted

@@ -96,4 +96,4 @@ def test_the_wheel_installs_in_a_fresh_venv_and_serves_the_dashboard(tmp_path: P
     import sqlite3
 
     rev = sqlite3.connect(tmp_path / "state" / "sparkd.db").execute("SELECT version_num FROM alembic_version")
-    assert rev.fetchone()[0] == "0005"
+    assert rev.fetchone()[0] == "0006"

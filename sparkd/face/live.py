@@ -35,10 +35,11 @@ if TYPE_CHECKING:
 
 LIVE_PARTS = ("headline", "stopped", "summary", "rules", "container", "buttons", "budget")
 MARKER_KINDS = ("trip", "stopping", "stopped", "killed", "hard_floor_kill", "launched", "ready", "oom_kill", "resize")
-CHART_LIVE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab")
+CHART_LIVE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "mem_available_minus_cma")
 CHART_LIVE_COLUMNS = (
     "mem_available_avg",
     "mem_available_min",
+    "mem_available_minus_cma_avg",
     "mem_free_avg",
     "cached_avg",
     "anon_pages_avg",

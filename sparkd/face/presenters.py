@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 #: Chart series: sample column → label (node_exporter/meminfo words).
 CHART_SERIES = {
     "mem_available": "MemAvailable",
+    "mem_available_minus_cma": "usable",  # MemAvailable − CmaFree: the default rules' field
     "mem_free": "MemFree",
     "cached": "Cached",
     "anon_pages": "AnonPages",
@@ -389,19 +390,29 @@ def budget_from_status(status: Status) -> dict[str, Any] | None:
 
 
 def chart_config(status: Status) -> dict[str, Any]:
-    """What the chart script needs besides samples: series and stop thresholds (bytes)."""
+    """What the chart script needs besides samples: series, stop thresholds (bytes) and ``cma``.
+
+    ``cma``: the host has a CMA region (CmaTotal > 0), so usable memory (MemAvailable − CmaFree,
+    CONTEXT.md "CMA") is a line of its own; without one it is MemAvailable, and a stop line on usable
+    is drawn against the MemAvailable line."""
     lines = []
     for r in status.rules:
         if r.kind == "predictive" and r.floor_bytes is not None:
-            # its stop line is the projected floor; the when-gate only arms the projection (issue 14)
+            # its stop line is the projected floor (on usable); the when-gate only arms the projection (issue 14)
             lines.append(
-                {"rule": r.name, "field": "mem_available", "label": "MemAvailable (projected)", "value": r.floor_bytes}
+                {
+                    "rule": r.name,
+                    "field": "mem_available_minus_cma",
+                    "label": "usable (projected)",
+                    "value": r.floor_bytes,
+                }
             )
             continue
         for t in r.thresholds:
             if t.is_size and t.field in CHART_SERIES:
                 lines.append({"rule": r.name, "field": t.field, "label": t.name, "value": t.value})
-    return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS)}
+    cma = bool(status.sample and (status.sample.cma_total or status.sample.cma_free))
+    return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS), "cma": cma}
 
 
 # --------------------------------------------------------------------------- blocking views

@@ -100,7 +100,16 @@ class Hundredths(TypeDecorator[float]):
 
 
 # Fields kept as per-minute min/avg/max after raw samples expire (retention).
-AGGREGATE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
+AGGREGATE_FIELDS = (
+    "mem_available",
+    "mem_free",
+    "cached",
+    "anon_pages",
+    "slab",
+    "driver_bytes",
+    "psi_some_avg10",
+    "mem_available_minus_cma",  # usable: the default rules' field (migration 0006)
+)
 
 
 metadata = MetaData()

@@ -94,7 +94,16 @@ _UPSERT_STATUS = (
 _SYNC_FULL = "PRAGMA synchronous=FULL"
 _SYNC_NORMAL = "PRAGMA synchronous=NORMAL"
 
-CHART_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "driver_bytes", "psi_some_avg10")
+CHART_FIELDS = (
+    "mem_available",
+    "mem_free",
+    "cached",
+    "anon_pages",
+    "slab",
+    "driver_bytes",
+    "psi_some_avg10",
+    "mem_available_minus_cma",
+)
 
 
 def _on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:

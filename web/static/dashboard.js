@@ -14,6 +14,9 @@
   const SERIES = [
     ["mem_available", "avg", "MemAvailable", "#3fb68b", 2],
     ["mem_available", "min", "MemAvailable (min)", "rgba(63,182,139,0.45)", 1],
+    // usable = MemAvailable − CmaFree, the default rules' field: a line of its own only where the host
+    // has CMA (cfg.cma); elsewhere it is MemAvailable, and its stop lines sit against that line
+    ...(cfg.cma ? [["mem_available_minus_cma", "avg", "usable (MemAvailable − CmaFree)", "#2ec4d6", 2]] : []),
     ["mem_free", "avg", "MemFree", "#6aa8ff", 1.5],
     ["cached", "avg", "Cached (page cache)", "#e0b341", 1.5],
     ["anon_pages", "avg", "AnonPages", "#b48cf0", 1.5],
@@ -45,6 +48,7 @@
   let timer = null;
   let generation = 0;
   let zoom = null; // [min, max] epoch s while zoomed in; null: the live range
+  let drawnLines = []; // the stop lines' labels drawn last time (within the plot)
   const tip = document.getElementById("chart-tip");
   const zoomReset = document.getElementById("zoom-reset");
   const INCIDENT_KINDS = ["stopped", "killed"];
@@ -80,6 +84,7 @@
     ctx.textAlign = "left";
     ctx.textBaseline = "bottom";
     const labelled = new Set();
+    drawnLines = [];
     for (const t of thresholds) {
       const y = u.valToPos(t.value / GiB, "y", true);
       if (y < top || y > top + h) continue;
@@ -95,8 +100,10 @@
       if (labelled.has(key)) continue; // one label per line: rules sharing a threshold do not pile up
       labelled.add(key);
       const same = thresholds.filter((x) => x.label === t.label && x.value === t.value).map((x) => x.rule);
+      const text = `${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`;
+      drawnLines.push(text);
       ctx.fillStyle = "rgba(240,97,109,0.95)";
-      ctx.fillText(`${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`, left + 6 * dpr, y - 4 * dpr);
+      ctx.fillText(text, left + 6 * dpr, y - 4 * dpr);
     }
     const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));
     for (const m of sorted) {
@@ -339,6 +346,7 @@
     points: () => (data ? data[0].length : 0),
     plot: () => plot,
     markers: () => markers,
+    lines: () => drawnLines,
     append,
     cursor: cursorPos,
     zoom: () => zoom,

@@ -1,0 +1,109 @@
+"""The chart's stop lines and its usable series in headless Chromium, against a real ``sparkd run``
+with the default rules over a /proc the test owns: a host with a CMA region (CmaFree 2 GiB), so usable
+memory (MemAvailable − CmaFree, the default rules' field) is a line of its own, 2 GiB under MemAvailable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sparkdproc import free_port
+from test_browser import ARTIFACTS, browser, until  # noqa: F401 - fixtures
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.browser
+GiB = 2**30
+MEMINFO = (
+    "MemTotal: 16777216 kB\nMemFree: 4194304 kB\nMemAvailable: 12582912 kB\nCached: 2097152 kB\n"
+    "CmaTotal: 4194304 kB\nCmaFree: 2097152 kB\n"
+)
+
+
+@pytest.fixture(scope="module")
+def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("cma")
+    proc = tmp / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(MEMINFO)
+    port = free_port()
+    env = {
+        **os.environ,
+        "SPARKD_STATE_DIR": str(tmp / "state"),
+        "SPARKD_API__PORT": str(port),
+        "SPARKD_KERNLOG_SOURCE": "off",
+        "SPARKD_INTERVAL_S": "0.25",
+        "SPARKD_FAST_INTERVAL_S": "0.25",
+        "SPARKD_PROC_ROOT": str(proc),
+    }
+    env.pop("SPARKD_CONFIG", None)
+    cfg = tmp / "sparkd.toml"
+    cfg.write_text("")  # the default rules
+    log = open(tmp / "sparkd.out", "w")  # noqa: SIM115 — closed after the process
+    p = subprocess.Popen(
+        [sys.executable, "-c", "from sparkd.face.cli import main; main()", "--config", str(cfg), "run"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if p.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                raise AssertionError(f"sparkd did not come up: {(tmp / 'sparkd.out').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield base
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+        log.close()
+
+
+def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any, cma_sparkd: str) -> None:  # noqa: F811
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(f"{cma_sparkd}/")
+    until(page, "window.sparkdChart && window.sparkdChart.points() > 2", 15)
+    labels = [s["label"] for s in page.evaluate("window.sparkdChart.plot().series.map((s) => ({label: s.label}))")]
+    assert "usable (MemAvailable − CmaFree)" in labels, labels
+    idx = labels.index("usable (MemAvailable − CmaFree)")
+    avail_idx = labels.index("MemAvailable")
+    usable, avail = page.evaluate(
+        f"(() => {{ const d = window.sparkdChart.plot().data; const i = d[0].length - 1; "
+        f"return [d[{idx}][i], d[{avail_idx}][i]]; }})()"
+    )
+    assert (usable, avail) == (10.0, 12.0)  # GiB: MemAvailable 12 − CmaFree 2
+    page.wait_for_timeout(2500)  # live updates carry the usable column too
+    assert page.evaluate(f"window.sparkdChart.plot().data[{idx}].slice(-3)") == [10.0, 10.0, 10.0]
+    drawn = page.evaluate("window.sparkdChart.lines()")
+    for line in (
+        "low_available: usable < 6.0 GiB",
+        "low_free_with_evidence: usable < 10.0 GiB",
+        "low_free_with_evidence: MemFree < 2.0 GiB",
+        "collapse_projected: usable (projected) < 4.0 GiB",
+    ):
+        assert line in drawn, drawn
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chart-cma-default-rules.png"))
+    assert not errors, errors
+    ctx.close()
