@@ -1082,6 +1082,44 @@ async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_the
     assert body["mem_available_minus_cma_avg"][-1] == body["mem_available_minus_cma_min"][-1] == usable
 
 
+async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_them(tmp_path: Path) -> None:
+    """The incident page's chart shows the lines the tripped rule had at the trip (the configuration may
+    have changed since): the trip event records them; the incident JSON and the page's chart carry them."""
+    import html
+    import json
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+    rule = {"name": "low", "when": ["usable < 6GiB", "MemFree < 2GiB"], "samples": 1}
+    d = await _daemon(tmp_path, proc_root=str(proc), rules=[rule])
+    try:
+        (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 4194304 kB\n")
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+        [trip] = [e for e in d.recent_events if e["kind"] == "trip"]
+        lines = [
+            {"field": "mem_available_minus_cma", "label": "usable", "value": 6 * 2**30},
+            {"field": "mem_free", "label": "MemFree", "value": 2 * 2**30},
+        ]
+        assert trip["details"]["stop_lines"] == lines
+        assert d.store is not None and d.writer is not None
+        await asyncio.to_thread(d.writer.flush)
+        # the stop that followed (monitor-only stops nothing: the stop event is written as the supervisor would)
+        d.store.add_event(kind="stopped", message="stopped", details={"source": "rule low"}, ts=time.time())
+        [stop] = d.store.events(kinds=["stopped"])
+        async with _client(d) as c:
+            data = (await c.get(f"/incidents/{stop['id']}.json")).json()
+            page = (await c.get(f"/incidents/{stop['id']}")).text
+    finally:
+        await d.shutdown("test")
+    assert data["rule"] == "low" and data["stop_lines"] == lines
+    assert "stop_lines" not in data["values"] and data["values"]["usable"] == 4 * 2**30  # the card's figures
+    m = re.search(r'id="incident-chart" class="chart" data-config="([^"]*)"', page)
+    assert m and json.loads(html.unescape(m.group(1)))["lines"] == lines
+
+
 async def test_the_now_card_tells_usable_memory_gpu_and_watermark_truths(tmp_path: Path) -> None:
     """Truth in small things (issue 14 #9): usable memory beside MemAvailable where CMA exists, GPU
     readings or why there are none, watermark warnings; nothing unmeasured shows as 0."""

@@ -244,6 +244,9 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         drawn = page.evaluate("window.sparkdIncident.plot().data[0]")
         assert drawn == stored[: len(drawn)] and drawn[0] <= data["trip_ts"] <= drawn[-1] + 1, (drawn, data["trip_ts"])
         assert "trip" in page.evaluate("window.sparkdIncident.marks()")
+        # the tripped rule's stop line, as it was at the trip, is drawn across the chart
+        assert data["stop_lines"] == [{"field": "mem_available", "label": "MemAvailable", "value": 6 * 2**30}]
+        assert page.evaluate("window.sparkdIncident.lines()") == ["MemAvailable < 6.0 GiB"]
         timeline = page.inner_text("#incident-timeline")
         assert "trip" in timeline and "stopping" in timeline and "stopped" in timeline
         steps = page.inner_text("#incident-steps")

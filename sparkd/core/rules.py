@@ -36,7 +36,7 @@ Shapes:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -311,6 +311,24 @@ class Decision:
     samples: int
     values: dict[str, Any] = field(default_factory=dict)
     mono: float | None = None
+
+
+def stop_lines(rule: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A rule's stop lines for a chart, from ``Rule.to_json()``'s shape (or the status's rule, which has it):
+    ``[{"field": sample attribute, "label": its name, "value": bytes}]``.
+
+    A threshold rule: each size condition of ``when`` (``usable < 6GiB`` → field
+    ``mem_available_minus_cma``, label ``usable``). A predictive rule: its projected ``floor_bytes`` on
+    usable memory, labelled ``usable (projected)``; its ``when`` only arms the projection (issue 14).
+    """
+    if rule["kind"] == "predictive":
+        floor = rule.get("floor_bytes")
+        return (
+            []
+            if floor is None
+            else [{"field": "mem_available_minus_cma", "label": "usable (projected)", "value": floor}]
+        )
+    return [{"field": t["field"], "label": t["name"], "value": t["value"]} for t in rule["thresholds"] if t["is_size"]]
 
 
 def usable_bytes(sample: Sample) -> int | None:

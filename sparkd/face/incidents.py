@@ -72,7 +72,7 @@ def summary(store: Store, stop: dict[str, Any]) -> dict[str, Any]:
     d = stop.get("details") or {}
     trip = _trip_for(store, stop)
     tripd = (trip or {}).get("details") or {}
-    values = {k: v for k, v in tripd.items() if k not in ("rule", "action", "count")}
+    values = {k: v for k, v in tripd.items() if k not in ("rule", "action", "count", "stop_lines")}
     durations = d.get("durations_s") or {}
     return {
         "id": stop["id"],
@@ -86,6 +86,8 @@ def summary(store: Store, stop: dict[str, Any]) -> dict[str, Any]:
         "trip_ts": (trip or {}).get("ts"),
         "trip_reason": (trip or {}).get("message"),
         "values": values,
+        # the tripped rule's stop lines as configured then (trips recorded before 0.2 have none)
+        "stop_lines": tripd.get("stop_lines") or [],
         "exit_code": d.get("exit_code"),
         "oom_killed": d.get("oom_killed"),
         "outcome": d.get("outcome"),

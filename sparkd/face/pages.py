@@ -77,7 +77,13 @@ def install_pages(app: FastAPI, daemon: DaemonView) -> None:
     @app.get("/incidents/{incident_id}", response_class=HTMLResponse, include_in_schema=False)
     async def incident_page(request: Request, incident_id: int) -> HTMLResponse:
         data = await incident_data(request, incident_id)
-        chart = {"samples": data["samples"], "marks": data["marks"], "trip_ts": data["trip_ts"], "ts": data["ts"]}
+        chart = {
+            "samples": data["samples"],
+            "marks": data["marks"],
+            "trip_ts": data["trip_ts"],
+            "ts": data["ts"],
+            "lines": data["stop_lines"],
+        }
         return render(request, "incident.html", i=data, chart_json=json.dumps(chart))
 
     def _events(kind: list[str] | None, since: float | None, until: float | None, before: int | None) -> Any:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd.core.choices import RuleAction
 from sparkd.core.lifecycle import ContainerState
+from sparkd.core.rules import stop_lines
 from sparkd.loop.status import GpuStatus, Status
 from sparkd.units import GiB
 
@@ -395,22 +396,12 @@ def chart_config(status: Status) -> dict[str, Any]:
     ``cma``: the host has a CMA region (CmaTotal > 0), so usable memory (MemAvailable − CmaFree,
     CONTEXT.md "CMA") is a line of its own; without one it is MemAvailable, and a stop line on usable
     is drawn against the MemAvailable line."""
-    lines = []
-    for r in status.rules:
-        if r.kind == "predictive" and r.floor_bytes is not None:
-            # its stop line is the projected floor (on usable); the when-gate only arms the projection (issue 14)
-            lines.append(
-                {
-                    "rule": r.name,
-                    "field": "mem_available_minus_cma",
-                    "label": "usable (projected)",
-                    "value": r.floor_bytes,
-                }
-            )
-            continue
-        for t in r.thresholds:
-            if t.is_size and t.field in CHART_SERIES:
-                lines.append({"rule": r.name, "field": t.field, "label": t.name, "value": t.value})
+    lines = [
+        {"rule": r.name, **line}
+        for r in status.rules
+        for line in stop_lines(r.model_dump())
+        if line["field"] in CHART_SERIES
+    ]
     cma = bool(status.sample and (status.sample.cma_total or status.sample.cma_free))
     return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS), "cma": cma}
 

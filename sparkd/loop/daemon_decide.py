@@ -12,7 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from sparkd.core.rules import Decision
+from sparkd.core.rules import Decision, Rule, stop_lines
 from sparkd.core.sample import Sample
 from sparkd.loop.guard import TickResult
 from sparkd.sense.kernlog import KernRecord
@@ -110,6 +110,10 @@ def _refresh_status(daemon: Daemon) -> None:
             daemon.notifier.notify(f"STATUS={daemon.summary_line()}")
 
 
+def _rule(daemon: Daemon, name: str) -> Rule | None:
+    return daemon.guard.rule(name) if daemon.guard else None
+
+
 def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
     assert daemon.writer is not None
     minute = sample.ts - sample.ts % 60
@@ -171,6 +175,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             "count": d.counter,
             "sample_ts": sample.ts if sample is not None else None,
             **_jsonable(d.values),
+            # the rule's stop lines as configured at the trip: the incident chart draws them (the config may change)
+            **({"stop_lines": stop_lines(tripped.to_json())} if (tripped := _rule(daemon, d.rule)) else {}),
             **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
             **({"demoted": verdict.reason} if verdict is not None else {}),
         },

@@ -80,30 +80,21 @@
     ctx.beginPath();
     ctx.rect(left, top, width, h);
     ctx.clip();
-    ctx.font = `${11 * dpr}px system-ui, sans-serif`;
-    ctx.textAlign = "left";
-    ctx.textBaseline = "bottom";
     const labelled = new Set();
     drawnLines = [];
     for (const t of thresholds) {
       const y = u.valToPos(t.value / GiB, "y", true);
       if (y < top || y > top + h) continue;
-      ctx.strokeStyle = "rgba(240,97,109,0.85)";
-      ctx.lineWidth = 1 * dpr;
-      ctx.setLineDash([6 * dpr, 4 * dpr]);
-      ctx.beginPath();
-      ctx.moveTo(left, y);
-      ctx.lineTo(left + width, y);
-      ctx.stroke();
-      ctx.setLineDash([]);
       const key = `${t.label}${t.value}`;
-      if (labelled.has(key)) continue; // one label per line: rules sharing a threshold do not pile up
-      labelled.add(key);
-      const same = thresholds.filter((x) => x.label === t.label && x.value === t.value).map((x) => x.rule);
-      const text = `${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`;
-      drawnLines.push(text);
-      ctx.fillStyle = "rgba(240,97,109,0.95)";
-      ctx.fillText(text, left + 6 * dpr, y - 4 * dpr);
+      let text = null;
+      if (!labelled.has(key)) {
+        // one label per line: rules sharing a threshold do not pile up
+        labelled.add(key);
+        const same = thresholds.filter((x) => x.label === t.label && x.value === t.value).map((x) => x.rule);
+        text = `${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`;
+        drawnLines.push(text);
+      }
+      window.sparkdStopLine(ctx, u.bbox, y, text);
     }
     const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));
     for (const m of sorted) {
