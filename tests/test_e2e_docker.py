@@ -338,3 +338,48 @@ def test_a_container_removed_outside_sparkd_is_not_relaunched(sparkd_factory: An
     assert "removed outside sparkd" in ev["message"]
     time.sleep(2.0)
     assert len(s.events("launched")) == 1 and s.container()["state"] == "none"
+
+
+def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(
+    sparkd_factory: Any, docker_client: Any, image: str, case_labels: dict[str, str]
+) -> None:
+    """sparkd's container removed, then ``docker run --name <the same name>`` by hand: sparkd will not stop a
+    container without its label, so it must say at once that no stop rule protects the host from this one
+    (it said nothing: status read "none" while a model ran)."""
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    docker_client.containers.get(c["container_id"]).remove(force=True)
+    s.wait_event("container_gone", 20)
+    by_hand = docker_client.containers.run(
+        image,
+        name=c["name"],
+        entrypoint=["/usr/bin/python3", "-c", "import time; time.sleep(600)"],
+        labels=case_labels,  # the test's labels, not sparkd.managed
+        network_mode="host",
+        detach=True,
+    )
+    ev = s.wait_event("unguarded_container", 20)
+    assert by_hand.id[:12] in ev["message"] and "will not stop it" in ev["message"], ev
+    assert ev["details"]["container_id"] == by_hand.id
+    u = s.container()["unguarded"]
+    assert u["id"] == by_hand.id and u["name"] == c["name"]
+    live = s.api("GET", "/ui/live.json").json()  # the dashboard's header: never "ok" while it runs
+    assert live["level"] == "critical" and "not guarded" in live["label"], live
+    card = s.api("GET", "/ui/container").text
+    assert "Not guarded." in card and by_hand.id[:12] in card, card
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert f"NOT GUARDED: container {c['name']} ({by_hand.id[:12]})" in out, out
+    time.sleep(2.0)
+    assert len(s.events("unguarded_container")) == 1  # said once per container, not once a second
+    by_hand.remove(force=True)
+    s.wait_event("unguarded_container_gone", 20)
+    assert s.container()["unguarded"] is None
+    assert len(s.events("launched")) == 1  # nothing was relaunched meanwhile

@@ -262,7 +262,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "breaker_open": bool(c.supervision and c.supervision.breaker.open),
         "breaker_count": c.supervision.breaker.count if c.supervision else None,
         "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,
-        "level": "critical" if c.supervision and c.supervision.breaker.open else level,
+        "level": "critical" if (c.supervision and c.supervision.breaker.open) or c.unguarded else level,
+        # a same-name container sparkd will not stop (managed mode, started by hand)
+        "unguarded": c.unguarded.model_dump(mode="json") if c.unguarded else None,
         "raw": c.model_dump(mode="json"),
     }
 
@@ -299,6 +301,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", "stopped by the guard"
     elif ns is None and s and why is not None:
         label = "not guarded"
+    elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
+        level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
     return {

@@ -151,6 +151,17 @@ class SupervisionStatus(_Model):
 
 
 # --------------------------------------------------------------------------- the container side
+class UnguardedContainer(_Model):
+    """A running container by the managed container's name that lacks sparkd's label (``docker run`` by
+    hand after sparkd's own was removed): sparkd will not stop it, so a stop rule cannot protect the
+    host from it. ``since``: epoch s when sparkd first saw it."""
+
+    id: str
+    name: str
+    image: str | None = None
+    since: float
+
+
 class ContainerStatus(_Model):
     """The container side (``Actions.status_json()``): the supervisor's view, or monitor-only.
 
@@ -190,6 +201,7 @@ class ContainerStatus(_Model):
     stops_total: int = 0
     kills_total: int = 0
     supervision: SupervisionStatus | None = None  # managed or guard mode; None in monitor-only
+    unguarded: UnguardedContainer | None = None  # managed mode: a same-name container sparkd will not stop
 
 
 # --------------------------------------------------------------------------- the guard

@@ -49,7 +49,14 @@ from sparkd.core.supervision import StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
 from sparkd.loop.runbook import RunBook
-from sparkd.loop.status import ContainerStatus, PlanFigures, ResizeResult, SupervisionStatus, diff_figures
+from sparkd.loop.status import (
+    ContainerStatus,
+    PlanFigures,
+    ResizeResult,
+    SupervisionStatus,
+    UnguardedContainer,
+    diff_figures,
+)
 from sparkd.loop.unattended import Unattended
 from sparkd.sense.kernlog import KernRecord
 from sparkd.sense.vllm_log import LaunchLogParser
@@ -123,6 +130,8 @@ class Supervisor(RunBook):
         self.restart_policy: str | None = None
         self.docker_restarts_seen = 0
         self.unattended = Unattended(self)  # back-off, breaker, intents, probe, maintenance (loop/unattended)
+        # managed mode: a running container by our name without our label (``_check_unguarded``)
+        self.unguarded: UnguardedContainer | None = None
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
@@ -235,6 +244,7 @@ class Supervisor(RunBook):
             stops_total=self.stops_total,
             kills_total=self.kills_total,
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
+            unguarded=self.unguarded if self.container_id is None else None,
         )
 
     # ------------------------------------------------------------------ control
@@ -408,7 +418,9 @@ class Supervisor(RunBook):
         if self.container_id is None:
             if self.mode == "guard":
                 await self._attach()
-            elif self.autostart_pending and not self.stay_stopped and not self.lock.locked():
+                return
+            await self._check_unguarded()
+            if self.autostart_pending and not self.stay_stopped and not self.lock.locked():
                 self.autostart_pending = False
                 try:
                     await self.request("start", source="sparkd start-up")
@@ -445,6 +457,42 @@ class Supervisor(RunBook):
             finally:
                 self.action = None
 
+    async def _check_unguarded(self) -> None:
+        """Managed mode, no container of sparkd's: one by ``container.name`` that runs without sparkd's
+        label (``docker rm`` of sparkd's, then ``docker run --name`` by hand) is one sparkd will not stop
+        (it never stops an unlabelled container it was not told to guard), so a stop rule cannot protect
+        the host from it. Said at once and loudly (``unguarded_container``, critical; ``status.container.
+        unguarded``), once per container; ``unguarded_container_gone`` when it stops or is removed."""
+        try:
+            info = await asyncio.to_thread(self.manager.get, self.settings.container.name)
+        except NotFound:
+            info = None
+        running = (
+            info is not None
+            and info.name == self.settings.container.name.lstrip("/")  # a name, not an id prefix that matched
+            and not info.managed
+            and info.status in ("running", "restarting")
+        )
+        old = self.unguarded
+        if running and info is not None and (old is None or old.id != info.id):
+            self.unguarded = UnguardedContainer(id=info.id, name=info.name, image=info.image, since=time.time())
+            self._event(
+                "unguarded_container",
+                f"container {info.name} ({info.id[:12]}, {info.image}) runs without sparkd's label "
+                f"(started outside sparkd): sparkd will not stop it, so no stop rule protects this host from "
+                f"it. Stop it and `sparkd start` to run the model under sparkd, or guard it as it is "
+                f"(container.guard = {info.name!r}, without container.image)",
+                severity="critical",
+                details={"container_id": info.id, "name": info.name, "image": info.image},
+            )
+        elif not running and old is not None:
+            self.unguarded = None
+            self._event(
+                "unguarded_container_gone",
+                f"container {old.name} ({old.id[:12]}), which ran without sparkd's label, is no longer running",
+                details={"container_id": old.id, "name": old.name},
+            )
+
     async def _attach(self) -> None:
         """Find the container to watch (managed: the running labelled one; guard: the named one,
         running or restarting) and reconcile with it: first sight gives ``adopted``."""
@@ -458,6 +506,7 @@ class Supervisor(RunBook):
         if info is None or info.id == self.container_id:
             return
         self.container_id, self.image, self.name, self.launch_id = info.id, info.image, info.name, info.launch_id
+        self.unguarded = None  # a container of sparkd's runs by that name now
         self.seen_started_at, self.seen_restart_count, self.restart_warned = None, None, False
         await self.reconcile(probe=False)
 

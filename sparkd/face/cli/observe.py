@@ -129,6 +129,12 @@ def _echo_snapshot(st: Status) -> None:
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
+    if c.unguarded is not None:
+        u = c.unguarded
+        click.echo(
+            f"NOT GUARDED: container {u.name} ({u.id[:12]}) runs without sparkd's label since {_ts(u.since)} UTC: "
+            "sparkd will not stop it, so no stop rule protects this host from it"
+        )
     if st.consumers is not None:
         cs = st.consumers
         over = f" — {fmt_gib(cs.cotenant_excess_bytes)} over the co-tenant limit" if cs.cotenant_excess_bytes else ""
