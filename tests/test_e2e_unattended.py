@@ -5,6 +5,7 @@ stop intents across restarts of sparkd, maintenance drain-and-relaunch with its 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -265,3 +266,46 @@ def test_three_failed_launches_in_a_row_hold_and_alert(make: Any) -> None:
     decisions = s.events("relaunch_decision")
     assert [d["details"]["delay_s"] for d in decisions] == [0.5, 1.0]
     assert sup(s)["backoff"]["failed_launches"] == 3
+
+
+def test_sparkd_killed_in_the_middle_of_an_emergency_stop_does_not_relaunch_that_model(
+    make: Any, tmp_path: Path, docker_client: Any
+) -> None:
+    """The emergency intent is persisted before the stop begins (archive + up to 30 s of grace + kill): a
+    kill -9 or a crash of sparkd in the middle of it used to leave no intent and a launch recorded as
+    "ready", so the next start relaunched at once the model a rule was stopping for memory exhaustion."""
+    from sparkdproc import rewrite_in_place
+
+    real = Path("/proc/meminfo").read_text()
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+
+    def meminfo(available_gib: int) -> None:
+        text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        rewrite_in_place(proc / "meminfo", text)
+
+    meminfo(12)
+    s = make(
+        container={"env": {"FAKEVLLM_MODE": "ignore-term", "FAKEVLLM_STARTUP_S": "0.3"}, "auto_restart": True},
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+    )
+    c = s.wait_state("ready", 60)
+    meminfo(4)
+    assert wait_for(lambda: s.container()["state"] == "stopping", 30), s.container()
+    held = json.loads((s.tmp / "supervision.json").read_text())["intent"]
+    assert held["intent"] == "emergency" and held["who"] == "rule low_available", held
+    s.kill9()  # in the middle of the 30 s grace the model takes (it ignores SIGTERM)
+    meminfo(12)
+    docker_client.containers.get(c["container_id"]).kill()  # what Docker does at the end of the grace
+    s.start()
+    ev = s.wait_event("staying_stopped", 30)
+    assert "stop intent emergency (rule low_available" in ev["message"], ev
+    time.sleep(3.0)
+    assert len(s.events("launched")) == 1, s.output()[-3000:]
+    assert s.container()["stay_stopped"] is True
+    # an operator's start relaunches it, and releases the intent
+    assert s.api("POST", "/api/container/start").status_code == 200
+    assert wait_for(lambda: len(s.events("launched")) == 2, 30)
+    assert s.events("stop_intent_released")

@@ -162,11 +162,18 @@ class Supervisor(RunBook):
         key, was_running = self.launch_id or self.container_id or "unknown", self.running()
         uptime = time.time() - self.container_started_at if self.container_started_at else None
         ready = self.ready_at is not None
+        held = was_running and not self.lock.locked()
+        if held:
+            # persisted before the stop: a crash or kill -9 of sparkd in the middle of it must not relaunch
+            # the model it was stopping at its next start (it stays stopped, as after a finished emergency stop)
+            before = await self.unattended.hold(self.unattended.intent_for(source), source, reason)
         try:
             await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
             self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
             if not isinstance(e, Conflict) or self.action != "stopping":
+                if held:
+                    await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
                 return
         if was_running:
             await self.unattended.emergency(key, reason)

@@ -118,6 +118,7 @@ class Unattended:
         self.min_avail_bytes: int | None = None
         self._min_day = time.strftime("%Y-%m-%d")
         self._last_scheduled: datetime | None = None
+        self._held: IntentRecord | None = None  # persisted by ``hold`` before a stop, not said yet
 
     # ------------------------------------------------------------------ persistence
     async def load(self) -> None:
@@ -162,13 +163,37 @@ class Unattended:
         return StopIntent.OPERATOR
 
     async def set_intent(self, intent: StopIntent, who: str, reason: str) -> None:
-        self.state.intent = IntentRecord(intent, time.time(), who, reason)
-        await self.save()
+        """Record and persist why the model is stopped (a ``stop_intent`` event). The intent ``hold`` put in
+        place before the stop began is said here, not recorded again."""
+        cur, held = self.state.intent, self._held
+        self._held = None
+        if cur is not None and cur is held and (cur.intent, cur.who, cur.reason) == (intent, who, reason):
+            pass  # persisted before the stop: say it now
+        else:
+            self.state.intent = IntentRecord(intent, time.time(), who, reason)
+            await self.save()
         self.sup._event(
             "stop_intent",
             f"stop intent {intent.value} ({who}: {reason})",
             details={"intent": intent.value, "who": who, "reason": reason},
         )
+
+    async def hold(self, intent: StopIntent, who: str, reason: str) -> IntentRecord | None:
+        """Persist ``intent`` before a stop begins, without an event: sparkd crashing or killed in the middle
+        of the stop (archive + up to 30 s of grace + kill) then finds it at its next start and keeps the
+        model stopped (``launchbook._remember_last_stop``) instead of relaunching the model it was stopping.
+        Returns the intent it replaced, for ``release_hold`` when the stop was not executed."""
+        before = self.state.intent
+        self._held = self.state.intent = IntentRecord(intent, time.time(), who, reason)
+        await self.save()
+        return before
+
+    async def release_hold(self, before: IntentRecord | None) -> None:
+        """The stop ``hold`` was for was not executed: the intent that held before, persisted, no event."""
+        if self._held is not None and self.state.intent is self._held:
+            self.state.intent = before
+            await self.save()
+        self._held = None
 
     async def clear_intent(self, who: str) -> None:
         self.cancel_relaunch(f"started by {who}")
