@@ -57,6 +57,15 @@ def test_it_sums_groups_and_names_the_biggest_co_tenants() -> None:
     assert cotenant_excess(s, 8 * GiB) == 0
 
 
+def test_with_no_container_watched_it_says_so_instead_of_container_0_gib() -> None:
+    """Monitor-only (or before a launch): nothing is the container, and "container 0.00 GiB" would read as
+    a measured zero (README: anything not measured reads n/a, never 0)."""
+    procs = [ProcessMem(300, "python", 1400 * MiB, "host"), ProcessMem(1, "systemd", 12 * MiB, "system")]
+    s = summarize(procs, at=0.0, watched=False)
+    assert s.text() == "no container watched · host co-tenants 1.37 GiB: python 1.37 GiB · system services 0.01 GiB"
+    assert s.to_json()["watched"] is False and summarize(procs, at=0.0).to_json()["watched"] is True
+
+
 def test_it_splits_a_fall_between_container_and_others() -> None:
     before = summarize([ProcessMem(1, "vllm", 80 * GiB, "container"), ProcessMem(2, "cc1", 1 * GiB, "host")], at=0)
     after = summarize([ProcessMem(1, "vllm", 82 * GiB, "container"), ProcessMem(2, "cc1", 6 * GiB, "host")], at=1)

@@ -88,7 +88,7 @@ async def test_it_scans_in_the_background_and_serves_the_totals_everywhere(tmp_p
         # the 512 MiB host process is among the top consumers, as a host co-tenant
         assert mine and mine[0].group == "host" and mine[0].rss_bytes >= 500 * MiB
         assert st.consumers.totals_bytes["host"] >= 500 * MiB
-        assert st.consumers.text.startswith("container 0.00 GiB · host co-tenants ")
+        assert st.consumers.text.startswith("no container watched · host co-tenants ")  # FakeActions: none
         # the plan's left-over (121.69 GiB − 95.65 GiB budget) minus the 8 GiB margin is the default limit
         plan = d.actions.status_json().plan
         assert plan is not None
@@ -106,7 +106,7 @@ async def test_it_scans_in_the_background_and_serves_the_totals_everywhere(tmp_p
         }
         assert set(got) == {"container", "host", "system"}  # per-group totals only, no process labels
         assert got["host"] >= 500 * MiB
-        assert "Who holds the memory: container " in page
+        assert "Who holds the memory: no container watched · host co-tenants " in page
         # one compact row per stored scan (store_every_s = 1 s here; 60 s by default)
         assert d.writer is not None
         await asyncio.to_thread(d.writer.flush)
@@ -363,7 +363,7 @@ async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
-    assert "who holds the memory (" in out and " UTC): container 0.00 GiB · host co-tenants " in out, out
+    assert "who holds the memory (" in out and " UTC): no container watched · host co-tenants " in out, out
     data = json.loads(CliRunner().invoke(main, ["--config", str(cfg), "status", "--json"]).output)
     assert data["consumers"]["scans"] >= 1 and set(data["consumers"]["totals_bytes"]) == {"container", "host", "system"}
 
@@ -397,3 +397,33 @@ async def test_the_daemon_starting_to_sample_fast_wakes_the_quiet_scan_at_once(t
         await _until(lambda: d.consumers is not None and d.consumers.scans == 2, 5.0)
     finally:
         await d.shutdown("test")
+
+
+async def test_another_container_is_scanned_at_once_not_a_quiet_interval_later() -> None:
+    """After a launch or an adoption the last scan counted the new container as a co-tenant, or not at all
+    (the card read "container 0.00 GiB" for up to quiet_interval_s): the daemon's wake on those events scans
+    again at once; a wake with the same container on a quiet host does not."""
+    ids: list[str] = []
+    w = ConsumerWatch(
+        ConsumersSettings(interval_s=1.0, quiet_interval_s=3600.0, quiet_change_gib=100.0, store_every_s=3600.0),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: list(ids),
+        mem_available=lambda: 100 * GiB,
+        plan_left_bytes=lambda: None,
+        emit=lambda *a: None,
+        scanner=ScriptedScanner([_scan(i, GiB, GiB) for i in range(10)]),
+        fast=lambda: False,
+    )
+    task = asyncio.create_task(w.run())
+    try:
+        await _until(lambda: w.scans == 1, 5.0)
+        w.wake()  # the same (no) container: quiet, no scan
+        await asyncio.sleep(0.5)
+        assert w.scans == 1
+        ids.append("ab" * 32)  # a container was adopted
+        w.wake()
+        await _until(lambda: w.scans == 2, 5.0)
+        await asyncio.sleep(0.5)
+        assert w.scans == 2
+    finally:
+        task.cancel()

@@ -74,7 +74,9 @@ class ConsumerSummary:
     """A condensed scan: per-group RSS totals, the top processes and the top command names.
 
     ``at``: wall-clock time of the scan (UTC epoch seconds, a label only);
-    ``scanned``: processes looked at; ``cpu_s``: CPU time the scan cost.
+    ``scanned``: processes looked at; ``cpu_s``: CPU time the scan cost; ``watched``: a container was
+    watched (False in monitor-only, or with no container yet: the ``container`` total is then no measure,
+    and ``text`` says so instead of "container 0.00 GiB").
     """
 
     at: float
@@ -84,6 +86,7 @@ class ConsumerSummary:
     scanned: int
     cpu_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    watched: bool = True
 
     def to_json(self) -> dict[str, Any]:
         """The stored and served shape (bytes; GiB only in ``text``)."""
@@ -99,6 +102,7 @@ class ConsumerSummary:
             ],
             "scanned": self.scanned,
             "cpu_s": round(self.cpu_s, 6),
+            "watched": self.watched,
             "text": self.text(),
         }
 
@@ -108,7 +112,7 @@ class ConsumerSummary:
 
     def text(self) -> str:
         """One line for operators: ``container 93.1 GiB · host co-tenants 7.2 GiB: cc1plus ×16 5.2 GiB, …``."""
-        parts = [f"container {fmt_gib(self.totals.get('container', 0))}"]
+        parts = [f"container {fmt_gib(self.totals.get('container', 0))}" if self.watched else "no container watched"]
         host = f"host co-tenants {fmt_gib(self.totals.get('host', 0))}"
         names = self.host_names()
         if names:
@@ -122,8 +126,11 @@ def _name_text(n: NameTotal) -> str:
     return f"{n.name} ×{n.count} {fmt_gib(n.rss_bytes)}" if n.count > 1 else f"{n.name} {fmt_gib(n.rss_bytes)}"
 
 
-def summarize(procs: Sequence[ProcessMem], *, at: float, top_n: int = 10, cpu_s: float = 0.0) -> ConsumerSummary:
+def summarize(
+    procs: Sequence[ProcessMem], *, at: float, top_n: int = 10, cpu_s: float = 0.0, watched: bool = True
+) -> ConsumerSummary:
     """Condense a scan: group totals, the ``top_n`` processes by RSS and the ``top_n`` command names of each group.
+    ``watched``: a container was watched (``ConsumerSummary.watched``).
 
     Raises ValueError when ``top_n`` < 1.
     """
@@ -143,7 +150,9 @@ def summarize(procs: Sequence[ProcessMem], *, at: float, top_n: int = 10, cpu_s:
         reverse=True,
     )
     by_name = tuple(n for g in GROUPS for n in [m for m in ranked if m.group == g][:top_n])
-    return ConsumerSummary(at=at, totals=totals, top=top, by_name=by_name, scanned=len(procs), cpu_s=cpu_s)
+    return ConsumerSummary(
+        at=at, totals=totals, top=top, by_name=by_name, scanned=len(procs), cpu_s=cpu_s, watched=watched
+    )
 
 
 def cotenant_excess(summary: ConsumerSummary, limit_bytes: int) -> int:

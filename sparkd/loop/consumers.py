@@ -116,6 +116,7 @@ class ConsumerWatch:
         self._last_warned: float | None = None
         self._last_stored: float | None = None
         self._stored_totals: dict[str, int] = {}
+        self._scanned_ids: list[str] | None = None  # the container ids the last periodic scan grouped by
 
     # ------------------------------------------------------------------ figures
     @property
@@ -151,6 +152,7 @@ class ConsumerWatch:
         ids = self.container_ids()
         avail = self.mem_available()
         summary = await asyncio.to_thread(self._scan_blocking, ids)
+        self._scanned_ids = ids
         return self._record(summary, avail)
 
     def _record(self, summary: ConsumerSummary, avail: int | None, *, store: bool = False) -> ScanPoint:
@@ -228,9 +230,16 @@ class ConsumerWatch:
         while True:
             now = self.mono()
             fast = self.fast()
-            if last is None or (
-                now - last >= (self.settings.interval_s if fast else self.settings.quiet_interval_s)
-                and (fast or now - last >= self.settings.store_every_s or not self._quiet())
+            # another container (launched, adopted, restarted): the last scan counted it as a co-tenant or not
+            # at all, so the totals are scanned again at once (``wake``), not a quiet_interval_s later
+            moved_on = self._scanned_ids is not None and self.container_ids() != self._scanned_ids
+            if (
+                last is None
+                or moved_on
+                or (
+                    now - last >= (self.settings.interval_s if fast else self.settings.quiet_interval_s)
+                    and (fast or now - last >= self.settings.store_every_s or not self._quiet())
+                )
             ):
                 last = now
                 try:
@@ -240,7 +249,8 @@ class ConsumerWatch:
             await self.alarm.sleep(self.settings.interval_s if fast else self.settings.quiet_interval_s)
 
     def wake(self) -> None:
-        """Look now whether a scan is due (the daemon starts sampling fast). On the event loop's thread."""
+        """Look now whether a scan is due (the daemon starts sampling fast; a container was launched, adopted
+        or restarted). On the event loop's thread."""
         self.alarm.wake()
 
     async def at_trip(self) -> TripShares | None:

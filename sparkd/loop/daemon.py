@@ -324,6 +324,8 @@ class Daemon:
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())
+            if self.consumers is not None:
+                self.consumers.wake()  # who holds the memory: this container's share, not the last one's
         elif kind == "ready":
             self.check_floors(healthy=True)
         return ev

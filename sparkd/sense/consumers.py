@@ -92,7 +92,9 @@ class ConsumerScanner:
             del self._known[key]
             self._groups.pop(key, None)
         procs = self._refresh_top(procs)
-        summary = summarize(procs, at=time.time(), top_n=self.top_n, cpu_s=time.process_time() - cpu0)
+        summary = summarize(
+            procs, at=time.time(), top_n=self.top_n, cpu_s=time.process_time() - cpu0, watched=bool(ids)
+        )
         if denied:
             summary = dataclasses.replace(summary, notes=(f"{denied} processes unreadable (no access)",))
         return summary
