@@ -18,6 +18,7 @@ import pytest
 from conftest import need
 from sparkdproc import db_query, sparkd_run, wait_for
 
+from sparkd.errors import StoreError
 from sparkd.sense import procfs
 
 INTERVAL = 0.2
@@ -160,6 +161,62 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path: Path) -> Non
         assert second.returncode == 1
         assert f"another sparkd (pid {first.pid}) is running with state directory {tmp_path}" in second.stderr
         assert first.poll() is None
+
+
+def test_a_second_daemon_is_refused_even_after_the_state_dir_was_removed(tmp_path: Path) -> None:
+    """``rm -rf`` of the state directory while sparkd runs removed its lock file: a second sparkd took a fresh
+    flock and guarded (and would stop containers) beside the first. The abstract socket name still holds."""
+    import shutil
+
+    state = tmp_path / "state"
+    with sparkd_run(tmp_path, config="interval_s = 0.2\nfast_interval_s = 0.2\n", state_dir=state) as first:
+        assert wait_for(lambda: db_query(state / "sparkd.db", "SELECT 1 FROM samples"), 20.0)
+        shutil.rmtree(state)
+        second = subprocess.run(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "run", "--no-api"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "SPARKD_STATE_DIR": str(state)},
+        )
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"another sparkd (pid {first.pid}) is running with state directory {state}" in second.stderr
+        assert "its lock file was removed while it ran" in second.stderr
+        assert first.poll() is None
+        # the first goes on recording: its database keeper recreates the file at its path
+        assert wait_for(
+            lambda: (state / "sparkd.db").exists() and db_query(state / "sparkd.db", "SELECT 1 FROM samples"), 30.0
+        )
+
+
+def test_the_state_dir_name_held_by_another_user_does_not_keep_the_guard_from_starting(tmp_path: Path) -> None:
+    """Abstract socket names have no permissions: a process of another uid holding the name is ignored
+    (logged), never a reason to leave the host unguarded."""
+    from sparkd.loop.statelock import StateLock, socket_name
+
+    need(os.geteuid() == 0, "needs root to hold the name as another uid")
+    state = tmp_path / "state"
+    state.mkdir()
+    code = (
+        "import os, socket, sys, time; os.setuid(65534); s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); "
+        "s.bind(chr(0) + sys.argv[1]); s.listen(1); print('held', flush=True); time.sleep(30)"
+    )
+    squatter = subprocess.Popen([sys.executable, "-c", code, socket_name(state)[1:]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "held"
+        StateLock.acquire(state).release()  # not refused
+    finally:
+        squatter.kill()
+        squatter.wait()
+    # a holder of this uid is a sparkd: refused by the name alone, the lock file gone
+    mine = StateLock.acquire(state)
+    try:
+        (state / "sparkd.lock").unlink()
+        with pytest.raises(StoreError, match=r"another sparkd \(pid \d+\) is running .* lock file was removed"):
+            StateLock.acquire(state)
+    finally:
+        mine.release()
+    StateLock.acquire(state).release()  # released with its holder
 
 
 def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

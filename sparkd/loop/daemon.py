@@ -35,7 +35,7 @@ from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.core.stalls import LATE_FACTOR, StallWindow
-from sparkd.errors import ConfigError, Refused, StoreError
+from sparkd.errors import ConfigError, Refused
 from sparkd.loop import daemon_db as _daemon_db
 from sparkd.loop import daemon_decide as _daemon_decide
 from sparkd.loop import daemon_http as _daemon_http
@@ -51,6 +51,7 @@ from sparkd.loop.httpserver import (
 from sparkd.loop.readable import ReadableGate
 from sparkd.loop.reads import Reads
 from sparkd.loop.relief import ReliefRunner
+from sparkd.loop.statelock import StateLock
 from sparkd.loop.status import (
     ContainerStatus,
     ResizeResult,
@@ -254,7 +255,7 @@ class Daemon:
         self._reported_floors: set[str] = set()
         self.gpu: list[dict[str, Any]] = []
         self._cooldown_logged: dict[str, float] = {}
-        self._lock_fd: int | None = None
+        self._lock: StateLock | None = None
         self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
         self.relief = ReliefRunner(
             settings.relief,
@@ -374,36 +375,12 @@ class Daemon:
 
     # ------------------------------------------------------------------ lifecycle
     def _lock_state_dir(self) -> None:
-        """One daemon per state directory: an exclusive ``flock`` on ``<state_dir>/sparkd.lock``.
+        """One daemon per state directory (``statelock.StateLock``: a ``flock`` and an abstract socket name).
 
         Raises:
             StoreError: another sparkd holds it (the message names its pid and the directory).
         """
-        import fcntl
-
-        path = Path(self.settings.state_dir) / "sparkd.lock"
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if (path.parent.stat().st_mode & 0o777) != 0o700 and path.parent.stat().st_uid == os.geteuid():
-                os.chmod(path.parent, 0o700)  # whatever the umask: samples, events and the token are ours
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise StoreError(f"cannot use state directory {path.parent}: {e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise StoreError(
-                f"another sparkd (pid {other}) is running with state directory {path.parent}; "
-                "stop it first, or give this one its own state_dir (SPARKD_STATE_DIR)"
-            ) from None
-        try:  # the pid is for the message above; a full disk must not stop the guard
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError as e:
-            log.warning("cannot write the pid into %s: %s (ignoring)", path, e.strerror)
-        self._lock_fd = fd
+        self._lock = StateLock.acquire(Path(self.settings.state_dir))
 
     async def startup(self) -> None:
         s = self.settings
@@ -739,9 +716,9 @@ class Daemon:
         if self.store:
             with contextlib.suppress(Exception):
                 self.store.close()
-        if self._lock_fd is not None:  # releases the state-directory lock
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:  # releases the state-directory lock
+            self._lock.release()
+            self._lock = None
 
     async def serve(self) -> None:
         """startup → main_loop → shutdown, with SIGTERM/SIGINT setting ``should_exit``."""
