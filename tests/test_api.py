@@ -1082,6 +1082,19 @@ async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_the
     assert body["mem_available_minus_cma_avg"][-1] == body["mem_available_minus_cma_min"][-1] == usable
 
 
+async def test_the_rules_card_shows_a_predictive_rules_floor_not_its_arming_gate_as_the_condition(
+    daemon: Daemon,
+) -> None:
+    """The default predictive rule's ``when`` (usable < 16GiB) only arms the projection; shown alone it read as
+    a stop at 16 GiB. The card says what stops: the projected crossing of its floor."""
+    async with _client(daemon) as c:
+        card = (await c.get("/ui/rules")).text
+    assert (
+        "usable projected to cross 4.0 GiB within the time a stop takes (watching while usable &lt; 16GiB)" in card
+    ), card
+    assert "usable &lt; 6GiB</p>" in card or "usable &lt; 6GiB<" in card  # a threshold rule: its condition as is
+
+
 async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_them(tmp_path: Path) -> None:
     """The incident page's chart shows the lines the tripped rule had at the trip (the configuration may
     have changed since): the trip event records them; the incident JSON and the page's chart carry them."""

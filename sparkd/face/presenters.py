@@ -219,6 +219,7 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "near_misses": r.near_misses,
                 "trips": r.trips,
                 "when": list(r.when),
+                "cond": _rule_cond(r),
                 "evidence": list(r.evidence),
                 "last_reason": r.last_reason,
                 "level": level,
@@ -227,6 +228,18 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _rule_cond(r: Any) -> str:
+    """What makes the rule act, in one line. A predictive rule's ``when`` only arms the projection (issue 14):
+    shown as such, beside the floor it projects to, never as if it were the stop line."""
+    if r.kind == "predictive" and r.floor_bytes is not None:
+        within = f"{r.within_s:g} s" if r.within_s else "the time a stop takes"
+        return (
+            f"usable projected to cross {r.floor_bytes / GiB:.1f} GiB within {within} "
+            f"(watching while {' and '.join(r.when)})"
+        )
+    return " and ".join(r.when)
 
 
 #: Container states that are trouble (critical) rather than merely not ready (warn).
