@@ -95,7 +95,7 @@ def _claim_name(state_dir: Path) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind(name)
-        sock.listen(1)  # never accepted: a connection only reads the holder's credentials
+        sock.listen(64)  # never accepted: a connection only reads the holder's credentials (64 tries)
         return sock
     except OSError as e:
         sock.close()
