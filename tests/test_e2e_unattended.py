@@ -309,3 +309,37 @@ def test_sparkd_killed_in_the_middle_of_an_emergency_stop_does_not_relaunch_that
     assert s.api("POST", "/api/container/start").status_code == 200
     assert wait_for(lambda: len(s.events("launched")) == 2, 30)
     assert s.events("stop_intent_released")
+
+
+def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldown(make: Any, tmp_path: Path) -> None:
+    """With nothing left to stop, a trip's refused stop ("not running") used to reset the cooldown: a critical
+    trip and a stop_not_executed every `samples` ticks for as long as memory stayed low (24 trips in 2 min in
+    an operator's walk-through), each counted by the loop guard toward demoting the rule."""
+    from sparkdproc import rewrite_in_place
+
+    real = Path("/proc/meminfo").read_text()
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+
+    def meminfo(available_gib: int) -> None:
+        text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        rewrite_in_place(proc / "meminfo", text)
+
+    meminfo(12)
+    s = make(
+        top={"proc_root": str(proc), "shm_dir": str(shm), "cooldown_s": 4.0},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+    )
+    s.wait_state("ready", 60)
+    meminfo(4)
+    s.wait_event("stopped", 60)
+    stopped_at = time.time()
+    time.sleep(13.0)  # three cooldowns with memory held low and nothing running
+    meminfo(12)
+    after = [t for t in s.events("trip") if t["ts"] > stopped_at]
+    assert 2 <= len(after) <= 4, [(round(t["ts"] - stopped_at, 1), t["message"][:60]) for t in after]
+    refused = [e for e in s.events("stop_not_executed") if e["ts"] > stopped_at]
+    assert len(refused) == len(after) and all(e["details"]["nothing_running"] for e in refused)
+    assert s.events("watermark") == []  # the loop guard was fed none of them: the rule still stops
+    assert next(r for r in s.status()["rules"] if r["name"] == "low_available")["demoted"] is None

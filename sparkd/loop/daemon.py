@@ -315,11 +315,13 @@ class Daemon:
             kind in ("launched", "adopted", "restarted_outside", "stop_not_executed")
             and self.guard is not None
             and not (details or {}).get("monitor_only")
+            and not (details or {}).get("nothing_running")
         ):
             # a new run of the container, or a trip that stopped nothing: the next trip must act (a rule's
             # cooldown is for a stop that happened, never for a container the operator just started). Not in
-            # monitor-only, where no stop can ever happen: the reset only repeated the critical trip every
-            # `samples` ticks for as long as memory stayed low; the cooldown applies as after a stop.
+            # monitor-only, where no stop can ever happen, nor when nothing was running to stop: the reset only
+            # repeated the critical trip every `samples` ticks for as long as memory stayed low (24 in 2 min
+            # after a guard stop, each fed to the loop guard); the cooldown applies as after a stop.
             self.guard.engine.reset_cooldowns()
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()

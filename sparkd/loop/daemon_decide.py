@@ -12,6 +12,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from sparkd.core.lifecycle import ACTIVE_STATES
 from sparkd.core.rules import Decision, Rule, stop_lines
 from sparkd.core.sample import Sample
 from sparkd.loop.guard import TickResult
@@ -160,7 +161,9 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
         d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
     # the loop guard's verdict first: a trip it demotes stops nothing, and its event must say so
-    rule = daemon.guard.rule(d.rule) if daemon.guard and d.action == "stop" else None
+    # only trips while the model runs tell whether stopping loops (a trip after the guard stopped it tells nothing)
+    running = daemon.actions.lifecycle_state() in ACTIVE_STATES  # StrEnum members: equal to their values
+    rule = daemon.guard.rule(d.rule) if daemon.guard and d.action == "stop" and running else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
     reason = d.reason
     if verdict is not None:

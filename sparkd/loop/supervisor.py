@@ -170,7 +170,11 @@ class Supervisor(RunBook):
         try:
             await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
-            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
+            # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
+            # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
+            # low would flood the events and the chart, and feed nothing). Docker down or busy: retried.
+            nothing = {"nothing_running": True} if isinstance(e, Refused) else None
+            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning", details=nothing)
             if not isinstance(e, Conflict) or self.action != "stopping":
                 if held:
                     await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
