@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -322,8 +323,10 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     proc.mkdir()
     shm.mkdir()
 
-    def meminfo(available_gib: int) -> None:
+    def meminfo(available_gib: int) -> None:  # a host with a CMA region: 1 GiB of MemAvailable is CmaFree
         text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        text = re.sub(r"(?m)^Cma(Total|Free):.*\n", "", text)
+        text += "CmaTotal:        2097152 kB\nCmaFree:         1048576 kB\n"
         rewrite_in_place(proc / "meminfo", text)
 
     meminfo(12)
@@ -333,8 +336,12 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     )
     s.wait_state("ready", 60)
     meminfo(4)
-    s.wait_event("stopped", 60)
+    stop = s.wait_event("stopped", 60)
     stopped_at = time.time()
+    with tarfile.open(s.tmp / "archives" / stop["details"]["archive"]) as tf:
+        summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
+    # the postmortem gives the CMA view the default rules judge by (MemAvailable alone argues against the stop)
+    assert "MemAvailable: 4.00 GiB" in summary and "CmaFree: 1.00 GiB   usable: 3.00 GiB" in summary, summary
     time.sleep(13.0)  # three cooldowns with memory held low and nothing running
     meminfo(12)
     after = [t for t in s.events("trip") if t["ts"] > stopped_at]

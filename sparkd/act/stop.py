@@ -85,10 +85,17 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
         f"started at:   {inspect.get('State', {}).get('StartedAt')}",
     ]
     if last is not None:
+        # the default rules judge usable = MemAvailable − CmaFree (CONTEXT.md "CMA"): on a CMA host
+        # MemAvailable alone would argue against the stop
+        cma = f"   CmaFree: {fmt_gib(last.cma_free)}   usable: {fmt_gib(last.mem_available_minus_cma)}"
+        # never a measured-looking 0 for lines that were not read
+        kern = getattr(d, "kern_source_name", None) if d else None
+        nvrm = "n/a (kernel log off)" if kern in (None, "off") else str(last.nvrm_recent)
         lines += [
-            f"MemAvailable: {fmt_gib(last.mem_available)}   MemFree: {fmt_gib(last.mem_free)}",
+            f"MemAvailable: {fmt_gib(last.mem_available)}   MemFree: {fmt_gib(last.mem_free)}"
+            + (cma if last.cma_free else ""),
             f"page cache:   {fmt_gib(last.cached)}   anon: {fmt_gib(last.anon_pages)}   slab: {fmt_gib(last.slab)}",
-            f"driver (est): {fmt_gib(last.driver_bytes)}   NVRM errors in window: {last.nvrm_recent}",
+            f"driver (est): {fmt_gib(last.driver_bytes)}   NVRM errors in window: {nvrm}",
         ]
     watch = getattr(d, "consumers", None) if d else None
     line = watch.summary_line() if watch is not None else None
