@@ -384,3 +384,34 @@ def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(
     s.wait_event("unguarded_container_gone", 20)
     assert s.container()["unguarded"] is None
     assert len(s.events("launched")) == 1  # nothing was relaunched meanwhile
+
+
+def test_a_hand_run_container_under_the_name_of_sparkds_stopped_and_renamed_one_is_said_to_be_unguarded(
+    sparkd_factory: Any, docker_client: Any, image: str, case_labels: dict[str, str]
+) -> None:
+    """sparkd stops its model, someone renames that container and runs another by hand under the name: sparkd
+    still tracked its own (stopped) one and said the name's model was "not running" (an adversarial helper's
+    finding). A paused one still holds its memory: still unguarded."""
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    assert s.api("POST", "/api/container/stop").status_code == 200
+    s.wait_state("stopped", 30)
+    docker_client.containers.get(c["container_id"]).rename(f"{c['name']}-old")
+    by_hand = docker_client.containers.run(
+        image,
+        name=c["name"],
+        entrypoint=["/usr/bin/python3", "-c", "import time; time.sleep(600)"],
+        labels=case_labels,
+        network_mode="host",
+        detach=True,
+    )
+    ev = s.wait_event("unguarded_container", 20)
+    assert ev["details"]["container_id"] == by_hand.id
+    assert s.container()["unguarded"]["id"] == by_hand.id
+    by_hand.pause()
+    time.sleep(2.5)
+    assert s.events("unguarded_container_gone") == [] and s.container()["unguarded"]["id"] == by_hand.id
+    by_hand.unpause()
+    by_hand.remove(force=True)
+    s.wait_event("unguarded_container_gone", 20)
+    assert len(s.events("unguarded_container")) == 1

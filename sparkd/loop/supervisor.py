@@ -73,6 +73,9 @@ RECONCILE_MAX_S = 1.0
 # How often the container's processes are scanned for the /dev/shm entries they use (act/shm.ShmWitness):
 # the evidence that lets the cleanup after a stop remove what was the container's and keep the rest.
 SHM_WITNESS_INTERVAL_S = 30.0
+# While sparkd's container runs, how often the container name is checked for another container holding it
+# (sparkd's renamed while running); every reconciliation while none of sparkd's runs.
+UNGUARDED_CHECK_S = 10.0
 
 
 class Supervisor(RunBook):
@@ -132,6 +135,7 @@ class Supervisor(RunBook):
         self.unattended = Unattended(self)  # back-off, breaker, intents, probe, maintenance (loop/unattended)
         # managed mode: a running container by our name without our label (``_check_unguarded``)
         self.unguarded: UnguardedContainer | None = None
+        self._unguarded_checked = -UNGUARDED_CHECK_S
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
@@ -255,7 +259,7 @@ class Supervisor(RunBook):
             stops_total=self.stops_total,
             kills_total=self.kills_total,
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
-            unguarded=self.unguarded if self.container_id is None else None,
+            unguarded=self.unguarded,
         )
 
     # ------------------------------------------------------------------ control
@@ -426,11 +430,17 @@ class Supervisor(RunBook):
                 self._event("docker_up", "Docker engine reachable again; picking up where sparkd left off")
             self.engine_up, self.engine_error = True, None
             await self._attach()
+        if self.mode == "managed":
+            # the name may be someone else's now: sparkd's container removed, or renamed (stopped or running).
+            # Every step while none of sparkd's runs; while one runs, every UNGUARDED_CHECK_S (a Docker call)
+            active = self.container_id is not None and self.state in ACTIVE_STATES
+            if not active or time.monotonic() - self._unguarded_checked >= UNGUARDED_CHECK_S:
+                self._unguarded_checked = time.monotonic()
+                await self._check_unguarded()
         if self.container_id is None:
             if self.mode == "guard":
                 await self._attach()
                 return
-            await self._check_unguarded()
             if self.autostart_pending and not self.stay_stopped and not self.lock.locked():
                 self.autostart_pending = False
                 try:
@@ -469,8 +479,9 @@ class Supervisor(RunBook):
                 self.action = None
 
     async def _check_unguarded(self) -> None:
-        """Managed mode, no container of sparkd's: one by ``container.name`` that runs without sparkd's
-        label (``docker rm`` of sparkd's, then ``docker run --name`` by hand) is one sparkd will not stop
+        """Managed mode, no container of sparkd's running: one by ``container.name`` that runs without sparkd's
+        label (``docker rm`` or ``docker rename`` of sparkd's, then ``docker run --name`` by hand; paused
+        counts: it holds its memory) is one sparkd will not stop
         (it never stops an unlabelled container it was not told to guard), so a stop rule cannot protect
         the host from it. Said at once and loudly (``unguarded_container``, critical; ``status.container.
         unguarded``), once per container; ``unguarded_container_gone`` when it stops or is removed."""
@@ -481,8 +492,9 @@ class Supervisor(RunBook):
         running = (
             info is not None
             and info.name == self.settings.container.name.lstrip("/")  # a name, not an id prefix that matched
+            and info.id != self.container_id
             and not info.managed
-            and info.status in ("running", "restarting")
+            and info.status in ("running", "restarting", "paused")
         )
         old = self.unguarded
         if running and info is not None and (old is None or old.id != info.id):
