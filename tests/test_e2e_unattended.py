@@ -306,6 +306,8 @@ def test_sparkd_killed_in_the_middle_of_an_emergency_stop_does_not_relaunch_that
     time.sleep(3.0)
     assert len(s.events("launched")) == 1, s.output()[-3000:]
     assert s.container()["stay_stopped"] is True
+    assert s.container()["state"] == "stopped"  # that run ended while sparkd was away
+    assert sup(s)["breaker"]["count"] == 1  # counted before the stop began: the kill -9 did not lose it
     # an operator's start relaunches it, and releases the intent
     assert s.api("POST", "/api/container/start").status_code == 200
     assert wait_for(lambda: len(s.events("launched")) == 2, 30)
@@ -350,3 +352,51 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     assert len(refused) == len(after) and all(e["details"]["nothing_running"] for e in refused)
     assert s.events("watermark") == []  # the loop guard was fed none of them: the rule still stops
     assert next(r for r in s.status()["rules"] if r["name"] == "low_available")["demoted"] is None
+
+
+def test_an_emergency_stop_interrupted_by_a_kill_9_is_finished_when_sparkd_comes_back(
+    make: Any, tmp_path: Path
+) -> None:
+    """sparkd killed 1 s into an emergency stop of a model that ignores SIGTERM, back at once: the run is still
+    up (Docker within its grace). It was adopted as "started outside sparkd", and when Docker's grace ended, the
+    exit read "exited unexpectedly", the intent became `exited` and auto_restart relaunched the model (an
+    adversarial helper's finding). Now the stop is finished (`stop_resumed`), and the model stays stopped."""
+    from sparkdproc import rewrite_in_place
+
+    real = Path("/proc/meminfo").read_text()
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+
+    def meminfo(available_gib: int) -> None:
+        text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        rewrite_in_place(proc / "meminfo", text)
+
+    meminfo(12)
+    s = make(
+        container={
+            "env": {"FAKEVLLM_MODE": "ignore-term", "FAKEVLLM_STARTUP_S": "0.3"},
+            "auto_restart": True,
+            "restart_cooldown_s": 1.0,
+        },
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+    )
+    c = s.wait_state("ready", 60)
+    meminfo(4)
+    assert wait_for(lambda: s.container()["state"] == "stopping", 30), s.container()
+    time.sleep(1.0)
+    s.kill9()
+    meminfo(12)  # memory is back: still, the stop the guard decided is finished
+    s.start()
+    ev = s.wait_event("stop_resumed", 30)
+    assert "finishing the emergency stop begun before sparkd's last exit (rule low_available" in ev["message"]
+    assert s.events("restarted_outside") == []
+    stop = s.wait_event("killed", 60)  # it ignores SIGTERM: killed after the grace
+    assert stop["details"]["source"] == "rule low_available"
+    time.sleep(3.0)
+    assert len(s.events("launched")) == 1, s.output()[-3000:]
+    st = s.container()
+    assert st["state"] in ("stopped", "exited") and st["stay_stopped"] is True, st
+    assert st["container_id"] == c["container_id"]
+    assert sup(s)["intent"]["intent"] == "emergency" and sup(s)["breaker"]["count"] == 1

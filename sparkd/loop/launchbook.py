@@ -19,6 +19,7 @@ from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
+from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
 from sparkd.loop.status import diff_figures
@@ -73,6 +74,7 @@ class LaunchBook:
     _figures_saved: set[str]
     _obs_lock: asyncio.Lock
     _launch_actual: dict[str, Any]  # what this launch measured, kept in the record beside vLLM's figures
+    interrupted_stop: IntentRecord | None  # an emergency stop begun before sparkd's last exit, not finished
 
     def _event(self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
         raise NotImplementedError
@@ -113,7 +115,16 @@ class LaunchBook:
             self.autostart_pending = False
             self.stay_stopped = True
             ended = f"the last launch ({last[0]['id']}) ended '{last[0]['status']}'" if last else "no launch yet"
-            if last:
+            # an emergency stop sparkd began and never finished (its intent is written before the stop; the
+            # launch still reads starting/ready): the supervisor finishes it if that run is still up
+            interrupted = (
+                intent is not None
+                and intent.intent in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY)
+                and bool(last)
+                and last[0]["status"] in ("starting", "ready")
+            )
+            self.interrupted_stop = intent if interrupted else None
+            if last and not interrupted:
                 rec = last[0]
                 # show the container as it was left (its name and image), not as "none"
                 states = {

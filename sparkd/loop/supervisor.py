@@ -45,7 +45,7 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
-from sparkd.core.supervision import StopIntent
+from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
 from sparkd.loop.runbook import RunBook
@@ -135,6 +135,7 @@ class Supervisor(RunBook):
         self.unattended = Unattended(self)  # back-off, breaker, intents, probe, maintenance (loop/unattended)
         # managed mode: a running container by our name without our label (``_check_unguarded``)
         self.unguarded: UnguardedContainer | None = None
+        self.interrupted_stop: IntentRecord | None = None  # set by _remember_last_stop, finished by _attach
         self._unguarded_checked = -UNGUARDED_CHECK_S
 
     # ------------------------------------------------------------------ Actions protocol
@@ -171,6 +172,9 @@ class Supervisor(RunBook):
             # persisted before the stop: a crash or kill -9 of sparkd in the middle of it must not relaunch
             # the model it was stopping at its next start (it stays stopped, as after a finished emergency stop)
             before = await self.unattended.hold(self.unattended.intent_for(source), source, reason)
+            # counted before the stop too, so a crash in the middle of it cannot keep it from the breaker (once
+            # per launch: the count after the stop changes nothing then)
+            await self.unattended.emergency(key, reason)
         try:
             await self.request("stop", source=source, reason=reason)
         except SparkdError as e:
@@ -527,11 +531,31 @@ class Supervisor(RunBook):
             if info is not None and info.status not in ("running", "restarting"):
                 info = None
         if info is None or info.id == self.container_id:
+            if info is None and self.interrupted_stop is not None and self.mode == "managed":
+                self.interrupted_stop = None  # that run ended meanwhile (Docker finished the stop): stopped
+                self._record_state(S.STOPPED, self.state_reason)
             return
         self.container_id, self.image, self.name, self.launch_id = info.id, info.image, info.name, info.launch_id
         self.unguarded = None  # a container of sparkd's runs by that name now
         self.seen_started_at, self.seen_restart_count, self.restart_warned = None, None, False
         await self.reconcile(probe=False)
+        rec, self.interrupted_stop = self.interrupted_stop, None
+        if rec is not None and self.running() and (self.container_started_at or 0.0) < rec.since:
+            # the run sparkd was stopping in an emergency when it went away (crash, kill -9): the decision stands
+            self._bg = asyncio.create_task(self._finish_interrupted_stop(rec))
+
+    async def _finish_interrupted_stop(self, rec: IntentRecord) -> None:
+        """Finish an emergency stop begun before sparkd's last exit (its intent was written before the stop;
+        Docker may still be within the grace, or the stop never reached it): counted toward the breaker,
+        stopped through the normal procedure, and the model stays stopped until `sparkd start`, as when
+        sparkd finds it already down. A run started after the intent (by hand) is not stopped."""
+        reason = f"finishing the {rec.intent.value} stop begun before sparkd's last exit ({rec.who}: {rec.reason})"
+        self._event("stop_resumed", reason, severity="warning", details={"intent": rec.intent.value, "who": rec.who})
+        await self.unattended.emergency(self.launch_id or self.container_id or "unknown", reason)
+        try:
+            await self.request("stop", source=rec.who, reason=rec.reason)
+        except SparkdError as e:
+            self._event("stop_not_executed", f"{rec.who} (resumed): {e.message}", severity="warning")
 
     async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
         """One observation of Docker's truth, its transition and effects. Returns the observation."""
