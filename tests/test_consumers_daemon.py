@@ -364,6 +364,10 @@ async def test_sparkd_status_prints_who_holds_the_memory(tmp_path: Path) -> None
     cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
     assert "who holds the memory (" in out and " UTC): no container watched · host co-tenants " in out, out
+    # a predictive rule's line says what stops it, not its arming gate alone (as the dashboard's card)
+    assert (
+        "[stop: usable projected to cross 4.0 GiB within the time a stop takes (watching while usable < 16GiB)]" in out
+    )
     data = json.loads(CliRunner().invoke(main, ["--config", str(cfg), "status", "--json"]).output)
     assert data["consumers"]["scans"] >= 1 and set(data["consumers"]["totals_bytes"]) == {"container", "host", "system"}
 

@@ -441,3 +441,10 @@ def test_still_holds_predictive_rule_with_evidence_requires_evidence() -> None:
     (d,) = evaluate(S(2.0, 8.0, 50.0, nvrm=0), [pred], states, 2.0, slope=w)
     assert d.kind == "near_miss"
     assert still_holds(pred, S(2.0, 8.0, 50.0, nvrm=0), w, 2.0) is False
+
+
+def test_a_projection_horizon_is_printed_to_a_tenth_of_a_second() -> None:
+    """The horizon is cut to the points' reach: it printed as "<= 5.62621 s" (an operator's walk-through)."""
+    from sparkd.core.rules import _secs
+
+    assert [_secs(v) for v in (24.0, 5.62621, 0.25, 120.0)] == ["24", "5.6", "0.2", "120"]

@@ -23,3 +23,9 @@ def test_trip_rows_are_labelled_for_people() -> None:
     assert _trip_label("MemAvailable") == "MemAvailable at the trip"
     assert _trip_label("sample_ts") == "sample taken"
     assert _trip_label("fall_shares_bytes") == "who grew (since the fall began)"
+    # a predictive trip's projection: words, not its keys (an operator's walk-through)
+    assert [_trip_label(k) for k in ("slope_bytes_per_s", "eta_s", "fit_window_s")] == [
+        "fall rate (robust fit)",
+        "projected time to the floor",
+        "fit window",
+    ]

@@ -368,11 +368,17 @@ def _projection(
     text = (
         ("" if named else f"{label} {fmt_gib(avail)} ") + f"falling {(-slope) / GiB:.2f} GiB/s "
         f"(robust fit over {w:g} s), projected to cross {fmt_gib(rule.floor_bytes)} "
-        f"in {max(eta, 0):.1f} s <= {h:g} s"
+        f"in {max(eta, 0):.1f} s <= {_secs(h)} s"
     )
     if rule.within_s is None:
         text += f" (a stop takes up to {horizon_s:g} s)"
     return True, text, {"slope_bytes_per_s": slope, "eta_s": eta, "fit_window_s": w}
+
+
+def _secs(v: float) -> str:
+    """Seconds to a tenth, without a trailing ``.0``: 24 → "24", 5.62621 → "5.6" (a horizon cut to the
+    points' reach, which ``:g`` printed as 5.62621)."""
+    return f"{v:.1f}".removesuffix(".0")
 
 
 _INPUT_NAMES = {

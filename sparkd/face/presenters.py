@@ -219,7 +219,7 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "near_misses": r.near_misses,
                 "trips": r.trips,
                 "when": list(r.when),
-                "cond": _rule_cond(r),
+                "cond": rule_cond(r),
                 "evidence": list(r.evidence),
                 "last_reason": r.last_reason,
                 "level": level,
@@ -230,7 +230,7 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
     return out
 
 
-def _rule_cond(r: Any) -> str:
+def rule_cond(r: Any) -> str:
     """What makes the rule act, in one line. A predictive rule's ``when`` only arms the projection (issue 14):
     shown as such, beside the floor it projects to, never as if it were the stop line."""
     if r.kind == "predictive" and r.floor_bytes is not None:

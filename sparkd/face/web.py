@@ -129,7 +129,14 @@ def _fmt_tripval(v: Any, key: str = "") -> str:
     return _fmt_value(v)
 
 
-_TRIP_LABELS = {"sample_ts": "sample taken", "fall_shares_bytes": "who grew (since the fall began)"}
+_TRIP_LABELS = {
+    "sample_ts": "sample taken",
+    "fall_shares_bytes": "who grew (since the fall began)",
+    # a predictive rule's projection (core.rules)
+    "slope_bytes_per_s": "fall rate (robust fit)",
+    "eta_s": "projected time to the floor",
+    "fit_window_s": "fit window",
+}
 
 
 def _trip_label(key: str) -> str:

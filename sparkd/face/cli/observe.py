@@ -27,6 +27,7 @@ from sparkd.face.cli.base import (
     _ts,
     main,
 )
+from sparkd.face.presenters import rule_cond
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
@@ -93,7 +94,7 @@ def _echo_snapshot(st: Status) -> None:
             need = f"{r.counter}/{r.samples}" + (f" ({r.for_s:g} s)" if r.for_s else "")
             if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
                 need = f"BLIND ({r.blind})"
-            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {' and '.join(r.when)}]")
+            click.echo(f"  {r.name:<26} {need}  trips {r.trips}{extra}  [{r.action}: {rule_cond(r)}]")
     for name, blind_why in st.blind.sensors.items():
         click.echo(f"BLIND: {name}: {blind_why}")
     if st.kernel_log.lost:
