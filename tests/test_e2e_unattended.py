@@ -345,6 +345,11 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     # the postmortem gives the CMA view the default rules judge by (MemAvailable alone argues against the stop)
     assert "MemAvailable: 4.00 GiB" in summary and "CmaFree: 1.00 GiB   usable: 3.00 GiB" in summary, summary
     time.sleep(13.0)  # three cooldowns with memory held low and nothing running
+    # a start now would launch into the shortage the guard just stopped it for: refused, unless forced
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 422 and "at or below low_available's stop line" in r.text, r.text
+    assert "--force overrides" in r.json()["detail"]["message"]
+    assert wait_for(lambda: len(s.events("preflight_failed")) == 1, 5)
     meminfo(12)
     after = [t for t in s.events("trip") if t["ts"] > stopped_at]
     assert 2 <= len(after) <= 4, [(round(t["ts"] - stopped_at, 1), t["message"][:60]) for t in after]
@@ -352,6 +357,8 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     assert len(refused) == len(after) and all(e["details"]["nothing_running"] for e in refused)
     assert s.events("watermark") == []  # the loop guard was fed none of them: the rule still stops
     assert next(r for r in s.status()["rules"] if r["name"] == "low_available")["demoted"] is None
+    assert wait_for(lambda: s.status()["nearest_stop"]["headroom_bytes"] > 0, 10)  # the guard saw it recover
+    assert s.api("POST", "/api/container/start").status_code == 200  # memory back: it launches
 
 
 def test_an_emergency_stop_interrupted_by_a_kill_9_is_finished_when_sparkd_comes_back(

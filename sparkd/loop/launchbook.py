@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
+from sparkd.core.headroom import nearest_stop
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Refused, SparkdError
@@ -173,6 +174,28 @@ class LaunchBook:
         )
         return self.revision
 
+    def _refuse_below_a_stop_line(self, force: bool) -> None:
+        """A launch while the last sample is at or below a stop rule's line (``core.headroom.nearest_stop``:
+        usable memory for the default rules) would only be stopped again by the guard, into a host already
+        short of memory: refused (``preflight_failed``, critical) unless ``force``, which is recorded.
+
+        Raises:
+            Refused: below a stop line and not ``force``.
+        """
+        g = self.daemon.guard if self.daemon else None
+        ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono) if g and g.last else None
+        if ns is None or ns.headroom_bytes > 0:
+            return
+        why = (
+            f"{ns.label} {fmt_gib(ns.value_bytes)} is at or below {ns.rule}'s stop line {fmt_gib(ns.threshold_bytes)}: "
+            "the guard would stop the model again"
+        )
+        if force:
+            self._event("preflight_forced", f"launching anyway (forced): {why}", severity="warning")
+            return
+        self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=ns.to_json())
+        raise Refused(f"preflight failed: {why} (--force overrides)", detail=ns.to_json())
+
     async def _launch(self, source: str, *, force: bool = False) -> str:
         d = self.daemon
         assert d is not None
@@ -186,6 +209,7 @@ class LaunchBook:
             plan = plan_for(s, self._mem_total(), base=self.settings.budget)
             self._event("learned_reserve_applied", " ".join(learned.lines()), details=learned.to_json())
         spec = launch_spec(s, plan)
+        self._refuse_below_a_stop_line(force)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
         pf = await asyncio.to_thread(
