@@ -112,3 +112,22 @@ def test_a_scan_forgets_processes_that_ended() -> None:
         p.wait()
     scanner.scan([])
     assert not any(pid == p.pid for pid, _ in scanner._known)
+
+
+def test_a_fall_no_process_rss_explains_is_named() -> None:
+    """A 16 GiB fall with 0.19 GiB of RSS growth read "container +0.00 GiB, host co-tenants +0.19 GiB" (an
+    operator: "reads as nothing grew"); the rest is outside any process's RSS (on a Spark: the GPU driver)."""
+    from sparkd.core.consumers import fall_text
+
+    before = summarize([ProcessMem(1, "vllm", 80 * GiB, "container"), ProcessMem(2, "cc1", 1 * GiB, "host")], at=0)
+    after = summarize(
+        [ProcessMem(1, "vllm", 80 * GiB, "container"), ProcessMem(2, "cc1", GiB + 192 * MiB, "host")], at=1
+    )
+    text = fall_text(before, after, mem_available_before_bytes=40 * GiB, mem_available_after_bytes=24 * GiB)
+    assert text.endswith(
+        "system services +0.00 GiB, outside any process's RSS +15.81 GiB (GPU/driver allocations, kernel, page cache)"
+    ), text
+    small = fall_text(
+        before, after, mem_available_before_bytes=40 * GiB, mem_available_after_bytes=40 * GiB - 256 * MiB
+    )
+    assert small.endswith("system services +0.00 GiB"), small  # 64 MiB outside: noise, not named

@@ -171,6 +171,10 @@ def fall_shares(before: ConsumerSummary | None, after: ConsumerSummary) -> dict[
     return {g: after.totals.get(g, 0) - before.totals.get(g, 0) for g in GROUPS}
 
 
+#: A fall's part outside every process's RSS is named from this size on (below: scan-to-scan noise).
+OUTSIDE_RSS_MIN_BYTES = 256 * 1024 * 1024
+
+
 def _signed_gib(n_bytes: int) -> str:
     return ("+" if n_bytes >= 0 else "−") + fmt_gib(abs(n_bytes))
 
@@ -199,6 +203,13 @@ def fall_text(
     host = f"host co-tenants {_signed_gib(shares['host'])}"
     if names:
         host += " (now " + ", ".join(_name_text(n) for n in names) + ")"
-    return (
+    text = (
         f"{head}: container {_signed_gib(shares['container'])}, {host}, system services {_signed_gib(shares['system'])}"
     )
+    if mem_available_before_bytes is not None and mem_available_after_bytes is not None:
+        # what no process's RSS explains: on a Spark mostly GPU (driver) allocations, else kernel memory or
+        # page cache. Without it a 16 GiB fall read "container +0.00 · host +0.19" (nothing grew)
+        outside = (mem_available_before_bytes - mem_available_after_bytes) - sum(shares.values())
+        if outside >= OUTSIDE_RSS_MIN_BYTES:
+            text += f", outside any process's RSS {_signed_gib(outside)} (GPU/driver allocations, kernel, page cache)"
+    return text
