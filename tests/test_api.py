@@ -804,6 +804,16 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
         assert summary["level"] == "warn"
     finally:
         await d.shutdown("test")
+    # one stop rule demoted, others still stop: the header says so instead of "ok" (an operator's walk-through)
+    d = await _daemon(tmp_path / "one")
+    try:
+        assert d.guard is not None
+        d.guard.engine.demote("low_available", "a test demoted it")
+        async with _client(d) as c:
+            live = (await c.get("/ui/live.json", params={"ev": 0})).json()
+        assert (live["level"], live["label"]) == ("warn", "low_available demoted to warn (cannot protect this host)")
+    finally:
+        await d.shutdown("test")
 
 
 @pytest.mark.parametrize("part", ["summary", "rules", "container", "budget", "events", "launches", "archives"])

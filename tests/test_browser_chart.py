@@ -103,6 +103,8 @@ def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any
         "collapse_projected: usable (projected) < 4.0 GiB",
     ):
         assert line in drawn, drawn
+    # every time on the page is UTC, the sample's age line too (it said "local time" beside a UTC axis)
+    until(page, "/taken \\d\\d:\\d\\d:\\d\\d UTC\\)/.test(document.getElementById('sample-age').textContent)", 5)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chart-cma-default-rules.png"))
     assert not errors, errors

@@ -247,6 +247,7 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         # the tripped rule's stop line, as it was at the trip, is drawn across the chart
         assert data["stop_lines"] == [{"field": "mem_available", "label": "MemAvailable", "value": 6 * 2**30}]
         assert page.evaluate("window.sparkdIncident.lines()") == ["MemAvailable < 6.0 GiB"]
+        assert page.evaluate("window.sparkdIncident.plot().series[0].label") == "time (UTC)"  # as the page's text
         timeline = page.inner_text("#incident-timeline")
         assert "trip" in timeline and "stopping" in timeline and "stopped" in timeline
         steps = page.inner_text("#incident-steps")

@@ -308,6 +308,7 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     s = status.get("sample") or {}
     c = status.get("container") or {}
     why = unarmed(status.get("rules") or [])
+    demoted = [str(r.get("name")) for r in status.get("rules") or [] if r.get("demoted")]
     level = _page_level(ns["level"] if ns else None, bool(s), why)
     label = level
     if stopped is not None:
@@ -316,6 +317,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         label = "not guarded"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
+    elif demoted and _LEVEL_RANK.get(level, 0) < 1:  # a stop rule switched off by the loop guard: never "ok"
+        level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
     return {

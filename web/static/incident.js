@@ -14,7 +14,7 @@
   const gib = (a) => (a || []).map((v) => (v == null ? null : v / GiB));
   const fmt = (u, v) => (v == null ? "–" : v.toFixed(2) + " GiB");
   const series = [
-    { label: "time" },
+    { label: "time (UTC)", value: "{YYYY}-{MM}-{DD} {HH}:{mm}:{ss}" },
     { label: "MemAvailable (min)", stroke: "#3fb68b", width: 2, value: fmt },
     { label: "MemFree (min)", stroke: "#6aa8ff", width: 1.5, value: fmt },
   ];
@@ -53,6 +53,7 @@
     {
       width: el.clientWidth || 600,
       height: 280,
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"), // UTC, as the page's text and the dashboard
       cursor: { drag: { x: true, y: false } },
       series,
       scales: {

@@ -28,7 +28,8 @@
   const banner = document.getElementById("conn-banner");
 
   const pad = (n) => String(n).padStart(2, "0");
-  const hms = (d) => `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  // UTC, as every other time sparkd shows (the chart's axis, /events, the incident page)
+  const hms = (d) => `${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}:${pad(d.getUTCSeconds())} UTC`;
 
   function readSampleAge() {
     const el = document.getElementById("sample-age");
@@ -42,7 +43,7 @@
     if (!el || !sample.ts) return;
     const age = sample.serverTs - sample.ts + (Date.now() - sample.at) / 1000;
     const taken = hms(new Date(sample.ts * 1000));
-    el.textContent = `${age < 10 ? age.toFixed(1) : Math.round(age)} s old (taken ${taken} local time)`;
+    el.textContent = `${age < 10 ? age.toFixed(1) : Math.round(age)} s old (taken ${taken})`;
     el.classList.toggle("warn-text", age > 5);
   }
 
