@@ -382,6 +382,32 @@ def test_it_says_and_recovers_when_the_write_ahead_log_is_deleted_while_running(
         # recording goes to the file at its path again (another process sees the new samples)
         assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples WHERE ts > ?", (t1 + 1,))[0][0] > 3, 25.0)
         assert Path(f"{db}-wal").exists()
+        # the events written again from memory are not doubled where the old connection's last checkpoint
+        # carried them into the file anyway (an adversarial helper saw each one twice)
+        doubled = "SELECT kind, count(*) FROM events GROUP BY ts, kind, message HAVING count(*) > 1"
+        assert db_query(db, doubled) == []
+
+
+def test_events_written_again_after_the_write_ahead_log_was_deleted_are_not_doubled(tmp_path: Path) -> None:
+    """Events since the last write found in place are written again from memory after the keeper reopened the
+    database; the old connection's last checkpoint may have carried them into the file already. Each trip
+    and stop read twice in the database (an adversarial helper's finding; 2 doubled kinds here before)."""
+    state = tmp_path / "state"
+    with guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 25.0)
+        for _ in range(3):
+            (g.proc / "meminfo").write_text(LOW)  # a trip and its stop_not_executed around the deletion
+            time.sleep(0.3)
+            with contextlib.suppress(FileNotFoundError):
+                (state / "sparkd.db-wal").unlink()
+            time.sleep(0.5)
+            (g.proc / "meminfo").write_text(HEALTHY)
+            assert wait_for(lambda: g.status()["database"]["state"] == "ok", 15.0, 0.2)
+            time.sleep(2.0)
+        assert db_query(db, "SELECT count(*) FROM events WHERE kind = 'trip'")[0][0] >= 1
+        doubled = "SELECT kind, count(*) FROM events GROUP BY ts, kind, message HAVING count(*) > 1"
+        assert db_query(db, doubled) == []
 
 
 def db_gap(db: Path, since: float, until: float) -> tuple[int, float]:

@@ -142,6 +142,14 @@ def test_usable_memory_is_charted_from_raw_samples_and_from_the_minute_aggregate
         assert x["mem_available_minus_cma_avg"] == pytest.approx(x["mem_available_avg"] - 8_000 * KiB)
 
 
+def test_an_event_written_again_after_the_file_was_lost_is_kept_once(tmp_path: Path) -> None:
+    s = Store.open(tmp_path / "e.db")
+    ev = {"ts": 1.5, "kind": "trip", "severity": "critical", "message": "m", "details": None, "launch_id": None}
+    s.write_batch([("event", dict(ev))])
+    s.write_batch([("event_replayed", dict(ev)), ("event_replayed", {**ev, "ts": 2.5})])
+    assert [(e["ts"], e["kind"]) for e in s.events()] == [(2.5, "trip"), (1.5, "trip")]
+
+
 def test_a_locked_database_delays_records_but_loses_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import sqlite3
 

@@ -163,8 +163,10 @@ async def db_step(daemon: Daemon) -> None:
             # what went into the unlinked file since the last write found in place is written again, from memory
             for row in [r for r in daemon.live_samples if r.ts > safe_until]:
                 w.submit("sample", row)
+            # events as ``event_replayed``: the old connection's last checkpoint may have carried some of them
+            # into the file after all (seen as every trip twice); those are not written again
             for ev in [e for e in reversed(daemon.recent_events) if e["ts"] > safe_until]:
-                w.submit("event", dict(ev))
+                w.submit("event_replayed", dict(ev))
         daemon._db_down_event()
         return
     if now < daemon.db.next_attempt_mono:

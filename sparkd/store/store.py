@@ -219,7 +219,9 @@ class Store:
         """Write queued items in one transaction. Item kinds: ``sample`` (row dict),
         ``gpu`` (row dict), ``event`` (dict), ``status`` (dict), ``kcount`` ((minute_ts, kind, n)),
         ``nvrm_window`` ((start, window_s, count)), ``launch`` (dict, upsert by id),
-        ``run_end`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data).
+        ``run_end`` (dict), ``consumers`` (dict: ts, container/host/system_bytes, data), ``event_replayed``
+        (dict: an event written again after the database file was lost; skipped when one with its ts, kind
+        and message is there).
 
         The frequent kinds (samples, GPU rows, the status snapshot, kernel counts) go
         through the DBAPI cursor as prepared statements (one ``executemany`` per kind):
@@ -243,6 +245,7 @@ class Store:
         kcounts = [p for k, p in items if k == "kcount"]
         statuses = [p for k, p in items if k == "status"]
         events = [p for k, p in items if k == "event"]
+        replayed = [p for k, p in items if k == "event_replayed"]
         scans = [p for k, p in items if k == "consumers"]
         with self._write_lock, self.engine.begin() as conn:
             cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
@@ -264,6 +267,10 @@ class Store:
                 conn.execute(insert(CONSUMER_SCANS), scans)
             if events:
                 conn.execute(insert(EVENTS), events)
+            for p in replayed:  # written again from memory after the file was lost: once, even if it reached it
+                same = (EVENTS.c.ts == p["ts"], EVENTS.c.kind == p["kind"], EVENTS.c.message == p["message"])
+                if conn.execute(select(EVENTS.c.id).where(*same).limit(1)).first() is None:
+                    conn.execute(insert(EVENTS), [p])
             for kind, p in items:
                 if kind == "nvrm_window":
                     start, w, n = p
