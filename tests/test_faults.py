@@ -226,6 +226,25 @@ def test_it_guards_with_the_state_dir_full_at_start_and_records_once_space_retur
             g.assert_sampling(t0)
 
 
+def test_a_state_dir_that_fills_while_running_is_said_at_once_not_15_s_later(tmp_path: Path) -> None:
+    """A full disk does not pass in seconds as a backup's lock does: the first write that fails with it makes
+    the keeper declare the database unavailable (it waited FAILING_REPORT_S, 15 s, with the status "ok")."""
+    from sparkd.store.store import FAILING_REPORT_S, WRITE_EVERY_S
+
+    with small_tmpfs(tmp_path / "state", "16m") as state, guarded(tmp_path, state) as g:
+        db = state / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 25.0)
+        filler = fill(state)
+        t0 = time.time()
+        assert wait_for(lambda: g.status()["database"]["state"] == "unavailable", FAILING_REPORT_S - 3, 0.2)
+        took = time.time() - t0
+        assert took < WRITE_EVERY_S + 3.0, took  # the next write, not 15 s of failures
+        ev = g.events("database_unavailable")[0]
+        assert "full" in ev["message"], ev["message"]
+        filler.unlink()
+        assert wait_for(lambda: g.status()["database"]["state"] == "ok", 20.0, 0.2), g.status()["database"]
+
+
 def test_it_guards_while_another_process_holds_the_write_lock_at_start(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with guarded(tmp_path, state):  # a first run creates and migrates the database

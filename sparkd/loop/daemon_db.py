@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.config import effective_config
-from sparkd.store.keeper import is_corrupt
+from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
 from sparkd.units import parse_size
 
@@ -149,8 +149,10 @@ async def db_step(daemon: Daemon) -> None:
     if daemon.db.state == "ok":
         failing_s = w.failing_for()
         why: str | None = w.fatal or w.lost  # the writer checks the file's inode after each write
-        if why is None and failing_s >= FAILING_REPORT_S:  # locked elsewhere, disk full: errors that pass
+        if why is None and failing_s >= FAILING_REPORT_S:  # locked elsewhere: errors that pass
             why = f"writes failing for {failing_s:.0f} s: {w.last_error}"
+        elif why is None and failing_s > 0 and is_full(w.last_error):  # said at once: it does not pass in seconds
+            why = f"writes failing: {w.last_error}"
         if why is None:
             return
         lost = w.lost is not None

@@ -41,6 +41,17 @@ def is_corrupt(err: BaseException) -> bool:
     return any(m in text for m in CORRUPT_MARKERS)
 
 
+FULL_MARKERS = ("database or disk is full", "no space left on device", "disk quota exceeded")
+
+
+def is_full(error_text: str | None) -> bool:
+    """True when a write's error (``Writer.last_error``) says the file system is full (SQLite's
+    ``SQLITE_FULL``, ``ENOSPC``, ``EDQUOT``): retried, but said at once, not after ``FAILING_REPORT_S``
+    (a full disk does not pass in seconds the way a backup's lock does)."""
+    text = (error_text or "").lower()
+    return any(m in text for m in FULL_MARKERS)
+
+
 def is_permanent(err: BaseException) -> bool:
     """True when retrying the same record cannot succeed (a constraint, a value SQLite or the JSON
     encoder refuses), False for what passes (locked, busy, disk full, I/O) — those are retried."""

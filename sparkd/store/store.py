@@ -921,6 +921,8 @@ class Writer:
             self._thread.join(timeout_s)
 
     def _thread_main(self) -> None:
+        from sparkd.store.keeper import is_full
+
         backoff = 0.25
         while True:
             with self._cv:
@@ -952,7 +954,9 @@ class Writer:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
                 if self._inflight is None and self._inflight_done is not None:  # the loop waits for us
                     loop.call_soon_threadsafe(self._done_inflight)
-                failing = self.store is not None and self.failing_for() >= FAILING_REPORT_S
+                failing = self.store is not None and (
+                    self.failing_for() >= FAILING_REPORT_S or is_full(self.last_error)
+                )
                 if (self.fatal or self.lost or self.refusals or failing) and self.on_trouble is not None:
                     loop.call_soon_threadsafe(self.on_trouble)
 
