@@ -125,3 +125,28 @@ def test_the_daemon_hands_each_measured_stop_to_the_engine(tmp_path: Path) -> No
         return before, after
 
     assert asyncio.run(go()) == (30.0, 12.5)
+
+
+def test_holds_now_asks_every_condition_the_evidence_and_the_projection() -> None:
+    """The preflight's question before an operator's start ("would a stop rule trip now?"). A size line
+    crossed is not enough (an adversarial helper: a launch refused for rules that could not trip)."""
+    custom = [
+        {"name": "psi_gated", "when": ["MemAvailable < 6GiB", "psi_some_avg10 > 50"]},
+        {"name": "evidence_gated", "when": ["MemFree < 2GiB"], "evidence": ["nvrm_recent > 0"]},
+        {"name": "plain", "when": ["MemAvailable < 6GiB"]},
+        {"name": "projected", "kind": "predictive", "when": ["usable < 16GiB"], "floor": "4GiB"},
+    ]
+    e = RuleEngine([RuleConfig(**r) for r in custom], cooldown_s=60.0, horizon_s=30.0)
+    flat = [S(i * 0.25, 3.0, free_gib=1.0) for i in range(20)]  # below every line, not falling
+    for s in flat:
+        s.psi_some_avg10, s.nvrm_recent = 0.0, 0
+        e.step(s)
+    last = flat[-1]
+    assert [r.name for r in e.rules if e.holds_now(r.name, last)] == ["plain"]
+    last.psi_some_avg10, last.nvrm_recent = 80.0, 2
+    assert [r.name for r in e.rules if e.holds_now(r.name, last)] == ["psi_gated", "evidence_gated", "plain"]
+    f = RuleEngine([RuleConfig(**r) for r in custom], cooldown_s=60.0, horizon_s=30.0)
+    falling = fall(20, start=14.0, rate=2.0)  # 14 → 4.5 GiB at 2 GiB/s: projected to cross 4 GiB
+    for s in falling:
+        f.step(s)
+    assert f.holds_now("projected", falling[-1]) is True and f.holds_now("no_such_rule", falling[-1]) is False

@@ -181,6 +181,13 @@ class RuleEngine:
         for st in self.states.values():
             st.last_trip_mono = None
 
+    def holds_now(self, rule_name: str, sample: Sample) -> bool:
+        """Would ``rule_name`` trip on ``sample`` were its counter full: its ``when``, evidence and (predictive)
+        projection, on the engine's own slope window, which holds ``sample`` when it is the last one stepped
+        (the preflight's question before an operator's start). Changes nothing; an unknown rule does not."""
+        rule = self.rule(rule_name)
+        return rule is not None and still_holds(rule, sample, self.slope, sample.mono, self.horizon_s)
+
     def recheck(self, rule_name: str, sample: Sample) -> bool:
         """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
 

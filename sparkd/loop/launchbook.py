@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.config import BudgetSettings, Settings
-from sparkd.core.headroom import nearest_stop
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Refused, SparkdError
@@ -174,27 +173,38 @@ class LaunchBook:
         )
         return self.revision
 
-    def _refuse_below_a_stop_line(self, force: bool) -> None:
-        """A launch while the last sample is at or below a stop rule's line (``core.headroom.nearest_stop``:
-        usable memory for the default rules) would only be stopped again by the guard, into a host already
-        short of memory: refused (``preflight_failed``, critical) unless ``force``, which is recorded.
+    def _refuse_below_a_stop_line(self, source: str, force: bool) -> None:
+        """An operator's start (``api:``/``web:``: the API, the CLI, the dashboard) while a stop rule would trip
+        on the last sample (``RuleEngine.holds_now``: every ``when`` condition, the evidence, a predictive
+        rule's projection) would only be stopped again by the guard, into a host already short of memory:
+        refused (``preflight_failed``, critical) unless ``force``, which is recorded (``preflight_forced``).
+
+        Automatic launches (start-up, auto-relaunch, maintenance, resize) are not refused here: a relaunch into
+        a shortage is stopped by the guard and counted by the breaker, as before; a refusal would count as a
+        failed launch and hold the model down for good once memory came back.
 
         Raises:
-            Refused: below a stop line and not ``force``.
+            Refused: a stop rule would trip now and not ``force``.
         """
-        g = self.daemon.guard if self.daemon else None
-        ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono) if g and g.last else None
-        if ns is None or ns.headroom_bytes > 0:
+        if not source.startswith(("api:", "web:")):
             return
+        g = self.daemon.guard if self.daemon else None
+        if g is None or g.last is None:
+            return
+        tripping = [r for r in g.rules if r.action == "stop" and g.engine.holds_now(r.name, g.last)]
+        if not tripping:
+            return
+        r = tripping[0]
         why = (
-            f"{ns.label} {fmt_gib(ns.value_bytes)} is at or below {ns.rule}'s stop line {fmt_gib(ns.threshold_bytes)}: "
+            f"stop rule {r.name} holds now ({'; '.join(c.describe(g.last) for c in r.when)}): "
             "the guard would stop the model again"
         )
+        details = {"rules": [x.name for x in tripping], "sample_ts": g.last.ts}
         if force:
-            self._event("preflight_forced", f"launching anyway (forced): {why}", severity="warning")
+            self._event("preflight_forced", f"launching anyway (forced by {source}): {why}", severity="warning")
             return
-        self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=ns.to_json())
-        raise Refused(f"preflight failed: {why} (--force overrides)", detail=ns.to_json())
+        self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
+        raise Refused(f"preflight failed: {why} (--force overrides)", detail=details)
 
     async def _launch(self, source: str, *, force: bool = False) -> str:
         d = self.daemon
@@ -209,7 +219,7 @@ class LaunchBook:
             plan = plan_for(s, self._mem_total(), base=self.settings.budget)
             self._event("learned_reserve_applied", " ".join(learned.lines()), details=learned.to_json())
         spec = launch_spec(s, plan)
-        self._refuse_below_a_stop_line(force)
+        self._refuse_below_a_stop_line(source, force)
         managed = await asyncio.to_thread(self.manager.find_managed)
         running = [i.name for i in managed if i.status == "running"]
         pf = await asyncio.to_thread(
