@@ -408,3 +408,51 @@ def test_an_emergency_stop_interrupted_by_a_kill_9_is_finished_when_sparkd_comes
     assert st["state"] in ("stopped", "exited") and st["stay_stopped"] is True, st
     assert st["container_id"] == c["container_id"]
     assert sup(s)["intent"]["intent"] == "emergency" and sup(s)["breaker"]["count"] == 1
+
+
+def test_a_trip_during_a_maintenance_relaunchs_start_up_stops_the_new_run_at_once(make: Any, tmp_path: Path) -> None:
+    """A relaunch holds the supervisor until its new run is ready, minutes of start-up when memory peaks: a trip
+    then was "already relaunching" (not executed) until ready, and the maintenance passed its smoke test with
+    memory below the line (an adversarial helper's finding). The stop is now handed over and done at once."""
+    from sparkdproc import rewrite_in_place
+
+    real = Path("/proc/meminfo").read_text()
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+
+    def meminfo(available_gib: int) -> None:
+        text = re.sub(r"(?m)^MemAvailable:.*$", f"MemAvailable:   {available_gib * 2**20:>12} kB", real)
+        rewrite_in_place(proc / "meminfo", text)
+
+    meminfo(12)
+    s = make(
+        container={"env": {"FAKEVLLM_STARTUP_S": "4"}},
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        sections={"supervision": {"probe": False, "drain_limit_s": 5}},
+    )
+    s.wait_state("ready", 60)
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(r=s.api("POST", "/api/maintenance/run")))
+    t.start()
+    try:
+        assert wait_for(lambda: len(s.events("launched")) == 2, 60), s.output()[-3000:]
+        meminfo(4)  # the new run is starting (4 s): memory falls below the line
+        ev = s.wait_event("stop_handed_over", 20)
+        assert "relaunching under way stops the model now" in ev["message"], ev
+        t0 = ev["ts"]
+        ours = wait_for(lambda: [e for e in s.events("stopped") if e["ts"] >= t0], 30)
+        assert ours, s.output()[-3000:]
+        assert ours[0]["details"]["source"] == "rule low_available" and ours[0]["ts"] - t0 < 10, (ours, t0)
+    finally:
+        t.join(60)
+        meminfo(12)
+    body = result["r"].json()
+    assert body["relaunched"] is False and body["released"] is False, body
+    assert "stopped by rule low_available" in body["smoke"]["checks"]["launch"]["error"]
+    time.sleep(2.0)
+    assert s.events("maintenance_done") == [] and len(s.events("launched")) == 2
+    st = s.container()
+    assert st["state"] == "stopped" and st["stay_stopped"] is True, st
+    assert sup(s)["intent"]["intent"] == "emergency" and sup(s)["breaker"]["count"] == 1

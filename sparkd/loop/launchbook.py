@@ -31,6 +31,9 @@ from sparkd.sense.vllm_log import LaunchLogParser
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import GiB, fmt_gib
 
+#: intents that mean the guard (or a peer's) stopped the model: a relaunch under way launches nothing more
+EMERGENCY_INTENTS = (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY)
+
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
     from sparkd.loop.unattended import Unattended
@@ -75,6 +78,7 @@ class LaunchBook:
     _obs_lock: asyncio.Lock
     _launch_actual: dict[str, Any]  # what this launch measured, kept in the record beside vLLM's figures
     interrupted_stop: IntentRecord | None  # an emergency stop begun before sparkd's last exit, not finished
+    emergency_inbox: tuple[str, str] | None  # (source, reason): a stop handed to the relaunch or resize under way
 
     def _event(self, kind: str, message: str, *, severity: str = "info", details: dict[str, Any] | None = None) -> None:
         raise NotImplementedError
@@ -119,7 +123,7 @@ class LaunchBook:
             # launch still reads starting/ready): the supervisor finishes it if that run is still up
             interrupted = (
                 intent is not None
-                and intent.intent in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY)
+                and intent.intent in EMERGENCY_INTENTS
                 and bool(last)
                 and last[0]["status"] in ("starting", "ready")
             )
@@ -339,13 +343,26 @@ class LaunchBook:
         )
         return out
 
-    async def _launch_and_wait(self, source: str) -> tuple[bool, str | None]:
+    async def _take_emergency(self) -> tuple[bool, str | None]:
+        raise NotImplementedError
+
+    async def _launch_and_wait(self, source: str, *, since: float | None = None) -> tuple[bool, str | None]:
+        """Launch and wait for ready (a relaunch, a resize). An emergency stop handed over meanwhile
+        (``emergency_inbox``) stops the new run at once; one that stopped the model after ``since`` (the drain
+        of a maintenance run) means no launch."""
+        if self.emergency_inbox is not None:
+            return await self._take_emergency()
+        rec = self.unattended.state.intent
+        if since is not None and rec is not None and rec.since >= since and rec.intent in EMERGENCY_INTENTS:
+            return False, f"not launched: stopped by {rec.who} meanwhile ({rec.reason})"
         try:
             await self._launch(source)
         except SparkdError as e:
             return False, e.message
         deadline = time.monotonic() + self.settings.container.startup_timeout_s
         while time.monotonic() < deadline:
+            if self.emergency_inbox is not None:
+                return await self._take_emergency()
             if self.state is ContainerState.READY:
                 return True, None
             if self.state in (ContainerState.EXITED, ContainerState.FAILED, ContainerState.RESTARTING):
@@ -361,6 +378,8 @@ class LaunchBook:
         deadline = time.monotonic() + self.settings.container.drain_timeout_s
         last: str = "unknown"
         while time.monotonic() < deadline:
+            if self.emergency_inbox is not None:
+                return  # a stop was handed over: the caller stops now, not after the drain
             try:
                 m = await asyncio.to_thread(read_vllm_metrics, self.settings.container.port)
                 busy = m.get("num_requests_running", 0) + m.get("num_requests_waiting", 0)

@@ -76,6 +76,8 @@ SHM_WITNESS_INTERVAL_S = 30.0
 # While sparkd's container runs, how often the container name is checked for another container holding it
 # (sparkd's renamed while running); every reconciliation while none of sparkd's runs.
 UNGUARDED_CHECK_S = 10.0
+# Actions that hold the lock until their new run is ready: an emergency stop is handed over to them.
+HANDING_OVER = ("relaunching", "resizing")
 
 
 class Supervisor(RunBook):
@@ -136,6 +138,7 @@ class Supervisor(RunBook):
         # managed mode: a running container by our name without our label (``_check_unguarded``)
         self.unguarded: UnguardedContainer | None = None
         self.interrupted_stop: IntentRecord | None = None  # set by _remember_last_stop, finished by _attach
+        self.emergency_inbox: tuple[str, str] | None = None  # (source, reason) handed to a relaunch or resize
         self._unguarded_checked = -UNGUARDED_CHECK_S
 
     # ------------------------------------------------------------------ Actions protocol
@@ -177,16 +180,33 @@ class Supervisor(RunBook):
             await self.unattended.emergency(key, reason)
         try:
             await self.request("stop", source=source, reason=reason)
+        except Conflict as e:
+            if self.action in HANDING_OVER:
+                # a relaunch or resize holds the lock until its new run is ready, minutes of start-up (when memory
+                # peaks): the stop cannot wait for it. It is handed over; that action stops the run at once and
+                # launches nothing more (``_take_emergency``)
+                self.emergency_inbox = (source, reason)
+                self._event(
+                    "stop_handed_over",
+                    f"{source}: {reason}; the {self.action} under way stops the model now and launches nothing more",
+                    severity="warning",
+                    details={"action": self.action},
+                )
+                return
+            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
+            if self.action != "stopping":
+                if held:
+                    await self.unattended.release_hold(before)
+                return
         except SparkdError as e:
             # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
             # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
             # low would flood the events and the chart, and feed nothing). Docker down or busy: retried.
             nothing = {"nothing_running": True} if isinstance(e, Refused) else None
             self._event("stop_not_executed", f"{source}: {e.message}", severity="warning", details=nothing)
-            if not isinstance(e, Conflict) or self.action != "stopping":
-                if held:
-                    await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
-                return
+            if held:
+                await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
+            return
         if was_running:
             await self.unattended.emergency(key, reason)
             if not self.lock.locked():
@@ -347,6 +367,7 @@ class Supervisor(RunBook):
         self, new_budget: BudgetSettings, changes: dict[str, Any], source: str, out: ResizeResult
     ) -> ResizeResult:
         old_budget, old_rev = self.budget, self.revision
+        began = time.time()  # an emergency stop after this (handed over during the resize): no launch, no rollback's
         rev = await self._save_revision(new_budget, who=source, reason=f"resize {changes}")
         diff_text = {k: [c.old, c.new] for k, c in out.diff.items()}
         self._event("resize", f"resize to revision {rev} by {source}: {diff_text}", details=out.model_dump(mode="json"))
@@ -355,7 +376,7 @@ class Supervisor(RunBook):
             await self._stop(f"resize to revision {rev}", source, archive_first=False)
             await self._finish_launch("stopped")
         self.budget = new_budget
-        ok, why = await self._launch_and_wait(source)
+        ok, why = await self._launch_and_wait(source, since=began)
         if not ok:
             self._event(
                 "rollback",
@@ -367,7 +388,7 @@ class Supervisor(RunBook):
                 await self._finish_launch("failed")
             self.budget = old_budget
             await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
-            ok2, why2 = await self._launch_and_wait("rollback")
+            ok2, why2 = await self._launch_and_wait("rollback", since=began)
             return out.model_copy(
                 update={"rolled_back": True, "error": why, "rollback_ok": ok2, "rollback_error": why2}
             )
@@ -468,19 +489,39 @@ class Supervisor(RunBook):
         if self.container_started_at:
             await self.unattended.on_up(time.time() - self.container_started_at)
 
-    async def relaunch_same_plan(self, source: str) -> tuple[bool, str | None]:
-        """Stop (graceful, archived) and launch the same plan, waiting for ready. Raises Conflict when busy."""
+    async def relaunch_same_plan(self, source: str, *, since: float | None = None) -> tuple[bool, str | None]:
+        """Stop (graceful, archived) and launch the same plan, waiting for ready. Raises Conflict when busy.
+        ``since``: when the action that asks began (a maintenance run drains first): an emergency stop after it
+        means no launch."""
         if self.lock.locked():
             raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        since = time.time() if since is None else since
         async with self.lock:
             self.action = "relaunching"  # not "restarting": the supervisor step must keep watching for ready
             try:
                 if self.running():
                     await self._stop(f"relaunch: {source}", source)
                     await self._finish_launch("stopped")
-                return await self._launch_and_wait(source)
+                return await self._launch_and_wait(source, since=since)
             finally:
                 self.action = None
+
+    async def _take_emergency(self) -> tuple[bool, str | None]:
+        """The stop ``emergency_stop`` handed over while this relaunch or resize held the lock: the run is
+        stopped now (within the lock: archive, grace, kill, /dev/shm), counted toward the breaker, and the model
+        stays stopped until `sparkd start`; the action launches nothing more."""
+        assert self.emergency_inbox is not None
+        source, reason = self.emergency_inbox
+        self.emergency_inbox = None
+        intent = self.unattended.intent_for(source)
+        if self.running():
+            await self.unattended.hold(intent, source, reason)
+            await self.unattended.emergency(self.launch_id or self.container_id or "unknown", reason)
+            await self._stop(reason, source)
+            await self._finish_launch("stopped")
+        self.stay_stopped = True
+        await self.unattended.set_intent(intent, source, reason)
+        return False, f"stopped by {source}: {reason}"
 
     async def _check_unguarded(self) -> None:
         """Managed mode, no container of sparkd's running: one by ``container.name`` that runs without sparkd's

@@ -513,6 +513,7 @@ class Unattended:
             raise Refused("maintenance run needs a container sparkd launches (container.image)")
         if not sup.running():
             raise Refused(f"{sup.name} is not running (state {sup.state}): nothing to drain and relaunch")
+        began = time.time()
         await self.set_intent(StopIntent.MAINTENANCE, who, "drain and relaunch")
         drain = await self._drain_running()
         sup._event(
@@ -522,7 +523,7 @@ class Unattended:
             severity="info" if drain["drained"] else "warning",
             details=drain,
         )
-        ok, why = await sup.relaunch_same_plan(f"maintenance by {who}")
+        ok, why = await sup.relaunch_same_plan(f"maintenance by {who}", since=began)
         smoke: dict[str, Any] = (
             await self.smoke_test() if ok else {"ok": False, "checks": {"launch": {"ok": False, "error": why}}}
         )
