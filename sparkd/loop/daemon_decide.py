@@ -161,8 +161,10 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
         d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
     # the loop guard's verdict first: a trip it demotes stops nothing, and its event must say so
-    # only trips while the model runs tell whether stopping loops (a trip after the guard stopped it tells nothing)
-    running = daemon.actions.lifecycle_state() in ACTIVE_STATES  # StrEnum members: equal to their values
+    # a container side: only trips while the model runs tell whether stopping loops (a trip after the guard
+    # stopped it tells nothing); monitor-only judges every trip (its "would stop" loops as a stop would)
+    monitor_only = daemon.actions.status_json().mode == "monitor-only"  # a trip is rare: the status is cheap
+    running = monitor_only or daemon.actions.lifecycle_state() in ACTIVE_STATES  # StrEnum: equal to values
     rule = daemon.guard.rule(d.rule) if daemon.guard and d.action == "stop" and running else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
     reason = d.reason
