@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -76,6 +77,8 @@ SHM_WITNESS_INTERVAL_S = 30.0
 # While sparkd's container runs, how often the container name is checked for another container holding it
 # (sparkd's renamed while running); every reconciliation while none of sparkd's runs.
 UNGUARDED_CHECK_S = 10.0
+# How long the supervisor waits for the database's first open before it decides how the last launch ended.
+DB_DECIDE_WAIT_S = 30.0
 # Actions that hold the lock until their new run is ready: an emergency stop is handed over to them.
 HANDING_OVER = ("relaunching", "resizing")
 
@@ -144,11 +147,21 @@ class Supervisor(RunBook):
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
-        await self._load_revision()
         await self.unattended.load()
         daemon.notify_hooks.append(self.unattended.on_event)
-        await self._remember_last_stop()
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
+
+    async def _first_steps(self) -> None:
+        """Before the first reconciliation: the database's first open (start-up waits only
+        ``DB_FIRST_WAIT_S`` for it, so that the guard starts), then the revision and how the last launch ended.
+        Decided on "no database" only once its first open failed: a slow open (a loaded host, a migration) read
+        as "cannot tell how the last launch ended" and kept the model from starting."""
+        d = self.daemon
+        if d is not None and d.store is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(d._db_opened.wait(), DB_DECIDE_WAIT_S)
+        await self._load_revision()
+        await self._remember_last_stop()
 
     async def close(self) -> None:
         if self._task:
@@ -424,6 +437,7 @@ class Supervisor(RunBook):
 
     async def _loop(self) -> None:
         pause_s = min(self.settings.container.health_interval_s, RECONCILE_MAX_S)
+        await self._first_steps()
         while True:
             try:
                 await self._step()
