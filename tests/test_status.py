@@ -305,3 +305,30 @@ def test_the_cheap_lifecycle_state_is_the_status_state_in_every_state_and_with_t
 
     mo = MonitorOnly()
     assert mo.lifecycle_state() == mo.status_json().mode == "monitor-only"
+
+
+async def test_a_stop_handed_over_after_the_relaunchs_last_look_is_taken_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trip handed to a relaunch just after it last looked at the inbox (its new run ready): nothing took it,
+    and the rule waited out its cooldown. The relaunch's end hands it to an ordinary emergency stop. (Docker at
+    the edges is faked here; the handing over during a real start-up is tests/test_e2e_unattended.py's.)"""
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"image": "x:1", "name": "s-inbox"}})
+    sup = Supervisor(settings)
+    stops: list[tuple[str, str]] = []
+
+    async def emergency_stop(source: str, reason: str) -> None:
+        stops.append((source, reason))
+
+    async def launch_and_wait(source: str, *, since: float | None = None) -> tuple[bool, str | None]:
+        sup.emergency_inbox = ("rule low_available", "usable 3.00 GiB < 6.00 GiB")  # after its last look
+        return True, None
+
+    monkeypatch.setattr(sup, "emergency_stop", emergency_stop)
+    monkeypatch.setattr(sup, "_launch_and_wait", launch_and_wait)
+    monkeypatch.setattr(sup, "running", lambda: False)
+    assert await sup.relaunch_same_plan("maintenance by test") == (True, None)
+    assert sup._bg is not None
+    await sup._bg
+    assert stops == [("rule low_available", "usable 3.00 GiB < 6.00 GiB")] and sup.emergency_inbox is None
+    assert not sup.lock.locked()

@@ -375,6 +375,7 @@ class Supervisor(RunBook):
                 return await self._apply_resize(new_budget, changes, source, out)
             finally:
                 self.action = None
+                self._inbox_left()
 
     async def _apply_resize(
         self, new_budget: BudgetSettings, changes: dict[str, Any], source: str, out: ResizeResult
@@ -519,6 +520,15 @@ class Supervisor(RunBook):
                 return await self._launch_and_wait(source, since=since)
             finally:
                 self.action = None
+                self._inbox_left()
+
+    def _inbox_left(self) -> None:
+        """A stop handed over after the action's last look at the inbox (its new run ready, the lock about to
+        go): stopped as any emergency, in the background, once the lock is released (it waited a cooldown)."""
+        if self.emergency_inbox is not None:
+            source, reason = self.emergency_inbox
+            self.emergency_inbox = None
+            self._bg = asyncio.create_task(self.emergency_stop(source, reason))
 
     async def _take_emergency(self) -> tuple[bool, str | None]:
         """The stop ``emergency_stop`` handed over while this relaunch or resize held the lock: the run is
