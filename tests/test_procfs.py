@@ -215,3 +215,27 @@ def test_driver_estimate_checked_by_hand_on_gb10_fixture() -> None:
     # 127600748 - 112874312 - 412388 - 6384120 - 1709184 - 929792 - 38912 - 24576 = 5227464 kB
     assert driver_bytes(res.fields) == 5227464 * 1024
     assert round(5227464 / 2**20, 2) == 4.99  # GiB
+
+
+def test_an_unchanged_psi_text_is_not_parsed_again_and_a_changed_one_is(tmp_path: Path) -> None:
+    """Issue 18: on a quiet host /proc/pressure/memory reads the same from tick to tick; the last parse
+    answers it. Any change in the text (an average, a total) is parsed: the figures never go stale."""
+    (tmp_path / "pressure").mkdir()
+    f = tmp_path / "pressure" / "memory"
+    quiet = "some avg10=0.00 avg60=0.00 avg300=0.00 total=32008\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=21790\n"
+    f.write_text(quiet)
+    r = procfs.ProcReader(tmp_path)
+    first = r.psi()
+    assert first is not None and first.some_total_us == 32008
+    assert r.psi() is first  # the same text: the same (frozen) answer, not a second parse
+    f.write_text(quiet.replace("total=32008", "total=32100"))  # a stall of 92 µs: only the total moved
+    moved = r.psi()
+    assert moved is not None and moved is not first and moved.some_total_us == 32100
+    f.write_text(quiet.replace("some avg10=0.00", "some avg10=3.25"))
+    assert (p := r.psi()) is not None and p.some_avg10 == 3.25 and p.some_total_us == 32008
+    f.write_text("garbage")
+    assert r.psi() is None  # unparsable now: no figure, not the last good one
+    f.unlink()
+    assert r.psi() is None  # the kept descriptor still reads the unlinked file's text: garbage, no figure
+    r.close()
+    assert procfs.ProcReader(tmp_path).psi() is None  # absent
