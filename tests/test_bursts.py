@@ -135,3 +135,37 @@ def test_the_daemon_records_one_nvrm_burst_event_per_split(tmp_path: Path, split
     assert str(evs[0]["message"]).startswith(f"{details['lines']} NV_ERR_NO_MEMORY lines within 10 s (threshold 20;")
     stored = db_query(tmp_path / "sparkd.db", "SELECT count(*) FROM events WHERE kind='nvrm_burst'")[0][0]
     assert stored == 1
+
+
+def test_a_gated_poll_still_reports_a_burst_still_in_the_window(tmp_path: Path) -> None:
+    """Issue 18: a tick whose kernel-log gate says "nothing new" skips the poll and the burst count while
+    no line is in the window. With lines in it, counting 0 more can still report a burst: 20 at 0 s (one
+    burst), 25 at 5 s (held: one per window), and at 10.1 s the first 20 leave the window and the 25
+    left make a burst of their own, though nothing arrived."""
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "kernlog_source": "off"})
+    src = Lines()
+    now = [100.0]
+    polls: list[float] = []
+
+    def poll() -> list[str]:
+        polls.append(now[0])
+        return Lines.poll(src)
+
+    src.poll = poll  # type: ignore[method-assign]
+    g = Guard(settings, src, mono=lambda: now[0])
+    readable = [True]
+    g.kern_gate = lambda: readable[0]
+    src.pending = [NVRM] * 20
+    assert g.poll_kernel() and g._burst == 20
+    now[0], src.pending = 105.0, [NVRM] * 25
+    assert len(g.poll_kernel()) == 25 and g._burst is None
+    readable[0] = False
+    now[0] = 110.1
+    assert g.poll_kernel() == [] and g._burst == 25
+    assert polls == [100.0, 105.0]  # the gate held the read itself
+    now[0] = 125.0  # every line has left the window: the gated tick does nothing at all
+    assert g.poll_kernel() == [] and g._burst is None and g.bursts.idle
+    now[0] = 126.0
+    g._burst = None
+    assert g.poll_kernel() == [] and g._burst is None
+    assert polls == [100.0, 105.0] and g.bursts.bursts == 2

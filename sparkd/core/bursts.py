@@ -63,6 +63,11 @@ class BurstDetector:
         return self._in_window
 
     @property
+    def idle(self) -> bool:
+        """No line within the window: ``add(0, now)`` would change nothing and return ``None``."""
+        return not self._arrivals
+
+    @property
     def in_window(self) -> int:
         """Lines within the window as of the last ``add``."""
         return self._in_window

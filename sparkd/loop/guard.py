@@ -134,10 +134,13 @@ class Guard:
         """New classified kernel-log records since the last poll (non-blocking)."""
         if self.kern_source is None:
             return []
+        # kern_gate (loop.readable.ReadableGate): the event loop saw the source readable; None: poll always
+        polled = self.kern_gate is None or self.kern_gate()
+        if not polled and self.bursts.idle:
+            return []  # nothing new and no line in the burst window: counting 0 lines changes nothing
         out = []
         now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
-        # kern_gate (loop.readable.ReadableGate): the event loop saw the source readable; None: poll always
-        lines = self.kern_source.poll() if self.kern_gate is None or self.kern_gate() else []
+        lines = self.kern_source.poll() if polled else []
         self.kern_lines_total += len(lines)
         n = 0
         for line in lines:
