@@ -431,61 +431,76 @@ def evaluate(
     """
     out: list[Decision] = []
     for rule in rules:
-        st = states.setdefault(rule.name, RuleState())
+        st = states.get(rule.name)
+        if st is None:  # (not setdefault: that builds a RuleState every tick, issue 18)
+            st = states[rule.name] = RuleState()
         st.blind = blind_reason(rule, sample)
-        held = [c.holds(sample) for c in rule.when]
-        if not all(h is True for h in held):
-            st.counter, st.started_mono = 0, None
-            continue
-        parts = [c.describe(sample) for c in rule.when]
-        values: dict[str, Any] = {c.name: getattr(sample, c.attr) for c in rule.when}
-        if rule.kind == "predictive":
-            ok, text, extra = _projection(rule, sample, slope, now, horizon_s)
-            values.update(extra)
-            if not ok:
+        for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
+            if c.holds(sample) is not True:
                 st.counter, st.started_mono = 0, None
-                continue
-            parts.append(text)
-        if rule.evidence:
-            seen = [c for c in rule.evidence if c.holds(sample) is True]
-            values.update({c.name: getattr(sample, c.attr) for c in rule.evidence})
-            if not seen:
-                st.counter, st.started_mono = 0, None
-                st.near_misses += 1
-                needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
-                now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.evidence)
-                reason = (
-                    f"{rule.name}: near miss (suppressed, not counted): {', '.join(parts)}; "
-                    f"no evidence (needs {needs}; now {now_vals})"
-                )
-                st.last_reason = reason
-                out.append(Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values, now))
-                continue
-            parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
-        if st.counter == 0:
-            st.started_mono = now
-        st.counter += 1
-        held_s = now - (st.started_mono if st.started_mono is not None else now)
-        # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
-        if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
-            continue
-        if rule.for_s is None:
-            dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"
+                break
         else:
-            dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
-        reason = f"{rule.name}: {', '.join(parts)} {dur}"
-        count = st.counter
-        st.counter, st.started_mono = 0, None
-        if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
-            out.append(
-                Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
-            )
-            continue
-        st.trips += 1
-        st.last_trip_mono = now
-        st.last_reason = reason
-        out.append(Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now))
+            d = _held(rule, st, sample, now, cooldown_s, slope, horizon_s)
+            if d is not None:
+                out.append(d)
     return out
+
+
+def _held(
+    rule: Rule,
+    st: RuleState,
+    sample: Sample,
+    now: float,
+    cooldown_s: float,
+    slope: SlopeWindow | None,
+    horizon_s: float,
+) -> Decision | None:
+    """``evaluate`` for a rule whose every ``when`` holds on ``sample``: projection, evidence, counter;
+    the rule's decision on it, if any."""
+    parts = [c.describe(sample) for c in rule.when]
+    values: dict[str, Any] = {c.name: getattr(sample, c.attr) for c in rule.when}
+    if rule.kind == "predictive":
+        ok, text, extra = _projection(rule, sample, slope, now, horizon_s)
+        values.update(extra)
+        if not ok:
+            st.counter, st.started_mono = 0, None
+            return None
+        parts.append(text)
+    if rule.evidence:
+        seen = [c for c in rule.evidence if c.holds(sample) is True]
+        values.update({c.name: getattr(sample, c.attr) for c in rule.evidence})
+        if not seen:
+            st.counter, st.started_mono = 0, None
+            st.near_misses += 1
+            needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
+            now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.evidence)
+            reason = (
+                f"{rule.name}: near miss (suppressed, not counted): {', '.join(parts)}; "
+                f"no evidence (needs {needs}; now {now_vals})"
+            )
+            st.last_reason = reason
+            return Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values, now)
+        parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
+    if st.counter == 0:
+        st.started_mono = now
+    st.counter += 1
+    held_s = now - (st.started_mono if st.started_mono is not None else now)
+    # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
+    if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
+        return None
+    if rule.for_s is None:
+        dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"
+    else:
+        dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
+    reason = f"{rule.name}: {', '.join(parts)} {dur}"
+    count = st.counter
+    st.counter, st.started_mono = 0, None
+    if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
+        return Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
+    st.trips += 1
+    st.last_trip_mono = now
+    st.last_reason = reason
+    return Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now)
 
 
 def still_holds(
