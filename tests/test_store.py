@@ -647,3 +647,61 @@ def test_an_unexpected_error_in_the_writer_thread_is_counted_and_the_batch_writt
     assert n == 2 and failures == 1
     assert err is None  # the next write succeeded
     assert any("database writer: RuntimeError: boom" in r.getMessage() for r in caplog.records)
+
+
+def test_the_writers_kept_connection_writes_the_frequent_kinds_beside_sqlalchemys_batches(tmp_path: Path) -> None:
+    """Issue 18: a batch of the frequent kinds alone goes through one connection the store keeps (no pool
+    checkout per batch); a batch with any other kind through SQLAlchemy. Interleaved, every record lands
+    once, and a refused batch leaves nothing of itself behind on the kept connection."""
+    s = Store.open(tmp_path / "k.db")
+    t0 = 1_700_000_000.0
+    s.write_batch([("sample", _row(t0, 7 << 30)), ("status", {"ts": t0, "n": 1})])
+    kept = s._fast
+    assert kept is not None
+    event = {"ts": t0 + 1, "kind": "x", "severity": "info", "message": "m"}
+    s.write_batch([("sample", _row(t0 + 1, 6 << 30)), ("event", event)])
+    s.write_batch([("sample", _row(t0 + 2, 5 << 30))])
+    assert s._fast is kept  # the same connection, batch after batch
+    # a snapshot JSON cannot encode, after the sample of its batch was inserted: nothing of the batch stays
+    with pytest.raises(TypeError):
+        s.write_batch([("sample", _row(t0 + 4, 4 << 30)), ("status", {"ts": t0 + 4, "bad": object()})])
+    s.write_batch([("sample", _row(t0 + 5, 3 << 30))])  # the connection is usable after the refusal
+    assert [r["ts"] for r in s.samples(since=t0)] == [t0, t0 + 1, t0 + 2, t0 + 5]  # t0 + 4 rolled back
+    assert [e["kind"] for e in s.events(limit=10)] == ["x"]
+    assert s.status_snapshot() == {"ts": t0, "n": 1}
+    s.close()
+    assert s._fast is None
+
+
+def test_closing_the_store_does_not_wait_for_a_batch_held_by_a_write_lock(tmp_path: Path) -> None:
+    """``Store.close`` runs on the event loop (the keeper's reopen): it must not wait while the writer's
+    thread is stuck in a batch behind another process's write lock (up to the 2 s busy timeout; the guard
+    would miss its ticks). The batch's end closes the kept connection instead."""
+    import sqlite3
+    import threading
+
+    db = tmp_path / "c.db"
+    s = Store.open(db)
+    s.write_batch([("sample", _row(1.0, 1 << 30))])  # the kept connection exists
+    holder = sqlite3.connect(db, timeout=0)
+    holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    errors: list[BaseException] = []
+
+    def batch() -> None:
+        try:
+            s.write_batch([("sample", _row(2.0, 1 << 30))])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=batch)
+    t.start()
+    while t.is_alive() and not s._write_lock.locked():  # the batch is under way (behind the lock)
+        time.sleep(0.001)
+    s.close()
+    closed_while_held = t.is_alive()  # close returned while the batch still waited on the lock
+    holder.rollback()
+    holder.close()
+    t.join(10)
+    assert closed_while_held, "Store.close waited for the batch"
+    assert s._fast is None  # the batch's end closed the kept connection
+    assert len(errors) <= 1 and all("locked" in str(e) for e in errors), errors

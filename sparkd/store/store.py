@@ -93,6 +93,30 @@ _UPSERT_STATUS = (
 
 _SYNC_FULL = "PRAGMA synchronous=FULL"
 _SYNC_NORMAL = "PRAGMA synchronous=NORMAL"
+# the kinds written through prepared statements on the DBAPI connection (``_write_frequent``)
+_FAST_KINDS = frozenset({"sample", "gpu", "kcount", "status"})
+
+
+def _write_frequent(con: Any, frequent: tuple[list[Any], ...], durable: bool) -> None:
+    """Samples, GPU rows, kernel counts and the newest status snapshot, as prepared statements on the
+    DBAPI connection ``con`` (sqlite3), inside the caller's transaction."""
+    samples, gpu, kcounts, statuses = frequent
+    cur = con.cursor()
+    try:
+        # per connection, and before the first statement opens the transaction (pysqlite begins
+        # at the first INSERT): set either way, as the pool may hand out a connection set before
+        cur.execute(_SYNC_FULL if durable else _SYNC_NORMAL)
+        if samples:
+            cur.executemany(_INSERT_SAMPLE, samples)
+        if gpu:
+            cur.executemany(_INSERT_GPU, gpu)
+        if kcounts:
+            cur.executemany(_UPSERT_KCOUNT, kcounts)
+        if statuses:  # one row: only the newest of the batch matters
+            cur.execute(_UPSERT_STATUS, (statuses[-1]["ts"], json.dumps(statuses[-1])))
+    finally:
+        cur.close()
+
 
 CHART_FIELDS = (
     "mem_available",
@@ -139,6 +163,10 @@ class Store:
         self.engine = engine
         self.path = path
         self._write_lock = threading.Lock()
+        # the writer's own pooled connection, kept checked out: a batch of the frequent kinds alone (the
+        # idle daemon's every write) skips the pool's checkout, reset and events (issue 18)
+        self._fast: Any = None
+        self._closed = False
 
     @classmethod
     def open(cls, path: str | Path, *, migrate: bool = True) -> Store:
@@ -212,7 +240,22 @@ class Store:
                 return None
 
     def close(self) -> None:
+        """Close the connections. Never waits for a batch the writer's thread is writing (a write lock held
+        elsewhere keeps one up to the busy timeout, 2 s, and this runs on the event loop): that batch's
+        end closes the writer's connection."""
+        self._closed = True
+        if self._write_lock.acquire(blocking=False):
+            try:
+                self._close_fast()
+            finally:
+                self._write_lock.release()
         self.engine.dispose()
+
+    def _close_fast(self) -> None:
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            with contextlib.suppress(Exception):
+                fast.close()
 
     # ------------------------------------------------------------------ writes
     def write_batch(self, items: list[tuple[str, Any]], *, durable: bool = False) -> None:
@@ -226,7 +269,9 @@ class Store:
         The frequent kinds (samples, GPU rows, the status snapshot, kernel counts) go
         through the DBAPI cursor as prepared statements (one ``executemany`` per kind):
         building and compiling SQLAlchemy statements per batch was half of the idle
-        daemon's CPU (py-spy, issue 18). The rare kinds keep SQLAlchemy Core.
+        daemon's CPU (py-spy, issue 18). A batch of those kinds alone is written on a connection the
+        store keeps checked out (``_write_fast``: no pool checkout, reset or events per batch; 25 % of the
+        writer thread's idle CPU, issue 18). The rare kinds keep SQLAlchemy Core.
         Thread-safe (a lock): the writer thread and ``save_launch`` may call it at once.
 
         ``durable``: the commit reaches the disk before this returns (``PRAGMA synchronous=FULL``: SQLite
@@ -247,22 +292,13 @@ class Store:
         events = [p for k, p in items if k == "event"]
         replayed = [p for k, p in items if k == "event_replayed"]
         scans = [p for k, p in items if k == "consumers"]
+        frequent = (samples, gpu, kcounts, statuses)
+        if all(k in _FAST_KINDS for k, _p in items):
+            with self._write_lock:
+                self._write_fast(frequent, durable)
+            return
         with self._write_lock, self.engine.begin() as conn:
-            cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            try:
-                # per connection, and before the first statement opens the transaction (pysqlite begins
-                # at the first INSERT): set either way, as the pool may hand out a connection set before
-                cur.execute(_SYNC_FULL if durable else _SYNC_NORMAL)
-                if samples:
-                    cur.executemany(_INSERT_SAMPLE, samples)
-                if gpu:
-                    cur.executemany(_INSERT_GPU, gpu)
-                if kcounts:
-                    cur.executemany(_UPSERT_KCOUNT, kcounts)
-                if statuses:  # one row: only the newest of the batch matters
-                    cur.execute(_UPSERT_STATUS, (statuses[-1]["ts"], json.dumps(statuses[-1])))
-            finally:
-                cur.close()
+            _write_frequent(conn.connection.driver_connection, frequent, durable)
             if scans:
                 conn.execute(insert(CONSUMER_SCANS), scans)
             if events:
@@ -286,6 +322,22 @@ class Store:
                     conn.execute(stmt4.on_conflict_do_update(index_elements=["id"], set_=cols) if cols else stmt4)
                 elif kind == "run_end":
                     conn.execute(update(DAEMON_RUNS).where(DAEMON_RUNS.c.id == p.pop("id")).values(**p))
+
+    def _write_fast(self, frequent: tuple[list[Any], ...], durable: bool) -> None:
+        """``write_batch`` of the frequent kinds alone, on the writer's kept connection; one transaction."""
+        if self._fast is None:
+            self._fast = self.engine.raw_connection()
+        con = self._fast.driver_connection
+        try:
+            _write_frequent(con, frequent, durable)
+            con.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                con.rollback()
+            raise
+        finally:
+            if self._closed:  # closed while this batch was written
+                self._close_fast()
 
     def start_run(self, *, pid: int, version: str, hostname: str, config: dict[str, Any]) -> int:
         with self.engine.begin() as conn:
