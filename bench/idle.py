@@ -131,7 +131,11 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, root: Path, interval_s: float) -> None:
+    """One ``sparkd run`` (monitor-only, API on) in its own state directory under ``root``. ``cmd``: what
+    runs instead of ``python -m sparkd.face.cli`` (``bench/phases.py`` runs sparkd through a wrapper);
+    the ``--config`` and ``run`` arguments follow it."""
+
+    def __init__(self, root: Path, interval_s: float, cmd: list[str] | None = None) -> None:
         self.dir = root / f"sparkd-{interval_s:g}s"
         self.dir.mkdir()
         self.interval_s = interval_s
@@ -150,7 +154,7 @@ class Daemon:
         env.pop("WATCHDOG_USEC", None)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "run"],
+            [*(cmd or [sys.executable, "-m", "sparkd.face.cli"]), "--config", str(cfg), "run"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(self.dir / "stderr.log", "wb"),  # noqa: SIM115 - lives as long as the daemon
