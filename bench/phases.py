@@ -11,7 +11,7 @@ host: on a VM whose idle vCPU loses its caches that is several times what the sa
 timed in a loop (``bench/tick.py``), and it is what the daemon pays. The process's CPU per thread
 (``schedstat``) is printed beside them: the main thread (event loop and ticks) and the writer's thread.
 
-Run: .venv/bin/python bench/phases.py [--window 60] [--warmup 30]
+Run: .venv/bin/python bench/phases.py [--window 60] [--warmup 70]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("sparkd.loop.guard", "Guard", "evaluate"),
     ("sparkd.loop.daemon_decide", None, "handle_sync"),
     ("sparkd.store.store", "Writer", "submit"),
-    ("sparkd.loop.daemon", "Daemon", "_check_blind"),
+    ("sparkd.loop.daemon_view", None, "check_blind"),
     ("sparkd.loop.daemon_decide", None, "_refresh_status"),
     ("sparkd.loop.daemon", "Daemon", "status_json"),
     ("sparkd.loop.daemon", "Daemon", "_after_tick"),
@@ -110,7 +110,12 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--window", type=float, default=60.0, help="measuring window, s")
-    ap.add_argument("--warmup", type=float, default=30.0, help="seconds after READY=1 before the window")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=70.0,
+        help="seconds after READY=1 before the window (after the first retention pass, at 60 s, as bench/idle.py)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     import idle

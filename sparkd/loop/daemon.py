@@ -620,7 +620,8 @@ class Daemon:
         if fut is None or fut.done():
             return
         try:
-            self._test_stall()
+            if self.stall_file:
+                self._test_stall()
             result = self._tick_once()
             if result is None:  # /proc/meminfo could not be read: blind, and said so (event, status)
                 _daemon_decide.handle_blind_tick(self)
@@ -637,7 +638,7 @@ class Daemon:
 
     def _after_tick(self, result: TickResult | None) -> float:
         """Sampling mode, watchdog, and the next tick's time; returns the delay until it (s)."""
-        self._update_mode(result)
+        _daemon_decide.update_mode(self, result)  # (not through _update_mode: a frame less per tick, issue 18)
         self._ping_watchdog()
         interval = self.current_interval()
         self._next_at += interval

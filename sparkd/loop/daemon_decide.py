@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.core.lifecycle import ACTIVE_STATES
 from sparkd.core.rules import Decision, Rule, stop_lines
 from sparkd.core.sample import Sample
+from sparkd.loop import daemon_view as _daemon_view
 from sparkd.loop.guard import TickResult
 from sparkd.sense.kernlog import KernRecord
 from sparkd.units import fmt_gib
@@ -73,7 +74,7 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
     for d in result.decisions:
         if not decide_quietly(daemon, d):
             acting.append((d, sample))
-    daemon._check_blind()
+    _daemon_view.check_blind(daemon)
     if daemon.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
         daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
     for start, count in daemon.guard.nvrm.closed_windows(daemon.guard.mono()) if daemon.guard else []:

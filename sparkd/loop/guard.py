@@ -280,8 +280,9 @@ class Guard:
         Fast when a stop rule's counter is above zero, when MemAvailable is within
         ``fast_margin`` of a floor, or falling faster than ``fast_fall_rate`` per second.
         """
-        states = self.states
-        for r in self.rules:
+        engine = self.engine  # (not the properties: a frame each, every tick)
+        states = engine.states
+        for r in engine.rules:
             st = states.get(r.name)
             if st is not None and st.counter > 0:
                 return f"rule {r.name} counting"
@@ -298,7 +299,7 @@ class Guard:
                 return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
-        s = self.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)
+        s = engine.slope.slope(sample.mono, max(2.0, 2.5 * self.settings.interval_s), min_points=3)
         if s is not None and -s > self._fast_fall:
             return f"MemAvailable falling {-s / 2**30:.2f} GiB/s"
         return None

@@ -31,12 +31,9 @@ class ReadableGate:
         self.wakeups = 0  # readable events seen (tests, benchmarks)
         self._fd: int | None = None  # the descriptor registered with the loop
 
-    def _source_fd(self) -> int | None:
-        fileno = getattr(self.source, "fileno", None)
-        return fileno() if fileno is not None else None
-
     def __call__(self) -> bool:
-        fd = self._source_fd()
+        fileno = getattr(self.source, "fileno", None)
+        fd = fileno() if fileno is not None else None
         if fd is None or (self._fd is not None and fd != self._fd):
             self._disarm()  # closed or replaced: poll every tick (cheap for a closed source)
             return True
