@@ -169,7 +169,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     # stopped it tells nothing); monitor-only judges every trip (its "would stop" loops as a stop would)
     monitor_only = daemon.actions.status_json().mode == "monitor-only"  # a trip is rare: the status is cheap
     running = monitor_only or daemon.actions.lifecycle_state() in ACTIVE_STATES  # StrEnum: equal to values
-    rule = daemon.guard.rule(d.rule) if daemon.guard and d.action == "stop" and running else None
+    tripped = _rule(daemon, d.rule)  # as configured at the trip (a demotion below replaces the rule list)
+    rule = tripped if d.action == "stop" and running else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
     reason = d.reason
     if verdict is not None:
@@ -185,7 +186,7 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             "sample_ts": sample.ts if sample is not None else None,
             **_jsonable(d.values),
             # the rule's stop lines as configured at the trip: the incident chart draws them (the config may change)
-            **({"stop_lines": stop_lines(tripped.to_json())} if (tripped := _rule(daemon, d.rule)) else {}),
+            **({"stop_lines": stop_lines(tripped.to_json())} if tripped is not None else {}),
             **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
             **({"demoted": verdict.reason} if verdict is not None else {}),
         },
@@ -201,7 +202,7 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
         return False
     if daemon.settings.recheck and daemon.guard:
         fresh = daemon.guard.read_sample()
-        if daemon.guard.rule(d.rule) is not None and not daemon.guard.engine.recheck(d.rule, fresh):
+        if tripped is not None and not daemon.guard.engine.recheck(d.rule, fresh):
             daemon.event(
                 "recovered_before_stop",
                 f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "

@@ -177,20 +177,30 @@ class Supervisor(RunBook):
     def running(self) -> bool:
         return self.container_id is not None and self.state in RUNNING_STATES
 
+    def breaker_key(self) -> str:
+        """What an emergency stop counts toward the breaker under: the launch (counted once per launch), else
+        the container. Read it before the stop: the stop forgets both."""
+        return self.launch_id or self.container_id or "unknown"
+
+    async def _hold_and_count(self, key: str, source: str, reason: str) -> IntentRecord | None:
+        """Before an emergency stop begins: its intent persisted, so a crash or kill -9 of sparkd in the middle of
+        it does not relaunch the model it was stopping at its next start (it stays stopped, as after a finished
+        emergency stop), and the stop counted toward the breaker under ``key``, so such a crash cannot keep it
+        from the breaker (once per launch: a count after the stop changes nothing then). Returns the intent
+        that held before (``Unattended.release_hold`` puts it back when the stop is not carried out)."""
+        before = await self.unattended.hold(self.unattended.intent_for(source), source, reason)
+        await self.unattended.emergency(key, reason)
+        return before
+
     async def emergency_stop(self, source: str, reason: str) -> None:
         """A rule, the hard floor or the probe: stop through the normal procedure, count it once per launch
         toward the breaker, then the relaunch decision (intent ``emergency``)."""
-        key, was_running = self.launch_id or self.container_id or "unknown", self.running()
+        key, was_running = self.breaker_key(), self.running()
         uptime = time.time() - self.container_started_at if self.container_started_at else None
         ready = self.ready_at is not None
         held = was_running and not self.lock.locked()
         if held:
-            # persisted before the stop: a crash or kill -9 of sparkd in the middle of it must not relaunch
-            # the model it was stopping at its next start (it stays stopped, as after a finished emergency stop)
-            before = await self.unattended.hold(self.unattended.intent_for(source), source, reason)
-            # counted before the stop too, so a crash in the middle of it cannot keep it from the breaker (once
-            # per launch: the count after the stop changes nothing then)
-            await self.unattended.emergency(key, reason)
+            before = await self._hold_and_count(key, source, reason)
         try:
             await self.request("stop", source=source, reason=reason)
         except Conflict as e:
@@ -539,8 +549,7 @@ class Supervisor(RunBook):
         self.emergency_inbox = None
         intent = self.unattended.intent_for(source)
         if self.running():
-            await self.unattended.hold(intent, source, reason)
-            await self.unattended.emergency(self.launch_id or self.container_id or "unknown", reason)
+            await self._hold_and_count(self.breaker_key(), source, reason)
             await self._stop(reason, source)
             await self._finish_launch("stopped")
         self.stay_stopped = True
@@ -616,7 +625,7 @@ class Supervisor(RunBook):
         sparkd finds it already down. A run started after the intent (by hand) is not stopped."""
         reason = f"finishing the {rec.intent.value} stop begun before sparkd's last exit ({rec.who}: {rec.reason})"
         self._event("stop_resumed", reason, severity="warning", details={"intent": rec.intent.value, "who": rec.who})
-        await self.unattended.emergency(self.launch_id or self.container_id or "unknown", reason)
+        await self.unattended.emergency(self.breaker_key(), reason)
         try:
             await self.request("stop", source=rec.who, reason=rec.reason)
         except SparkdError as e:
