@@ -733,6 +733,32 @@ def test_it_creates_the_token_file_private_and_once(tmp_path: Path) -> None:
     assert [f.name for f in p.parent.iterdir()] == ["token"]  # no temp files left
 
 
+def test_a_token_that_cannot_be_written_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """A full disk at start (the write of the new token fails): a clear error, and no empty temporary file
+    left in the state dir at each of systemd's restarts. The write really fails: a child process with a
+    file-size limit of 0 (``RLIMIT_FSIZE``: ``write`` gets EFBIG, as ``ENOSPC`` on a full file system)."""
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))\n"
+        "from sparkd.errors import ConfigError\n"
+        "from sparkd.face.auth import ensure_token\n"
+        "try:\n"
+        f"    ensure_token({str(state / 'token')!r})\n"
+        "except ConfigError as e:\n"
+        "    print(e.message)\n"
+        "    sys.exit(3)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, (r.stdout, r.stderr[-2000:])
+    assert "cannot create or read the API token file" in r.stdout and "token" in r.stdout
+    assert list(state.iterdir()) == []  # neither the token nor a temporary file
+
+
 def test_it_tightens_a_readable_token_file(tmp_path: Path) -> None:
     p = tmp_path / "token"
     p.write_text("x" * 43 + "\n")

@@ -28,6 +28,7 @@ All comparisons of secrets use ``hmac.compare_digest``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -80,11 +81,16 @@ def ensure_token(path: str | Path) -> str:
         tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, (token + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            try:
+                os.fchmod(fd, 0o600)
+                os.write(fd, (token + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:  # a full disk: no empty temporary file left behind at each start
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         try:
             os.link(tmp, p)  # atomic, fails if another process won the race
         except FileExistsError:
