@@ -653,6 +653,8 @@ def test_the_writers_kept_connection_writes_the_frequent_kinds_beside_sqlalchemy
     """Issue 18: a batch of the frequent kinds alone goes through one connection the store keeps (no pool
     checkout per batch); a batch with any other kind through SQLAlchemy. Interleaved, every record lands
     once, and a refused batch leaves nothing of itself behind on the kept connection."""
+    import sqlite3
+
     s = Store.open(tmp_path / "k.db")
     t0 = 1_700_000_000.0
     s.write_batch([("sample", _row(t0, 7 << 30)), ("status", {"ts": t0, "n": 1})])
@@ -669,8 +671,11 @@ def test_the_writers_kept_connection_writes_the_frequent_kinds_beside_sqlalchemy
     assert [r["ts"] for r in s.samples(since=t0)] == [t0, t0 + 1, t0 + 2, t0 + 5]  # t0 + 4 rolled back
     assert [e["kind"] for e in s.events(limit=10)] == ["x"]
     assert s.status_snapshot() == {"ts": t0, "n": 1}
+    dbapi = kept.driver_connection
     s.close()
     assert s._fast is None
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):  # really closed, not handed back to a pool
+        dbapi.execute("SELECT 1")
 
 
 def test_closing_the_store_does_not_wait_for_a_batch_held_by_a_write_lock(tmp_path: Path) -> None:
@@ -683,6 +688,7 @@ def test_closing_the_store_does_not_wait_for_a_batch_held_by_a_write_lock(tmp_pa
     db = tmp_path / "c.db"
     s = Store.open(db)
     s.write_batch([("sample", _row(1.0, 1 << 30))])  # the kept connection exists
+    dbapi = s._fast.driver_connection
     holder = sqlite3.connect(db, timeout=0)
     holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
     errors: list[BaseException] = []
@@ -703,5 +709,7 @@ def test_closing_the_store_does_not_wait_for_a_batch_held_by_a_write_lock(tmp_pa
     holder.close()
     t.join(10)
     assert closed_while_held, "Store.close waited for the batch"
-    assert s._fast is None  # the batch's end closed the kept connection
+    assert s._fast is None  # the batch's end closed the kept connection: really closed, not handed to a pool
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        dbapi.execute("SELECT 1")
     assert len(errors) <= 1 and all("locked" in str(e) for e in errors), errors

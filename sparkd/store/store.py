@@ -241,21 +241,27 @@ class Store:
 
     def close(self) -> None:
         """Close the connections. Never waits for a batch the writer's thread is writing (a write lock held
-        elsewhere keeps one up to the busy timeout, 2 s, and this runs on the event loop): that batch's
-        end closes the writer's connection."""
+        elsewhere keeps one up to the busy timeout, 2 s, and this runs on the event loop): that batch, once
+        it has let go of the lock, closes the writer's connection (``write_batch``)."""
         self._closed = True
-        if self._write_lock.acquire(blocking=False):
-            try:
-                self._close_fast()
-            finally:
-                self._write_lock.release()
+        self._close_fast_if_idle()
         self.engine.dispose()
 
-    def _close_fast(self) -> None:
-        fast, self._fast = self._fast, None
-        if fast is not None:
-            with contextlib.suppress(Exception):
-                fast.close()
+    def _close_fast_if_idle(self) -> None:
+        """Close the writer's kept connection unless a batch holds it. Called by ``close`` and, after
+        ``close``, by each batch once it let go of the lock: whichever comes last closes it."""
+        if not self._write_lock.acquire(blocking=False):
+            return
+        try:
+            fast, self._fast = self._fast, None
+            if fast is not None:
+                with contextlib.suppress(Exception):
+                    # out of the pool, then closed: ``close`` alone would hand it back to a pool that
+                    # ``engine.dispose`` has already emptied, and leave the file open
+                    fast.detach()
+                    fast.close()
+        finally:
+            self._write_lock.release()
 
     # ------------------------------------------------------------------ writes
     def write_batch(self, items: list[tuple[str, Any]], *, durable: bool = False) -> None:
@@ -294,8 +300,12 @@ class Store:
         scans = [p for k, p in items if k == "consumers"]
         frequent = (samples, gpu, kcounts, statuses)
         if all(k in _FAST_KINDS for k, _p in items):
-            with self._write_lock:
-                self._write_fast(frequent, durable)
+            try:
+                with self._write_lock:
+                    self._write_fast(frequent, durable)
+            finally:
+                if self._closed:  # closed while this batch was written (or before): the kept connection too
+                    self._close_fast_if_idle()
             return
         with self._write_lock, self.engine.begin() as conn:
             _write_frequent(conn.connection.driver_connection, frequent, durable)
@@ -335,9 +345,6 @@ class Store:
             with contextlib.suppress(Exception):
                 con.rollback()
             raise
-        finally:
-            if self._closed:  # closed while this batch was written
-                self._close_fast()
 
     def start_run(self, *, pid: int, version: str, hostname: str, config: dict[str, Any]) -> int:
         with self.engine.begin() as conn:
