@@ -295,9 +295,6 @@ class Store:
         gpu = [tuple(p.get(c) for c in _GPU_COLUMNS) for k, p in items if k == "gpu"]
         kcounts = [p for k, p in items if k == "kcount"]
         statuses = [p for k, p in items if k == "status"]
-        events = [p for k, p in items if k == "event"]
-        replayed = [p for k, p in items if k == "event_replayed"]
-        scans = [p for k, p in items if k == "consumers"]
         frequent = (samples, gpu, kcounts, statuses)
         if all(k in _FAST_KINDS for k, _p in items):
             try:
@@ -307,6 +304,9 @@ class Store:
                 if self._closed:  # closed while this batch was written (or before): the kept connection too
                     self._close_fast_if_idle()
             return
+        events = [p for k, p in items if k == "event"]
+        replayed = [p for k, p in items if k == "event_replayed"]
+        scans = [p for k, p in items if k == "consumers"]
         with self._write_lock, self.engine.begin() as conn:
             _write_frequent(conn.connection.driver_connection, frequent, durable)
             if scans:
