@@ -133,9 +133,18 @@ def free_port() -> int:
 class Daemon:
     """One ``sparkd run`` (monitor-only, API on) in its own state directory under ``root``. ``cmd``: what
     runs instead of ``python -m sparkd.face.cli`` (``bench/phases.py`` runs sparkd through a wrapper);
-    the ``--config`` and ``run`` arguments follow it."""
+    the ``--config`` and ``run`` arguments follow it. ``env``: variables added to the daemon's environment
+    and ``cwd`` its working directory (``bench/ab.py`` runs another tree's sparkd with ``PYTHONPATH``; a
+    ``python -m`` puts the working directory first on ``sys.path``, so it must not be a checkout)."""
 
-    def __init__(self, root: Path, interval_s: float, cmd: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        interval_s: float,
+        cmd: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
         self.dir = root / f"sparkd-{interval_s:g}s"
         self.dir.mkdir()
         self.interval_s = interval_s
@@ -149,13 +158,15 @@ class Daemon:
             f"interval_s = {interval_s}\nfast_interval_s = {interval_s}\n"
             f'[api]\nhost = "127.0.0.1"\nport = {free_port()}\n'
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
-        env["NOTIFY_SOCKET"] = self.notify_path
-        env.pop("WATCHDOG_USEC", None)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
+        full_env.update(env or {})
+        full_env["NOTIFY_SOCKET"] = self.notify_path
+        full_env.pop("WATCHDOG_USEC", None)
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [*(cmd or [sys.executable, "-m", "sparkd.face.cli"]), "--config", str(cfg), "run"],
-            env=env,
+            env=full_env,
+            cwd=cwd,
             stdout=subprocess.DEVNULL,
             stderr=open(self.dir / "stderr.log", "wb"),  # noqa: SIM115 - lives as long as the daemon
         )
