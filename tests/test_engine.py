@@ -50,6 +50,21 @@ def test_demote_keeps_counting_but_warns() -> None:
     assert e.rules_json()[0]["demoted"] == "cannot protect this host"
 
 
+def test_undemote_makes_the_rule_stop_again_and_keeps_other_demotions() -> None:
+    e = engine()
+    e.compile(MEM_TOTAL)
+    e.demote("low_available", "loops")
+    e.demote("collapse_projected", "loops too")
+    e.undemote("low_available")
+    e.undemote("not_a_rule")  # nothing demoted by that name: nothing changes
+    actions = {r.name: r.action for r in e.rules}
+    assert actions["low_available"] == "stop" and actions["collapse_projected"] == "warn"
+    assert e.demoted == {"collapse_projected": "loops too"}
+    assert {r.action for r in e.configured_rules} == {"stop"}  # as configured: no demotion in them
+    trips = [d for s in (S(t, 5.0) for t in range(6)) for d in e.step(s) if d.kind == "trip"]
+    assert [d.action for d in trips if d.rule == "low_available"] == ["stop"]
+
+
 def test_stored_events_become_engine_changes() -> None:
     events = [
         {"ts": 30.0, "kind": "killed", "details": {"durations_s": {"stop": 31.2}}},
@@ -62,12 +77,14 @@ def test_stored_events_become_engine_changes() -> None:
         },
         {"ts": 25.0, "kind": "watermark", "message": "rule y may loop", "details": {"rule": "y"}},  # a warning only
         {"ts": 26.0, "kind": "stopped", "details": {"durations_s": {}}},  # no stop duration: nothing
+        {"ts": 40.0, "kind": "watermark", "message": "x stops again", "details": {"rule": "x", "action": "re-armed"}},
     ]
     assert engine_changes(events, run_starts=[5.0]) == [
         EngineChange(5.0, "reset"),
         EngineChange(10.0, "stop_duration", seconds=8.0),
         EngineChange(20.0, "demote", rule="x", reason="rule x cannot protect"),
         EngineChange(30.0, "stop_duration", seconds=31.2),
+        EngineChange(40.0, "rearm", rule="x"),
     ]
 
 
@@ -102,6 +119,17 @@ def test_replay_applies_the_daemons_changes_where_the_guard_did() -> None:
     )
     assert demoted.first_stop is None or demoted.first_stop.rule != "collapse_projected"
     assert [d.action for d in demoted.trips("collapse_projected")][:1] == ["warn"]
+    # re-armed before the fall: the same stop as with no change at all
+    rearmed = replay(
+        samples,
+        DEFAULT_RULES,
+        mem_total_bytes=MEM_TOTAL,
+        changes=[
+            EngineChange(base - 2, "demote", rule="collapse_projected", reason="loops"),
+            EngineChange(base - 1, "rearm", rule="collapse_projected"),
+        ],
+    )
+    assert rearmed.first_stop is not None and rearmed.first_stop.t == plain.first_stop.t
 
 
 def test_the_daemon_hands_each_measured_stop_to_the_engine(tmp_path: Path) -> None:

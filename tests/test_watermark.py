@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 from sparkd.config import DEFAULT_RULES, RuleConfig
 from sparkd.core.engine import RuleEngine
 from sparkd.core.floors import LoopGuard, check_floors, demote, loop_floor, read_vm_tunables
@@ -356,3 +360,130 @@ def test_a_shortfall_the_watermarks_do_not_explain_is_memory_taken_not_a_stop_lo
     assert problems(1.6, 14.17) == [("cannot_protect", "warning")]
     # watermarks unknown: as before
     assert problems(2.0, None) == [("cannot_protect", "warning")]
+
+
+def _tuned_host_verdict(g: LoopGuard, rule: Rule) -> None:
+    """Run 1 on a tuned host: healthy at 1.6 GiB, below the 6 GiB floor, the watermarks unknown (explained)."""
+    g.note_launch(0.0)
+    g.note_healthy(100.0, int(1.6 * GiB))
+    assert g.record_trip(rule, 101.0) is not None
+
+
+def test_a_later_run_healthy_well_above_the_floor_rearms_the_rule() -> None:
+    # the operator fixed the budget (a smaller GMU) and relaunched: ready with 12 GiB MemAvailable
+    rule = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)[0]
+    g = LoopGuard()
+    _tuned_host_verdict(g, rule)
+    g.note_launch(500.0)
+    g.note_healthy(600.0, 12 * GiB)
+    (r,) = g.rearm([rule])
+    got = (r.rule, r.t, r.floor_bytes, r.healthy_bytes, r.demoted_at)
+    assert got == ("low_available", 600.0, 6 * GiB, 12 * GiB, 101.0)
+    assert r.reason == (
+        "rule low_available stops again: a run launched after it was demoted is healthy with MemAvailable "
+        "12.00 GiB, 6.00 GiB above its floor 6.00 GiB (margin 1.00 GiB)"
+    )
+    assert r.details()["action"] == "re-armed"
+    assert g.cannot_protect("low_available") is None and g.rearm([rule]) == []  # withdrawn once
+    assert not g.status()["rules"]["low_available"]["cannot_protect"]
+    # a trip now is a real collapse: no verdict, it stops
+    assert g.record_trip(rule, 700.0) is None
+    # and if a still later run is back below the floor, the rule is judged anew (convicted again)
+    g.note_launch(800.0)
+    g.note_healthy(900.0, int(1.6 * GiB))
+    assert g.record_trip(rule, 901.0) is not None
+
+
+def test_a_verdict_stands_without_a_new_run_or_with_too_little_room() -> None:
+    rule = compile_rules([RuleConfig(name="low_available", when=["MemAvailable < 6GiB"])], None)[0]
+    g = LoopGuard()
+    _tuned_host_verdict(g, rule)
+    # the same run reads higher later (a co-tenant left): the run that convicted it has not changed
+    g.note_healthy(200.0, 12 * GiB)
+    assert g.rearm([rule]) == []
+    # a new run, healthy within the margin of the floor: stopping could still loop
+    g.note_launch(500.0)
+    g.note_healthy(600.0, int(6.5 * GiB))
+    assert g.rearm([rule]) == []
+    # a new run with room, but the rule is no longer configured: nothing to arm
+    g.note_launch(700.0)
+    g.note_healthy(800.0, 12 * GiB)
+    assert g.rearm([]) == []
+    assert g.cannot_protect("low_available") is not None
+    # no healthy reading of the new run yet (launched, not ready): the old reading is not the new run's
+    g.note_launch(900.0)
+    assert g.rearm([rule]) == []
+
+
+def test_the_daemon_rearms_a_demoted_rule_when_a_resized_run_has_room_and_says_so(tmp_path: Path) -> None:
+    """Through the real daemon (its /proc is a file this test writes; the container side records stops):
+    run 1 is ready below the floor, the trip is demoted and stops nothing; the operator resizes, run 2 is
+    ready with room, a ``watermark`` event says the rule stops again; the next fall is stopped."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 1677722 kB\n"  # 1.6 GiB
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"  # 12 GiB
+    (proc / "meminfo").write_text(high)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+
+    class Recorder(MonitorOnly):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    async def run_ready(d: Daemon, meminfo: str, n: int) -> None:
+        (proc / "meminfo").write_text(meminfo)
+        assert d._tick_once() is not None
+        d.event("launched", f"run {n}", details={"started_at": time.time()})
+        d.event("ready", f"run {n} ready")  # the supervisor's healthy-and-idle reading
+
+    async def fall(d: Daemon) -> None:
+        (proc / "meminfo").write_text(low)
+        for _ in range(2):
+            r = d._tick_once()
+            assert r is not None
+            await d._handle(r)
+
+    async def go() -> tuple[Recorder, Daemon]:
+        actions = Recorder()
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        assert d.guard is not None
+        try:
+            await run_ready(d, low, 1)
+            await fall(d)
+            assert actions.stops == [] and d.guard.engine.demoted  # demoted, nothing stopped
+            assert next(r for r in d.guard.rules if r.name == "low_available").action == "warn"
+            await run_ready(d, high, 2)  # resized: ready with 12 GiB
+            assert d.guard.engine.demoted == {}
+            assert next(r for r in d.guard.rules if r.name == "low_available").action == "stop"
+            await fall(d)
+            return actions, d
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    actions, d = asyncio.run(go())
+    assert actions.stops == ["low_available"]  # the fall after the resize is stopped
+    marks = [(e["details"] or {}).get("action") for e in reversed(d.recent_events) if e["kind"] == "watermark"]
+    assert marks[-2:] == ["demoted to warn", "re-armed"], marks
+    rearmed = next(e for e in d.recent_events if (e["details"] or {}).get("action") == "re-armed")
+    assert rearmed["message"].startswith("rule low_available stops again: a run launched after it was demoted")
+    status = d.status_json()
+    assert next(r for r in status.rules if r.name == "low_available").demoted is None

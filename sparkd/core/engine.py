@@ -12,7 +12,8 @@ Shapes:
     ``step(sample) -> list[Decision]`` — compile on first use (``%`` thresholds need MemTotal),
     feed the slope window, advance every rule.
     ``recheck(rule, sample) -> bool`` — before acting: does the rule still hold on a fresh sample?
-    ``demote(rule, reason)`` — the rule keeps counting but acts as ``warn`` from now on.
+    ``demote(rule, reason)`` — the rule keeps counting but acts as ``warn`` from now on;
+    ``undemote(rule)`` — it stops again (the loop guard withdrew its verdict).
     ``blind() -> {rule: why}`` — rules that could not evaluate on the last sample.
     ``horizon_s`` — the time a stop takes: the longest of the last ``STOP_MEMORY`` measured stops
     (``note_stop_duration``), or the configured grace (``container.stop_timeout_s``) before any.
@@ -44,13 +45,14 @@ from sparkd.core.sample import Sample
 @dataclass(frozen=True, slots=True)
 class EngineChange:
     """Something the daemon tells the engine between samples, at ``ts`` (UTC epoch s): a measured
-    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``), a relief
+    stop (``stop_duration``, ``seconds``), a demotion (``demote``, ``rule``, ``reason``) or its end
+    (``rearm``, ``rule``), a relief
     that raised MemFree (``relief``, ``rule``: its counter starts again) or a restart (``reset``).
     The daemon records each as an event; ``engine_changes`` reads them back so a replay of stored
     samples applies them where the guard did."""
 
     ts: float
-    kind: Literal["stop_duration", "demote", "relief", "reset"]
+    kind: Literal["stop_duration", "demote", "rearm", "relief", "reset"]
     seconds: float | None = None
     rule: str | None = None
     reason: str | None = None
@@ -60,7 +62,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
     """``EngineChange``s, oldest first, from stored events (``ts``, ``kind``, ``details``) and the
     start times of daemon runs (UTC epoch s, taken before a run's first sample): a run start →
     reset, ``stopped``/``killed`` with ``durations_s.stop`` → a measured stop, ``watermark``
-    with ``action = "demoted to warn"`` → a demotion, ``relief`` with ``counters_reset`` → one
+    with ``action = "demoted to warn"`` → a demotion, ``watermark`` with ``action = "re-armed"`` → its
+    end, ``relief`` with ``counters_reset`` → one
     ``relief`` change per rule it names."""
     out = [EngineChange(float(t), "reset") for t in run_starts]
     for e in events:
@@ -72,6 +75,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
                 out.append(EngineChange(float(e["ts"]), "stop_duration", seconds=float(took)))
         elif kind == "watermark" and d.get("action") == "demoted to warn" and d.get("rule"):
             out.append(EngineChange(float(e["ts"]), "demote", rule=str(d["rule"]), reason=str(e.get("message"))))
+        elif kind == "watermark" and d.get("action") == "re-armed" and d.get("rule"):
+            out.append(EngineChange(float(e["ts"]), "rearm", rule=str(d["rule"])))
         elif kind == "relief" and d.get("counters_reset"):
             out += [EngineChange(float(e["ts"]), "relief", rule=str(r)) for r in d.get("rules") or []]
     return sorted(out, key=lambda c: c.ts)
@@ -217,6 +222,8 @@ class RuleEngine:
             self.note_stop_duration(change.seconds)
         elif change.kind == "demote" and change.rule is not None:
             self.demote(change.rule, change.reason or "demoted")
+        elif change.kind == "rearm" and change.rule is not None:
+            self.undemote(change.rule)
         elif change.kind == "relief" and change.rule is not None:
             self.relieved(change.rule)
         elif change.kind == "reset":
@@ -233,6 +240,16 @@ class RuleEngine:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""
         self.demoted[rule_name] = reason
         self.rules = demote_rules(self.rules, self.demoted)
+
+    def undemote(self, rule_name: str) -> None:
+        """``rule_name`` acts as configured again (``floors.LoopGuard.rearm``). Not demoted: nothing changes."""
+        if self.demoted.pop(rule_name, None) is not None:
+            self.rules = demote_rules(self._base, self.demoted)
+
+    @property
+    def configured_rules(self) -> list[Rule]:
+        """The rules as configured and compiled, before any demotion."""
+        return self._base
 
     # ------------------------------------------------------------------ reading
     def rule(self, name: str) -> Rule | None:

@@ -349,6 +349,28 @@ class LoopVerdict:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Rearm:
+    """``LoopGuard``'s conclusion that a demoted rule can protect this host again: a run launched after
+    the verdict became healthy with MemAvailable at least the margin above the rule's floor."""
+
+    rule: str
+    t: float
+    floor_bytes: float
+    healthy_bytes: int
+    demoted_at: float
+    reason: str
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "floor_bytes": self.floor_bytes,
+            "healthy_mem_available_bytes": self.healthy_bytes,
+            "demoted_at": self.demoted_at,
+            "action": "re-armed",
+        }
+
+
 @dataclass(slots=True)
 class _RuleTrips:
     trips: int = 0
@@ -363,7 +385,8 @@ class LoopGuard:
     mem_available)`` when the model is healthy and idle (health check passes,
     no request running); call ``record_trip(rule, t)`` on every trip, *before*
     acting on it. A ``LoopVerdict`` means: do not stop, demote the rule to warn,
-    report it. It is returned once per rule; ``verdicts`` keeps them.
+    report it. It is returned once per rule; ``verdicts`` keeps them until ``rearm`` withdraws one (a
+    later run healthy well above the rule's floor: the operator fixed the budget).
 
     Args:
         margin_bytes: "near the floor" margin (default 1 GiB, MemAvailable noise).
@@ -460,6 +483,43 @@ class LoopGuard:
         v = LoopVerdict(rule.name, t, lf, h, st.trips, st.quick_streak, reason)
         self.verdicts[rule.name] = v
         return v
+
+    def rearm(self, rules: Sequence[Rule]) -> list[Rearm]:
+        """The verdicts that no longer hold, withdrawn: one ``Rearm`` per rule to arm again.
+
+        A verdict is withdrawn when the last healthy reading comes from a run launched after it (the
+        operator resized or restarted the model; the readings of the run it judged are what convicted
+        it) and that healthy MemAvailable is at least ``margin_bytes`` above the rule's floor
+        (``loop_floor`` of the rule in ``rules``, as configured, with the healthy CmaFree): the same
+        test that lets a rule stop on a healthy host in ``record_trip``. The rule's quick-trip streak
+        starts again; a later trip may convict it anew. Rules not in ``rules`` keep their verdicts.
+        """
+        h, ht, lt = self.healthy_bytes, self.healthy_t, self.launch_t
+        if h is None or ht is None or lt is None or ht < lt:
+            return []
+        by_name = {r.name: r for r in rules}
+        out: list[Rearm] = []
+        for name, v in list(self.verdicts.items()):
+            rule = by_name.get(name)
+            lf = loop_floor(rule, self.healthy_cma_free) if rule is not None else None
+            if lf is None or lt <= v.t or h - lf < self.margin_bytes:
+                continue
+            del self.verdicts[name]
+            if name in self.trips:
+                self.trips[name].quick_streak = 0
+            out.append(
+                Rearm(
+                    name,
+                    ht,
+                    lf,
+                    h,
+                    v.t,
+                    f"rule {name} stops again: a run launched after it was demoted is healthy with MemAvailable "
+                    f"{fmt_gib(h)}, {fmt_gib(h - lf)} above its floor {fmt_gib(lf)} "
+                    f"(margin {fmt_gib(self.margin_bytes)})",
+                )
+            )
+        return out
 
     def status(self) -> dict[str, Any]:
         """``{"healthy_mem_available_bytes", "healthy_t", "launch_t", "launches",

@@ -174,13 +174,18 @@ def summary_line(daemon: Daemon) -> str:
 
 def run_floor_checks(daemon: Daemon, *, healthy: bool) -> None:
     """Compare each rule's floor with the kernel's low watermark and the MemAvailable seen
-    while healthy; report each new problem once as a ``watermark`` warning."""
+    while healthy; report each new problem once as a ``watermark`` warning. A healthy reading may
+    also re-arm a rule the loop guard demoted (``LoopGuard.rearm``: a later run sits well above its
+    floor), said as a ``watermark`` event with ``action = "re-armed"``."""
     g = daemon.guard
     last = g.last if g else None
     if g is None or last is None or last.mem_available is None:
         return
     if healthy:
         daemon.loop_guard.note_healthy(time.time(), last.mem_available, last.cma_free, g.low_watermark)
+        for r in daemon.loop_guard.rearm(g.engine.configured_rules):
+            g.engine.undemote(r.rule)
+            daemon.event("watermark", r.reason, details=r.details())
     daemon.floor_warnings = check_floors(
         g.rules,
         healthy_mem_available_bytes=last.mem_available,
