@@ -77,6 +77,13 @@ def test_a_fall_gives_a_rate_and_a_time_to_the_floor() -> None:
     for i in range(11):
         w2.add(float(i), round(20 * GiB - 10 * MiB * i))
     assert nearest_stop(S(10, 19.9), rules(), {}, w2, 10.0).fall_rate_bytes_per_s is None  # type: ignore[union-attr]
+    # its JSON is every field, as dataclasses.asdict gave it, and exactly what the status contract reads
+    import dataclasses
+
+    from sparkd.loop.status import NearestStopStatus
+
+    assert ns.to_json() == dataclasses.asdict(ns)
+    assert set(ns.to_json()) == set(NearestStopStatus.model_fields)
 
 
 def test_no_sample_or_no_stop_rule_gives_none() -> None:

@@ -35,7 +35,7 @@ the first sample, or with no stop rule that has a size line).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sparkd.core.rules import Condition, Rule, RuleState, SlopeWindow, usable_bytes
@@ -77,7 +77,12 @@ class NearestStop:
     reason: str
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field by name (all are plain values: ``dataclasses.asdict``'s deep copy, 13 recursive calls
+        per snapshot, was half the cost of ``nearest_stop`` in the status snapshot; issue 18)."""
+        return {name: getattr(self, name) for name in _NEAREST_STOP_FIELDS}
+
+
+_NEAREST_STOP_FIELDS = tuple(f.name for f in fields(NearestStop))
 
 
 def _lines(rule: Rule, sample: Sample) -> list[tuple[str, str, int, int]]:
