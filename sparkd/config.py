@@ -248,6 +248,8 @@ class NotifySettings(BaseModel):
             "leak_trend",
             "watermark",
             "rule_never_fires",
+            "docker_down",
+            "docker_up",
         ]
     )
     command: list[str] = Field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Literal
 
 from sparkd.core.budget import BudgetInputs, make_plan
 from sparkd.core.lifecycle import ContainerState
@@ -29,6 +29,8 @@ class FakeActions:
         self.plan_json_missing = False
         self.observed = 0
         self.last_changes: dict[str, Any] = {}
+        self.engine: Literal["unknown", "up", "down"] = "up"  # the Docker engine as the supervisor last saw it
+        self.engine_error: str | None = None
         self.inputs = BudgetInputs(
             mem_total_bytes=int(121.69 * GiB),
             max_model_len=262144,
@@ -64,6 +66,8 @@ class FakeActions:
         plan = PlanFigures.model_validate(self.plan.to_json())
         return ContainerStatus(
             mode="managed",
+            engine=self.engine,
+            engine_error=self.engine_error,
             state=ContainerState.READY,
             health="ok",
             name="sparkd-vllm",

@@ -196,6 +196,12 @@ class SparkdCollector(Collector):
         for m in CONTAINER_MODES:
             mode.add_metric([m], 1.0 if m == c.mode else 0.0)
         yield mode
+        if c.mode != "monitor-only" and c.engine in ("up", "down"):  # unknown before the first look: absent
+            up = GaugeMetricFamily(
+                "sparkd_docker_engine_up", "1 while the Docker engine answers; 0: no stop can reach the container"
+            )
+            up.add_metric([], 1.0 if c.engine == "up" else 0.0)
+            yield up
         stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
         stops.add_metric(["stop"], float(c.stops_total))
         stops.add_metric(["kill"], float(c.kills_total))

@@ -278,11 +278,16 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "level": "critical" if (c.supervision and c.supervision.breaker.open) or c.unguarded else level,
         # a same-name container sparkd will not stop (managed mode, started by hand)
         "unguarded": c.unguarded.model_dump(mode="json") if c.unguarded else None,
+        # the Docker engine does not answer: no stop, start or resize can be carried out (monitor-only in effect)
+        "engine_down": not monitor_only and c.engine == "down",
+        "engine_error": c.engine_error,
         "raw": c.model_dump(mode="json"),
     }
 
 
 RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
+#: The headline while the Docker engine does not answer: rules still count, but a trip cannot stop the model.
+ENGINE_DOWN_LABEL = "cannot stop the model: Docker engine unreachable"
 _LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
 
 
@@ -301,8 +306,10 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     """The headline: the nearest stop line (``status.nearest_stop``) and the page's one level.
 
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
-    nearest stop's level (``core.headroom``), raised to ``warn`` when the container failed or exited;
-    ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before the first sample.
+    nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
+    (no stop can be carried out: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted, or when the container
+    failed or exited; ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before the
+    first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
@@ -317,6 +324,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         label = "not guarded"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
+    elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # the guard's stops cannot reach the model
+        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
     elif demoted and _LEVEL_RANK.get(level, 0) < 1:  # a stop rule switched off by the loop guard: never "ok"
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:

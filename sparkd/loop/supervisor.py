@@ -467,7 +467,8 @@ class Supervisor(RunBook):
             self.engine_up = False
             self._event(
                 "docker_down",
-                f"Docker engine unreachable: {why}; sampling and rules go on (monitor-only)",
+                f"Docker engine unreachable: {why}; sampling and rules go on, but no stop can be carried out "
+                "until it answers (monitor-only in effect)",
                 severity="warning",
             )
 

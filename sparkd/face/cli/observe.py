@@ -130,6 +130,11 @@ def _echo_snapshot(st: Status) -> None:
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
+    if c.mode != "monitor-only" and c.engine == "down":
+        click.echo(
+            f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — rules still count, but a trip cannot "
+            "stop the model until it answers"
+        )
     if c.unguarded is not None:
         u = c.unguarded
         click.echo(
