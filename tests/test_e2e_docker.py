@@ -19,7 +19,9 @@ from typing import Any
 
 import httpx
 from fvhelpers import wait_for
+from privateengine import PrivateEngine
 from sparkdapi import SparkdUnderTest
+from sparkdproc import db_query
 
 from sparkd.sense import procfs
 from sparkd.units import GiB
@@ -217,51 +219,7 @@ def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
 def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: dict[str, str]) -> None:
     """A private dockerd (its own data root and socket: the shared engine is never touched) is stopped while
     sparkd runs: sampling and rules go on, the engine is reported down, and sparkd reconnects."""
-    import shutil
-    import signal
-    import subprocess
-
-    dockerd = shutil.which("dockerd")
-    assert dockerd, "dockerd missing"
-    root = Path(f"/tmp/sparkd-dk-{uuid.uuid4().hex[:6]}")  # short: unix socket paths are limited
-    root.mkdir()
-    sock = root / "docker.sock"
-
-    def start_engine() -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(
-            [
-                dockerd,
-                "--data-root",
-                str(root / "data"),
-                "--exec-root",
-                str(root / "exec"),
-                "--host",
-                f"unix://{sock}",
-                "--pidfile",
-                str(root / "pid"),
-                "--storage-driver",
-                "vfs",
-                "--iptables=false",
-                "--bridge=none",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(root / "log", "ab"),  # noqa: SIM115 - lives as long as the engine
-        )
-
-        def ping() -> bool:
-            if not sock.exists():
-                return False
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=1) as cl:
-                try:
-                    return cl.get("http://docker/_ping").status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-        ok = wait_for(ping, 60, 0.2)
-        assert ok, (root / "log").read_text()[-2000:]
-        return p
-
-    engine = start_engine()
+    engine = PrivateEngine().start()
     try:
         work = tmp_path / "s"
         work.mkdir()
@@ -269,13 +227,12 @@ def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: di
             work,
             image,
             case_labels,
-            container={"image": None, "guard": "no-such-container", "docker_url": f"unix://{sock}"},
+            container={"image": None, "guard": "no-such-container", "docker_url": engine.url},
         )
         s.start()
         try:
             assert wait_for(lambda: s.container()["engine"] == "up", 20)
-            engine.send_signal(signal.SIGTERM)
-            engine.wait(60)
+            engine.stop()
             assert wait_for(lambda: s.container()["engine"] == "down", 20)
             down = s.wait_event("docker_down")
             n0 = s.status()["samples_taken"]
@@ -284,17 +241,83 @@ def test_docker_engine_down_and_back(tmp_path: Path, image: str, case_labels: di
             assert st["samples_taken"] >= n0 + 4  # sampling goes on at 4 Hz
             assert st["container"]["state"] == "unknown" and st["container"]["engine"] == "down"
             assert all("counter" in r for r in st["rules"])
-            engine = start_engine()
+            engine.start()
             assert wait_for(lambda: s.container()["engine"] == "up", 30)
             up = s.wait_event("docker_up")
             assert up["ts"] > down["ts"]
         finally:
             s.stop()
     finally:
-        if engine.poll() is None:
-            engine.send_signal(signal.SIGTERM)
-            engine.wait(60)
-        shutil.rmtree(root, ignore_errors=True)
+        engine.close(case_labels)
+
+
+HIGH = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+LOW = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+
+
+def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """dockerd stopped (SIGSTOP: a daemon starved under memory pressure) while the model runs, then the rule
+    trips. Before, each stop attempt waited out the API timeout (30-56 s) and failed, and the model ran on
+    until the engine came back. Now the emergency stop pings first (3 s), says ``stop_without_docker``
+    (critical), stops the container by its processes (SIGTERM to its init, through a pidfd), and the model is
+    gone within seconds; when the engine answers again the container reads ``stopped``, not "exited
+    unexpectedly"."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+
+    engine = PrivateEngine().start()
+    try:
+        engine.load(image)
+        proc, shm = tmp_path / "proc", tmp_path / "shm"
+        proc.mkdir()
+        shm.mkdir()
+        (proc / "meminfo").write_text(HIGH)
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(
+            work,
+            image,
+            case_labels,
+            container={"docker_url": engine.url, "hard_floor": "1GiB"},
+            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+            top={"cooldown_s": 60.0, "proc_root": str(proc), "shm_dir": str(shm)},
+        )
+        s.start()
+        try:
+            c = s.wait_state("ready", 60)
+            stopper = ProcessStopper(c["container_id"])
+            before = stopper.pids()
+            assert before, "no process of the container found by its cgroup"
+            assert engine.proc is not None
+            os.kill(engine.proc.pid, signal.SIGSTOP)  # hung: connections are accepted, nothing answers
+            try:
+                t0 = time.monotonic()
+                (proc / "meminfo").write_text(LOW)  # the rule trips
+                said = s.wait_event("stop_without_docker", 20)
+                assert "the Docker engine does not answer" in said["message"]
+                assert sorted(said["details"]["pids"]) == before
+                severity = db_query(s.db, "SELECT severity FROM events WHERE kind='stop_without_docker'")
+                assert severity == [("critical",)]
+                assert wait_for(lambda: stopper.pids() == [], 30, 0.1), f"still running: {stopper.pids()}"
+                took_s = time.monotonic() - t0
+                assert "stopped by its processes" in s.wait_event("stopping", 5)["message"]
+                done = wait_for(lambda: s.events("stopped") + s.events("killed"), 10)
+                assert done and "(exit code not known)" in done[0]["message"], done
+                assert not s.events("stop_not_executed")
+            finally:
+                os.kill(engine.proc.pid, signal.SIGCONT)
+            assert took_s < 15.0, f"the model ran {took_s:.1f} s after the trip with the engine hung"
+            (proc / "meminfo").write_text(HIGH)
+            # the engine answers again: sparkd's stop, not an unexpected exit
+            assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
+            assert not s.events("exited")
+        finally:
+            s.stop()
+    finally:
+        engine.close(case_labels)
 
 
 def test_a_stopped_model_stays_stopped_across_restarts_of_sparkd(sparkd_factory: Any, docker_client: Any) -> None:

@@ -25,7 +25,19 @@ from sparkd.config import effective_config
 from sparkd.units import fmt_gib
 
 if TYPE_CHECKING:
-    from sparkd.act.docker import ContainerManager
+    from sparkd.act.containerspec import ContainerState, StopResult
+
+
+class Stopper(Protocol):
+    """What the stop procedure asks of the container's keeper: ``act.docker.ContainerManager`` (the Docker
+    engine), or ``act.procstop.ProcessStopper`` (the container's processes, when the engine does not answer).
+    Each call blocks (run in a worker thread)."""
+
+    def stop(self, id_or_name: str, timeout_s: float = 30.0) -> StopResult: ...
+
+    def kill(self, id_or_name: str) -> object: ...
+
+    def state(self, id_or_name: str) -> ContainerState: ...
 
 
 class Supervisor(Protocol):
@@ -219,7 +231,7 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
 
 async def witness_before_stop(
     witness: shm.ShmWitness | None,
-    docker: ContainerManager,
+    docker: Stopper,
     cid: str,
     *,
     shm_dir: Any,
@@ -265,7 +277,7 @@ class Emit(Protocol):
 
 async def _stop_and_confirm(
     target: StopTarget,
-    docker: ContainerManager,
+    docker: Stopper,
     rep: StopReport,
     grace_s: float,
     hard_floor_bytes: int,
@@ -331,7 +343,7 @@ async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: Cleanup
 
 async def run_stop(
     target: StopTarget,
-    docker: ContainerManager,
+    docker: Stopper,
     *,
     reason: str,
     source: str,
@@ -378,8 +390,10 @@ async def run_stop(
     rep.durations_s["total"] = time.monotonic() - t0
     killed = rep.exit_code == 137 or rep.hard_floor_kill or "kill" in (rep.outcome or "")
     rep.killed = killed
+    # without the engine's inspect (it did not answer; or the container stopped by its processes) the exit is unknown
+    how = f"exit {rep.exit_code}, OOMKilled={rep.oom_killed}" if rep.exit_code is not None else "exit code not known"
     msg = (
-        f"{target.name} {rep.outcome} (exit {rep.exit_code}, OOMKilled={rep.oom_killed}) after "
+        f"{target.name} {rep.outcome} ({how}) after "
         f"{rep.durations_s['stop']:.1f} s of {grace_s:g} s grace; total "
         f"{rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}"
     )

@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from sparkd.act import shm
-from sparkd.act.stop import StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
+from sparkd.act.procstop import ProcessStopper
+from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.supervision import StopIntent
 from sparkd.errors import SparkdError
@@ -232,20 +233,27 @@ class RunBook(LaunchBook):
         if d.action == "relaunch":
             self.restarts.append(time.time())
 
-    async def _stop(self, reason: str, source: str, *, archive_first: bool = True) -> StopReport:
+    async def _stop(
+        self, reason: str, source: str, *, archive_first: bool = True, stopper: ProcessStopper | None = None
+    ) -> StopReport:
         """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its
-        dependencies handed in, then Docker's state read again (``stopped``)."""
+        dependencies handed in, then Docker's state read again (``stopped``).
+
+        ``stopper``: the Docker engine does not answer; the container is stopped by its processes
+        (``act.procstop``), with no archive (it needs the engine's logs) and no read of Docker's state
+        after (the state stays ``stopping`` until the engine answers and the supervisor's next look)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
         s, cid = self.settings, self.container_id
+        keeper: Stopper = stopper if stopper is not None else self.manager
         reader = procfs.ProcReader(s.proc_root)
 
         witness: list[shm.ShmWitness] = []
 
         async def before_stop(rep: StopReport) -> None:
             w = await witness_before_stop(
-                self.shm_witness, self.manager, cid, shm_dir=s.shm_dir, proc_root=s.proc_root, rep=rep
+                self.shm_witness, keeper, cid, shm_dir=s.shm_dir, proc_root=s.proc_root, rep=rep
             )
             witness.append(w)
 
@@ -265,14 +273,14 @@ class RunBook(LaunchBook):
         try:
             rep = await run_stop(
                 StopTarget(cid, self.name, self.container_started_at, self.launch_id),
-                self.manager,
+                keeper,
                 reason=reason,
                 source=source,
                 grace_s=s.container.stop_timeout_s,
                 hard_floor_bytes=parse_size(s.container.hard_floor),
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,
-                postmortem=postmortem if archive_first else None,
+                postmortem=postmortem if archive_first and stopper is None else None,
                 before_stop=before_stop,
                 cleanup_shm=cleanup_shm,
             )
@@ -280,5 +288,6 @@ class RunBook(LaunchBook):
             reader.close()
         self.stops_total += 1
         self.kills_total += rep.killed
-        await self.reconcile(probe=False, detail=reason)
+        if stopper is None:
+            await self.reconcile(probe=False, detail=reason)
         return rep

@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
+from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
@@ -81,6 +82,12 @@ UNGUARDED_CHECK_S = 10.0
 DB_DECIDE_WAIT_S = 30.0
 # Actions that hold the lock until their new run is ready: an emergency stop is handed over to them.
 HANDING_OVER = ("relaunching", "resizing")
+# An emergency stop pings the Docker engine first and waits this long at most (s). A hung engine (dockerd
+# stopped or starved) made each attempt wait out the API timeout, 30-56 s, and fail, with the model still
+# running; a dead one (dockerd killed, containerd-shim keeping the container) failed at once, 80 times a
+# minute (measured with a private engine, closing note of 2026-12-02). No answer: the container is stopped
+# by its processes (act/procstop.py). A healthy engine answers a ping in milliseconds.
+EMERGENCY_PING_S = 3.0
 
 
 class Supervisor(RunBook):
@@ -202,6 +209,8 @@ class Supervisor(RunBook):
         if held:
             before = await self._hold_and_count(key, source, reason)
         try:
+            if not await self._engine_answers():
+                raise DockerUnavailable(f"no answer to a ping within {EMERGENCY_PING_S:g} s")
             await self.request("stop", source=source, reason=reason)
         except Conflict as e:
             if self.action in HANDING_OVER:
@@ -221,6 +230,18 @@ class Supervisor(RunBook):
                 if held:
                     await self.unattended.release_hold(before)
                 return
+        except DockerUnavailable as e:
+            # the engine is down or hung: the model is stopped by its processes, as the engine would have
+            if not await self._stop_without_docker(source, reason, e.message):
+                self._event(
+                    "stop_not_executed",
+                    f"{source}: {e.message}; no process of {self.name or 'the container'} runs",
+                    severity="warning",
+                    details={"nothing_running": True},
+                )
+                if held:
+                    await self.unattended.release_hold(before)
+                return
         except SparkdError as e:
             # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
             # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
@@ -235,6 +256,48 @@ class Supervisor(RunBook):
             if not self.lock.locked():
                 self.stay_stopped = False
                 await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
+
+    async def _engine_answers(self) -> bool:
+        """Does the Docker engine answer a ping within ``EMERGENCY_PING_S``? (A hung call goes on in its thread.)"""
+        try:
+            return bool(await asyncio.wait_for(asyncio.to_thread(self.manager.ping), EMERGENCY_PING_S))
+        except Exception:  # TimeoutError, or the engine's error: no answer
+            return False
+
+    async def _stop_without_docker(self, source: str, reason: str, why: str) -> bool:
+        """The emergency stop when the Docker engine does not answer: the container stopped by its processes
+        (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
+        kills at once) through the normal stop procedure, without its archive. A critical
+        ``stop_without_docker`` event says so first. False when no process of the container runs (or its
+        id is not known): nothing to stop. The state stays ``stopping`` until the engine answers again and
+        shows the container's exit (``stopped``)."""
+        try:  # the real /proc: the signals go to real pids (settings.proc_root may be a test's)
+            stopper = ProcessStopper(self.container_id or "")
+        except ValueError:  # no container known, or not a full id
+            return False
+        pids = await asyncio.to_thread(stopper.pids)
+        if not pids:
+            return False
+        self._engine_down(why)
+        grace = self.settings.container.stop_timeout_s
+        self._event(
+            "stop_without_docker",
+            f"{source}: the Docker engine does not answer ({why}): stopping {self.name} by its {len(pids)} "
+            f"processes: SIGTERM to its init, SIGKILL after {grace:g} s",
+            severity="critical",
+            details={"container_id": stopper.container_id, "pids": pids[:100], "engine_error": why},
+        )
+        # an operator's action hung on the engine may hold the lock: the emergency does not wait for it
+        async with self.lock if not self.lock.locked() else contextlib.nullcontext():
+            action, self.action = self.action, "stopping"
+            try:
+                await self._stop(
+                    f"{reason} (the Docker engine does not answer: stopped by its processes)", source, stopper=stopper
+                )
+            finally:
+                self.action = action
+        await self._finish_launch("stopped")
+        return True
 
     def on_kernel_record(self, rec: KernRecord) -> None:
         if (

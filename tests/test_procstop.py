@@ -1,0 +1,159 @@
+"""``act.procstop.ProcessStopper``: a container stopped by its processes when Docker does not answer.
+
+Real processes in a real cgroup that each test creates (named with a fresh 64-hex id, as Docker names a
+container's cgroup), some in their own PID namespace (``unshare --pid --fork``: the namespace's pid 1 is
+the container's init, as under Docker). Only the processes a test started are ever signalled; the
+cgroup is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkd.act.procstop import ProcessStopper
+
+HIERARCHIES = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+
+
+def _writable_hierarchy() -> Path | None:
+    for h in HIERARCHIES:
+        p = Path(h)
+        if (p / "cgroup.procs").exists() and os.access(p, os.W_OK):
+            return p
+    return None
+
+
+class Box:
+    """One cgroup named like a container's (``docker-<id>.scope``) and the processes started in it."""
+
+    def __init__(self, parent: Path) -> None:
+        self.id = secrets.token_hex(32)
+        self.dir = parent / f"docker-{self.id}.scope"
+        self.dir.mkdir()
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, script: str, *, own_pid_namespace: bool = True) -> subprocess.Popen[bytes]:
+        """``sh -c script`` inside the cgroup (moved in before it runs: its children are born there)."""
+        inner = ["unshare", "--pid", "--fork", "sh", "-c", script] if own_pid_namespace else ["sh", "-c", script]
+        p = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {self.dir / "cgroup.procs"} && exec "$@"', "box", *inner],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.procs.append(p)
+        return p
+
+    def members(self) -> list[int]:
+        return sorted(int(x) for x in (self.dir / "cgroup.procs").read_text().split())
+
+    def wait_members(self, n: int, timeout_s: float = 5.0) -> list[int]:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if len(self.members()) >= n:
+                return self.members()
+            time.sleep(0.02)
+        raise AssertionError(f"expected {n} processes in {self.dir}, have {self.members()}")
+
+    def close(self) -> None:
+        for pid in self.members():  # only what this box started can be in its cgroup
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait(5)
+        end = time.monotonic() + 5
+        while self.members() and time.monotonic() < end:
+            time.sleep(0.02)
+        self.dir.rmdir()
+
+
+@pytest.fixture
+def box() -> Iterator[Box]:
+    parent = _writable_hierarchy()
+    if parent is None or os.geteuid() != 0 or shutil.which("unshare") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root with a writable cgroup hierarchy and util-linux's unshare")
+        pytest.skip("needs root, a writable cgroup hierarchy and unshare")
+    b = Box(parent)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def test_it_finds_the_containers_processes_and_its_init(box: Box) -> None:
+    box.start("sleep 60 & wait")
+    pids = box.wait_members(3)  # unshare (host namespace), the namespace's init (sh), its sleep
+    s = ProcessStopper(box.id)
+    assert s.pids() == pids
+    (init,) = s.inits()
+    assert (Path(f"/proc/{init}/status").read_text().split("NSpid:\t", 1)[1].split("\n", 1)[0]).split()[-1] == "1"
+    st = s.state(box.id)
+    assert st.running and st.pid == init and st.exit_code is None
+    assert ProcessStopper(secrets.token_hex(32)).pids() == []  # another container's id: nothing
+
+
+def test_stop_sends_sigterm_to_the_init_only_and_waits_for_every_process(box: Box) -> None:
+    box.start('trap "kill $!; exit 0" TERM; sleep 60 & wait')
+    box.wait_members(3)
+    s = ProcessStopper(box.id)
+    init = s.inits()[0]
+    r = s.stop(box.id, timeout_s=10.0)
+    assert r.outcome == "exited" and r.elapsed_s < 5.0 and not r.fallback_kill
+    assert s.signalled == [(init, "SIGTERM")]
+    assert s.pids() == [] and box.members() == []
+    assert not s.state(box.id).running
+    assert s.stop(box.id, 1.0).outcome == "not_running"
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(box: Box) -> None:
+    box.start('trap "" TERM; sleep 60 & wait')
+    box.wait_members(3)
+    s = ProcessStopper(box.id)
+    t0 = time.monotonic()
+    r = s.stop(box.id, timeout_s=1.0)
+    assert r.outcome == "killed" and 1.0 <= time.monotonic() - t0 < 6.0
+    sent = [sig for _, sig in s.signalled]
+    assert sent[:1] == ["SIGTERM"] and "SIGKILL" in sent
+    assert s.pids() == [] and box.members() == []
+
+
+def test_a_container_in_the_hosts_pid_namespace_is_stopped_through_its_top_process(box: Box) -> None:
+    p = box.start("sleep 60 & wait", own_pid_namespace=False)
+    box.wait_members(2)
+    s = ProcessStopper(box.id)
+    assert s.inits() == [p.pid]  # no namespace pid 1: the process whose parent is outside the cgroup
+    r = s.stop(box.id, timeout_s=10.0)
+    assert r.outcome in ("exited", "killed") and s.pids() == []
+
+
+def test_a_process_outside_the_container_is_never_signalled(box: Box) -> None:
+    box.start("sleep 60 & wait")
+    box.wait_members(3)
+    outside = subprocess.Popen(["sleep", "60"])
+    try:
+        s = ProcessStopper(box.id)
+        assert s._signal(outside.pid, signal.SIGKILL) is False  # not in the container's cgroup
+        s.kill(box.id)
+        assert s.pids() == [] and outside.poll() is None
+        assert outside.pid not in [pid for pid, _ in s.signalled]
+    finally:
+        outside.kill()
+        outside.wait()
+
+
+def test_only_a_full_id_is_accepted() -> None:
+    with pytest.raises(ValueError, match="64 lowercase hex digits"):
+        ProcessStopper("abc123")
+    s = ProcessStopper("a" * 64)
+    with pytest.raises(ValueError, match="acts on"):
+        s.stop("b" * 64)
