@@ -65,7 +65,8 @@ class Refused(SparkdError):
 
 
 class DockerUnavailable(SparkdError):
-    """The Docker engine cannot be reached; sparkd is monitor-only until it is back."""
+    """The Docker engine cannot be reached (or did not answer in time). Until it is back an emergency stop acts on
+    the container's processes (``act.procstop``); start, stop and resize by the API are refused with this."""
 
     status_code = 503
     code = "docker_unavailable"

@@ -843,8 +843,9 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
 
 
 async def test_a_docker_engine_that_does_not_answer_is_never_ok_on_the_page_or_in_sparkd_status(tmp_path: Path) -> None:
-    """Rules quiet, model ready as last seen, but Docker does not answer: a trip could not stop the model. The
-    header, the container card and `sparkd status` say so (the page read "ok")."""
+    """Rules quiet, model ready as last seen, but Docker does not answer: a trip stops the model by its processes
+    only (no archive), and nothing else can be done. The header, the container card and `sparkd status` say so
+    (the page read "ok")."""
     from click.testing import CliRunner
 
     from sparkd.face.cli import main
@@ -863,14 +864,14 @@ async def test_a_docker_engine_that_does_not_answer_is_never_ok_on_the_page_or_i
         assert "sparkd_docker_engine_up 1.0" in metrics_up and "sparkd_docker_engine_up 0.0" in metrics
         assert up["level"] == "ok" and up["label"] != ENGINE_DOWN_LABEL  # the same host with Docker answering
         assert (live["level"], live["label"]) == ("warn", ENGINE_DOWN_LABEL)
-        assert "Docker engine unreachable.</strong>" in page and "a trip cannot stop the model" in page
-        assert "again: ping failed." in page
+        assert "Docker engine unreachable.</strong>" in page and "a trip stops the model by its processes" in page
+        assert "answers again: ping failed." in page
     finally:
         await d.shutdown("test")  # writes the last status snapshot, engine down
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'state_dir = "{d.settings.state_dir}"\n')
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
-    assert "DOCKER ENGINE UNREACHABLE: ping failed — rules still count, but a trip cannot stop the model" in out, out
+    assert "DOCKER ENGINE UNREACHABLE: ping failed — a trip stops the model by its processes (no archive)" in out, out
 
 
 @pytest.mark.parametrize("part", ["summary", "rules", "container", "budget", "events", "launches", "archives"])

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fvhelpers import wait_for
+from fvhelpers import free_port, wait_for
 from privateengine import PrivateEngine
 from sparkdapi import SparkdUnderTest
 from sparkdproc import db_query
@@ -314,6 +314,72 @@ def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
             # the engine answers again: sparkd's stop, not an unexpected exit
             assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
             assert not s.events("exited")
+        finally:
+            s.stop()
+    finally:
+        engine.close(case_labels)
+
+
+def test_a_restart_policy_does_not_undo_a_stop_made_while_the_engine_hung(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """A guarded container started by hand with ``--restart unless-stopped``: killing its processes is not a
+    ``docker stop``, so the engine, once it answers, restarts it. sparkd finishes the stop through Docker
+    (``finish_stop_with_docker``): the model ends stopped, and sparkd says ``stopped``, not ``stopping``."""
+    import signal
+    import subprocess
+
+    from sparkd.act.procstop import ProcessStopper
+
+    engine = PrivateEngine().start()
+    try:
+        engine.load(image)
+        port = free_port()
+        name = f"sparkd-test-{case_labels['sparkd.test.case']}"
+        labels = [x for k, v in case_labels.items() for x in ("--label", f"{k}={v}")]
+        cid = subprocess.run(
+            ["docker", "-H", engine.url, "run", "-d", "--name", name, *labels, "--network", "host",
+             "--restart", "unless-stopped", "-e", "FAKEVLLM_STARTUP_S=0.3", image,
+             "serve", "/models/fake", "--port", str(port), "--shutdown-timeout", "25"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        proc, shm = tmp_path / "proc", tmp_path / "shm"
+        proc.mkdir()
+        shm.mkdir()
+        (proc / "meminfo").write_text(HIGH)
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(
+            work,
+            image,
+            case_labels,
+            container={"image": None, "guard": name, "port": port, "docker_url": engine.url, "hard_floor": "1GiB"},
+            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+            top={"cooldown_s": 60.0, "proc_root": str(proc), "shm_dir": str(shm)},
+        )
+        s.start()
+        try:
+            assert s.wait_state("ready", 60)["container_id"] == cid
+            assert engine.proc is not None
+            os.kill(engine.proc.pid, signal.SIGSTOP)
+            try:
+                (proc / "meminfo").write_text(LOW)
+                s.wait_event("stop_without_docker", 20)
+                assert wait_for(lambda: ProcessStopper(cid).pids() == [], 30, 0.1)
+            finally:
+                os.kill(engine.proc.pid, signal.SIGCONT)
+            (proc / "meminfo").write_text(HIGH)
+
+            def running() -> bool:
+                cmd = ["docker", "-H", engine.url, "inspect", "-f", "{{.State.Running}}", cid]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                return out.stdout.strip() == "true"
+
+            # the engine may restart it (its policy never saw a docker stop): sparkd stops it through Docker
+            assert s.wait_state("stopped", 60)["container_id"] == cid
+            assert wait_for(lambda: not running(), 60, 0.2)
+            time.sleep(3.0)  # and it stays stopped
+            assert not running() and s.container()["state"] == "stopped"
         finally:
             s.stop()
     finally:

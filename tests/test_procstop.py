@@ -42,9 +42,14 @@ class Box:
         self.dir.mkdir()
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, script: str, *, own_pid_namespace: bool = True) -> subprocess.Popen[bytes]:
-        """``sh -c script`` inside the cgroup (moved in before it runs: its children are born there)."""
-        inner = ["unshare", "--pid", "--fork", "sh", "-c", script] if own_pid_namespace else ["sh", "-c", script]
+    def start(self, script: str, *, own_pid_namespace: bool = True, uid: int | None = None) -> subprocess.Popen[bytes]:
+        """``sh -c script`` inside the cgroup (moved in before it runs: its children are born there), as
+        ``uid`` when given (``setpriv``)."""
+        inner = ["sh", "-c", script]
+        if uid is not None:
+            inner = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *inner]
+        if own_pid_namespace:
+            inner = ["unshare", "--pid", "--fork", *inner]
         p = subprocess.Popen(
             ["sh", "-c", f'echo $$ > {self.dir / "cgroup.procs"} && exec "$@"', "box", *inner],
             stdout=subprocess.DEVNULL,
@@ -79,10 +84,10 @@ class Box:
 @pytest.fixture
 def box() -> Iterator[Box]:
     parent = _writable_hierarchy()
-    if parent is None or os.geteuid() != 0 or shutil.which("unshare") is None:
+    if parent is None or os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("setpriv")):
         if os.environ.get("CI") == "true":
-            pytest.fail("CI runs as root with a writable cgroup hierarchy and util-linux's unshare")
-        pytest.skip("needs root, a writable cgroup hierarchy and unshare")
+            pytest.fail("CI runs as root with a writable cgroup hierarchy and util-linux (unshare, setpriv)")
+        pytest.skip("needs root, a writable cgroup hierarchy, unshare and setpriv")
     b = Box(parent)
     try:
         yield b
@@ -132,7 +137,7 @@ def test_a_container_in_the_hosts_pid_namespace_is_stopped_through_its_top_proce
     box.wait_members(2)
     s = ProcessStopper(box.id)
     assert s.inits() == [p.pid]  # no namespace pid 1: the process whose parent is outside the cgroup
-    r = s.stop(box.id, timeout_s=10.0)
+    r = s.stop(box.id, timeout_s=2.0)  # its sleep outlives the SIGTERM'd shell: killed after the grace
     assert r.outcome in ("exited", "killed") and s.pids() == []
 
 
@@ -157,3 +162,34 @@ def test_only_a_full_id_is_accepted() -> None:
     s = ProcessStopper("a" * 64)
     with pytest.raises(ValueError, match="acts on"):
         s.stop("b" * 64)
+
+
+def test_a_signal_it_may_not_send_is_an_error_not_a_silent_success(box: Box) -> None:
+    """The container's processes run as another user and the stopper's process lacks CAP_KILL (as under a unit
+    without it): EPERM is reported (``PermissionError`` naming the refusals), never taken for "gone already"."""
+    import sys
+
+    box.start("sleep 60 & wait", uid=65534)  # nobody
+    box.wait_members(3)
+    code = (
+        "import sys; from sparkd.act.procstop import ProcessStopper\n"
+        "s = ProcessStopper(sys.argv[1])\n"
+        "try:\n"
+        "    s.stop(sys.argv[1], 1.0)\n"
+        "except PermissionError as e:\n"
+        "    print('refused', e)\n"
+        "else:\n"
+        "    print('no error', s.signalled, s.errors)\n"
+    )
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-kill", "--inh-caps=-kill", sys.executable, "-c", code, box.id],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert out.stdout.startswith("refused SIGTERM: no process of the container could be signalled"), out
+    assert "Operation not permitted" in out.stdout
+    assert len(box.members()) == 3  # nothing was stopped
+    # the same stopper with CAP_KILL (this test's own process, root) stops them
+    assert ProcessStopper(box.id).stop(box.id, 5.0).outcome in ("exited", "killed") and box.members() == []

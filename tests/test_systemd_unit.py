@@ -117,7 +117,8 @@ def test_it_has_the_required_service_settings() -> None:
     assert "docker.service" in settings["After"]
     assert "network-online.target" in settings["After"]
     assert settings["Wants"] == "docker.service"
-    for cap in ("CAP_SYSLOG", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"):
+    # CAP_KILL: the emergency stop without the Docker engine signals the container's processes (act/procstop)
+    for cap in ("CAP_SYSLOG", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_KILL"):
         assert cap in settings["CapabilityBoundingSet"]
 
 

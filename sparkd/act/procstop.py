@@ -22,7 +22,11 @@ cgroup: ``/proc/<pid>/cgroup`` names the container's full id (``/docker/<id>`` u
 
 Every signal goes through a pidfd opened *before* the process's cgroup is read again: a pid that
 ended and was reused by another process in between is never signalled (``os.pidfd_open``, Linux 5.3).
-No Docker call is made; nothing here raises for a process that ends while it is looked at.
+Where pidfds are refused (an older kernel, a system-call filter of an older systemd: ENOSYS, EPERM) the
+signal goes by pid right after the cgroup is read (a window of microseconds). No Docker call is made;
+nothing here raises for a process that ends while it is looked at. A signal refused (EPERM: the unit
+lacks ``CAP_KILL``, a user-namespaced container) is recorded in ``errors``; ``stop`` and ``kill`` raise
+``PermissionError`` when processes of the container remain and none of them could be signalled.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class ProcessStopper:
         self.container_id = container_id
         self.proc_root = Path(proc_root)
         self.signalled: list[tuple[int, str]] = []  # (pid, signal name), in order (reports, tests)
+        self.errors: list[str] = []  # signals refused: "pid N: SIGX: why"
 
     # ------------------------------------------------------------------ reading
     def _in_container(self, pid: int) -> bool:
@@ -91,21 +96,36 @@ class ProcessStopper:
 
     # ------------------------------------------------------------------ acting
     def _signal(self, pid: int, sig: signal.Signals) -> bool:
-        """``sig`` to ``pid`` if it is (still) a process of the container; True when sent."""
+        """``sig`` to ``pid`` if it is (still) a process of the container; True when sent. A refusal
+        (EPERM) is recorded in ``errors``; a process that is gone is not an error."""
         try:
-            fd = os.pidfd_open(pid)
-        except OSError:  # gone already
-            return False
-        try:
-            if not self._in_container(pid):  # read after the pidfd is held: the pid cannot be reused under us
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:  # gone already
                 return False
-            signal.pidfd_send_signal(fd, sig)
+            except OSError:  # no pidfds here (ENOSYS, a seccomp filter's EPERM): by pid, right after the check
+                if not self._in_container(pid):
+                    return False
+                os.kill(pid, sig)
+            else:
+                try:
+                    if not self._in_container(pid):  # read with the pidfd held: the pid cannot be reused under us
+                        return False
+                    signal.pidfd_send_signal(fd, sig)
+                finally:
+                    os.close(fd)
         except ProcessLookupError:
             return False
-        finally:
-            os.close(fd)
+        except OSError as e:
+            self.errors.append(f"pid {pid}: {sig.name}: {e.strerror or e}")
+            return False
         self.signalled.append((pid, sig.name))
         return True
+
+    def _refused(self, what: str) -> PermissionError:
+        return PermissionError(
+            f"{what}: no process of the container could be signalled ({'; '.join(self.errors[-3:])})"
+        )
 
     def kill(self, id_or_name: str) -> None:
         """SIGKILL to every process of the container until none is left (``KILL_ROUNDS`` at most)."""
@@ -114,8 +134,9 @@ class ProcessStopper:
             pids = self.pids()
             if not pids:
                 return
-            for pid in pids:
-                self._signal(pid, signal.SIGKILL)
+            sent = [self._signal(pid, signal.SIGKILL) for pid in pids]
+            if not any(sent) and self.errors and self.pids():
+                raise self._refused("SIGKILL")
             time.sleep(POLL_S)
 
     def stop(self, id_or_name: str, timeout_s: float = 30.0) -> StopResult:
@@ -125,8 +146,9 @@ class ProcessStopper:
         pids = self.pids()
         if not pids:
             return StopResult("not_running", None, 0.0, timeout_s)
-        for pid in self.inits(pids):
-            self._signal(pid, signal.SIGTERM)
+        sent = [self._signal(pid, signal.SIGTERM) for pid in self.inits(pids)]
+        if not any(sent) and self.errors and self.pids():
+            raise self._refused("SIGTERM")
         deadline = t0 + timeout_s
         while time.monotonic() < deadline:
             if not self.pids():

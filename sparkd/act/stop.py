@@ -301,7 +301,10 @@ async def _stop_and_confirm(
                 f"grace period: killing {target.name} now",
                 severity="critical",
             )
-            await asyncio.to_thread(docker.kill, cid)
+            try:  # a kill that fails here leaves the stop under way (it kills after the grace), never the daemon
+                await asyncio.to_thread(docker.kill, cid)
+            except Exception as e:
+                rep.errors.append(f"hard-floor kill failed: {e}")
     try:
         result = stop_task.result()
         rep.outcome = "killed (hard floor)" if rep.hard_floor_kill else result.outcome

@@ -278,7 +278,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "level": "critical" if (c.supervision and c.supervision.breaker.open) or c.unguarded else level,
         # a same-name container sparkd will not stop (managed mode, started by hand)
         "unguarded": c.unguarded.model_dump(mode="json") if c.unguarded else None,
-        # the Docker engine does not answer: no stop, start or resize can be carried out (monitor-only in effect)
+        # the Docker engine does not answer: a trip stops the model by its processes; start, stop and resize wait
         "engine_down": not monitor_only and c.engine == "down",
         "engine_error": c.engine_error,
         "raw": c.model_dump(mode="json"),
@@ -286,8 +286,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
 
 
 RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
-#: The headline while the Docker engine does not answer: rules still count, but a trip cannot stop the model.
-ENGINE_DOWN_LABEL = "cannot stop the model: Docker engine unreachable"
+#: The headline while the Docker engine does not answer: a trip stops the model by its processes (no archive),
+#: and nothing else (start, stop, resize) can be done.
+ENGINE_DOWN_LABEL = "Docker engine unreachable: stops act on the model's processes"
 _LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
 
 
@@ -307,9 +308,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
 
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
     nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
-    (no stop can be carried out: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted, or when the container
-    failed or exited; ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before the
-    first sample.
+    (a stop acts on the processes, without an archive: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted,
+    or when the container failed or exited; ``warn`` ("not guarded") when no rule would stop (``unarmed``);
+    ``unknown`` before the first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
@@ -324,7 +325,7 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         label = "not guarded"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
-    elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # the guard's stops cannot reach the model
+    elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes, no archive
         level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
     elif demoted and _LEVEL_RANK.get(level, 0) < 1:  # a stop rule switched off by the loop guard: never "ok"
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"

@@ -246,6 +246,8 @@ class RunBook(LaunchBook):
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
         s, cid = self.settings, self.container_id
+        if stopper is not None:
+            cid = stopper.container_id  # the container it was made for (the supervisor's id may move meanwhile)
         keeper: Stopper = stopper if stopper is not None else self.manager
         reader = procfs.ProcReader(s.proc_root)
 

@@ -104,6 +104,9 @@ class Supervisor(RunBook):
         self.budget: BudgetSettings = settings.budget
         self.revision: int | None = None
         self.engine_up: bool | None = None
+        # (source, reason) of an emergency stop made by the container's processes while the engine did not answer:
+        # finished through Docker once it answers (its restart policy must not bring the model back; --rm: forget)
+        self.stopped_without_docker: tuple[str, str] | None = None
         self.engine_error: str | None = None
         self.container_id: str | None = None
         self.image: str | None = None
@@ -232,12 +235,16 @@ class Supervisor(RunBook):
                 return
         except DockerUnavailable as e:
             # the engine is down or hung: the model is stopped by its processes, as the engine would have
-            if not await self._stop_without_docker(source, reason, e.message):
+            if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
+                self.emergency_inbox = (source, reason)
+            stopped = await self._stop_without_docker(source, reason, e.message)
+            if stopped is not True:
                 self._event(
                     "stop_not_executed",
-                    f"{source}: {e.message}; no process of {self.name or 'the container'} runs",
+                    f"{source}: {e.message}; {stopped}",
                     severity="warning",
-                    details={"nothing_running": True},
+                    # no id known: the next trip acts again (the engine may answer by then); else nothing runs
+                    details=None if self.container_id is None else {"nothing_running": True},
                 )
                 if held:
                     await self.unattended.release_hold(before)
@@ -264,20 +271,21 @@ class Supervisor(RunBook):
         except Exception:  # TimeoutError, or the engine's error: no answer
             return False
 
-    async def _stop_without_docker(self, source: str, reason: str, why: str) -> bool:
+    async def _stop_without_docker(self, source: str, reason: str, why: str) -> bool | str:
         """The emergency stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
         kills at once) through the normal stop procedure, without its archive. A critical
-        ``stop_without_docker`` event says so first. False when no process of the container runs (or its
-        id is not known): nothing to stop. The state stays ``stopping`` until the engine answers again and
-        shows the container's exit (``stopped``)."""
+        ``stop_without_docker`` event says so first, a critical ``stop_incomplete`` when processes remain.
+        True when it was stopped; else why nothing was done (no process of the container runs, or its id
+        is not known yet). The state stays ``stopping`` until the engine answers again; the supervisor
+        then finishes the stop through Docker (``finish_stop_with_docker``)."""
         try:  # the real /proc: the signals go to real pids (settings.proc_root may be a test's)
             stopper = ProcessStopper(self.container_id or "")
-        except ValueError:  # no container known, or not a full id
-            return False
+        except ValueError:
+            return "the container's id is not known (the engine has not answered since sparkd started)"
         pids = await asyncio.to_thread(stopper.pids)
         if not pids:
-            return False
+            return f"no process of {self.name or 'the container'} runs"
         self._engine_down(why)
         grace = self.settings.container.stop_timeout_s
         self._event(
@@ -295,9 +303,42 @@ class Supervisor(RunBook):
                     f"{reason} (the Docker engine does not answer: stopped by its processes)", source, stopper=stopper
                 )
             finally:
-                self.action = action
+                if self.action == "stopping":  # a hung action that held the lock may have ended meanwhile
+                    self.action = action
+        self.stopped_without_docker = (source, reason)
+        left = await asyncio.to_thread(stopper.pids)
+        if left:  # refused signals, or a process in uninterruptible sleep (a call into the driver): say so
+            errors = f": {'; '.join(stopper.errors[-3:])}" if stopper.errors else " (uninterruptible, in the driver?)"
+            self._event(
+                "stop_incomplete",
+                f"{len(left)} processes of {self.name} still run after SIGKILL{errors}; the memory they hold is "
+                "not released",
+                severity="critical",
+                details={"pids": left[:100], "errors": stopper.errors[-10:]},
+            )
         await self._finish_launch("stopped")
         return True
+
+    async def finish_stop_with_docker(self) -> None:
+        """The engine answers again after an emergency stop made by the container's processes: the stop is
+        finished through Docker. A run Docker's restart policy brought back (it never saw a ``docker stop``)
+        is stopped through the normal procedure; a container Docker removed meanwhile (``--rm``) is forgotten,
+        so that the next run of that name is guarded; one that stays exited reads ``stopped``."""
+        pending, self.stopped_without_docker = self.stopped_without_docker, None
+        if pending is None or self.container_id is None:
+            return
+        source, reason = pending
+        try:
+            await self.request("stop", source=source, reason=f"{reason} (finishing the stop made without the engine)")
+        except Refused:  # not running: Docker's state read in request() moved it to stopped (or it is gone)
+            if self.container_id is not None and self.state is S.STOPPING:
+                obs = await self.observe_docker(probe=False)
+                if not obs.exists:
+                    self._forget()
+                    await self._finish_launch("removed")
+        except SparkdError as e:  # the engine went again, or an action holds the lock: the next step retries
+            self.stopped_without_docker = pending
+            log.warning("finishing the stop made without the engine: %s", e.message)
 
     def on_kernel_record(self, rec: KernRecord) -> None:
         if (
@@ -530,8 +571,8 @@ class Supervisor(RunBook):
             self.engine_up = False
             self._event(
                 "docker_down",
-                f"Docker engine unreachable: {why}; sampling and rules go on, but no stop can be carried out "
-                "until it answers (monitor-only in effect)",
+                f"Docker engine unreachable: {why}; sampling and rules go on; an emergency stop acts on the "
+                "container's processes (no archive), start, stop and resize wait for the engine",
                 severity="warning",
             )
 
@@ -544,6 +585,9 @@ class Supervisor(RunBook):
                 self._event("docker_up", "Docker engine reachable again; picking up where sparkd left off")
             self.engine_up, self.engine_error = True, None
             await self._attach()
+        if self.stopped_without_docker is not None and not self.lock.locked():
+            # at any step the engine answers, not only at docker_up: it may come back while that stop still runs
+            await self.finish_stop_with_docker()
         if self.mode == "managed":
             # the name may be someone else's now: sparkd's container removed, or renamed (stopped or running).
             # Every step while none of sparkd's runs; while one runs, every UNGUARDED_CHECK_S (a Docker call)

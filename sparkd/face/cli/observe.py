@@ -132,8 +132,8 @@ def _echo_snapshot(st: Status) -> None:
     click.echo(line)
     if c.mode != "monitor-only" and c.engine == "down":
         click.echo(
-            f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — rules still count, but a trip cannot "
-            "stop the model until it answers"
+            f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a trip stops the model by its "
+            "processes (no archive); start, stop and resize wait for the engine"
         )
     if c.unguarded is not None:
         u = c.unguarded
