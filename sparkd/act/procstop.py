@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from sparkd.act.containerspec import ContainerState, StopResult
+from sparkd.sense.shm_scan import proc_pids
 
 POLL_S = 0.1  # how often ``stop`` looks whether the container's processes are gone
 KILL_ROUNDS = 20  # SIGKILL rounds before ``kill`` gives up (each waits POLL_S for the processes to go)
@@ -70,12 +71,7 @@ class ProcessStopper:
 
     def pids(self) -> list[int]:
         """The pids whose cgroup names the container, ascending (empty: nothing of it runs)."""
-        out = []
-        with os.scandir(self.proc_root) as it:
-            for entry in it:
-                if entry.name.isdigit() and self._in_container(int(entry.name)):
-                    out.append(int(entry.name))
-        return sorted(out)
+        return [pid for pid in proc_pids(self.proc_root) if self._in_container(pid)]
 
     def _status(self, pid: int) -> dict[str, str]:
         try:

@@ -237,11 +237,11 @@ class Supervisor(RunBook):
             # the engine is down or hung: the model is stopped by its processes, as the engine would have
             if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
                 self.emergency_inbox = (source, reason)
-            stopped = await self._stop_without_docker(source, reason, e.message)
-            if stopped is not True:
+            not_done = await self._stop_without_docker(source, reason, e.message)
+            if not_done is not None:
                 self._event(
                     "stop_not_executed",
-                    f"{source}: {e.message}; {stopped}",
+                    f"{source}: {e.message}; {not_done}",
                     severity="warning",
                     # no id known: the next trip acts again (the engine may answer by then); else nothing runs
                     details=None if self.container_id is None else {"nothing_running": True},
@@ -271,12 +271,12 @@ class Supervisor(RunBook):
         except Exception:  # TimeoutError, or the engine's error: no answer
             return False
 
-    async def _stop_without_docker(self, source: str, reason: str, why: str) -> bool | str:
+    async def _stop_without_docker(self, source: str, reason: str, why: str) -> str | None:
         """The emergency stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
         kills at once) through the normal stop procedure, without its archive. A critical
         ``stop_without_docker`` event says so first, a critical ``stop_incomplete`` when processes remain.
-        True when it was stopped; else why nothing was done (no process of the container runs, or its id
+        None when it was stopped; else why nothing was done (no process of the container runs, or its id
         is not known yet). The state stays ``stopping`` until the engine answers again; the supervisor
         then finishes the stop through Docker (``finish_stop_with_docker``)."""
         try:  # the real /proc: the signals go to real pids (settings.proc_root may be a test's)
@@ -317,7 +317,7 @@ class Supervisor(RunBook):
                 details={"pids": left[:100], "errors": stopper.errors[-10:]},
             )
         await self._finish_launch("stopped")
-        return True
+        return None
 
     async def finish_stop_with_docker(self) -> None:
         """The engine answers again after an emergency stop made by the container's processes: the stop is

@@ -206,7 +206,8 @@ def _read_comm(pid_dir: str) -> str:
         return "?"
 
 
-def _pids(proc_root: str) -> list[int]:
+def proc_pids(proc_root: str | Path) -> list[int]:
+    """Every pid listed in ``proc_root`` (``/proc``), ascending. Raises ``OSError`` naming the path."""
     try:
         names = os.listdir(proc_root)
     except OSError as e:
@@ -232,7 +233,7 @@ def _collect_evidence(
     ev = _Evidence(users={}, unreadable=set())
     if not targets:
         return ev
-    for pid in _pids(proc_root) if pids is None else sorted(pids):
+    for pid in proc_pids(proc_root) if pids is None else sorted(pids):
         pid_dir = os.path.join(proc_root, str(pid))
         mapped: set[tuple[int, int]] = set()
         opened: set[tuple[int, int]] = set()
@@ -382,7 +383,7 @@ def process_tree(root_pid: int, proc_root: str | Path = DEFAULT_PROC_ROOT) -> se
     proc_root = os.fspath(proc_root)
     children: dict[int, list[int]] = {}
     alive: set[int] = set()
-    for pid in _pids(proc_root):
+    for pid in proc_pids(proc_root):
         try:
             with open(os.path.join(proc_root, str(pid), "stat"), "rb") as f:
                 raw = f.read()
@@ -414,7 +415,7 @@ def unreadable_pids(proc_root: str | Path = DEFAULT_PROC_ROOT) -> list[tuple[int
     """
     proc_root = os.fspath(proc_root)
     out = []
-    for pid in _pids(proc_root):
+    for pid in proc_pids(proc_root):
         pid_dir = os.path.join(proc_root, str(pid))
         try:
             with open(os.path.join(pid_dir, "maps"), "rb") as f:
