@@ -65,8 +65,9 @@ class Refused(SparkdError):
 
 
 class DockerUnavailable(SparkdError):
-    """The Docker engine cannot be reached (or did not answer in time). Until it is back an emergency stop acts on
-    the container's processes (``act.procstop``); start, stop and resize by the API are refused with this."""
+    """The Docker engine cannot be reached (or did not answer in time). Until it is back a stop (the guard's or an
+    operator's) acts on the container's processes (``act.procstop``); start, restart and resize are refused with
+    this, and a stop when the container's id is not known yet."""
 
     status_code = 503
     code = "docker_unavailable"

@@ -320,6 +320,58 @@ def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
         engine.close(case_labels)
 
 
+def test_an_operators_stop_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """An operator presses stop (``POST /api/container/stop``) while dockerd hangs: memory runs short, the
+    engine is starved with the rest, and that is when the model must go. Before, the call waited out the
+    engine's API timeout (30 s) and was refused (503) with the model still running. Now the stop is made by
+    the container's processes after a 3 s ping, the answer says so, and the model stays stopped when the
+    engine answers again (the operator's intent holds: no relaunch)."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+
+    engine = PrivateEngine().start()
+    try:
+        engine.load(image)
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(work, image, case_labels, container={"docker_url": engine.url})
+        s.start()
+        try:
+            c = s.wait_state("ready", 60)
+            stopper = ProcessStopper(c["container_id"])
+            assert stopper.pids(), "no process of the container found by its cgroup"
+            assert engine.proc is not None
+            os.kill(engine.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                r = s.api("POST", "/api/container/stop", timeout=60)
+                took_s = time.monotonic() - t0
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["stopped_by"] == "processes", body
+                assert "ping" in body["engine_error"], body
+                assert body["message"].startswith("stopped ") and "by its processes" in body["message"], body
+                assert stopper.pids() == [], f"still running: {stopper.pids()}"
+                said = s.wait_event("stop_without_docker", 5)
+                assert said["message"].startswith("api:"), said
+                assert s.container()["engine"] == "down"
+            finally:
+                os.kill(engine.proc.pid, signal.SIGCONT)
+            assert took_s < 15.0, f"the stop took {took_s:.1f} s with the engine hung"
+            assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
+            time.sleep(3.0)  # an auto-relaunch would begin within a supervisor step or two
+            assert s.container()["state"] == "stopped", s.container()
+            assert not s.events("exited"), s.output()[-2000:]
+            assert len(s.events("launched")) == 1, s.events("launched")  # the first launch only
+        finally:
+            s.stop()
+    finally:
+        engine.close(case_labels)
+
+
 def test_a_restart_policy_does_not_undo_a_stop_made_while_the_engine_hung(
     tmp_path: Path, image: str, case_labels: dict[str, str]
 ) -> None:

@@ -90,6 +90,11 @@ HANDING_OVER = ("relaunching", "resizing")
 EMERGENCY_PING_S = 3.0
 
 
+def _retrieve(fut: asyncio.Future[bool]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Supervisor(RunBook):
     def __init__(self, settings: Settings, manager: ContainerManager | None = None) -> None:
         self.settings = settings
@@ -107,6 +112,7 @@ class Supervisor(RunBook):
         # (source, reason) of an emergency stop made by the container's processes while the engine did not answer:
         # finished through Docker once it answers (its restart policy must not bring the model back; --rm: forget)
         self.stopped_without_docker: tuple[str, str] | None = None
+        self._ping: asyncio.Future[bool] | None = None  # the engine's ping in flight (``_engine_answers``)
         self.engine_error: str | None = None
         self.container_id: str | None = None
         self.image: str | None = None
@@ -214,7 +220,7 @@ class Supervisor(RunBook):
         try:
             if not await self._engine_answers():
                 raise DockerUnavailable(f"no answer to a ping within {EMERGENCY_PING_S:g} s")
-            await self.request("stop", source=source, reason=reason)
+            await self._request("stop", source=source, reason=reason)
         except Conflict as e:
             if self.action in HANDING_OVER:
                 # a relaunch or resize holds the lock until its new run is ready, minutes of start-up (when memory
@@ -265,9 +271,15 @@ class Supervisor(RunBook):
                 await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
 
     async def _engine_answers(self) -> bool:
-        """Does the Docker engine answer a ping within ``EMERGENCY_PING_S``? (A hung call goes on in its thread.)"""
+        """Does the Docker engine answer a ping within ``EMERGENCY_PING_S``? A ping still in flight (a hung engine
+        holds it up to the API timeout, 30 s, in its worker thread) is waited on again, not doubled: trips and
+        operators' stops against a hung engine hold one thread, not one each."""
+        ping = self._ping
+        if ping is None or ping.done():
+            ping = self._ping = asyncio.ensure_future(asyncio.to_thread(self.manager.ping))
+            ping.add_done_callback(_retrieve)  # an answer nobody waits for any more is not an error
         try:
-            return bool(await asyncio.wait_for(asyncio.to_thread(self.manager.ping), EMERGENCY_PING_S))
+            return bool(await asyncio.wait_for(asyncio.shield(ping), EMERGENCY_PING_S))
         except Exception:  # TimeoutError, or the engine's error: no answer
             return False
 
@@ -329,7 +341,7 @@ class Supervisor(RunBook):
             return
         source, reason = pending
         try:
-            await self.request("stop", source=source, reason=f"{reason} (finishing the stop made without the engine)")
+            await self._request("stop", source=source, reason=f"{reason} (finishing the stop made without the engine)")
         except Refused:  # not running: Docker's state read in request() moved it to stopped (or it is gone)
             if self.container_id is not None and self.state is S.STOPPING:
                 obs = await self.observe_docker(probe=False)
@@ -417,11 +429,49 @@ class Supervisor(RunBook):
     async def request(
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]:
-        """start | stop | restart, decided on Docker's state read now (not the cached one).
+        """start | stop | restart, decided on Docker's state read now (not the cached one): the API, the
+        Alertmanager webhook, a peer Spark and sparkd's own steps.
+
+        A stop while the Docker engine does not answer a ping within ``EMERGENCY_PING_S`` (hung or down:
+        when memory runs short dockerd may be starved too, and that is when an operator stops the model)
+        is made by the container's processes, as the guard's emergency stop is (``_stop_without_docker``),
+        and the model stays stopped; the answer says ``"stopped_by": "processes"``. Before, it waited out
+        the engine's API timeout (30 s) and was refused.
+
         Raises Conflict (an action is running), Refused (not running / already running / guarded),
-        DockerUnavailable."""
+        DockerUnavailable (start or restart with the engine down; a stop when the container's id is not
+        known yet)."""
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
+        if self.lock.locked():
+            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        if action == "stop" and not await self._engine_answers():
+            return await self._requested_stop_without_docker(source, reason)
+        return await self._request(action, source=source, reason=reason, force=force)
+
+    async def _requested_stop_without_docker(self, source: str, reason: str | None) -> dict[str, Any]:
+        """``request("stop")`` with the engine silent: stopped by its processes, intent set (it stays stopped)."""
+        why = f"no answer to a ping within {EMERGENCY_PING_S:g} s"
+        reason = reason or f"stop requested by {source}"
+        not_done = await self._stop_without_docker(source, reason, why)
+        if not_done is not None:
+            if self.container_id is None:
+                raise DockerUnavailable(f"the Docker engine does not answer ({why}) and {not_done}")
+            raise Refused(f"{not_done} (the Docker engine does not answer: {why})")
+        self.stay_stopped = True
+        await self.unattended.set_intent(self.unattended.intent_for(source), source, reason)
+        error = self.engine_error or why
+        return {
+            "action": "stop",
+            "stopped_by": "processes",
+            "engine_error": error,
+            "message": f"stopped {self.name} by its processes: the Docker engine does not answer ({error})",
+        }
+
+    async def _request(
+        self, action: str, *, source: str, reason: str | None = None, force: bool = False
+    ) -> dict[str, Any]:
+        """``request`` once the engine is known to answer (or for start/restart)."""
         if self.lock.locked():
             raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
         async with self.lock:
