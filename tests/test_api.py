@@ -843,9 +843,9 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
 
 
 async def test_a_docker_engine_that_does_not_answer_is_never_ok_on_the_page_or_in_sparkd_status(tmp_path: Path) -> None:
-    """Rules quiet, model ready as last seen, but Docker does not answer: a trip stops the model by its processes
-    only (no archive), and nothing else can be done. The header, the container card and `sparkd status` say so
-    (the page read "ok")."""
+    """Rules quiet, model ready as last seen, but Docker does not answer: a stop acts on the model's processes
+    only (its archive without the container's log), and start, restart and resize wait. The header, the container
+    card and `sparkd status` say so (the page read "ok")."""
     from click.testing import CliRunner
 
     from sparkd.face.cli import main
@@ -871,7 +871,7 @@ async def test_a_docker_engine_that_does_not_answer_is_never_ok_on_the_page_or_i
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'state_dir = "{d.settings.state_dir}"\n')
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
-    assert "DOCKER ENGINE UNREACHABLE: ping failed — a trip stops the model by its processes (no archive)" in out, out
+    assert "DOCKER ENGINE UNREACHABLE: ping failed — a stop acts on the model's processes (its archive" in out, out
 
 
 @pytest.mark.parametrize("part", ["summary", "rules", "container", "budget", "events", "launches", "archives"])

@@ -307,6 +307,19 @@ def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
                 done = wait_for(lambda: s.events("stopped") + s.events("killed"), 10)
                 assert done and "(exit code not known)" in done[0]["message"], done
                 assert not s.events("stop_not_executed")
+                # the archive, without what only the engine has (it would wait out the API timeout first)
+                arch = Path(s.tmp) / "archives" / done[0]["details"]["archive"]
+                with tarfile.open(arch) as tf:
+                    members = tf.getnames()
+                    assert members[0] == "summary.txt"
+                    for part in ("sparkd.log", "samples.csv", "kernel.log", "config.json", "events.json"):
+                        assert part in members, (part, members)
+                    for part in ("container.log", "inspect.json"):
+                        assert part not in members and f"{part}.missing" in members, members
+                        why = tf.extractfile(f"{part}.missing").read().decode()  # type: ignore[union-attr]
+                        assert "the Docker engine does not answer" in why, why
+                    samples = tf.extractfile("samples.csv").read().decode()  # type: ignore[union-attr]
+                    assert len(samples.splitlines()) > 2, samples  # the samples that led to the trip
             finally:
                 os.kill(engine.proc.pid, signal.SIGCONT)
             assert took_s < 15.0, f"the model ran {took_s:.1f} s after the trip with the engine hung"

@@ -149,7 +149,9 @@ async def _gather(missing: dict[str, str], part: str, what: str, fn: Any, *args:
         return None
 
 
-async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | None:
+async def write_postmortem(
+    sup: Supervisor, rep: StopReport, cid: str, *, engine_error: str | None = None
+) -> str | None:
     """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on).
 
     A partial postmortem beats none: each part is gathered on its own, and a
@@ -157,6 +159,10 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
     down, a database read) becomes ``NAME.missing`` with the reason; the
     summary lists what is missing and ``rep.errors`` says so. Only a failure to
     write the archive file itself leaves no archive.
+
+    ``engine_error``: the Docker engine does not answer (the stop is made by the container's processes).
+    ``container.log`` and ``inspect.json`` are not asked of it (each call would wait out the API timeout,
+    30 s, before the stop): they are missing with that reason, and the rest is written as usual.
     """
     d = sup.daemon
     assert d is not None
@@ -166,9 +172,14 @@ async def write_postmortem(sup: Supervisor, rep: StopReport, cid: str) -> str | 
     if d.writer is not None:
         await _gather(missing, "samples.csv", "flushing the database queue", d.writer.flush)
         missing.pop("samples.csv", None)  # what reached the database is still read below
-    inspect = await _gather(missing, "inspect.json", "docker inspect", sup.manager.inspect, cid)
     since = sup.launch_started_at or (now - s.container.archive_window_s)
-    logs = await _gather(missing, "container.log", "docker logs", sup.manager.logs, cid, since)
+    if engine_error is None:
+        inspect = await _gather(missing, "inspect.json", "docker inspect", sup.manager.inspect, cid)
+        logs = await _gather(missing, "container.log", "docker logs", sup.manager.logs, cid, since)
+    else:
+        inspect = logs = None
+        for name in ("inspect.json", "container.log"):
+            missing[name] = f"the Docker engine does not answer ({engine_error}): stopped by its processes"
     store = d.store
     rows = kern = events = None
     if store is None:

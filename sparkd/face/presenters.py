@@ -286,8 +286,8 @@ def container_from_status(status: Status) -> dict[str, Any]:
 
 
 RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
-#: The headline while the Docker engine does not answer: a trip stops the model by its processes (no archive),
-#: and nothing else (start, stop, resize) can be done.
+#: The headline while the Docker engine does not answer: a stop (a trip's or an operator's) acts on the model's
+#: processes (its archive without the container's log), and start, restart and resize wait.
 ENGINE_DOWN_LABEL = "Docker engine unreachable: stops act on the model's processes"
 _LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
 
@@ -325,7 +325,7 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         label = "not guarded"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
-    elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes, no archive
+    elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
     elif demoted and _LEVEL_RANK.get(level, 0) < 1:  # a stop rule switched off by the loop guard: never "ok"
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"

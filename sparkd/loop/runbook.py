@@ -37,6 +37,7 @@ class RunBook(LaunchBook):
 
     stops_total: int
     kills_total: int
+    engine_error: str | None  # why the Docker engine did not answer, while it does not
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         raise NotImplementedError
@@ -240,8 +241,9 @@ class RunBook(LaunchBook):
         dependencies handed in, then Docker's state read again (``stopped``).
 
         ``stopper``: the Docker engine does not answer; the container is stopped by its processes
-        (``act.procstop``), with no archive (it needs the engine's logs) and no read of Docker's state
-        after (the state stays ``stopping`` until the engine answers and the supervisor's next look)."""
+        (``act.procstop``), its archive written without the engine's parts (``container.log``,
+        ``inspect.json``: missing, with the reason), and no read of Docker's state after (the state stays
+        ``stopping`` until the engine answers and the supervisor's next look)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
@@ -269,8 +271,10 @@ class RunBook(LaunchBook):
                 container_stopped_at=stopped_at,
             )
 
+        engine_error = None if stopper is None else (self.engine_error or "no answer")
+
         async def postmortem(rep: StopReport) -> str | None:
-            return await write_postmortem(self, rep, cid)
+            return await write_postmortem(self, rep, cid, engine_error=engine_error)
 
         try:
             rep = await run_stop(
@@ -282,7 +286,7 @@ class RunBook(LaunchBook):
                 hard_floor_bytes=parse_size(s.container.hard_floor),
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,
-                postmortem=postmortem if archive_first and stopper is None else None,
+                postmortem=postmortem if archive_first else None,
                 before_stop=before_stop,
                 cleanup_shm=cleanup_shm,
             )

@@ -286,7 +286,7 @@ class Supervisor(RunBook):
     async def _stop_without_docker(self, source: str, reason: str, why: str) -> str | None:
         """The emergency stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
-        kills at once) through the normal stop procedure, without its archive. A critical
+        kills at once) through the normal stop procedure, its archive without the engine's parts. A critical
         ``stop_without_docker`` event says so first, a critical ``stop_incomplete`` when processes remain.
         None when it was stopped; else why nothing was done (no process of the container runs, or its id
         is not known yet). The state stays ``stopping`` until the engine answers again; the supervisor
@@ -622,7 +622,8 @@ class Supervisor(RunBook):
             self._event(
                 "docker_down",
                 f"Docker engine unreachable: {why}; sampling and rules go on; an emergency stop acts on the "
-                "container's processes (no archive), start, stop and resize wait for the engine",
+                "container's processes (its archive without the container's log), start, restart and resize wait "
+                "for the engine",
                 severity="warning",
             )
 

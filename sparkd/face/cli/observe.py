@@ -132,8 +132,8 @@ def _echo_snapshot(st: Status) -> None:
     click.echo(line)
     if c.mode != "monitor-only" and c.engine == "down":
         click.echo(
-            f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a trip stops the model by its "
-            "processes (no archive); start, stop and resize wait for the engine"
+            f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a stop acts on the model's "
+            "processes (its archive without the container's log); start, restart and resize wait for the engine"
         )
     if c.unguarded is not None:
         u = c.unguarded
