@@ -168,6 +168,98 @@ def test_the_shm_reader_lists_again_only_when_an_entry_came_or_went_and_sees_eve
     assert r.read() == (None, None)
 
 
+def test_the_shm_reader_answers_again_on_an_unchanged_shmem_and_asks_on_a_change_or_after_max_age(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    r = procfs.ShmReader(tmp_path)
+    old = time.time_ns() - 10**9
+    os.utime(tmp_path, ns=(old, old))
+    first = r.read(1000, 0.0)
+    assert first[1] == 0 and r.reads == 1
+    (tmp_path / "psm_1").write_bytes(b"x" * 4096)
+    # the same Shmem, within MAX_AGE_S: the last figures, no system call (a change Shmem does not show)
+    assert r.read(1000, 1.0) == first and r.reads == 1
+    # Shmem moved (the page written above is a shmem page on a tmpfs): asked again, the file is seen
+    assert r.read(1000 + 4096, 2.0)[1] == 1 and r.reads == 2
+    # unchanged for MAX_AGE_S: asked again whatever Shmem says
+    (tmp_path / "psm_2").write_bytes(b"")
+    assert r.read(1000 + 4096, 2.0 + r.MAX_AGE_S)[1] == 2 and r.reads == 3
+    # no Shmem given (a rule reads shm_bytes), or no time: asked every time
+    assert r.read(None, 12.5)[1] == 2 and r.read(1000 + 4096) is not None and r.reads == 5
+    # a clock that went back is not trusted
+    r.read(7, 20.0)
+    r.read(7, 19.0)
+    assert r.reads == 7
+    # a read that failed is never answered again: each tick tries
+    tmp_path.rename(tmp_path.with_name(tmp_path.name + "-gone"))
+    assert r.read(7, 20.5) == (None, None) and r.read(7, 20.6) == (None, None) and r.reads == 9
+
+
+def test_the_shm_reader_does_not_answer_again_a_listing_made_within_a_clock_tick_of_a_change(tmp_path: Path) -> None:
+    """An entry count taken while the directory's mtime is too recent to trust (``SETTLE_S``) is not answered
+    again on an unchanged Shmem: a second entry created in the same clock tick (an empty file moves no Shmem)
+    is seen at the next tick."""
+    r = procfs.ShmReader(tmp_path)
+    (tmp_path / "a").write_bytes(b"")
+    assert r.read(5, 0.0)[1] == 1
+    (tmp_path / "b").write_bytes(b"")
+    assert r.read(5, 1.0)[1] == 2 and r.reads == 2
+
+
+def test_a_file_written_to_the_real_dev_shm_moves_shmem_and_the_guard_sees_it_at_the_next_tick(
+    tmp_path: Path,
+) -> None:
+    """The premise of answering /dev/shm again on an unchanged Shmem, on this machine's kernel: 64 MiB written to
+    a file of this test's own in /dev/shm moves /proc/meminfo's Shmem, and the guard's next sample (no rule on
+    shm_bytes, so its reader may answer again) shows them."""
+    import os
+
+    from sparkd.config import load_settings
+    from sparkd.loop.guard import Guard
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path)})
+    guard = Guard(settings)
+    assert not guard._shm_exact()  # the default rules do not read shm_bytes
+    guard.tick()
+    guard.tick()
+    before = guard.tick().sample
+    reads = guard._shm.reads
+    path = Path("/dev/shm") / f"sparkd-test-{os.getpid()}-{time.monotonic_ns()}"
+    size = 64 * 2**20
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\x01" * size)
+        after = guard.tick().sample
+        assert before.shmem is not None and after.shmem is not None
+        assert after.shmem - before.shmem >= size * 0.9, (before.shmem, after.shmem)
+        assert before.shm_bytes is not None and after.shm_bytes is not None
+        assert after.shm_bytes - before.shm_bytes >= size * 0.9, (before.shm_bytes, after.shm_bytes)
+        assert guard._shm.reads > reads
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_rule_on_shm_bytes_gets_a_fresh_dev_shm_figure_every_tick(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+    from sparkd.loop.guard import Guard
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "rules": [{"name": "shm_full", "when": ["shm_bytes > 1000GiB"], "samples": 3}],
+        }
+    )
+    guard = Guard(settings)
+    guard.tick()
+    assert guard._shm_exact()
+    reads = guard._shm.reads
+    for _ in range(5):
+        guard.tick()
+    assert guard._shm.reads == reads + 5
+
+
 def test_the_fast_reader_agrees_with_the_plain_reader_on_this_host() -> None:
     r = procfs.ProcReader("/proc")
     try:

@@ -92,6 +92,8 @@ class Guard:
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
         self._shm = procfs.ShmReader(settings.shm_dir)
+        self._shm_rules_key: tuple[int, int] | None = None
+        self._shm_rules_exact = True
         self._levels: list[tuple[str, float, Rule, bool]] = []
         self._levels_of: list[Rule] | None = None
 
@@ -118,7 +120,8 @@ class Guard:
             log.warning(
                 "no PSI: %s/pressure/memory is absent or unreadable; PSI fields stay empty", self.settings.proc_root
             )
-        shm = self._shm.read()
+        # with no rule on shm_bytes, an unchanged Shmem answers /dev/shm again (ShmReader.read, issue 18)
+        shm = self._shm.read(None if self._shm_exact() else mi.fields.get("Shmem"), now_m)
         self.shm_missing = None if shm[0] is not None else f"cannot read {self.settings.shm_dir}"
         return build_sample(
             now_w,
@@ -129,6 +132,15 @@ class Guard:
             nvrm_recent=self.nvrm.recent(now_m),  # monotonic: a wall-clock step must not move the window
             low_watermark_bytes=self.low_watermark,
         )
+
+    def _shm_exact(self) -> bool:
+        """Does a rule read ``shm_bytes`` (then /dev/shm is read every tick)? Cached per rule list."""
+        rules = self.engine.rules
+        key = (id(rules), len(rules))
+        if key != self._shm_rules_key:
+            self._shm_rules_key = key
+            self._shm_rules_exact = any("shm_bytes" in r.inputs() for r in rules)
+        return self._shm_rules_exact
 
     def poll_kernel(self) -> list[KernRecord]:
         """New classified kernel-log records since the last poll (non-blocking)."""
