@@ -367,16 +367,23 @@ def test_an_operators_stop_while_the_docker_engine_hangs_stops_the_model_by_its_
                 assert body["stopped_by"] == "processes", body
                 assert "ping" in body["engine_error"], body
                 assert body["message"].startswith("stopped ") and "by its processes" in body["message"], body
-                assert stopper.pids() == [], f"still running: {stopper.pids()}"
+                assert body["left_pids"] == [] and stopper.pids() == [], f"still running: {stopper.pids()}"
+                # the archive, written after the stop, without the engine's parts
+                arch = Path(s.tmp) / "archives" / body["stop"]["archive"]
+                with tarfile.open(arch) as tf:
+                    assert {"summary.txt", "samples.csv", "container.log.missing"} <= set(tf.getnames())
                 said = s.wait_event("stop_without_docker", 5)
                 assert said["message"].startswith("api:"), said
                 assert s.container()["engine"] == "down"
             finally:
                 os.kill(engine.proc.pid, signal.SIGCONT)
             assert took_s < 15.0, f"the stop took {took_s:.1f} s with the engine hung"
-            assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
-            time.sleep(3.0)  # an auto-relaunch would begin within a supervisor step or two
-            assert s.container()["state"] == "stopped", s.container()
+            after = s.wait_state("stopped", 60)
+            assert after["container_id"] == c["container_id"]
+            # the operator's intent holds the model down: no relaunch is scheduled
+            sup = after["supervision"]
+            assert sup["intent"]["intent"] == "operator" and sup["intent"]["who"].startswith("api:"), sup
+            assert sup["pending_relaunch"] is None, sup
             assert not s.events("exited"), s.output()[-2000:]
             assert len(s.events("launched")) == 1, s.events("launched")  # the first launch only
         finally:

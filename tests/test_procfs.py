@@ -173,28 +173,36 @@ def test_the_shm_reader_answers_again_on_an_unchanged_shmem_and_asks_on_a_change
 ) -> None:
     import os
 
+    def settle() -> None:  # the directory's mtime old enough for its listing to be trusted (SETTLE_S)
+        old = time.time_ns() - 10**9
+        os.utime(tmp_path, ns=(old, old))
+
     r = procfs.ShmReader(tmp_path)
-    old = time.time_ns() - 10**9
-    os.utime(tmp_path, ns=(old, old))
+    settle()
     first = r.read(1000, 0.0)
-    assert first[1] == 0 and r.reads == 1
+    assert first[1] == 0 and r.reads == 1 and r._last is not None
     (tmp_path / "psm_1").write_bytes(b"x" * 4096)
+    settle()
     # the same Shmem, within MAX_AGE_S: the last figures, no system call (a change Shmem does not show)
     assert r.read(1000, 1.0) == first and r.reads == 1
     # Shmem moved (the page written above is a shmem page on a tmpfs): asked again, the file is seen
-    assert r.read(1000 + 4096, 2.0)[1] == 1 and r.reads == 2
+    assert r.read(1000 + 4096, 2.0)[1] == 1 and r.reads == 2 and r._last is not None
+    (tmp_path / "psm_2").write_bytes(b"")  # an empty file: Shmem does not move
+    settle()
+    assert r.read(1000 + 4096, 2.0 + r.MAX_AGE_S - 0.01)[1] == 1 and r.reads == 2  # answered again, stale
     # unchanged for MAX_AGE_S: asked again whatever Shmem says
-    (tmp_path / "psm_2").write_bytes(b"")
-    assert r.read(1000 + 4096, 2.0 + r.MAX_AGE_S)[1] == 2 and r.reads == 3
+    assert r.read(1000 + 4096, 2.0 + r.MAX_AGE_S)[1] == 2 and r.reads == 3 and r._last is not None
     # no Shmem given (a rule reads shm_bytes), or no time: asked every time
-    assert r.read(None, 12.5)[1] == 2 and r.read(1000 + 4096) is not None and r.reads == 5
+    assert r.read(None, 12.5)[1] == 2 and r.read(1000 + 4096)[1] == 2 and r.reads == 5
     # a clock that went back is not trusted
     r.read(7, 20.0)
+    assert r.reads == 6 and r._last is not None
     r.read(7, 19.0)
     assert r.reads == 7
-    # a read that failed is never answered again: each tick tries
+    # the directory gone: seen when Shmem moves (or within MAX_AGE_S), and a read that failed is never
+    # answered again: each tick tries
     tmp_path.rename(tmp_path.with_name(tmp_path.name + "-gone"))
-    assert r.read(7, 20.5) == (None, None) and r.read(7, 20.6) == (None, None) and r.reads == 9
+    assert r.read(8, 20.5) == (None, None) and r.read(8, 20.6) == (None, None) and r.reads == 9
 
 
 def test_the_shm_reader_does_not_answer_again_a_listing_made_within_a_clock_tick_of_a_change(tmp_path: Path) -> None:
@@ -211,7 +219,7 @@ def test_the_shm_reader_does_not_answer_again_a_listing_made_within_a_clock_tick
 def test_a_file_written_to_the_real_dev_shm_moves_shmem_and_the_guard_sees_it_at_the_next_tick(
     tmp_path: Path,
 ) -> None:
-    """The premise of answering /dev/shm again on an unchanged Shmem, on this machine's kernel: 64 MiB written to
+    """The premise of answering /dev/shm again on an unchanged Shmem, on this machine's kernel: 8 MiB written to
     a file of this test's own in /dev/shm moves /proc/meminfo's Shmem, and the guard's next sample (no rule on
     shm_bytes, so its reader may answer again) shows them."""
     import os
@@ -227,13 +235,16 @@ def test_a_file_written_to_the_real_dev_shm_moves_shmem_and_the_guard_sees_it_at
     before = guard.tick().sample
     reads = guard._shm.reads
     path = Path("/dev/shm") / f"sparkd-test-{os.getpid()}-{time.monotonic_ns()}"
-    size = 64 * 2**20
+    size = 8 * 2**20  # a container's /dev/shm is 64 MiB by default
+    st = os.statvfs("/dev/shm")
+    assert st.f_bavail * st.f_frsize > 2 * size, "/dev/shm has no room for this test's 8 MiB"
     try:
         with open(path, "wb") as f:
             f.write(b"\x01" * size)
         after = guard.tick().sample
         assert before.shmem is not None and after.shmem is not None
-        assert after.shmem - before.shmem >= size * 0.9, (before.shmem, after.shmem)
+        # (per-CPU counter deltas of up to ~125 pages each may reach the global figure a second later)
+        assert after.shmem - before.shmem >= size // 2, (before.shmem, after.shmem)
         assert before.shm_bytes is not None and after.shm_bytes is not None
         assert after.shm_bytes - before.shm_bytes >= size * 0.9, (before.shm_bytes, after.shm_bytes)
         assert guard._shm.reads > reads

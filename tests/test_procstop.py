@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,3 +194,79 @@ def test_a_signal_it_may_not_send_is_an_error_not_a_silent_success(box: Box) -> 
     assert len(box.members()) == 3  # nothing was stopped
     # the same stopper with CAP_KILL (this test's own process, root) stops them
     assert ProcessStopper(box.id).stop(box.id, 5.0).outcome in ("exited", "killed") and box.members() == []
+
+
+class HungEngine:
+    """A Docker engine that never answers a ping within the test (the slow, dangerous edge; the real engine
+    hung by SIGSTOP is ``test_e2e_docker.py``'s)."""
+
+    def ping(self) -> bool:
+        time.sleep(1.0)  # past EMERGENCY_PING_S (0.2 s here): no answer in time
+        return False
+
+
+def _supervisor(tmp_path: Path, container_id: str | None) -> object:
+    from sparkd.config import load_settings
+    from sparkd.loop import supervisor as supervisor_mod
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "sparkd-procstop-test"}})
+    sup = supervisor_mod.Supervisor(settings, manager=HungEngine())  # type: ignore[arg-type]
+    sup.container_id = container_id
+    return sup
+
+
+def test_an_operators_stop_with_the_engine_silent_is_refused_while_an_action_holds_the_lock(
+    box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two stops never run at once: an emergency may go past an action hung on the engine (it holds the lock),
+    an operator's stop may not: Conflict, and the container's processes are not touched."""
+    import asyncio
+
+    from sparkd.errors import Conflict
+    from sparkd.loop import supervisor as supervisor_mod
+
+    monkeypatch.setattr(supervisor_mod, "EMERGENCY_PING_S", 0.2)
+    init = box.start("sleep 300 & wait")
+    members = box.wait_members(2)
+    sup: Any = _supervisor(tmp_path, box.id)
+
+    async def scenario() -> BaseException | None:
+        async def hold_lock_after_the_first_check() -> None:
+            await asyncio.sleep(0.05)  # request() passed its lock check and waits on the ping
+            await sup.lock.acquire()
+
+        holder = asyncio.create_task(hold_lock_after_the_first_check())
+        try:
+            await sup.request("stop", source="api:ops")
+        except BaseException as e:
+            return e
+        finally:
+            await holder
+        return None
+
+    err = asyncio.run(scenario())
+    assert isinstance(err, Conflict), err
+    assert init.poll() is None and box.members() == members  # nothing signalled
+    assert sup.stay_stopped is False and sup.stopped_without_docker is None
+
+
+def test_an_operators_stop_with_the_engine_silent_and_nothing_running_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process of the container runs: Refused (422) naming that and the engine; its id not known yet (sparkd
+    started while the engine was down): DockerUnavailable (503). Nothing is recorded as stopped."""
+    import asyncio
+
+    from sparkd.errors import DockerUnavailable, Refused
+    from sparkd.loop import supervisor as supervisor_mod
+
+    monkeypatch.setattr(supervisor_mod, "EMERGENCY_PING_S", 0.2)
+    for cid, want, text in (
+        ("f" * 64, Refused, "no process of sparkd-procstop-test runs (the Docker engine does not answer"),
+        (None, DockerUnavailable, "the container's id is not known"),
+    ):
+        sup: Any = _supervisor(tmp_path, cid)
+        with pytest.raises(want) as info:
+            asyncio.run(sup.request("stop", source="api:ops"))
+        assert text in info.value.message, info.value.message
+        assert sup.stay_stopped is False and sup.stopped_without_docker is None and sup.action is None

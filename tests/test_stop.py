@@ -21,7 +21,14 @@ pytestmark = pytest.mark.docker
 pytest_plugins = ["dockerkit"]  # fixtures: mgr, launcher, image, docker_client
 
 
-def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: float) -> tuple[StopReport, list]:
+def _run(
+    mgr: ContainerManager,
+    target: StopTarget,
+    avail: list[int],
+    grace_s: float,
+    archive_after: bool = False,
+    archived_while: list[bool] | None = None,
+) -> tuple[StopReport, list]:
     events: list[tuple[str, str, str]] = []
     started: list[float | None] = []
 
@@ -39,6 +46,8 @@ def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: f
         return shm.CleanupResult()
 
     async def postmortem(rep: StopReport) -> str | None:
+        if archived_while is not None:  # was the container still running when its archive was written?
+            archived_while.append(mgr.state(target.container_id).running)
         return "pm.tar.gz"
 
     rep = asyncio.run(
@@ -54,6 +63,7 @@ def _run(mgr: ContainerManager, target: StopTarget, avail: list[int], grace_s: f
             postmortem=postmortem,
             before_stop=before_stop,
             cleanup_shm=cleanup,
+            archive_after=archive_after,
         )
     )
     assert started == [target.started_at]  # the /dev/shm age test gets this run's start time
@@ -71,6 +81,24 @@ def test_it_stops_gracefully_with_events_in_order(mgr: ContainerManager, launche
     assert rep.archive == "pm.tar.gz" and rep.errors == []
     assert [k for k, _s, _m in events] == ["stopping", "stopped"]
     assert mgr.state(fv.id).running is False
+
+
+def test_the_archive_is_written_first_or_after_the_stop_with_archive_after(
+    mgr: ContainerManager, launcher: Any
+) -> None:
+    """The archive comes first (it reads the running container's logs); a stop made by the container's processes
+    while the engine hangs writes it last (``archive_after``: nothing of the engine is in it, and its I/O under
+    memory pressure must not delay the SIGTERM). Either way the final event names it."""
+    for after in (False, True):
+        fv = launcher(mode="graceful", startup_s=0.2)
+        assert fv.wait_healthy()
+        info = mgr.get(fv.id)
+        running: list[bool] = []
+        rep, events = _run(mgr, StopTarget(fv.id, fv.name, info.started_at), [8 * GiB], 10, after, running)
+        assert running == [not after], (after, running)
+        assert rep.archive == "pm.tar.gz" and "archive" in rep.durations_s
+        assert [k for k, _s, _m in events] == ["stopping", "stopped"]
+        assert events[-1][2].endswith("archive pm.tar.gz"), events[-1]
 
 
 def test_below_the_hard_floor_during_the_grace_it_kills_at_once(mgr: ContainerManager, launcher: Any) -> None:

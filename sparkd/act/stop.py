@@ -50,6 +50,7 @@ class Supervisor(Protocol):
     settings: Any  # sparkd.config.Settings
     manager: Any  # sparkd.act.docker.ContainerManager
     name: str
+    image: str | None
     container_id: str | None
     container_started_at: float | None
     launch_id: str | None
@@ -91,11 +92,22 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
         f"time (UTC):   {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())}",
         f"reason:       {rep.reason}",
         f"requested by: {rep.source}",
-        f"container:    {inspect.get('Name', '').lstrip('/')} {cid[:12]}",
-        f"image:        {inspect.get('Config', {}).get('Image')}",
-        f"launch id:    {sup.launch_id}",
-        f"started at:   {inspect.get('State', {}).get('StartedAt')}",
     ]
+    if inspect:
+        lines += [
+            f"container:    {inspect.get('Name', '').lstrip('/')} {cid[:12]}",
+            f"image:        {inspect.get('Config', {}).get('Image')}",
+            f"launch id:    {sup.launch_id}",
+            f"started at:   {inspect.get('State', {}).get('StartedAt')}",
+        ]
+    else:  # no inspect (the engine did not answer): what sparkd last saw of the run
+        started = sup.container_started_at
+        lines += [
+            f"container:    {sup.name} {cid[:12]} (as sparkd last saw it: no docker inspect)",
+            f"image:        {sup.image or 'not known'}",
+            f"launch id:    {sup.launch_id}",
+            "started at:   " + (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)) if started else "not known"),
+        ]
     if last is not None:
         # the default rules judge usable = MemAvailable − CmaFree (CONTEXT.md "CMA"): on a CMA host
         # MemAvailable alone would argue against the stop
@@ -368,13 +380,16 @@ async def run_stop(
     postmortem: Callable[[StopReport], Awaitable[str | None]] | None,
     before_stop: Callable[[StopReport], Awaitable[None]] | None,
     cleanup_shm: CleanupShm | None,
+    archive_after: bool = False,
 ) -> StopReport:
     """Steps 1–7 for ``target``; everything it needs is handed in (act never imports loop).
 
     ``grace_s``: seconds between SIGTERM and SIGKILL (``container.stop_timeout_s``);
     ``hard_floor_bytes``: below this MemAvailable (``read_mem_available()``, polled every 0.25 s
     during the grace) the container is killed at once; ``postmortem(report)`` writes the archive
-    first and returns its name (None: no archive); ``before_stop(report)`` runs right before
+    first and returns its name (None: no archive), or last with ``archive_after`` (a stop made by the
+    container's processes while the engine hangs: its archive has nothing from the engine, and the
+    archive's I/O under memory pressure must not delay the SIGTERM); ``before_stop(report)`` runs right before
     ``docker stop`` (the last /dev/shm witness scan of the running processes);
     ``cleanup_shm(started_at, stopped_at)`` removes the run's dead /dev/shm entries (None: skipped).
     The caller holds the action lock and moves the lifecycle state. Errors of a step are collected
@@ -389,7 +404,7 @@ async def run_stop(
         severity="warning",
         details={"source": source, "container_id": cid},
     )
-    if postmortem is not None:
+    if postmortem is not None and not archive_after:
         rep.archive = await postmortem(rep)
         rep.durations_s["archive"] = time.monotonic() - t0
     if before_stop is not None:
@@ -401,6 +416,10 @@ async def run_stop(
     if cleanup_shm is not None:
         await _cleanup_shm(target, rep, cleanup_shm, emit)
     rep.durations_s["shm_cleanup"] = time.monotonic() - t2
+    if postmortem is not None and archive_after:
+        t3 = time.monotonic()
+        rep.archive = await postmortem(rep)
+        rep.durations_s["archive"] = time.monotonic() - t3
     rep.durations_s["total"] = time.monotonic() - t0
     killed = rep.exit_code == 137 or rep.hard_floor_kill or "kill" in (rep.outcome or "")
     rep.killed = killed

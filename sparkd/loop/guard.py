@@ -92,7 +92,8 @@ class Guard:
         self._fast_margin = parse_size(settings.fast_margin)
         self._fast_fall = parse_size(settings.fast_fall_rate)
         self._shm = procfs.ShmReader(settings.shm_dir)
-        self._shm_rules_key: tuple[int, int] | None = None
+        self._shm_rules_of: list[Rule] | None = None  # the rule list _shm_rules_exact was found for
+        self._shm_rules_len = 0
         self._shm_rules_exact = True
         self._levels: list[tuple[str, float, Rule, bool]] = []
         self._levels_of: list[Rule] | None = None
@@ -136,9 +137,8 @@ class Guard:
     def _shm_exact(self) -> bool:
         """Does a rule read ``shm_bytes`` (then /dev/shm is read every tick)? Cached per rule list."""
         rules = self.engine.rules
-        key = (id(rules), len(rules))
-        if key != self._shm_rules_key:
-            self._shm_rules_key = key
+        if rules is not self._shm_rules_of or len(rules) != self._shm_rules_len:
+            self._shm_rules_of, self._shm_rules_len = rules, len(rules)
             self._shm_rules_exact = any("shm_bytes" in r.inputs() for r in rules)
         return self._shm_rules_exact
 

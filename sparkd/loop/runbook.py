@@ -241,9 +241,9 @@ class RunBook(LaunchBook):
         dependencies handed in, then Docker's state read again (``stopped``).
 
         ``stopper``: the Docker engine does not answer; the container is stopped by its processes
-        (``act.procstop``), its archive written without the engine's parts (``container.log``,
-        ``inspect.json``: missing, with the reason), and no read of Docker's state after (the state stays
-        ``stopping`` until the engine answers and the supervisor's next look)."""
+        (``act.procstop``), its archive written after the stop without the engine's parts
+        (``container.log``, ``inspect.json``: missing, with the reason), and no read of Docker's state
+        after (the state stays ``stopping`` until the engine answers and the supervisor's next look)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
@@ -287,6 +287,7 @@ class RunBook(LaunchBook):
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,
                 postmortem=postmortem if archive_first else None,
+                archive_after=stopper is not None,  # nothing from the engine in it: the SIGTERM first
                 before_stop=before_stop,
                 cleanup_shm=cleanup_shm,
             )

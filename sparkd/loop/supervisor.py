@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
+from sparkd.act.stop import StopReport
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -243,8 +244,8 @@ class Supervisor(RunBook):
             # the engine is down or hung: the model is stopped by its processes, as the engine would have
             if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
                 self.emergency_inbox = (source, reason)
-            not_done = await self._stop_without_docker(source, reason, e.message)
-            if not_done is not None:
+            not_done = await self._stop_without_docker(source, reason, e.message, emergency=True)
+            if isinstance(not_done, str):
                 self._event(
                     "stop_not_executed",
                     f"{source}: {e.message}; {not_done}",
@@ -283,14 +284,21 @@ class Supervisor(RunBook):
         except Exception:  # TimeoutError, or the engine's error: no answer
             return False
 
-    async def _stop_without_docker(self, source: str, reason: str, why: str) -> str | None:
-        """The emergency stop when the Docker engine does not answer: the container stopped by its processes
+    async def _stop_without_docker(
+        self, source: str, reason: str, why: str, *, emergency: bool
+    ) -> tuple[StopReport, list[int]] | str:
+        """The stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
-        kills at once) through the normal stop procedure, its archive without the engine's parts. A critical
-        ``stop_without_docker`` event says so first, a critical ``stop_incomplete`` when processes remain.
-        None when it was stopped; else why nothing was done (no process of the container runs, or its id
-        is not known yet). The state stays ``stopping`` until the engine answers again; the supervisor
-        then finishes the stop through Docker (``finish_stop_with_docker``)."""
+        kills at once) through the normal stop procedure, its archive written after it without the engine's
+        parts. A critical ``stop_without_docker`` event says so first, a critical ``stop_incomplete`` when
+        processes remain. Returns the stop's report and the pids still running after it (empty: stopped);
+        or, when nothing was done, why (no process of the container runs, or its id is not known yet). The
+        state stays ``stopping`` until the engine answers again; the supervisor then finishes the stop through
+        Docker (``finish_stop_with_docker``).
+
+        ``emergency``: a rule, the hard floor or the probe. An action hung on the engine may hold the lock; an
+        emergency does not wait for it. Anyone else (an operator's stop) is refused with Conflict then, as
+        ``request`` refuses while an action runs: two stops never run at once."""
         try:  # the real /proc: the signals go to real pids (settings.proc_root may be a test's)
             stopper = ProcessStopper(self.container_id or "")
         except ValueError:
@@ -298,6 +306,8 @@ class Supervisor(RunBook):
         pids = await asyncio.to_thread(stopper.pids)
         if not pids:
             return f"no process of {self.name or 'the container'} runs"
+        if self.lock.locked() and not emergency:
+            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
         self._engine_down(why)
         grace = self.settings.container.stop_timeout_s
         self._event(
@@ -307,11 +317,10 @@ class Supervisor(RunBook):
             severity="critical",
             details={"container_id": stopper.container_id, "pids": pids[:100], "engine_error": why},
         )
-        # an operator's action hung on the engine may hold the lock: the emergency does not wait for it
         async with self.lock if not self.lock.locked() else contextlib.nullcontext():
             action, self.action = self.action, "stopping"
             try:
-                await self._stop(
+                rep = await self._stop(
                     f"{reason} (the Docker engine does not answer: stopped by its processes)", source, stopper=stopper
                 )
             finally:
@@ -329,7 +338,7 @@ class Supervisor(RunBook):
                 details={"pids": left[:100], "errors": stopper.errors[-10:]},
             )
         await self._finish_launch("stopped")
-        return None
+        return rep, left
 
     async def finish_stop_with_docker(self) -> None:
         """The engine answers again after an emergency stop made by the container's processes: the stop is
@@ -450,22 +459,32 @@ class Supervisor(RunBook):
         return await self._request(action, source=source, reason=reason, force=force)
 
     async def _requested_stop_without_docker(self, source: str, reason: str | None) -> dict[str, Any]:
-        """``request("stop")`` with the engine silent: stopped by its processes, intent set (it stays stopped)."""
+        """``request("stop")`` with the engine silent: stopped by its processes; the operator's intent is set
+        (it stays stopped, and a relaunch scheduled before is cancelled)."""
         why = f"no answer to a ping within {EMERGENCY_PING_S:g} s"
         reason = reason or f"stop requested by {source}"
-        not_done = await self._stop_without_docker(source, reason, why)
-        if not_done is not None:
+        done = await self._stop_without_docker(source, reason, why, emergency=False)
+        if isinstance(done, str):
             if self.container_id is None:
-                raise DockerUnavailable(f"the Docker engine does not answer ({why}) and {not_done}")
-            raise Refused(f"{not_done} (the Docker engine does not answer: {why})")
+                raise DockerUnavailable(f"the Docker engine does not answer ({why}) and {done}")
+            raise Refused(f"{done} (the Docker engine does not answer: {why})")
+        rep, left = done
         self.stay_stopped = True
+        self.unattended.cancel_relaunch(f"stopped by {source}")
         await self.unattended.set_intent(self.unattended.intent_for(source), source, reason)
         error = self.engine_error or why
+        what = (
+            f"stopping {self.name} by its processes left {len(left)} of them running after SIGKILL (stop_incomplete)"
+            if left
+            else f"stopped {self.name} by its processes"
+        )
         return {
             "action": "stop",
             "stopped_by": "processes",
             "engine_error": error,
-            "message": f"stopped {self.name} by its processes: the Docker engine does not answer ({error})",
+            "stop": rep.to_json(),
+            "left_pids": left[:100],
+            "message": f"{what}: the Docker engine does not answer ({error}); archive {rep.archive or 'none'}",
         }
 
     async def _request(

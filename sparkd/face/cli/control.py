@@ -61,13 +61,13 @@ def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False
         click.echo(json.dumps(out, indent=2, default=str))
         return
     stop = out.get("stop")
-    if stop:
+    if out.get("stopped_by"):  # the Docker engine did not answer: stopped by its processes
+        click.echo(out.get("message") or f"stopped by its {out['stopped_by']}")
+    elif stop:
         click.echo(
             f"stopped: {stop.get('outcome')} (exit {stop.get('exit_code')}) in "
             f"{stop.get('durations_s', {}).get('total', 0):.1f} s; archive {stop.get('archive')}"
         )
-    elif out.get("stopped_by"):  # the Docker engine did not answer: stopped by its processes
-        click.echo(out.get("message") or f"stopped by its {out['stopped_by']}")
     if out.get("launch_id"):
         click.echo(f"launched: launch {out['launch_id']} (follow with `sparkd status`)")
 
