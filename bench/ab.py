@@ -12,9 +12,10 @@ against A in percent. Spread between identical daemons in one window is the nois
 that change with (on this VM about ±10 %).
 
 A version is a git revision of this repository (``git archive REV sparkd web migrations systemd``,
-extracted into a temporary directory: the repository is not touched) or ``.`` (the working tree as it
-is, uncommitted changes included). Each runs from this virtual environment, with ``PYTHONPATH`` set to
-its tree and a working directory outside any checkout; before measuring, the script checks that
+extracted into a temporary directory: the repository is not touched), ``.`` (the working tree as it
+is, uncommitted changes included), or a directory holding such a tree (extracted beforehand, e.g. on a
+machine the repository's history does not travel to). Each runs from this virtual environment, with
+``PYTHONPATH`` set to its tree and a working directory outside any checkout; before measuring, the script checks that
 ``import sparkd`` resolves inside that tree (else it would measure the wrong code and say so).
 A version whose dependencies differ from this environment's cannot be compared this way.
 
@@ -43,9 +44,13 @@ TREE_PARTS = ("sparkd", "web", "migrations", "systemd")
 
 def extract(rev: str, dest: Path, repo: Path = REPO) -> Path:
     """The tree of ``rev`` (``sparkd``, ``web``, ``migrations``, ``systemd``) under ``dest``; ``.``: ``repo``
-    itself. Raises ``SystemExit`` with git's message when ``rev`` is not a revision of ``repo``."""
+    itself; a directory holding a ``sparkd`` package: that directory as it is (a tree extracted elsewhere, e.g.
+    carried to a machine with no git history). Raises ``SystemExit`` with git's message when ``rev`` is not a
+    revision of ``repo``."""
     if rev == ".":
         return repo
+    if (Path(rev) / "sparkd" / "__init__.py").is_file():
+        return Path(rev).resolve()
     dest.mkdir(parents=True, exist_ok=True)
     archive = dest.with_suffix(".tar")
     with archive.open("wb") as f:

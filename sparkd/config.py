@@ -449,6 +449,7 @@ class Settings(BaseSettings):
     shm_ignore_unreadable_pids: list[int] = Field(default_factory=list)
     queue_max: int = Field(default=10000, ge=10)
     gpu_interval_s: float = Field(default=5.0, ge=0.5)
+    gpu_quiet_interval_s: float = Field(default=30.0, ge=0.5)
 
     api: ApiSettings = Field(default_factory=ApiSettings)
     container: ContainerSettings = Field(default_factory=ContainerSettings)
@@ -633,7 +634,10 @@ FIELD_DOCS: dict[str, str] = {
     "shm_ignore_unreadable_pids": "PIDs whose /proc sparkd cannot read but that are known not to use "
     "/dev/shm (e.g. a sandbox's init). Any other unreadable PID blocks /dev/shm cleanup: no proof, no removal.",
     "queue_max": "Database writer queue length; beyond it records are dropped after the rules saw them.",
-    "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power).",
+    "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power) while someone reads the "
+    "status (dashboard, API, `sparkd status`) or the guard samples fast.",
+    "gpu_quiet_interval_s": "Seconds between NVML readings otherwise (readings are context, never a stop "
+    "trigger; each costs ~0.8 ms of CPU on an H200 host: bench/ab.py).",
     "api.enabled": "Serve the REST API and dashboard.",
     "api.host": "Listen address; anything but loopback needs api.allow_remote = true.",
     "api.port": "Listen port of the API and dashboard.",

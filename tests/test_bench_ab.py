@@ -32,6 +32,16 @@ def test_a_revision_runs_from_its_own_tree_not_the_checkout(tmp_path: Path) -> N
     assert ab.resolved_package(tree, str(ab.REPO)) == (ab.REPO / "sparkd").resolve()
 
 
+def test_a_directory_holding_a_tree_is_taken_as_it_is(tmp_path: Path) -> None:
+    ab = _ab()
+    tree = ab.extract("HEAD", tmp_path / "carried")
+    assert ab.extract(str(tree), tmp_path / "unused") == tree.resolve()
+    assert not (tmp_path / "unused").exists()
+    with pytest.raises(SystemExit, match="nothing"):  # a directory without a sparkd package is no tree
+        (tmp_path / "nothing").mkdir()
+        ab.extract(str(tmp_path / "nothing"), tmp_path / "x")
+
+
 def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
     ab = _ab()
     with pytest.raises(SystemExit, match="no-such-revision"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import subprocess
 import sys
@@ -42,8 +44,18 @@ class FakeNvml:
     def __init__(self, *, init_error: int | None = None, memory: Any = None) -> None:
         self.init_error = init_error
         self.memory = memory  # an int error code, or (total, used)
-        self.handle_error: int | None = None  # e.g. 15, NVML_ERROR_GPU_IS_LOST
+        self.handle_error: int | None = None  # e.g. 15, NVML_ERROR_GPU_IS_LOST: every call on a handle fails too
         self.calls: list[str] = []
+        self.asked: collections.Counter[str] = collections.Counter()  # each NVML function called, how often
+
+    def __getattribute__(self, name: str) -> Any:
+        if name.startswith("nvml") and name not in ("nvmlInit", "nvmlShutdown"):
+            object.__getattribute__(self, "asked")[name] += 1
+        return object.__getattribute__(self, name)
+
+    def _on_handle(self) -> None:
+        if self.handle_error is not None:  # a handle of a GPU that fell off the bus
+            raise FakeNVMLError(self.handle_error)
 
     def nvmlInit(self) -> None:
         self.calls.append("init")
@@ -68,16 +80,20 @@ class FakeNvml:
         return b"NVIDIA GB10"  # older pynvml returns bytes
 
     def nvmlDeviceGetUtilizationRates(self, h: str) -> SimpleNamespace:
+        self._on_handle()
         return SimpleNamespace(gpu=7, memory=0)
 
     def nvmlDeviceGetTemperature(self, h: str, kind: int) -> int:
+        self._on_handle()
         assert kind == self.NVML_TEMPERATURE_GPU
         return 36
 
     def nvmlDeviceGetPowerUsage(self, h: str) -> int:
+        self._on_handle()
         return 11170  # mW
 
     def nvmlDeviceGetMemoryInfo(self, h: str) -> SimpleNamespace:
+        self._on_handle()
         if isinstance(self.memory, int):
             raise FakeNVMLError(self.memory)
         total, used = self.memory
@@ -145,16 +161,44 @@ def test_a_session_starts_afresh_after_a_lost_handle_or_a_failed_init() -> None:
     nvml = FakeNvml(memory=3)
     s = GpuSession(nvml)
     s.read()
-    nvml.handle_error = 15  # the GPU fell off the bus, the driver reloaded
+    nvml.handle_error = 15  # the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST), the driver reloaded
     [r] = s.read()
-    assert r.name is None and r.notes == ("handle: code 15",)
+    assert r.name == "NVIDIA GB10"  # as the session found it
+    assert r.notes == ("utilization: code 15", "temperature: code 15", "power: code 15", "memory: code 15")
     assert nvml.calls == ["init", "shutdown"]  # closed: the next reading opens a new session
+    [r] = s.read()  # a new session: the handle itself is refused now
+    assert r.name is None and r.notes == ("handle: code 15",)
+    assert nvml.calls == ["init", "shutdown", "init", "shutdown"]
     nvml.handle_error, nvml.init_error = None, 9
     assert s.read() == [GpuReading.unavailable("NVML init failed: Driver Not Loaded")]
     nvml.init_error = None
     [r] = s.read()
-    assert r.name == "NVIDIA GB10"
-    assert nvml.calls == ["init", "shutdown", "init", "init"]
+    assert r.name == "NVIDIA GB10" and r.notes == ()
+    assert nvml.calls == ["init", "shutdown", "init", "shutdown", "init", "init"]
+
+
+def test_a_session_asks_what_does_not_change_once_and_what_moves_at_every_reading() -> None:
+    """The driver's version, the device count, each handle and name: once per session (bench/nvml.py: a
+    reading made 8 NVML calls, 4 of them for these); utilization, temperature, power, memory: every time.
+    A call that fails for another reason than a stale session (power: no permission) does not reopen it."""
+    nvml = FakeNvml(memory=3)
+    s = GpuSession(nvml)
+    for _ in range(5):
+        [r] = s.read()
+        assert (r.name, r.driver_version, r.power_w) == ("NVIDIA GB10", "580.126.09", 11.17)
+    once = ("nvmlSystemGetDriverVersion", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetName")
+    assert {k: nvml.asked[k] for k in once} == dict.fromkeys(once, 1)
+    moving = ("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerUsage")
+    assert {k: nvml.asked[k] for k in moving} == dict.fromkeys(moving, 5)
+
+    def no_permission(h: str) -> int:
+        raise FakeNVMLError(4)  # NVML_ERROR_NO_PERMISSION
+
+    nvml.nvmlDeviceGetPowerUsage = no_permission  # type: ignore[method-assign]
+    for _ in range(3):
+        [r] = s.read()
+        assert r.power_w is None and r.notes == ("power: code 4",)
+    assert nvml.calls == ["init"] and nvml.asked["nvmlDeviceGetHandleByIndex"] == 1
 
 
 def test_the_sampler_keeps_one_session_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,3 +330,69 @@ def test_it_parses_a_discrete_gpu_query_csv() -> None:
     assert row["memory.used"] == 0
     assert row["utilization.gpu"] == 0.0
     assert row["power.draw"] == 112.74
+
+
+def test_the_daemon_reads_the_gpu_at_the_quiet_cadence_unless_someone_reads_the_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readings are context, never a stop trigger: a real daemon reads NVML every ``gpu_quiet_interval_s`` while
+    nothing asks, every ``gpu_interval_s`` while its status is read (the dashboard, the API, a peer) or while it
+    samples fast. On an H200 host each reading cost ~0.8 ms of CPU in all: 166 µs/s at 5 s (bench/ab.py).
+    NVML itself is replaced here (no driver on this machine); ``bench/nvml.py`` reads the real one."""
+    import asyncio
+    import time
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    reads: list[float] = []
+
+    one = read_gpu(FakeNvml(memory=3))
+
+    def read(self: GpuSession) -> list[GpuReading]:
+        reads.append(time.monotonic())
+        return one
+
+    monkeypatch.setattr(GpuSession, "read", read)
+
+    async def scenario() -> tuple[int, int, int]:
+        settings = load_settings(
+            overrides={
+                "state_dir": str(tmp_path / "state"),
+                "kernlog_source": "off",
+                "gpu_interval_s": 0.5,
+                "gpu_quiet_interval_s": 2.5,
+            }
+        )
+        d = Daemon(settings, serve_api=False)
+        await d.startup()
+        try:  # the daemon's ticks are not run here: nothing but this test builds a status
+            await asyncio.sleep(0.3)
+            n0 = len(reads)
+            await asyncio.sleep(4.0)  # nobody reads the status: the quiet cadence
+            quiet = len(reads) - n0
+            n1 = len(reads)
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:  # a dashboard polling the status
+                d.status_json()
+                await asyncio.sleep(0.1)
+            asked = len(reads) - n1
+            d.mode = "fast"  # the guard samples fast (near a floor, a rule counting)
+            await asyncio.sleep(2.6)  # the quiet wait under way ends first
+            n2 = len(reads)
+            await asyncio.sleep(3.0)
+            fast = len(reads) - n2
+        finally:
+            await d.shutdown("test")
+        return quiet, asked, fast
+
+    quiet, asked, fast = asyncio.run(scenario())
+    assert _spaced(reads), reads
+    assert 1 <= quiet <= 2, f"{quiet} readings in 4 s with nobody asking (quiet cadence 2.5 s)"
+    assert asked >= 4, f"{asked} readings in 3 s while the status was read (gpu_interval_s 0.5 s)"
+    assert fast >= 4, f"{fast} readings in 3 s while sampling fast"
+
+
+def _spaced(reads: list[float]) -> bool:
+    """No two readings closer than gpu_interval_s (0.5 s), whoever asked."""
+    return all(b - a >= 0.45 for a, b in itertools.pairwise(reads))

@@ -254,6 +254,10 @@ class Daemon:
         self.floor_warnings: list[FloorWarning] = []
         self._reported_floors: set[str] = set()
         self.gpu: list[dict[str, Any]] = []
+        # the GPU loop's cadence (daemon_db.gpu_loop): when its last reading was taken (monotonic s), and the
+        # event that asks for one sooner (a status built for a reader: daemon_view.status_json)
+        self.gpu_read_at: float | None = None
+        self.gpu_wanted = asyncio.Event()
         self._cooldown_logged: dict[str, float] = {}
         self._lock: StateLock | None = None
         self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled

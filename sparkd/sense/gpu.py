@@ -114,8 +114,9 @@ def read_gpu(nvml: Any = None) -> list[GpuReading]:
 
 class GpuSession:
     """One NVML session kept open across readings: ``nvmlInit`` at the first ``read`` and again
-    after a reading that failed (no device answered, a handle lost: the driver reloaded, a GPU
-    fell off the bus), ``nvmlShutdown`` at ``close``. Not thread-safe: one reader at a time.
+    after a reading that failed (no device answered, a handle lost or an answer in ``STALE_CODES``: the
+    driver reloaded, a GPU fell off the bus), ``nvmlShutdown`` at ``close``. The driver's version and the
+    devices' handles and names are asked once per session. Not thread-safe: one reader at a time.
 
     ``read()`` has ``read_gpu``'s shape and never raises.
     """
@@ -123,6 +124,9 @@ class GpuSession:
     def __init__(self, nvml: Any = None) -> None:
         self._nvml = nvml
         self._open = False
+        # what does not change within a session: the driver's version, each device's handle and name. Asked
+        # once per session, not at every reading (issue 18: 4 of a reading's 8 NVML calls, bench/nvml.py)
+        self._devices: tuple[str | None, list[_Device]] | None = None
 
     def read(self) -> list[GpuReading]:
         nvml = self._nvml
@@ -140,13 +144,21 @@ class GpuSession:
             except OSError as exc:  # libnvidia-ml.so missing on some pynvml versions
                 return [GpuReading.unavailable(f"NVML library not found: {exc}")]
             self._open = True
-        readings = _read_devices(nvml, nvml_error)
-        if any(not r.available or any(n.startswith("handle:") for n in r.notes) for r in readings):
-            self.close()  # start afresh at the next reading
-        return readings
+        if self._devices is None:
+            found = _find_devices(nvml, nvml_error)
+            if isinstance(found, GpuReading):
+                self.close()  # start afresh at the next reading
+                return [found]
+            self._devices = found
+        driver, devices = self._devices
+        read = [_read_device(nvml, nvml_error, d, driver) for d in devices]
+        if any(stale for _r, stale in read):
+            self.close()  # start afresh at the next reading: init, and find the devices again
+        return [r for r, _stale in read]
 
     def close(self) -> None:
         """End the session (``nvmlShutdown``); the next ``read`` opens a new one."""
+        self._devices = None
         if self._open:
             self._open = False
             nvml = self._nvml
@@ -154,7 +166,18 @@ class GpuSession:
                 nvml.nvmlShutdown()
 
 
-def _read_devices(nvml: Any, nvml_error: type[BaseException]) -> list[GpuReading]:
+@dataclass(frozen=True)
+class _Device:
+    """One device as a session found it: its index, handle (None: NVML gave none), name and notes."""
+
+    index: int
+    handle: Any
+    name: str | None
+    notes: tuple[str, ...]
+
+
+def _find_devices(nvml: Any, nvml_error: type[BaseException]) -> tuple[str | None, list[_Device]] | GpuReading:
+    """The driver's version and each device's handle and name; or why there is none (a ``GpuReading``)."""
     try:
         driver: str | None = _text(nvml.nvmlSystemGetDriverVersion())
     except nvml_error:
@@ -162,26 +185,52 @@ def _read_devices(nvml: Any, nvml_error: type[BaseException]) -> list[GpuReading
     try:
         count = int(nvml.nvmlDeviceGetCount())
     except nvml_error as exc:
-        return [GpuReading.unavailable(f"NVML device count failed: {exc}")]
+        return GpuReading.unavailable(f"NVML device count failed: {exc}")
     if count == 0:
-        return [GpuReading.unavailable("NVML reports no device")]
-    return [_read_device(nvml, nvml_error, i, driver) for i in range(count)]
+        return GpuReading.unavailable("NVML reports no device")
+    devices = []
+    for index in range(count):
+        notes: list[str] = []
+        name = h = None
+        try:
+            h = nvml.nvmlDeviceGetHandleByIndex(index)
+        except nvml_error as exc:
+            notes.append(f"handle: {exc}")
+        if h is not None:
+            try:
+                name = _text(nvml.nvmlDeviceGetName(h))
+            except nvml_error as exc:
+                notes.append(f"name: {exc}")
+        devices.append(_Device(index, h, name, tuple(notes)))
+    return driver, devices
 
 
-def _read_device(nvml: Any, nvml_error: type[BaseException], index: int, driver: str | None) -> GpuReading:
-    notes: list[str] = []
+#: NVML's answers that mean the session's handles are no good any more (nvml.h ``nvmlReturn_t``): uninitialized,
+#: invalid argument (a stale handle), not found, driver not loaded, GPU is lost, reset required, library and
+#: driver versions differ. After one of them the session starts afresh, and finds its devices again.
+STALE_CODES = frozenset({1, 2, 6, 9, 15, 16, 18})
+
+
+def _read_device(
+    nvml: Any, nvml_error: type[BaseException], dev: _Device, driver: str | None
+) -> tuple[GpuReading, bool]:
+    """The readings that move (utilization, temperature, power, memory) of a device the session found, and
+    whether an answer said the session is stale (``STALE_CODES``)."""
+    notes: list[str] = list(dev.notes)
+    stale = False
 
     def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        nonlocal stale
         try:
             return fn(*args)
         except nvml_error as exc:
             notes.append(f"{what}: {exc}")
+            stale = stale or getattr(exc, "value", None) in STALE_CODES
             return None
 
-    h = call("handle", nvml.nvmlDeviceGetHandleByIndex, index)
+    index, h, name = dev.index, dev.handle, dev.name
     if h is None:
-        return GpuReading(index=index, driver_version=driver, notes=tuple(notes))
-    name = call("name", nvml.nvmlDeviceGetName, h)
+        return GpuReading(index=index, driver_version=driver, notes=tuple(notes)), True
     util = call("utilization", nvml.nvmlDeviceGetUtilizationRates, h)
     temp_kind = getattr(nvml, "NVML_TEMPERATURE_GPU", NVML_TEMPERATURE_GPU)
     temp = call("temperature", nvml.nvmlDeviceGetTemperature, h, temp_kind)
@@ -196,9 +245,10 @@ def _read_device(nvml: Any, nvml_error: type[BaseException], index: int, driver:
         supported = False if _is_not_supported(nvml, exc) else None
         if supported is None:
             notes.append(f"memory: {exc}")
-    return GpuReading(
+            stale = stale or getattr(exc, "value", None) in STALE_CODES
+    reading = GpuReading(
         index=index,
-        name=None if name is None else _text(name),
+        name=name,
         driver_version=driver,
         utilization_pct=None if util is None else float(util.gpu),
         temperature_c=None if temp is None else float(temp),
@@ -208,6 +258,7 @@ def _read_device(nvml: Any, nvml_error: type[BaseException], index: int, driver:
         memory_supported=supported,
         notes=tuple(notes),
     )
+    return reading, stale
 
 
 class GpuSampler:
