@@ -635,7 +635,7 @@ FIELD_DOCS: dict[str, str] = {
     "/dev/shm (e.g. a sandbox's init). Any other unreadable PID blocks /dev/shm cleanup: no proof, no removal.",
     "queue_max": "Database writer queue length; beyond it records are dropped after the rules saw them.",
     "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power) while someone reads the "
-    "status (dashboard, API, `sparkd status`) or the guard samples fast.",
+    "status (the dashboard, /api/status, a peer Spark) or the guard samples fast; /metrics shows the last reading.",
     "gpu_quiet_interval_s": "Seconds between NVML readings otherwise (readings are context, never a stop "
     "trigger; each costs ~0.8 ms of CPU on an H200 host: bench/ab.py).",
     "api.enabled": "Serve the REST API and dashboard.",
