@@ -49,7 +49,7 @@ def extract(rev: str, dest: Path, repo: Path = REPO) -> Path:
     revision of ``repo``."""
     if rev == ".":
         return repo
-    if (Path(rev) / "sparkd" / "__init__.py").is_file():
+    if "/" in rev and (Path(rev) / "sparkd" / "__init__.py").is_file():  # a path, never a revision's name
         return Path(rev).resolve()
     dest.mkdir(parents=True, exist_ok=True)
     archive = dest.with_suffix(".tar")
@@ -96,7 +96,9 @@ def change_pct(a: float, b: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--a", required=True, help="version A: a git revision, or . for the working tree")
+    ap.add_argument(
+        "--a", required=True, help="version A: a git revision, . for the working tree, or a path to a tree (with a /)"
+    )
     ap.add_argument("--b", default=".", help="version B (default: the working tree)")
     ap.add_argument("--pairs", type=int, default=2, help="daemons of each version (default 2)")
     ap.add_argument("--window", type=float, default=120.0, help="measuring window, s")

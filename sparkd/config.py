@@ -475,6 +475,11 @@ class Settings(BaseSettings):
             raise ValueError(f"rule names must be unique; duplicated: {', '.join(sorted(dup))}")
         if self.fast_interval_s > self.interval_s:
             raise ValueError("fast_interval_s must be <= interval_s")
+        if self.gpu_quiet_interval_s < self.gpu_interval_s:
+            raise ValueError(
+                f"gpu_quiet_interval_s = {self.gpu_quiet_interval_s:g} must be >= gpu_interval_s = "
+                f"{self.gpu_interval_s:g} (the quiet cadence is the slower one)"
+            )
         if not any(r.action == "stop" for r in self.rules) and not self.dry_run and not self.monitor_only:
             raise ValueError(
                 f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop"), so nothing would ever '
@@ -635,9 +640,9 @@ FIELD_DOCS: dict[str, str] = {
     "/dev/shm (e.g. a sandbox's init). Any other unreadable PID blocks /dev/shm cleanup: no proof, no removal.",
     "queue_max": "Database writer queue length; beyond it records are dropped after the rules saw them.",
     "gpu_interval_s": "Seconds between NVML readings (utilization, temperature, power) while someone reads the "
-    "status (the dashboard, /api/status, a peer Spark) or the guard samples fast; /metrics shows the last reading.",
-    "gpu_quiet_interval_s": "Seconds between NVML readings otherwise (readings are context, never a stop "
-    "trigger; each costs ~0.8 ms of CPU on an H200 host: bench/ab.py).",
+    "status (the dashboard, /api/status, a peer Spark) or the guard samples fast.",
+    "gpu_quiet_interval_s": "Seconds between NVML readings otherwise, >= gpu_interval_s (readings are context, "
+    "never a stop trigger; /metrics shows the last one; each costs ~0.8 ms of CPU on an H200 host: bench/ab.py).",
     "api.enabled": "Serve the REST API and dashboard.",
     "api.host": "Listen address; anything but loopback needs api.allow_remote = true.",
     "api.port": "Listen port of the API and dashboard.",

@@ -32,7 +32,7 @@ def test_a_revision_runs_from_its_own_tree_not_the_checkout(tmp_path: Path) -> N
     assert ab.resolved_package(tree, str(ab.REPO)) == (ab.REPO / "sparkd").resolve()
 
 
-def test_a_directory_holding_a_tree_is_taken_as_it_is(tmp_path: Path) -> None:
+def test_a_directory_holding_a_tree_is_taken_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ab = _ab()
     tree = ab.extract("HEAD", tmp_path / "carried")
     assert ab.extract(str(tree), tmp_path / "unused") == tree.resolve()
@@ -40,6 +40,10 @@ def test_a_directory_holding_a_tree_is_taken_as_it_is(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="nothing"):  # a directory without a sparkd package is no tree
         (tmp_path / "nothing").mkdir()
         ab.extract(str(tmp_path / "nothing"), tmp_path / "x")
+    # a name without a slash is a revision, even where a directory of that name holds a tree
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="carried"):
+        ab.extract("carried", tmp_path / "y")
 
 
 def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:

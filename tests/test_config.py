@@ -278,3 +278,13 @@ def test_a_rule_that_can_never_fire_still_loads_for_the_guard_to_start() -> None
     # daemon says so at start (rule_never_fires) and sparkd doctor WARNs
     s = load_settings(overrides={"rules": [{"name": "never", "when": ["MemAvailable < 0GiB"]}]})
     assert [r.name for r in s.rules] == ["never"]
+
+
+def test_the_quiet_gpu_cadence_may_not_be_faster_than_the_asked_one(tmp_path: Path) -> None:
+    from sparkd.config import load_settings
+    from sparkd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gpu_quiet_interval_s = 2 must be >= gpu_interval_s = 5"):
+        load_settings(overrides={"state_dir": str(tmp_path), "gpu_quiet_interval_s": 2.0})
+    s = load_settings(overrides={"state_dir": str(tmp_path)})
+    assert (s.gpu_interval_s, s.gpu_quiet_interval_s) == (5.0, 30.0)

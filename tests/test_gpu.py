@@ -158,17 +158,20 @@ def test_a_session_initializes_nvml_once_across_readings() -> None:
 
 
 def test_a_session_starts_afresh_after_a_lost_handle_or_a_failed_init() -> None:
+    now = [0.0]
     nvml = FakeNvml(memory=3)
-    s = GpuSession(nvml)
+    s = GpuSession(nvml, clock=lambda: now[0])
     s.read()
     nvml.handle_error = 15  # the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST), the driver reloaded
     [r] = s.read()
     assert r.name == "NVIDIA GB10"  # as the session found it
     assert r.notes == ("utilization: code 15", "temperature: code 15", "power: code 15", "memory: code 15")
     assert nvml.calls == ["init", "shutdown"]  # closed: the next reading opens a new session
-    [r] = s.read()  # a new session: the handle itself is refused now
+    [r] = s.read()  # a new session: the handle itself is refused now; kept for the back-off, not reopened
     assert r.name is None and r.notes == ("handle: code 15",)
-    assert nvml.calls == ["init", "shutdown", "init", "shutdown"]
+    assert nvml.calls == ["init", "shutdown", "init"]
+    now[0] += GpuSession.REOPEN_BACKOFF_S
+    s.read()  # the back-off is over: closed again
     nvml.handle_error, nvml.init_error = None, 9
     assert s.read() == [GpuReading.unavailable("NVML init failed: Driver Not Loaded")]
     nvml.init_error = None
@@ -336,26 +339,33 @@ def test_the_daemon_reads_the_gpu_at_the_quiet_cadence_unless_someone_reads_the_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Readings are context, never a stop trigger: a real daemon reads NVML every ``gpu_quiet_interval_s`` while
-    nothing asks, every ``gpu_interval_s`` while its status is read (the dashboard, the API, a peer) or while it
-    samples fast. On an H200 host each reading cost ~0.8 ms of CPU in all: 166 µs/s at 5 s (bench/ab.py).
-    NVML itself is replaced here (no driver on this machine); ``bench/nvml.py`` reads the real one."""
+    nothing asks, every ``gpu_interval_s`` while a reader looks (``presenters.status_view``: the dashboard,
+    /api/status, a peer) or while it samples fast (asked at the switch). Its own status snapshot does not ask.
+    A driver that goes away after a first answer is asked again, not given up on. On an H200 host each reading
+    cost ~0.8 ms of CPU in all: 166 µs/s at 5 s (bench/ab.py). NVML itself is replaced here (no driver on this
+    machine); ``bench/nvml.py`` reads the real one."""
     import asyncio
     import time
 
     from sparkd.config import load_settings
+    from sparkd.face import presenters
+    from sparkd.loop import daemon_decide
     from sparkd.loop.daemon import Daemon
 
     reads: list[float] = []
-
-    one = read_gpu(FakeNvml(memory=3))
+    whole = answer = read_gpu(FakeNvml(memory=3))  # before GpuSession.read is replaced below
 
     def read(self: GpuSession) -> list[GpuReading]:
         reads.append(time.monotonic())
-        return one
+        return answer
 
     monkeypatch.setattr(GpuSession, "read", read)
 
-    async def scenario() -> tuple[int, int, int]:
+    def since(t: float) -> int:
+        return sum(1 for x in reads if x >= t)
+
+    async def scenario() -> dict[str, int]:
+        nonlocal answer
         settings = load_settings(
             overrides={
                 "state_dir": str(tmp_path / "state"),
@@ -366,31 +376,75 @@ def test_the_daemon_reads_the_gpu_at_the_quiet_cadence_unless_someone_reads_the_
         )
         d = Daemon(settings, serve_api=False)
         await d.startup()
-        try:  # the daemon's ticks are not run here: nothing but this test builds a status
+        out: dict[str, int] = {}
+        try:  # the daemon's ticks are not run here: only this test builds a status
             await asyncio.sleep(0.3)
-            n0 = len(reads)
-            await asyncio.sleep(4.0)  # nobody reads the status: the quiet cadence
-            quiet = len(reads) - n0
-            n1 = len(reads)
-            end = time.monotonic() + 3.0
-            while time.monotonic() < end:  # a dashboard polling the status
+            t = time.monotonic()
+            end = t + 4.0
+            while time.monotonic() < end:  # its own snapshot (and /metrics) build the status: they do not ask
                 d.status_json()
                 await asyncio.sleep(0.1)
-            asked = len(reads) - n1
-            d.mode = "fast"  # the guard samples fast (near a floor, a rule counting)
-            await asyncio.sleep(2.6)  # the quiet wait under way ends first
-            n2 = len(reads)
-            await asyncio.sleep(3.0)
-            fast = len(reads) - n2
+            out["quiet"] = since(t)
+            t = time.monotonic()
+            end = t + 4.0
+            while time.monotonic() < end:  # a dashboard polling
+                presenters.status_view(d)
+                await asyncio.sleep(0.1)
+            out["asked"] = since(t)
+            await asyncio.sleep(2.6)  # back to the quiet cadence
+            monkeypatch.setattr(d.actions, "fast_reason", lambda: "test: sampling fast")
+            t = time.monotonic()
+            daemon_decide.update_mode(d, None)  # the switch asks at once: no quiet wait to sit out
+            assert d.mode == "fast"
+            await asyncio.sleep(0.9)
+            out["fast_first"] = since(t)
+            await asyncio.sleep(3.1)
+            out["fast"] = since(t)
+            answer = [GpuReading.unavailable("NVML init failed: Driver Not Loaded")]  # the driver goes away
+            await asyncio.sleep(1.2)
+            answer = whole  # and comes back
+            t = time.monotonic()
+            await asyncio.sleep(1.2)
+            out["after_driver_back"] = since(t)
         finally:
             await d.shutdown("test")
-        return quiet, asked, fast
+        return out
 
-    quiet, asked, fast = asyncio.run(scenario())
-    assert _spaced(reads), reads
-    assert 1 <= quiet <= 2, f"{quiet} readings in 4 s with nobody asking (quiet cadence 2.5 s)"
-    assert asked >= 4, f"{asked} readings in 3 s while the status was read (gpu_interval_s 0.5 s)"
-    assert fast >= 4, f"{fast} readings in 3 s while sampling fast"
+    got = asyncio.run(scenario())
+    assert _spaced(reads), [round(b - a, 3) for a, b in itertools.pairwise(reads)]
+    assert 1 <= got["quiet"] <= 2, f"{got}: readings in 4 s with nobody asking (quiet cadence 2.5 s)"
+    assert got["asked"] >= 4, f"{got}: readings in 4 s while the status was read (gpu_interval_s 0.5 s)"
+    assert got["fast_first"] >= 1, f"{got}: no reading within 0.9 s of the switch to fast sampling"
+    assert got["fast"] >= 5, f"{got}: readings in 4 s while sampling fast"
+    assert got["after_driver_back"] >= 1, f"{got}: the loop gave up after the driver went away"
+
+
+def test_a_session_whose_device_stays_gone_reopens_at_most_every_backoff() -> None:
+    """The first stale answer reopens at once (a driver reloaded is found at the next reading); a device gone for
+    good would otherwise cost an nvmlInit (~13 ms of CPU on an H200 host) at every reading."""
+    now = [0.0]
+    nvml = FakeNvml(memory=3)
+    s = GpuSession(nvml, clock=lambda: now[0])
+    s.read()
+    nvml.handle_error = 15  # NVML_ERROR_GPU_IS_LOST, and it stays lost
+    for _ in range(6):
+        now[0] += 30.0
+        [r] = s.read()
+        assert r.notes, r
+    # lost at the first of those readings: closed at once; the new session lost again: kept until the back-off
+    assert nvml.calls == ["init", "shutdown", "init"], nvml.calls
+    now[0] += GpuSession.REOPEN_BACKOFF_S
+    s.read()
+    s.read()
+    assert nvml.calls == ["init", "shutdown", "init", "shutdown", "init"], nvml.calls
+    nvml.handle_error = None  # it came back: readings are whole again, and the next stale answer reopens at once
+    now[0] += GpuSession.REOPEN_BACKOFF_S
+    s.read()
+    [r] = s.read()
+    assert r.notes == () and r.name == "NVIDIA GB10"
+    nvml.handle_error = 15
+    s.read()
+    assert nvml.calls[-1] == "shutdown"
 
 
 def _spaced(reads: list[float]) -> bool:

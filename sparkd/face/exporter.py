@@ -28,7 +28,6 @@ from starlette.responses import Response
 
 from sparkd.core.choices import CONTAINER_MODES
 from sparkd.core.lifecycle import ContainerState
-from sparkd.face import presenters as views
 from sparkd.loop.status import Status
 
 if TYPE_CHECKING:
@@ -67,7 +66,8 @@ _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("spa
 
 def take_snapshot(daemon: DaemonView) -> Snapshot:
     """In-memory state only; call on the event loop."""
-    return Snapshot(status=views.status_view(daemon), ticks=sorted(daemon.tick_durations))
+    # not views.status_view: a scrape shows the last GPU reading and does not ask for another (gpu_quiet_interval_s)
+    return Snapshot(status=daemon.status_json(), ticks=sorted(daemon.tick_durations))
 
 
 class SparkdCollector(Collector):

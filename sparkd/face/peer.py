@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sparkd.errors import Forbidden
+from sparkd.face import presenters as views
 from sparkd.face.api import Who
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ def install_peer(app: FastAPI, daemon: DaemonView, cluster: Cluster) -> None:
         """Every node side by side: headroom to its nearest stop line, container state, last stop."""
         from sparkd.face.web import render
 
-        status = daemon.status_json().model_dump(mode="json")
+        status = views.status_view(daemon).model_dump(mode="json")
         local: dict[str, Any] = {"node": cluster.settings.node, "reachable": True, "age_s": 0.0, "status": status}
         nodes = [local, *await cluster.peer_statuses()]
         return render(request, "cluster.html", nodes=[node_row(n) for n in nodes], role=cluster.settings.role)

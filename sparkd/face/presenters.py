@@ -69,7 +69,9 @@ def gib(v: float | None) -> float | None:
 
 
 def status_view(daemon: DaemonView) -> Status:
-    """``/api/status``: ``Daemon.status_json()`` (its ``plan`` is the container's, or None). Loop only."""
+    """``/api/status``: ``Daemon.status_json()`` (its ``plan`` is the container's, or None), for a reader: it
+    also asks for fresh GPU readings (``want_gpu``). Loop only."""
+    daemon.want_gpu()
     return daemon.status_json()
 
 

@@ -528,6 +528,16 @@ class Daemon:
     async def _db_step(self) -> None:
         await _daemon_db.db_step(self)
 
+    def want_gpu(self) -> None:
+        """A reader looks at the status (the dashboard, ``/api/status``, a peer Spark): the GPU loop reads NVML
+        every ``gpu_interval_s`` rather than every ``gpu_quiet_interval_s`` (``daemon_db.gpu_loop``). The
+        status snapshot, ``/metrics`` and shutdown do not ask."""
+        read_at = self.gpu_read_at
+        if read_at is None or self.should_exit.is_set():
+            return
+        if self.mono() - read_at >= self.settings.gpu_interval_s:
+            self.gpu_wanted.set()
+
     def _ping_watchdog(self) -> None:
         if self._watchdog_s is None:
             return

@@ -237,8 +237,10 @@ async def retention_loop(daemon: Daemon) -> None:
 
 async def gpu_loop(daemon: Daemon) -> None:
     """NVML readings in a worker thread (an NVML call can block in the driver): every ``gpu_interval_s`` while
-    someone reads the status (``daemon.gpu_wanted``, set by ``daemon_view.status_json``) or the guard samples
-    fast, every ``gpu_quiet_interval_s`` otherwise. The readings are context (the dashboard, the postmortem),
+    someone reads the status (``daemon.gpu_wanted``, set by ``Daemon.want_gpu``: the dashboard, ``/api/status``,
+    a peer Spark) or the guard samples fast (set on the switch), every ``gpu_quiet_interval_s`` otherwise. Without
+    NVML at the first reading the loop ends; after a first answer an unavailable reading (a driver reloaded) is
+    asked again at the quiet cadence. The readings are context (the dashboard, the postmortem),
     never a stop trigger; on an H200 host each costs ~0.8 ms of CPU in all (the worker's NVML calls, the
     thread hand-offs, the loop's wake-ups), 166 µs/s at 5 s (``bench/ab.py`` with and without this loop)."""
     from sparkd.sense.gpu import GpuSampler
@@ -252,7 +254,6 @@ async def gpu_loop(daemon: Daemon) -> None:
             log.warning("GPU readings failed: %s", e)
             readings = []
         daemon.gpu = [r.to_json() for r in readings]
-        daemon.gpu_read_at = daemon.mono()
         ts = time.time()
         for r in readings:
             if r.available and daemon.writer:
@@ -270,8 +271,9 @@ async def gpu_loop(daemon: Daemon) -> None:
                         "memory_supported": r.memory_supported,
                     },
                 )
-        if readings and not any(r.available for r in readings):
+        if readings and not any(r.available for r in readings) and daemon.gpu_read_at is None:
             return  # no NVML here: asked once, answered once
+        daemon.gpu_read_at = daemon.mono()  # after the first answer: a driver reloaded later is asked again
         await _gpu_wait(daemon)
 
 
@@ -279,10 +281,10 @@ async def _gpu_wait(daemon: Daemon) -> None:
     """Until the next GPU reading is due: ``gpu_quiet_interval_s`` (``gpu_interval_s`` while the guard samples
     fast), or sooner when a reader asks (``gpu_wanted``), never sooner than ``gpu_interval_s`` after the last."""
     s = daemon.settings
-    quiet_s = max(s.gpu_interval_s, s.gpu_quiet_interval_s)
     daemon.gpu_wanted.clear()
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(daemon.gpu_wanted.wait(), s.gpu_interval_s if daemon.mode == "fast" else quiet_s)
+        wait_s = s.gpu_interval_s if daemon.mode == "fast" else s.gpu_quiet_interval_s
+        await asyncio.wait_for(daemon.gpu_wanted.wait(), wait_s)
     since = daemon.mono() - (daemon.gpu_read_at or 0.0)
     if since < s.gpu_interval_s:
         await asyncio.sleep(s.gpu_interval_s - since)

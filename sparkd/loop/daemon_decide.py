@@ -229,6 +229,7 @@ def update_mode(daemon: Daemon, result: TickResult | None) -> None:
         if daemon.mode != "fast":
             if daemon.consumers is not None:
                 daemon.consumers.wake()  # its next scan is due at the fast cadence: look now
+            daemon.gpu_wanted.set()  # GPU context at gpu_interval_s from now on, not after the quiet wait
             if daemon.writer is not None:  # samples reach the disk within ~1 s, synced (a freeze may follow)
                 daemon.writer.set_pressure(True)
             daemon.event(

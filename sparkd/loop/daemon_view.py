@@ -53,9 +53,6 @@ def status_json(daemon: Daemon) -> Status:
     """
     g = daemon.guard
     last = g.last if g else None
-    read_at = daemon.gpu_read_at
-    if read_at is not None and daemon.mono() - read_at >= daemon.settings.gpu_interval_s:
-        daemon.gpu_wanted.set()  # someone reads the status: the GPU loop reads at gpu_interval_s, not the quiet one
     ticks = sorted(daemon.tick_durations)
     container = daemon.actions.status_json()
     w = daemon.writer

@@ -582,6 +582,7 @@ class DaemonView(Protocol):
     def cluster(self) -> Any: ...  # sparkd.loop.cluster.Cluster when [cluster] has peers, else None
 
     def status_json(self) -> Status: ...
+    def want_gpu(self) -> None: ...  # a reader is looking: GPU readings at gpu_interval_s (daemon_db.gpu_loop)
     def event(
         self,
         kind: str,

@@ -121,9 +121,16 @@ class GpuSession:
     ``read()`` has ``read_gpu``'s shape and never raises.
     """
 
-    def __init__(self, nvml: Any = None) -> None:
+    #: A session that turned stale again at its first reading (a device gone for good, a refused handle) is kept
+    #: this long (s) before the next ``nvmlInit``: an init costs ~13 ms of CPU (bench/nvml.py on an H200 host).
+    REOPEN_BACKOFF_S = 300.0
+
+    def __init__(self, nvml: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._nvml = nvml
         self._open = False
+        self._clock = clock
+        self._stale_streak = 0  # readings in a row that said the session is stale
+        self._reopened_at: float | None = None  # when a stale session was last closed to reopen (clock s)
         # what does not change within a session: the driver's version, each device's handle and name. Asked
         # once per session, not at every reading (issue 18: 4 of a reading's 8 NVML calls, bench/nvml.py)
         self._devices: tuple[str | None, list[_Device]] | None = None
@@ -152,8 +159,17 @@ class GpuSession:
             self._devices = found
         driver, devices = self._devices
         read = [_read_device(nvml, nvml_error, d, driver) for d in devices]
-        if any(stale for _r, stale in read):
+        if not any(stale for _r, stale in read):
+            self._stale_streak = 0
+            return [r for r, _stale in read]
+        now = self._clock()
+        reopened = self._reopened_at
+        # the first stale answer reopens at once (a driver reloaded: the next reading finds it); while reopening
+        # does not help (a device gone for good), once per REOPEN_BACKOFF_S
+        if self._stale_streak == 0 or reopened is None or now - reopened >= self.REOPEN_BACKOFF_S:
             self.close()  # start afresh at the next reading: init, and find the devices again
+            self._reopened_at = now
+        self._stale_streak += 1
         return [r for r, _stale in read]
 
     def close(self) -> None:
@@ -206,9 +222,10 @@ def _find_devices(nvml: Any, nvml_error: type[BaseException]) -> tuple[str | Non
 
 
 #: NVML's answers that mean the session's handles are no good any more (nvml.h ``nvmlReturn_t``): uninitialized,
-#: invalid argument (a stale handle), not found, driver not loaded, GPU is lost, reset required, library and
-#: driver versions differ. After one of them the session starts afresh, and finds its devices again.
-STALE_CODES = frozenset({1, 2, 6, 9, 15, 16, 18})
+#: invalid argument (a stale handle), not found, driver not loaded, timeout, GPU is lost, reset required,
+#: operating system, library and driver versions differ, GPU not found, unknown. After one of them the session
+#: starts afresh, and finds its devices again (at most every ``REOPEN_BACKOFF_S`` while it keeps happening).
+STALE_CODES = frozenset({1, 2, 6, 9, 10, 15, 16, 17, 18, 28, 999})
 
 
 def _read_device(
