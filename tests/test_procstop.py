@@ -216,32 +216,30 @@ def _supervisor(tmp_path: Path, container_id: str | None) -> object:
 
 
 def test_an_operators_stop_with_the_engine_silent_is_refused_while_an_action_holds_the_lock(
-    box: Box, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    box: Box, tmp_path: Path
 ) -> None:
     """Two stops never run at once: an emergency may go past an action hung on the engine (it holds the lock),
-    an operator's stop may not: Conflict, and the container's processes are not touched."""
+    an operator's stop may not: Conflict, and the container's processes are not touched. The action here
+    begins while the operator's ping waits (after ``request``'s first check of the lock)."""
     import asyncio
 
     from sparkd.errors import Conflict
-    from sparkd.loop import supervisor as supervisor_mod
 
-    monkeypatch.setattr(supervisor_mod, "EMERGENCY_PING_S", 0.2)
     init = box.start("sleep 300 & wait")
     members = box.wait_members(2)
     sup: Any = _supervisor(tmp_path, box.id)
 
-    async def scenario() -> BaseException | None:
-        async def hold_lock_after_the_first_check() -> None:
-            await asyncio.sleep(0.05)  # request() passed its lock check and waits on the ping
-            await sup.lock.acquire()
+    async def engine_silent_while_an_action_begins() -> bool:
+        await sup.lock.acquire()  # another action (a resize, say) takes the lock while the ping waits
+        return False  # and the engine does not answer
 
-        holder = asyncio.create_task(hold_lock_after_the_first_check())
+    sup._engine_answers = engine_silent_while_an_action_begins
+
+    async def scenario() -> BaseException | None:
         try:
             await sup.request("stop", source="api:ops")
         except BaseException as e:
             return e
-        finally:
-            await holder
         return None
 
     err = asyncio.run(scenario())
