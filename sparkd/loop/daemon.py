@@ -255,7 +255,7 @@ class Daemon:
         self._reported_floors: set[str] = set()
         self.gpu: list[dict[str, Any]] = []
         # the GPU loop's cadence (daemon_db.gpu_loop): when its last reading was taken (monotonic s), and the
-        # event that asks for one sooner (a status built for a reader: daemon_view.status_json)
+        # event that asks for one sooner (a reader looks at the status: want_gpu)
         self.gpu_read_at: float | None = None
         self.gpu_wanted = asyncio.Event()
         self._cooldown_logged: dict[str, float] = {}

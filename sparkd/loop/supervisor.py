@@ -91,6 +91,11 @@ HANDING_OVER = ("relaunching", "resizing")
 EMERGENCY_PING_S = 3.0
 
 
+def _no_answer() -> str:
+    """Why the engine counts as down after ``_engine_answers`` said no."""
+    return f"no answer to a ping within {EMERGENCY_PING_S:g} s"
+
+
 def _retrieve(fut: asyncio.Future[bool]) -> None:
     if not fut.cancelled():
         fut.exception()
@@ -220,7 +225,7 @@ class Supervisor(RunBook):
             before = await self._hold_and_count(key, source, reason)
         try:
             if not await self._engine_answers():
-                raise DockerUnavailable(f"no answer to a ping within {EMERGENCY_PING_S:g} s")
+                raise DockerUnavailable(_no_answer())
             await self._request("stop", source=source, reason=reason)
         except Conflict as e:
             if self.action in HANDING_OVER:
@@ -271,6 +276,11 @@ class Supervisor(RunBook):
                 self.stay_stopped = False
                 await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
 
+    def _refuse_if_busy(self) -> None:
+        """Raises Conflict ("already <action>") while an action holds the lock: one action at a time."""
+        if self.lock.locked():
+            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+
     async def _engine_answers(self) -> bool:
         """Does the Docker engine answer a ping within ``EMERGENCY_PING_S``? A ping still in flight (a hung engine
         holds it up to the API timeout, 30 s, in its worker thread) is waited on again, not doubled: trips and
@@ -306,8 +316,8 @@ class Supervisor(RunBook):
         pids = await asyncio.to_thread(stopper.pids)
         if not pids:
             return f"no process of {self.name or 'the container'} runs"
-        if self.lock.locked() and not emergency:
-            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        if not emergency:
+            self._refuse_if_busy()
         self._engine_down(why)
         grace = self.settings.container.stop_timeout_s
         self._event(
@@ -452,8 +462,7 @@ class Supervisor(RunBook):
         known yet)."""
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
-        if self.lock.locked():
-            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        self._refuse_if_busy()
         if action == "stop" and not await self._engine_answers():
             return await self._requested_stop_without_docker(source, reason)
         return await self._request(action, source=source, reason=reason, force=force)
@@ -461,7 +470,7 @@ class Supervisor(RunBook):
     async def _requested_stop_without_docker(self, source: str, reason: str | None) -> dict[str, Any]:
         """``request("stop")`` with the engine silent: stopped by its processes; the operator's intent is set
         (it stays stopped, and a relaunch scheduled before is cancelled)."""
-        why = f"no answer to a ping within {EMERGENCY_PING_S:g} s"
+        why = _no_answer()
         reason = reason or f"stop requested by {source}"
         done = await self._stop_without_docker(source, reason, why, emergency=False)
         if isinstance(done, str):
@@ -491,8 +500,7 @@ class Supervisor(RunBook):
         self, action: str, *, source: str, reason: str | None = None, force: bool = False
     ) -> dict[str, Any]:
         """``request`` once the engine is known to answer (or for start/restart)."""
-        if self.lock.locked():
-            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        self._refuse_if_busy()
         async with self.lock:
             self.action = {"start": "starting", "stop": "stopping", "restart": "restarting"}[action]
             try:
@@ -550,8 +558,7 @@ class Supervisor(RunBook):
         )
         if dry_run:
             return out
-        if self.lock.locked():
-            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        self._refuse_if_busy()
         async with self.lock:
             self.action = "resizing"
             try:
@@ -696,8 +703,7 @@ class Supervisor(RunBook):
         """Stop (graceful, archived) and launch the same plan, waiting for ready. Raises Conflict when busy.
         ``since``: when the action that asks began (a maintenance run drains first): an emergency stop after it
         means no launch."""
-        if self.lock.locked():
-            raise Conflict(f"already {self.action or 'busy'}", detail={"action": self.action})
+        self._refuse_if_busy()
         since = time.time() if since is None else since
         async with self.lock:
             self.action = "relaunching"  # not "restarting": the supervisor step must keep watching for ready
