@@ -6,6 +6,10 @@ once, gets "unavailable" and ends, so its cost on a Spark never shows. This benc
 
 Prints, for each way: CPU (process time, µs) and wall time (ms) per reading, median and max over
 ``--reps``, and the CPU that costs per second of the daemon at ``gpu_interval_s`` (default 5 s).
+Then, in a bare Python child (``MEMORY_CHILD``), what an NVML session holds in memory: ``smaps_rollup``
+(resident, anonymous, file-backed; KiB) and the thread count at each step (pynvml imported,
+``nvmlInit``, one reading, ``nvmlShutdown``, glibc's ``malloc_trim(0)``), and the mappings whose
+resident size grew most with ``nvmlInit`` and the reading (issue 18: RSS on a GPU host).
 
     python bench/nvml.py [--reps 40] [--interval 5]
 """
@@ -38,6 +42,66 @@ def measure(fn: Callable[[], object], reps: int) -> tuple[list[float], list[floa
     return cpu, wall
 
 
+MEMORY_CHILD = r"""
+import ctypes, os, sys
+sys.path.insert(0, sys.argv[1])
+
+def rollup():
+    out = {}
+    for line in open("/proc/self/smaps_rollup"):
+        f = line.split()
+        if len(f) == 3 and f[2] == "kB":
+            out[f[0].rstrip(":")] = int(f[1])
+    return out
+
+def maps():
+    out, name = {}, "?"
+    for line in open("/proc/self/smaps"):
+        f = line.split()
+        if "-" in f[0] and len(f) >= 5 and ":" in f[3]:
+            name = f[5] if len(f) > 5 else "[anon]"
+        elif f[0] == "Rss:":
+            out[name] = out.get(name, 0) + int(f[1])
+    return out
+
+def step(what):
+    r = rollup()
+    n = len(os.listdir("/proc/self/task"))
+    print(f"{what:<34} {r['Rss']:>8} {r['Anonymous']:>8} {r['Rss'] - r['Anonymous']:>8} {n:>7}")
+
+print(f"{'step (KiB)':<34} {'Rss':>8} {'Anon':>8} {'File':>8} {'threads':>7}")
+step("bare Python")
+import pynvml
+step("pynvml imported")
+before = maps()
+from sparkd.sense.gpu import GpuSession
+step("sparkd.sense.gpu imported")
+s = GpuSession()
+s.read()
+step("GpuSession: nvmlInit + one reading")
+for _ in range(20):
+    s.read()
+step("after 20 more readings")
+after = maps()
+grown = sorted(((after.get(k, 0) - before.get(k, 0), k) for k in after), reverse=True)[:10]
+s.close()
+step("session closed (nvmlShutdown)")
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+step("malloc_trim(0)")
+print("mappings that grew most with the session (KiB):")
+for kib, name in grown:
+    print(f"  {kib:>8}  {name}")
+"""
+
+
+def memory() -> None:
+    """Run ``MEMORY_CHILD`` in a bare Python and print what it reports."""
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", MEMORY_CHILD, root], check=False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=40)
@@ -59,6 +123,7 @@ def main() -> int:
         med = statistics.median(cpu)
         print(f"{name:<38} {med:>10.0f} {max(cpu):>10.0f} {statistics.median(wall):>11.2f} {med / a.interval:>16.1f}")
     session.close()
+    memory()
     return 0
 
 

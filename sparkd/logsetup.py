@@ -56,3 +56,34 @@ def setup_logging(log_dir: Path | None, *, level: str = "INFO", file_name: str =
     fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     root.addHandler(fh)
     return path
+
+
+def reopen_if_gone() -> str | None:
+    """The ``sparkd`` logger's file opened again when it was deleted or replaced while sparkd ran
+    (an ``rm -rf`` of the state directory, whose ``logs`` it may be): the lines would otherwise go on
+    into a file nobody can open, and a postmortem archive would hold no sparkd log. Returns the path
+    written again, or None (nothing gone, no file handler). Raises OSError when the file cannot be made
+    again (the handler goes on writing where it did). Checked with two ``stat`` calls, not per line
+    (``logging.handlers.WatchedFileHandler`` stats at every line)."""
+    for h in logging.getLogger("sparkd").handlers:
+        if not isinstance(h, logging.handlers.RotatingFileHandler):
+            continue
+        path = Path(h.baseFilename)
+        try:
+            st = os.stat(path)
+            cur = os.fstat(h.stream.fileno()) if h.stream is not None else None
+            gone = cur is None or (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino)
+        except FileNotFoundError:
+            gone = True
+        if not gone:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        h.acquire()
+        try:
+            old, h.stream = h.stream, h._open()
+            if old is not None:
+                old.close()
+        finally:
+            h.release()
+        return str(path)
+    return None

@@ -189,6 +189,44 @@ def test_a_second_daemon_is_refused_even_after_the_state_dir_was_removed(tmp_pat
         )
 
 
+def test_the_token_and_the_log_file_are_written_again_after_the_state_dir_was_removed(tmp_path: Path) -> None:
+    """``rm -rf`` of the state directory while sparkd runs: the database came back, but the API token did not, so
+    ``sparkd stop`` answered "cannot read the API token ... (is sparkd running here?)" with sparkd running, and its
+    log lines went on into a deleted file (a postmortem archive held no sparkd log). Both are written again."""
+    import shutil
+
+    from sparkdproc import free_port
+
+    state = tmp_path / "state"
+    cfg = f'interval_s = 0.2\nfast_interval_s = 0.2\n[api]\nhost = "127.0.0.1"\nport = {free_port()}\n'
+    with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state, env={"SPARKD_LOG_DIR": str(state / "logs")}):
+        token = state / "token"
+        assert wait_for(lambda: token.exists() and db_query(state / "sparkd.db", "SELECT 1 FROM samples"), 20.0)
+        before = token.read_text()
+        assert (state / "logs" / "sparkd.log").exists()
+        shutil.rmtree(state)
+        assert wait_for(lambda: token.exists() and (state / "logs" / "sparkd.log").exists(), 30.0), os.listdir(tmp_path)
+        assert token.read_text() == before  # the token the running daemon accepts, not a new one
+        assert token.stat().st_mode & 0o777 == 0o600
+        events = wait_for(
+            lambda: db_query(state / "sparkd.db", "SELECT message FROM events WHERE kind = 'state_files_restored'"),
+            30.0,
+        )
+        assert events and "token" in events[0][0] and "sparkd.log" in events[0][0], events
+        # the CLI authenticates again: monitor-only, the stop is refused by the daemon, not for want of a token
+        out = subprocess.run(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "stop"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")},
+        )
+        assert "API token" not in out.stderr and "401" not in out.stderr, out.stderr
+        assert "monitor-only" in (out.stdout + out.stderr), (out.stdout, out.stderr)
+        # and sparkd's lines reach the new log file
+        assert wait_for(lambda: "state_files_restored" in (state / "logs" / "sparkd.log").read_text(), 10.0)
+
+
 def test_the_state_dir_name_held_by_another_user_does_not_keep_the_guard_from_starting(tmp_path: Path) -> None:
     """Abstract socket names have no permissions: a process of another uid holding the name is ignored
     (logged), never a reason to leave the host unguarded."""

@@ -56,3 +56,32 @@ def test_it_raises_naming_the_file_and_leaves_no_temporary_when_the_rename_fails
         save(p, SupervisionState())
     assert str(p) in e.value.message
     assert [x.name for x in tmp_path.iterdir()] == ["supervision.json"] and p.is_dir()
+
+
+@pytest.mark.anyio
+async def test_a_deleted_file_is_written_again_from_memory_and_the_default_needs_none(tmp_path: Path) -> None:
+    """``rm -rf`` of the state dir while sparkd runs deleted the stop intent and the breaker: a restart read "no
+    file" as no intent and a closed breaker, and launched a model the guard had stopped. The supervisor's keeper
+    (``Unattended.restore_file``, run by ``daemon_db.keep_files``) writes the state it holds again."""
+    from sparkd.config import load_settings
+    from sparkd.loop.supervisor import Supervisor
+
+    state_dir = tmp_path / "state"
+    settings = load_settings(overrides={"state_dir": str(state_dir), "container": {"guard": "sparkd-keep-test"}})
+    u = Supervisor(settings, manager=object()).unattended  # type: ignore[arg-type]
+    assert await u.restore_file() is None and not u.path.exists()  # the default state: no file is its meaning
+    await u.set_intent(StopIntent.EMERGENCY, "rule low_available", "usable 1 GiB < 6 GiB")
+    u.state.breaker = Breaker(emergencies=((1.0, "a"),), open_since=1.0)
+    await u.save()
+    written = load(u.path)
+    assert await u.restore_file() is None  # the file is there: nothing to do
+    u.path.unlink()
+    state_dir.rmdir()
+    said = await u.restore_file()
+    assert said is not None and str(u.path) in said
+    assert load(u.path) == written and load(u.path).intent is not None
+    u.path.unlink()
+    state_dir.rmdir()
+    state_dir.write_text("not a directory")  # refused (as a full disk would be): raised for the keeper to log
+    with pytest.raises(StoreError, match=r"supervision\.json"):
+        await u.restore_file()

@@ -7,6 +7,7 @@ the face (DESIGN.md, uvicorn's ``main → Config → Server.serve()``).
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
@@ -23,7 +24,7 @@ from sparkd.face.api import (
     make_resize,
     require_auth,
 )
-from sparkd.face.auth import Auth, GuardMiddleware, ensure_token
+from sparkd.face.auth import Auth, GuardMiddleware, ensure_token, restore_token
 from sparkd.face.docs import install_docs
 from sparkd.face.live import install_live
 from sparkd.face.pages import install_pages
@@ -47,6 +48,12 @@ def create_app(daemon: DaemonView) -> FastAPI:
     """
     settings = daemon.settings
     auth = Auth(ensure_token(settings.token_file))
+
+    async def keep_token() -> str | None:  # deleted while the daemon runs: written again (daemon_db.keep_files)
+        wrote = await asyncio.to_thread(restore_token, settings.token_file, auth.token)
+        return f"{settings.token_file} (the API token this daemon accepts)" if wrote else None
+
+    daemon.state_keepers.append(keep_token)
     app = FastAPI(
         title="sparkd",
         version=__version__,

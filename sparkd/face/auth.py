@@ -78,29 +78,53 @@ def ensure_token(path: str | Path) -> str:
         except FileNotFoundError:
             pass
         token = secrets.token_urlsafe(32)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                os.fchmod(fd, 0o600)
-                os.write(fd, (token + "\n").encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:  # a full disk: no empty temporary file left behind at each start
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        try:
-            os.link(tmp, p)  # atomic, fails if another process won the race
-        except FileExistsError:
+        if not _write_token(p, token):
             return _read_token(p)
-        finally:
-            os.unlink(tmp)
         log.info("API token created in %s (mode 0600)", p)
         return token
     except OSError as e:
         raise ConfigError(f"cannot create or read the API token file {p}: {e}") from None
+
+
+def restore_token(path: str | Path, token: str) -> bool:
+    """Write the running daemon's ``token`` to ``path`` again when the file is gone (deleted while sparkd
+    ran, e.g. with the whole state directory): the CLI and an operator logging in to the dashboard read
+    it there, and without it ``sparkd stop`` fails during an incident. The token stays the one the daemon
+    accepts; a new one takes a restart. Returns whether it was written (False: a file is there).
+
+    Raises:
+        OSError: the directory or the file cannot be made (a full disk, a read-only mount).
+    """
+    p = Path(path)
+    if os.path.lexists(p):
+        return False
+    p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return _write_token(p, token)
+
+
+def _write_token(p: Path, token: str) -> bool:
+    """``token`` to ``p`` (mode 0600, synced), atomically: False when another writer made ``p`` first.
+    Raises OSError."""
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # a full disk: no empty temporary file left behind at each start
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    try:
+        os.link(tmp, p)  # atomic, fails if another process won the race
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    return True
 
 
 def _read_token(p: Path) -> str:

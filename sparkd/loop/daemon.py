@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from sparkd.loop import daemon_http as _daemon_http
 from sparkd.loop import daemon_view as _daemon_view
 from sparkd.loop.alarm import Alarm
 from sparkd.loop.consumers import ConsumerWatch
+from sparkd.loop.daemon_db import keep_log_file as _keep_log_file
 from sparkd.loop.daemon_db import one_line as _one_line
 from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.httpserver import (
@@ -235,6 +236,10 @@ class Daemon:
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"
         self.notify_hooks: list[Callable[[dict[str, Any]], None]] = []
+        # files of the state dir that sparkd holds in memory, written again when deleted while it runs (an
+        # ``rm -rf`` of the state dir, a deleted token): each returns what it wrote, or None (daemon_db.keep_files)
+        self.state_keepers: list[Callable[[], Awaitable[str | None]]] = [_keep_log_file]
+        self._keep_errors_said: set[str] = set()
         # called with the Decision the moment a stop is decided, beside the local stop (cluster broadcast)
         self.stop_hooks: list[Callable[[Decision], None]] = []
         self.blind_gaps = 0  # ticks that came far too late (``guard_gap`` events)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.config import effective_config
+from sparkd.logsetup import reopen_if_gone
 from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
 from sparkd.units import parse_size
@@ -112,6 +113,7 @@ async def db_loop(daemon: Daemon) -> None:
             await daemon._db_step()
         except Exception as e:  # never let the keeper die: it is what brings recording back
             log.error("database keeper: %s", one_line(e))
+        await keep_files(daemon)
         # no polling: the writer wakes the keeper (a corrupt file, a deleted or replaced file, a
         # refused record); while the database is down, the next attempt of the back-off does
         w = daemon.writer
@@ -122,6 +124,39 @@ async def db_loop(daemon: Daemon) -> None:
         else:
             delay = min(max(daemon.db.next_attempt_mono - daemon.mono(), 0.05), DB_IDLE_CHECK_S)
         await daemon._db_alarm.sleep(delay)
+
+
+async def keep_files(daemon: Daemon) -> None:
+    """Write again the state files deleted while sparkd runs (``Daemon.state_keepers``: its log file, the
+    API token, the supervision state), at each wake of the database keeper: within seconds of an ``rm -rf``
+    of the state dir (the writer finds the database gone and wakes it), else within ``DB_IDLE_CHECK_S``.
+    What was written is said in one ``state_files_restored`` warning; a file that cannot be written is
+    logged once per distinct reason (the keeper tries again at its next wake)."""
+    restored: list[str] = []
+    for keep in daemon.state_keepers:
+        try:
+            what = await keep()
+        except Exception as e:
+            why = one_line(e)
+            if why not in daemon._keep_errors_said:
+                daemon._keep_errors_said.add(why)
+                log.error("cannot write a deleted state file again: %s (tried again later)", why)
+            continue
+        if what is not None:
+            restored.append(what)
+    if restored:
+        daemon.event(
+            "state_files_restored",
+            f"deleted while sparkd ran, written again from memory: {'; '.join(restored)}",
+            severity="warning",
+            details={"files": restored},
+        )
+
+
+async def keep_log_file() -> str | None:
+    """``Daemon.state_keepers``: sparkd's log file opened again when it was deleted (``logsetup.reopen_if_gone``)."""
+    path = await asyncio.to_thread(reopen_if_gone)
+    return None if path is None else f"{path} (sparkd's log; the lines of the deleted file are lost)"
 
 
 async def db_step(daemon: Daemon) -> None:

@@ -28,7 +28,7 @@ and ``sparkd resize`` read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -580,6 +580,8 @@ class DaemonView(Protocol):
     def tick_durations(self) -> Iterable[float]: ...
     @property
     def cluster(self) -> Any: ...  # sparkd.loop.cluster.Cluster when [cluster] has peers, else None
+    @property
+    def state_keepers(self) -> list[Callable[[], Awaitable[str | None]]]: ...  # files written again when deleted
 
     def status_json(self) -> Status: ...
     def want_gpu(self) -> None: ...  # a reader is looking: GPU readings at gpu_interval_s (daemon_db.gpu_loop)

@@ -171,6 +171,7 @@ class Supervisor(RunBook):
         self.daemon = daemon
         await self.unattended.load()
         daemon.notify_hooks.append(self.unattended.on_event)
+        daemon.state_keepers.append(self.unattended.restore_file)
         self._task = asyncio.create_task(self._loop(), name="sparkd-supervisor")
 
     async def _first_steps(self) -> None:

@@ -146,6 +146,17 @@ class Unattended:
         except StoreError as e:
             self.sup._event("supervision_state_not_saved", e.message, severity="warning")
 
+    async def restore_file(self) -> str | None:
+        """``Daemon.state_keepers``: the state written again when its file was deleted while sparkd runs
+        (an ``rm -rf`` of the state dir): a restart would otherwise read "no file" as a closed breaker and no
+        stop intent, and launch a model the guard stopped. The default state needs no file."""
+        if self.state.to_json() == SupervisionState().to_json():
+            return None
+        if await asyncio.to_thread(os.path.lexists, self.path):
+            return None
+        await asyncio.to_thread(save, self.path, self.state)  # StoreError: keep_files logs it, tries again
+        return f"{self.path} (the stop intent, breaker and back-off)"
+
     # ------------------------------------------------------------------ intents
     @staticmethod
     def intent_for(source: str) -> StopIntent:
