@@ -31,6 +31,7 @@ class FakeActions:
         self.last_changes: dict[str, Any] = {}
         self.engine: Literal["unknown", "up", "down"] = "up"  # the Docker engine as the supervisor last saw it
         self.engine_error: str | None = None
+        self.state = ContainerState.READY  # what status_json says
         self.inputs = BudgetInputs(
             mem_total_bytes=int(121.69 * GiB),
             max_model_len=262144,
@@ -68,7 +69,7 @@ class FakeActions:
             mode="managed",
             engine=self.engine,
             engine_error=self.engine_error,
-            state=ContainerState.READY,
+            state=self.state,
             health="ok",
             name="sparkd-vllm",
             image="vllm/vllm-openai:v0.9.2",

@@ -165,8 +165,10 @@ class SparkdUnderTest:
         return self.container()
 
     def events(self, kind: str) -> list[dict[str, Any]]:
-        rows = db_query(self.db, "SELECT ts, message, details FROM events WHERE kind=? ORDER BY id", (kind,))
-        return [{"ts": r[0], "message": r[1], "details": json.loads(r[2]) if r[2] else None} for r in rows]
+        rows = db_query(self.db, "SELECT ts, message, details, severity FROM events WHERE kind=? ORDER BY id", (kind,))
+        return [
+            {"ts": r[0], "message": r[1], "details": json.loads(r[2]) if r[2] else None, "severity": r[3]} for r in rows
+        ]
 
     def wait_event(self, kind: str, timeout_s: float = 60) -> dict[str, Any]:
         got = wait_for(lambda: self.events(kind), timeout_s)

@@ -356,6 +356,12 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     assert 2 <= len(after) <= 4, [(round(t["ts"] - stopped_at, 1), t["message"][:60]) for t in after]
     refused = [e for e in s.events("stop_not_executed") if e["ts"] > stopped_at]
     assert len(refused) == len(after) and all(e["details"]["nothing_running"] for e in refused)
+    # each says the model is stopped: a warning, not a critical stop (an operator's walk-through read them as
+    # failed stops, paged by a "critical trip" with nothing to stop); the first, the real stop, stays critical
+    assert all(t["severity"] == "warning" and t["details"]["model_state"] == "stopped" for t in after), after
+    assert all("the model is stopped: nothing to stop unless Docker says otherwise" in t["message"] for t in after)
+    first = [t for t in s.events("trip") if t["ts"] <= stopped_at]
+    assert first and first[0]["severity"] == "critical" and "model_state" not in first[0]["details"]
     assert s.events("watermark") == []  # the loop guard was fed none of them: the rule still stops
     assert next(r for r in s.status()["rules"] if r["name"] == "low_available")["demoted"] is None
     assert wait_for(lambda: s.status()["nearest_stop"]["headroom_bytes"] > 0, 10)  # the guard saw it recover

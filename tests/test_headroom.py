@@ -86,6 +86,27 @@ def test_a_fall_gives_a_rate_and_a_time_to_the_floor() -> None:
     assert set(ns.to_json()) == set(NearestStopStatus.model_fields)
 
 
+def test_with_nothing_to_stop_no_level_is_about_the_stops_timing() -> None:
+    """After the model was stopped, the headline read "projected to reach the line in 16 s, sooner than a 30 s
+    stop" (critical) with nothing running: a level about a stop that cannot come. A line already crossed is
+    still critical (the host itself is short of memory)."""
+    w = SlopeWindow(max_window_s=30.0)
+    for i in range(11):  # 8.0 -> 7.0 GiB in 10 s: 0.1 GiB/s, the 6 GiB line in ~10 s
+        w.add(float(i), round((8.0 - 0.1 * i) * GiB))
+    last = S(10, 7.0)
+    st = {"low_available": RuleState(counter=2)}
+    running = nearest_stop(last, rules(), st, w, 10.0)
+    idle = nearest_stop(last, rules(), st, w, 10.0, can_stop=False)
+    assert running is not None and idle is not None
+    assert running.level == "critical" and "sooner than a 30 s stop" not in idle.reason
+    assert idle.level == "warn" and "nothing for a rule to stop" in idle.reason
+    assert idle.time_to_floor_s == running.time_to_floor_s  # the fall is still said: it is a fact about the host
+    below = nearest_stop(S(10, 5.0), rules(), {}, None, 10.0, can_stop=False)
+    assert below is not None and below.level == "critical" and "nothing for a rule to stop" in below.reason
+    calm = nearest_stop(S(10, 60.0), rules(), {}, None, 10.0, can_stop=False)
+    assert calm is not None and calm.level == "ok" and "nothing" not in calm.reason
+
+
 def test_no_sample_or_no_stop_rule_gives_none() -> None:
     assert nearest_stop(None, rules(), {}, None, 0.0) is None
     warn_only = compile_rules([RuleConfig(name="w", when=["MemAvailable < 6GiB"], action="warn")], MEM_TOTAL)

@@ -173,6 +173,31 @@ async def test_it_gives_every_state_a_level_on_the_container_card(tmp_path: Path
     assert card["level"] == expected.get(state, "warn")
 
 
+async def test_a_stopped_model_is_not_critical_for_a_stop_that_cannot_come(tmp_path: Path) -> None:
+    """The operator stopped the model; the tab read "sparkd · critical" and the headline "projected to reach the line
+    in 16 s, sooner than a 30 s stop". With nothing running, the levels about a stop's timing are warn, the reason
+    says why, and the headline's pill names the model's state."""
+    from sparkd.core.rules import RuleState
+
+    actions = FakeActions()
+    d = await _daemon(tmp_path, actions=actions)
+    try:
+        assert d.guard is not None
+        rule = next(r for r in d.guard.rules if r.action == "stop")
+        d.guard.states[rule.name] = RuleState(counter=rule.samples)  # a stop rule about to trip
+        running = d.status_json()
+        actions.state = ContainerState.STOPPED
+        stopped = d.status_json()
+    finally:
+        await d.shutdown("test")
+    assert running.nearest_stop is not None and running.nearest_stop.level == "critical"
+    assert stopped.nearest_stop is not None and stopped.nearest_stop.level == "warn"
+    assert "nothing for a rule to stop" in stopped.nearest_stop.reason
+    h = views.headline(stopped.model_dump(mode="json"), None)
+    assert h["level"] == "warn" and h["label"] == "model stopped"
+    assert views.headline(running.model_dump(mode="json"), None)["label"] == "critical"
+
+
 # --------------------------------------------------------------------------- one resize-diff shape
 def test_it_diffs_figures_in_one_shape() -> None:
     old = make_plan(_worked_example()).to_json()
@@ -236,9 +261,9 @@ def test_it_makes_a_drifting_fake_a_mypy_error(tmp_path: Path) -> None:
     good = _mypy(REPO / "tests" / "fakes.py")
     assert good.returncode == 0, good.stdout + good.stderr
     src = (REPO / "tests" / "fakes.py").read_text()
-    assert "state=ContainerState.READY," in src and 'health="ok",' in src
+    assert "state=self.state," in src and 'health="ok",' in src
     drifts = {
-        "old_state.py": src.replace("state=ContainerState.READY,", 'state="running",'),
+        "old_state.py": src.replace("state=self.state,", 'state="running",'),
         "new_key.py": src.replace('health="ok",', 'health="ok",\n            healthy=True,'),
     }
     for name, text in drifts.items():

@@ -28,6 +28,11 @@ Level (``ok`` / ``warn`` / ``critical``):
   ``fast_margin``), or the floor projected within 4 × ``stop_time_s``;
 * ``ok`` otherwise.
 
+With nothing for a rule to stop (``can_stop=False``: the model is stopped, exited or failed), the two
+``critical`` grounds that are about the stop's timing (a counter at half its samples, a floor reached
+sooner than a stop takes) are ``warn``: no stop can be late. A line already crossed stays ``critical``
+(the host itself is short of memory), and the reason says that nothing runs to be stopped.
+
 Shape: ``nearest_stop(sample, rules, states, slope, now) -> NearestStop | None`` (None before
 the first sample, or with no stop rule that has a size line).
 """
@@ -122,10 +127,12 @@ def nearest_stop(
     min_fall_bytes_per_s: float = MIN_FALL_BYTES_PER_S,
     warn_margin_bytes: int = WARN_MARGIN_BYTES,
     stop_time_s: float = STOP_TIME_S,
+    can_stop: bool = True,
 ) -> NearestStop | None:
     """The nearest stop line for ``sample`` (see the module docstring for every formula).
 
     ``now`` is the monotonic time of the sample (the slope window's clock); nothing is read here.
+    ``can_stop``: whether a model runs that a rule would stop (False: no level about the stop's timing).
     Returns None when there is no sample or no stop rule with a size line.
     """
     if sample is None:
@@ -159,9 +166,9 @@ def nearest_stop(
     why = f"{head / GiB:.1f} GiB above {rule.name}'s line"
     if head <= 0:
         level, why = "critical", f"{label} is below {rule.name}'s line"
-    elif max_ratio >= 0.5:
+    elif can_stop and max_ratio >= 0.5:
         level, why = "critical", "a stop rule's counter is at half its samples or more"
-    elif ttf is not None and ttf < stop_time_s:
+    elif can_stop and ttf is not None and ttf < stop_time_s:
         level, why = "critical", f"projected to reach the line in {ttf:.0f} s, sooner than a {stop_time_s:g} s stop"
     elif max_ratio > 0:
         level, why = "warn", "a stop rule is counting"
@@ -169,6 +176,8 @@ def nearest_stop(
         level, why = "warn", f"within {warn_margin_bytes / GiB:g} GiB of {rule.name}'s line"
     elif ttf is not None and ttf < 4 * stop_time_s:
         level, why = "warn", f"projected to reach the line in {ttf:.0f} s"
+    if not can_stop and level != "ok":
+        why += "; the model is not running: nothing for a rule to stop"
     return NearestStop(
         rule=rule.name,
         kind=rule.kind,

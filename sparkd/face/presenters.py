@@ -333,6 +333,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
+    elif c.get("mode") != "monitor-only" and c.get("state") in ("stopped", "exited", "failed"):
+        label = f"model {c['state']}"  # the level is the host's (core.headroom, can_stop=False): say why it is calm
     return {
         "level": level,
         "label": label,

@@ -13,7 +13,7 @@ import operator
 import time
 from typing import TYPE_CHECKING, Any
 
-from sparkd.core.lifecycle import ACTIVE_STATES
+from sparkd.core.lifecycle import ACTIVE_STATES, DOWN_STATES, ContainerState
 from sparkd.core.rules import Decision, Rule, stop_lines
 from sparkd.core.sample import Sample
 from sparkd.loop import daemon_view as _daemon_view
@@ -156,6 +156,10 @@ def decide_quietly(daemon: Daemon, d: Decision) -> bool:
     return False
 
 
+#: the model's states in which a trip has, as sparkd last saw it, nothing to stop (``decide``)
+IDLE_STATES = frozenset({*DOWN_STATES, ContainerState.NONE})
+
+
 async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> bool:
     """Record a decision and act on it; True when a stop was asked of the container (``on_stop``), False
     when it was recorded only (quiet kinds, a warn rule, a demotion, a dry run, recovered on re-check)."""
@@ -168,18 +172,26 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     # a container side: only trips while the model runs tell whether stopping loops (a trip after the guard
     # stopped it tells nothing); monitor-only judges every trip (its "would stop" loops as a stop would)
     monitor_only = daemon.actions.status_json().mode == "monitor-only"  # a trip is rare: the status is cheap
-    running = monitor_only or daemon.actions.lifecycle_state() in ACTIVE_STATES  # StrEnum: equal to values
+    state = daemon.actions.lifecycle_state()
+    running = monitor_only or state in ACTIVE_STATES  # StrEnum: equal to values
     tripped = _rule(daemon, d.rule)  # as configured at the trip (a demotion below replaces the rule list)
     rule = tripped if d.action == "stop" and running else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
     reason = d.reason
     if verdict is not None:
         reason = f"{d.reason}. NOT stopped: {d.rule} is demoted to warn (see the watermark event)"
+    # the model is down as sparkd last saw it (stopped by the guard or an operator, exited): the host is short of
+    # memory without it, and there is likely nothing to stop. The stop is still asked of Docker (a container started
+    # by hand a moment ago is stopped), and says so if it acts; the trip itself is not a critical stop
+    idle = d.action == "stop" and not monitor_only and state in IDLE_STATES
+    if idle:
+        reason = f"{reason}; the model is {state}: nothing to stop unless Docker says otherwise"
     daemon.event(
         "trip",
         reason,
-        severity="critical" if d.action == "stop" and verdict is None else "warning",
+        severity="critical" if d.action == "stop" and verdict is None and not idle else "warning",
         details={
+            **({"model_state": state} if idle else {}),
             "rule": d.rule,
             "action": d.action,
             "count": d.counter,

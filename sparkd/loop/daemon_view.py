@@ -16,10 +16,12 @@ from sparkd import __version__
 from sparkd.core.conditions import never_fires
 from sparkd.core.floors import check_floors
 from sparkd.core.headroom import nearest_stop
+from sparkd.core.lifecycle import DOWN_STATES, ContainerState
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.status import (
     BlindStatus,
     ConsumersStatus,
+    ContainerStatus,
     DatabaseStatus,
     EventRow,
     GpuStatus,
@@ -69,7 +71,7 @@ def status_json(daemon: Daemon) -> Status:
         dry_run=daemon.settings.dry_run,
         sample=SampleRow.model_validate(last.to_row()) if last else None,
         rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
-        nearest_stop=nearest_stop_status(daemon),
+        nearest_stop=nearest_stop_status(daemon, can_stop=container.mode == "monitor-only" or not _down(container)),
         kernel_log=KernelLogStatus(
             source=daemon.kern_source_name,
             nvrm_lines=g.nvrm_lines_total if g else 0,
@@ -251,10 +253,16 @@ def make_consumer_watch(daemon: Daemon) -> ConsumerWatch:
     )
 
 
-def nearest_stop_status(daemon: Daemon) -> NearestStopStatus | None:
-    """``core.headroom.nearest_stop`` over the guard's last sample (None before the first)."""
+def _down(container: ContainerStatus) -> bool:
+    """The managed or guarded model is stopped, exited, failed or absent: nothing for a rule to stop."""
+    return container.state in DOWN_STATES or container.state == ContainerState.NONE
+
+
+def nearest_stop_status(daemon: Daemon, *, can_stop: bool = True) -> NearestStopStatus | None:
+    """``core.headroom.nearest_stop`` over the guard's last sample (None before the first); ``can_stop``:
+    whether a model runs that a rule would stop."""
     g = daemon.guard
     if g is None or g.last is None:
         return None
-    ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono)
+    ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono, can_stop=can_stop)
     return NearestStopStatus.model_validate(ns.to_json()) if ns else None
