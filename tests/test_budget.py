@@ -273,8 +273,9 @@ def test_it_keeps_gmu_and_budget_within_the_host_cap(i: BudgetInputs) -> None:
     assert 0 < p.gmu <= 1
     assert p.gmu <= (total - i.host_reserve_gib) / total + 1e-12  # float rounding, < 1 byte
     assert p.budget_gib <= p.cap_gib + one_byte
-    assert p.budget_gib <= min(p.wish_gib, p.cap_gib) + one_byte  # rounding never increases it
-    assert min(p.wish_gib, p.cap_gib) - p.budget_gib < total / 1000 + one_byte  # at most 1 step
+    assert abs(min(p.wish_gib, p.cap_gib) - p.budget_gib) < total / 1000 + one_byte  # at most 1 step either way
+    if p.budget_gib > min(p.wish_gib, p.cap_gib) + one_byte:  # rounded up: only to hold one max-length request
+        assert p.kv_exp_gib - total / 1000 < p.kv_need_gib
     assert Decimal(str(p.gmu)).as_tuple().exponent >= -3  # type: ignore[operator]
     assert p.kv_exp_gib >= p.kv_need_gib
     assert p.max_len_concurrency >= 1
@@ -285,10 +286,10 @@ def test_it_keeps_gmu_and_budget_within_the_host_cap(i: BudgetInputs) -> None:
 @settings(max_examples=200)
 @given(inputs_strategy)
 def test_it_refuses_exactly_when_the_kv_room_is_below_one_request(i: BudgetInputs) -> None:
+    # refused exactly when the largest gmu step within the cap holds no max-length request (budget.py docstring)
     total = i.mem_total_bytes / GiB
-    budget = floor_gmu(min(_wish(i), total - i.host_reserve_gib), total) * total
-    assume(budget > 0)
-    kv_exp = budget - _fixed(i)
+    assume(floor_gmu(min(_wish(i), total - i.host_reserve_gib), total) > 0)
+    kv_exp = floor_gmu(total - i.host_reserve_gib, total) * total - _fixed(i)
     kv_need = i.max_model_len * i.kv_bytes_per_token * i.kv_mult_table[i.kv_cache_dtype] / GiB
     if kv_exp < kv_need:
         with pytest.raises(Refused):
@@ -525,3 +526,15 @@ def test_it_refuses_bad_layout_fields(changes: dict[str, object], field: str) ->
     with pytest.raises(InvalidInput) as e:
         make_plan(example(**changes))
     assert e.value.field == field
+
+
+def test_a_wish_set_by_one_request_is_not_floored_below_it() -> None:
+    """The notes' example with KV_TARGET_GIB 2 (below its 4.17 GiB request): floored, gmu 0.694 gave "KV room 4.15
+    GiB is below one max-length request 4.17 GiB ... or raise the host budget (host_reserve_gib now 26)", whatever the
+    reserve (an operator's walk-through). The next step holds the request and stays within the cap."""
+    p = make_plan(example(kv_target_gib=2.0))
+    assert p.kv_exp_gib >= p.kv_need_gib and p.kv_need_gib == pytest.approx(4.17, abs=0.01)
+    assert p.budget_gib <= p.cap_gib and p.budget_gib - p.wish_gib < 121.69 / 1000
+    assert floor_gmu(p.wish_gib, 121.69) + 0.001 == pytest.approx(p.gmu)
+    # where the cap binds, the floor stays (the worked example: 0.786)
+    assert make_plan(example()).gmu == pytest.approx(0.786)

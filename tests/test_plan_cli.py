@@ -387,3 +387,20 @@ def test_the_dashboard_budget_bar_shows_the_linear_attention_state(tmp_path: Pat
     assert seg["state"] == 8 * 39_518_208 / 2**30
     # the fixed part is drawn whole: weights + overhead + state
     assert seg["weights"] + seg["overhead"] + seg["state"] == pytest.approx(p["fixed_gib"])
+
+
+def test_a_budget_that_reaches_a_stop_line_is_warned_about(tmp_path: Path) -> None:
+    """A walk-through's plan (and resize) gave a budget of 118.65 of 121.69 GiB (host_reserve_gib 3) beside the
+    default rules' 6 GiB line, warned only that host_reserve_gib 3 is below 28: a model using its budget is certain
+    to be stopped. The plan names the rule and the room left."""
+    args = [a for a in WORKED]
+    args[args.index("--host-reserve-gib") + 1] = "3"
+    args[args.index("--kv-target-gib") + 1] = "60"
+    code, out = _run(tmp_path, *args, "--json")
+    assert code == 0, out
+    warnings = json.loads(out)["warnings"]
+    hits = [w for w in warnings if "stop rule low_available's line" in w]
+    assert len(hits) == 1 and "leaves at most 3.04 GiB of MemAvailable" in hits[0], warnings
+    # the worked example leaves 26 GiB: no such warning
+    code, out = _run(tmp_path, *WORKED, "--json")
+    assert not [w for w in json.loads(out)["warnings"] if "stop rule" in w]

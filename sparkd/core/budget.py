@@ -29,6 +29,13 @@ Decisions beyond the notes (documented here, tested in tests/test_budget.py):
 * ``gmu`` is floored with an epsilon of 1e-9 GMU steps, so a ratio that float
   arithmetic turns into 0.78599999… still gives 0.786. The overshoot this can
   cause is below one byte (1e-12 × MemTotal).
+* When the floored ``gmu`` leaves less than one max-length request (``kv_exp < kv_need``)
+  and the next step stays within ``cap``, ``gmu`` is that next step. Floored, a wish set
+  by one request (``kv_need ≥ KV_TARGET_GIB``) fell short of it by up to one step (~125
+  MiB), and every such model was refused ("KV room 1.98 GiB is below one max-length
+  request 2.00 GiB", whatever host_reserve_gib). So a plan is refused exactly when the
+  largest step within ``cap`` holds no max-length request; the budget exceeds ``wish`` by
+  less than one step, never ``cap``. The notes' worked example is unchanged (its cap binds).
 * ``gmu_override`` replaces the formula's gmu, but never the host reserve: an
   override whose budget exceeds ``cap`` is refused. To go higher, lower
   ``host_reserve_gib`` explicitly, so the choice shows in the plan.
@@ -434,6 +441,9 @@ def make_plan(inputs: BudgetInputs) -> Plan:
 
     if i.gmu_override is None:
         gmu, source = floor_gmu(min(wish, cap), total), "formula"
+        up = round(gmu + 0.001, 3)
+        if gmu > 0 and gmu * total - fixed < kv_need and up * total <= cap + 1e-9:
+            gmu = up  # floored, the budget fell short of one max-length request: the next step (module docstring)
     else:
         gmu, source = round(i.gmu_override, 3), "override"
         if gmu * total > cap + 1e-9:

@@ -8,6 +8,7 @@ records where every input came from, and turns the plan into container settings.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from sparkd.core.budget import (
 )
 from sparkd.core.kvcache import KvLayout, kv_layout
 from sparkd.core.learned import LearnedPeak, config_key, learn, peak_from_record, recommended_reserve_bytes
-from sparkd.core.rules import compile_rules
+from sparkd.core.rules import compile_rules, stop_lines
 from sparkd.errors import InvalidInput
 from sparkd.sense.checkpoint import checkpoint_weight_bytes, read_model_config
 from sparkd.units import GiB, fmt_gib, parse_size
@@ -192,7 +193,31 @@ def plan_for(settings: Settings, mem_total_bytes: int, *, base: BudgetSettings |
     if not settings.budget.enabled:
         return None
     b = settings.budget
-    return make_plan(budget_inputs(b, settings.container, mem_total_bytes, sources=setting_sources(b, base=base)))
+    plan = make_plan(budget_inputs(b, settings.container, mem_total_bytes, sources=setting_sources(b, base=base)))
+    return with_stop_line_warnings(plan, settings)
+
+
+def with_stop_line_warnings(plan: Plan, settings: Settings) -> Plan:
+    """``plan`` with a warning for each stop rule whose line on MemAvailable (or usable memory) a model using its
+    whole budget reaches: MemAvailable cannot exceed MemTotal − budget while the model holds it, so such a rule
+    stops the model before it is full (a walk-through resized to budget 21.49 of 23.54 GiB beside a rule at
+    usable < 21.86 GiB, and was told only that host_reserve_gib 0 is below 28)."""
+    total = plan.inputs.mem_total_bytes
+    room = total - plan.budget_bytes
+    extra = []
+    for rule in compile_rules(settings.rules, total):
+        if rule.action != "stop":
+            continue
+        for line in stop_lines(rule.to_json()):
+            if line["field"] in ("mem_available", "mem_available_minus_cma") and line["value"] >= room:
+                extra.append(
+                    f"a model using its whole budget ({fmt_gib(plan.budget_bytes)}) leaves at most {fmt_gib(room)} "
+                    f"of MemAvailable (MemTotal {fmt_gib(total)} − budget), not above stop rule {rule.name}'s line "
+                    f"({line['label']} {fmt_gib(line['value'])}): the guard stops it before its KV cache is full; "
+                    f"raise host_reserve_gib (now {plan.inputs.host_reserve_gib:g}) or lower kv_target_gib or "
+                    "max_model_len"
+                )
+    return dataclasses.replace(plan, warnings=(*plan.warnings, *extra)) if extra else plan
 
 
 def launch_spec(settings: Settings, plan: Plan | None) -> LaunchSpec:

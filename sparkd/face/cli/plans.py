@@ -103,7 +103,7 @@ def plan(
     from sparkd.core.budget import make_plan
     from sparkd.core.plan_table import render_plan_table
     from sparkd.errors import Refused
-    from sparkd.loop.launch import budget_inputs, setting_sources
+    from sparkd.loop.launch import budget_inputs, setting_sources, with_stop_line_warnings
     from sparkd.sense.checkpoint import check_checkpoint
 
     settings = _settings(ctx)
@@ -144,6 +144,7 @@ def plan(
         sources = {**sources, "host_reserve_gib": "measured"}  # from the launch records
         p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
         learned = dataclasses.replace(learned, applied=True)
+    p = with_stop_line_warnings(p, settings)
     if as_json:
         out = p.to_json()
         out["checkpoint"] = None if check is None else {"ok": check.ok, "describe": check.describe()}
