@@ -290,6 +290,10 @@ def test_a_recent_trip_shows_its_reason(tmp_path: Path) -> None:
     ctx.last_trip = lambda: LastTrip(NOW - 7200, "MemAvailable 5.2 GiB < 6 GiB for 5/5 samples")
     [trip] = [c for c in run_checks(ctx) if c.title == "Last trip"]
     assert trip.detail.endswith("(2.0 h ago): MemAvailable 5.2 GiB < 6 GiB for 5/5 samples")
+    # the archives' directory the operator configured, not a fixed /var/lib/sparkd (a walk-through's was elsewhere)
+    ctx.archives_dir = tmp_path / "state" / "archives"
+    [trip] = [c for c in run_checks(ctx) if c.title == "Last trip"]
+    assert f"postmortem archive in {tmp_path / 'state' / 'archives'}" in trip.action
 
 
 def test_a_crashing_check_still_gives_a_report(tmp_path: Path) -> None:

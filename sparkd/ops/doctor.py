@@ -129,6 +129,7 @@ class DoctorContext:
     now: Callable[[], float] = time.time
     shm_ignore_unreadable_pids: Sequence[int] = ()  # the setting of the same name
     db_file: Path | None = None  # None: no database check (tests of other checks)
+    archives_dir: Path | None = None  # where the postmortem archives are (settings.archives_path)
     rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
@@ -468,7 +469,8 @@ def check_last_trip(ctx: DoctorContext) -> list[Check]:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(trip.at_s))
     if age_s > LAST_TRIP_RECENT_S:
         return [Check("OK", "Last trip", f"{when} ({age_s / 86400:.0f} d ago): {trip.reason}")]
-    action = "read the postmortem bundle in /var/lib/sparkd before relaunching"
+    where = ctx.archives_dir or "sparkd's archives directory"
+    action = f"read its postmortem archive in {where} (sparkd events --kind stopped names it) before relaunching"
     return [Check("WARN", "Last trip", f"{when} ({age_s / 3600:.1f} h ago): {trip.reason}", action)]
 
 

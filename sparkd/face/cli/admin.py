@@ -76,6 +76,7 @@ def doctor(ctx: click.Context) -> None:
             last_trip=lambda: _last_trip(settings),
             shm_ignore_unreadable_pids=settings.shm_ignore_unreadable_pids,
             db_file=settings.db_file,
+            archives_dir=settings.archives_path,
             rules=settings.rules,
         )
     )
