@@ -147,6 +147,15 @@ class SparkdUnderTest:
             **kw,
         )
 
+    def cli(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        """``sparkd --config CFG ARGS...`` as an operator runs it, against this daemon."""
+        return subprocess.run(
+            [sys.executable, "-m", "sparkd.face.cli", "--config", str(self.config), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
     def status(self) -> dict[str, Any]:
         """``/api/status`` as JSON, checked against the contract (``Status``) on every call."""
         r = httpx.get(f"http://127.0.0.1:{self.api_port}/api/status", timeout=5)

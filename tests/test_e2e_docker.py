@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import os
+import subprocess
 import tarfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,25 +196,13 @@ def test_stop_requested_twice_at_once_stops_once(sparkd_factory: Any) -> None:
 
 
 def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
-    import subprocess
-    import sys
 
     s = sparkd_factory().start()
     s.wait_state("ready", 60)
-    out = subprocess.run(
-        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "stop"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = s.cli("stop", timeout_s=120)
     assert out.returncode == 0, out.stderr
     assert "stopped: exited (exit 0)" in out.stdout
-    again = subprocess.run(
-        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "stop"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    again = s.cli("stop")
     assert again.returncode == 1 and "is not running" in again.stderr
 
 
@@ -255,19 +245,13 @@ HIGH = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
 LOW = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
 
 
-def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
-    tmp_path: Path, image: str, case_labels: dict[str, str]
-) -> None:
-    """dockerd stopped (SIGSTOP: a daemon starved under memory pressure) while the model runs, then the rule
-    trips. Before, each stop attempt waited out the API timeout (30-56 s) and failed, and the model ran on
-    until the engine came back. Now the emergency stop pings first (3 s), says ``stop_without_docker``
-    (critical), stops the container by its processes (SIGTERM to its init, through a pidfd), and the model is
-    gone within seconds; when the engine answers again the container reads ``stopped``, not "exited
-    unexpectedly"."""
-    import signal
-
-    from sparkd.act.procstop import ProcessStopper
-
+@contextlib.contextmanager
+def _on_private_engine(
+    tmp_path: Path, image: str, case_labels: dict[str, str], **container: Any
+) -> Iterator[tuple[PrivateEngine, SparkdUnderTest, Path]]:
+    """A private dockerd (a test may hang it) with the test image, and a sparkd managing a container on it whose
+    low_available rule (< 6 GiB, 2 samples) reads a scripted /proc (``proc/meminfo``: ``HIGH`` at first); yields
+    (engine, sparkd, proc). Both are stopped, and what the test left in the engine removed, on exit."""
     engine = PrivateEngine().start()
     try:
         engine.load(image)
@@ -281,56 +265,148 @@ def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
             work,
             image,
             case_labels,
-            container={"docker_url": engine.url, "hard_floor": "1GiB"},
+            container={"docker_url": engine.url, "hard_floor": "1GiB", **container},
             rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
             top={"cooldown_s": 60.0, "proc_root": str(proc), "shm_dir": str(shm)},
         )
         s.start()
         try:
-            c = s.wait_state("ready", 60)
-            stopper = ProcessStopper(c["container_id"])
-            before = stopper.pids()
-            assert before, "no process of the container found by its cgroup"
-            assert engine.proc is not None
-            os.kill(engine.proc.pid, signal.SIGSTOP)  # hung: connections are accepted, nothing answers
-            try:
-                t0 = time.monotonic()
-                (proc / "meminfo").write_text(LOW)  # the rule trips
-                said = s.wait_event("stop_without_docker", 20)
-                assert "the Docker engine does not answer" in said["message"]
-                assert sorted(said["details"]["pids"]) == before
-                severity = db_query(s.db, "SELECT severity FROM events WHERE kind='stop_without_docker'")
-                assert severity == [("critical",)]
-                assert wait_for(lambda: stopper.pids() == [], 30, 0.1), f"still running: {stopper.pids()}"
-                took_s = time.monotonic() - t0
-                assert "stopped by its processes" in s.wait_event("stopping", 5)["message"]
-                done = wait_for(lambda: s.events("stopped") + s.events("killed"), 10)
-                assert done and "(exit code not known)" in done[0]["message"], done
-                assert not s.events("stop_not_executed")
-                # the archive, without what only the engine has (it would wait out the API timeout first)
-                arch = Path(s.tmp) / "archives" / done[0]["details"]["archive"]
-                with tarfile.open(arch) as tf:
-                    members = tf.getnames()
-                    assert members[0] == "summary.txt"
-                    for part in ("sparkd.log", "samples.csv", "kernel.log", "config.json", "events.json"):
-                        assert part in members, (part, members)
-                    for part in ("container.log", "inspect.json"):
-                        assert part not in members and f"{part}.missing" in members, members
-                        why = tf.extractfile(f"{part}.missing").read().decode()  # type: ignore[union-attr]
-                        assert "the Docker engine does not answer" in why, why
-                    samples = tf.extractfile("samples.csv").read().decode()  # type: ignore[union-attr]
-                    assert len(samples.splitlines()) > 2, samples  # the samples that led to the trip
-            finally:
-                os.kill(engine.proc.pid, signal.SIGCONT)
-            assert took_s < 15.0, f"the model ran {took_s:.1f} s after the trip with the engine hung"
-            (proc / "meminfo").write_text(HIGH)
-            # the engine answers again: sparkd's stop, not an unexpected exit
-            assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
-            assert not s.events("exited")
+            yield engine, s, proc
         finally:
             s.stop()
     finally:
         engine.close(case_labels)
+
+
+def test_a_trip_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """dockerd stopped (SIGSTOP: a daemon starved under memory pressure) while the model runs, then the rule
+    trips. Before, each stop attempt waited out the API timeout (30-56 s) and failed, and the model ran on
+    until the engine came back. Now the emergency stop pings first (3 s), says ``stop_without_docker``
+    (critical), stops the container by its processes (SIGTERM to its init, through a pidfd), and the model is
+    gone within seconds; when the engine answers again the container reads ``stopped``, not "exited
+    unexpectedly"."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+
+    with _on_private_engine(tmp_path, image, case_labels) as (engine, s, proc):
+        c = s.wait_state("ready", 60)
+        stopper = ProcessStopper(c["container_id"])
+        before = stopper.pids()
+        assert before, "no process of the container found by its cgroup"
+        assert engine.proc is not None
+        os.kill(engine.proc.pid, signal.SIGSTOP)  # hung: connections are accepted, nothing answers
+        try:
+            t0 = time.monotonic()
+            (proc / "meminfo").write_text(LOW)  # the rule trips
+            said = s.wait_event("stop_without_docker", 20)
+            assert "the Docker engine does not answer" in said["message"]
+            assert sorted(said["details"]["pids"]) == before
+            severity = db_query(s.db, "SELECT severity FROM events WHERE kind='stop_without_docker'")
+            assert severity == [("critical",)]
+            assert wait_for(lambda: stopper.pids() == [], 30, 0.1), f"still running: {stopper.pids()}"
+            took_s = time.monotonic() - t0
+            assert "stopped by its processes" in s.wait_event("stopping", 5)["message"]
+            done = wait_for(lambda: s.events("stopped") + s.events("killed"), 10)
+            assert done and "(exit code not known)" in done[0]["message"], done
+            assert not s.events("stop_not_executed")
+            # the archive, without what only the engine has (it would wait out the API timeout first)
+            arch = Path(s.tmp) / "archives" / done[0]["details"]["archive"]
+            with tarfile.open(arch) as tf:
+                members = tf.getnames()
+                assert members[0] == "summary.txt"
+                for part in ("sparkd.log", "samples.csv", "kernel.log", "config.json", "events.json"):
+                    assert part in members, (part, members)
+                for part in ("container.log", "inspect.json"):
+                    assert part not in members and f"{part}.missing" in members, members
+                    why = tf.extractfile(f"{part}.missing").read().decode()  # type: ignore[union-attr]
+                    assert "the Docker engine does not answer" in why, why
+                samples = tf.extractfile("samples.csv").read().decode()  # type: ignore[union-attr]
+                assert len(samples.splitlines()) > 2, samples  # the samples that led to the trip
+        finally:
+            os.kill(engine.proc.pid, signal.SIGCONT)
+        assert took_s < 15.0, f"the model ran {took_s:.1f} s after the trip with the engine hung"
+        (proc / "meminfo").write_text(HIGH)
+        # the engine answers again: sparkd's stop, not an unexpected exit
+        assert s.wait_state("stopped", 60)["container_id"] == c["container_id"]
+        assert not s.events("exited")
+
+
+def test_a_trip_while_containerd_hangs_under_an_answering_dockerd_stops_the_model_by_its_processes(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """containerd stopped while dockerd still answers its ping (and inspect): the stop went through Docker, and the
+    stop, the kill and the inspect each waited out the API timeout. A hostile test measured 245 s from the trip to
+    the stop by the processes, with a ``stopped`` event written at 185 s while the model still served. Now the stop
+    is given the grace plus ``ENGINE_MARGIN_S`` (10 s); then ``stop_unconfirmed`` (critical) says the model may still
+    run, and the processes are stopped."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+    from sparkd.act.stop import ENGINE_MARGIN_S
+
+    with _on_private_engine(tmp_path, image, case_labels, stop_timeout_s=2.0) as (engine, s, proc):
+        c = s.wait_state("ready", 60)
+        stopper = ProcessStopper(c["container_id"])
+        assert stopper.pids(), "no process of the container found by its cgroup"
+        assert engine.proc is not None
+        containerd = [_containerd_of(engine)]
+        os.kill(containerd[0], signal.SIGSTOP)
+        try:
+            assert engine.ping()  # dockerd answers: the emergency's ping says "up"
+            t0 = time.monotonic()
+            (proc / "meminfo").write_text(LOW)
+            said = s.wait_event("stop_unconfirmed", 2.0 + ENGINE_MARGIN_S + 20)
+            assert "NOT confirmed" in said["message"] and "did not return within" in said["message"], said
+            assert s.wait_event("stop_without_docker", 20)
+            assert wait_for(lambda: stopper.pids() == [], 30, 0.1), f"still running: {stopper.pids()}"
+            took_s = time.monotonic() - t0
+            done = wait_for(lambda: s.events("stopped") + s.events("killed"), 15)  # after its archive
+            assert done and all(
+                "by its processes" in e["message"] or "exit code not known" in e["message"] for e in done
+            ), done
+            sev = db_query(s.db, "SELECT severity FROM events WHERE kind='stop_unconfirmed'")
+            assert sev == [("critical",)]
+        finally:
+            os.kill(containerd[0], signal.SIGCONT)
+        assert took_s < 2.0 + ENGINE_MARGIN_S + 15, f"the model ran {took_s:.1f} s after the trip"
+        (proc / "meminfo").write_text(HIGH)
+
+
+def test_an_operators_stop_while_containerd_hangs_is_made_by_the_processes_not_said_done(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """``sparkd stop`` with containerd hung under an answering dockerd: it answered "stopped: None (exit None)" and
+    exited 0 while the model still ran. The unconfirmed stop now falls back to the processes, and says so."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+
+    with _on_private_engine(tmp_path, image, case_labels, stop_timeout_s=2.0) as (engine, s, _proc):
+        c = s.wait_state("ready", 60)
+        stopper = ProcessStopper(c["container_id"])
+        assert stopper.pids() and engine.proc is not None
+        containerd = _containerd_of(engine)
+        os.kill(containerd, signal.SIGSTOP)
+        try:
+            out = s.cli("stop", timeout_s=120)
+            assert out.returncode == 0, out.stderr
+            assert "by its processes" in out.stdout and "not confirmed" in out.stdout, out.stdout
+            assert stopper.pids() == []
+            assert s.events("stop_unconfirmed")
+        finally:
+            os.kill(containerd, signal.SIGCONT)
+
+
+def _containerd_of(engine: PrivateEngine) -> int:
+    """The pid of the containerd a private dockerd started (its child)."""
+    assert engine.proc is not None
+    kids = subprocess.run(["pgrep", "-P", str(engine.proc.pid), "-x", "containerd"], capture_output=True, text=True)
+    pids = [int(x) for x in kids.stdout.split()]
+    assert len(pids) == 1, kids
+    return pids[0]
 
 
 def test_an_operators_stop_while_the_docker_engine_hangs_stops_the_model_by_its_processes(
@@ -476,15 +552,8 @@ def test_a_stopped_model_stays_stopped_across_restarts_of_sparkd(sparkd_factory:
     assert after["state"] == "stopped", after
     assert after["name"] == c["name"] and after["image"] == c["image"]
     assert "sparkd start" in (after["state_reason"] or "")
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
+    out = s.cli("status").stdout
     line = next(ln for ln in out.splitlines() if ln.startswith("container:"))
     assert line.startswith(f"container: stopped {c['name']}") and "stays stopped until `sparkd start`" in line, out
     assert s.api("POST", "/api/container/start").status_code == 200
@@ -529,16 +598,9 @@ def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(
     assert live["level"] == "critical" and "not guarded" in live["label"], live
     card = s.api("GET", "/ui/container").text
     assert "Not guarded." in card and by_hand.id[:12] in card, card
-    import subprocess
-    import sys
 
     def cli_status() -> str:
-        return subprocess.run(
-            [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
+        return s.cli("status").stdout
 
     # `sparkd status` reads the status snapshot, written within a second of a change (at the next tick): on a
     # loaded 2-CPU runner the first read can come before it (CI saw "status of 1 s ago" without the line)

@@ -10,8 +10,6 @@ are removed by the dockerkit finalizer. Memory trips come from a scripted /proc 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -46,22 +44,32 @@ HIGH = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
 LOW = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
 
 
-def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
-    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
-) -> None:
-    # a scripted /proc tree drives the rule (the shared host's MemAvailable moves by a GiB under other
-    # tests, and the loop guard rightly demotes a rule whose floor sits within that noise); /dev/shm
-    # cleanup gets a private directory, since this /proc shows no live holders
+def _guard_on_scripted_proc(
+    make: Any, launcher: Any, tmp_path: Path, *, cooldown_s: float, by_id: bool = False
+) -> tuple[Any, SparkdUnderTest, Path]:
+    """A hand-started fake vLLM guarded by sparkd (``container.guard``: its name, or its id with ``by_id``), whose
+    low_available rule (< 6 GiB, 2 samples) reads a scripted /proc (``proc/meminfo``: ``HIGH`` now) and whose
+    /dev/shm cleanup gets a private directory; returns (container, sparkd, proc)."""
     proc, shm = tmp_path / "proc", tmp_path / "shm"
     proc.mkdir()
     shm.mkdir()
     (proc / "meminfo").write_text(HIGH)
     fv = launcher(managed=False, startup_s=0.3)
     s = make(
-        container={"image": None, "guard": fv.name, "port": fv.port, "hard_floor": "1GiB"},
+        container={"image": None, "guard": fv.id[:12] if by_id else fv.name, "port": fv.port, "hard_floor": "1GiB"},
         rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
-        top={"cooldown_s": 0.5, "proc_root": str(proc), "shm_dir": str(shm)},
+        top={"cooldown_s": cooldown_s, "proc_root": str(proc), "shm_dir": str(shm)},
     )
+    return fv, s, proc
+
+
+def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    # a scripted /proc tree drives the rule (the shared host's MemAvailable moves by a GiB under other
+    # tests, and the loop guard rightly demotes a rule whose floor sits within that noise); /dev/shm
+    # cleanup gets a private directory, since this /proc shows no live holders
+    fv, s, proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=0.5)
     s.wait_state("ready", 60)
     (proc / "meminfo").write_text(LOW)  # the rule trips; sparkd stops the container
     s.wait_event("stopped", 60)
@@ -145,12 +153,7 @@ def test_a_docker_restart_loop_is_restarting_counted_and_warned_about(
     assert "'unless-stopped'" in msg and "will stop it if a rule trips" in msg and name in msg
     assert db_query(s.db, "SELECT severity FROM events WHERE kind='restart_loop'") == [("warning",)]
     assert s.events("adopted")[0]["details"]["container_id"] == c.id
-    out = subprocess.run(
-        [sys.executable, "-m", "sparkd.face.cli", "--config", str(s.config), "status"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = s.cli("status")
     assert out.returncode == 0, out.stderr
     assert re.search(
         r"container: restarting .*Docker restarted it \d+ times \(restart policy unless-stopped\)", out.stdout
@@ -216,3 +219,55 @@ def test_a_model_a_rule_stopped_stays_stopped_when_the_database_is_lost(make: An
     time.sleep(2.0)
     assert s.events("launched") == []  # the new database has no launch: none happened
     assert s.container()["stay_stopped"] is True
+
+
+@pytest.mark.parametrize("how", ["by_id", "renamed"])
+def test_a_guarded_container_named_by_id_or_renamed_is_stopped_not_refused(
+    how: str, make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """``container.guard`` set to the container's id, or the guarded container renamed while it ran: the guard
+    adopted it, then every trip's stop was refused ("lacks the label sparkd.managed=true and is not guarded": the
+    permission was checked against the configured string and the name now), yet a ``stopped`` event was written
+    and ``sparkd stop`` answered "stopped" with the model up. The permission follows the container found."""
+    fv, s, proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=60.0, by_id=how == "by_id")
+    assert s.wait_state("ready", 60)["container_id"] == fv.id
+    if how == "renamed":
+        docker_client.containers.get(fv.id).rename(f"{fv.name}-renamed")
+    (proc / "meminfo").write_text(LOW)
+    assert wait_for(lambda: s.events("stopped") + s.events("stop_unconfirmed"), 60), s.output()[-3000:]
+    assert not s.events("stop_unconfirmed"), s.events("stop_unconfirmed")
+    assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is False
+    assert s.wait_state("stopped", 10)["container_id"] == fv.id
+
+
+def test_a_new_container_under_the_guarded_name_is_followed_and_stopped(
+    make: Any, launcher: Any, docker_client: Any, image: str, case_labels: dict[str, str], tmp_path: Path
+) -> None:
+    """After a trip stopped the guarded container, the operator kept it for forensics (renamed) and ran a new one
+    by the guarded name: sparkd went on watching the old, stopped one, and each trip said "not running" while the
+    new model ran unguarded. It now follows the running container of that name, and says so."""
+    from sparkdproc import free_port
+
+    fv, s, proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=2.0)
+    s.wait_state("ready", 60)
+    (proc / "meminfo").write_text(LOW)
+    s.wait_event("stopped", 60)
+    (proc / "meminfo").write_text(HIGH)
+    docker_client.containers.get(fv.id).rename(f"{fv.name}-kept")
+    new = docker_client.containers.run(
+        image,
+        ["serve", "/models/fake", "--port", str(free_port())],
+        name=fv.name,
+        environment={"FAKEVLLM_STARTUP_S": "0.3"},
+        labels=case_labels,
+        network_mode="host",
+        ipc_mode="host",
+        detach=True,
+    )
+    changed = s.wait_event("guarded_container_changed", 30)
+    assert changed["details"]["container_id"] == new.id and changed["details"]["previous_id"] == fv.id
+    assert changed["details"]["previous_running"] is False
+    assert wait_for(lambda: s.container()["container_id"] == new.id and s.container()["state"] in RUNNING, 30)
+    (proc / "meminfo").write_text(LOW)
+    assert wait_for(lambda: len(s.events("stopped")) == 2, 60), s.output()[-3000:]
+    assert docker_client.api.inspect_container(new.id)["State"]["Running"] is False

@@ -58,6 +58,14 @@ def test_it_backs_off_3_6_12_s_after_exits_and_never_delays_the_first_launch(mak
     assert all(d["details"]["intent"] == "exited" and "intent exited" in d["message"] for d in decisions[:3])
 
 
+def _status_with(s: Any, needle: str) -> str | None:
+    """``sparkd status`` as an operator runs it, when it says ``needle`` (the stored snapshot, written within a
+    second of a change), else None."""
+    out = s.cli("status")
+    assert out.returncode == 0, out.stderr
+    return out.stdout if needle in out.stdout else None
+
+
 def test_three_emergency_stops_open_the_breaker_and_a_rearm_relaunches_recording_who(make: Any) -> None:
     # every launch breaks 1 s after ready (/health and completions 500): the probe stops it in an emergency
     s = make(
@@ -91,10 +99,18 @@ def test_three_emergency_stops_open_the_breaker_and_a_rearm_relaunches_recording
     assert len(s.events("stopped")) == 3
     card = s.api("GET", "/ui/container").text  # the dashboard's container card
     assert "<strong>OPEN</strong>" in card and "stop intent" in card and "emergency" in card
+    out = wait_for(lambda: _status_with(s, "CIRCUIT BREAKER OPEN"), 20)
+    assert out and "3 emergency stops (threshold 3" in out and "until `sparkd rearm`" in out, out
+    # an operator's start is allowed with the breaker open, and says that it stays open (it was silent)
+    r = s.api("POST", "/api/container/start")
+    assert r.status_code == 200, r.text
+    assert "circuit breaker is still open" in r.json()["warning"] and "sparkd rearm" in r.json()["warning"]
+    assert wait_for(lambda: s.events("started_with_breaker_open"), 10) and sup(s)["breaker"]["open"] is True
+    assert wait_for(lambda: len(s.events("stopped")) == 4 and s.container()["state"] == "stopped", 60)
     r = s.api("POST", "/api/breaker/rearm")
     assert r.status_code == 200, r.text
     assert r.json()["rearmed_by"].startswith("api:") and r.json()["launch_id"]
-    assert wait_for(lambda: len(s.events("launched")) == n + 1, 30)
+    assert wait_for(lambda: len(s.events("launched")) == n + 2, 30)
     assert "<strong>OPEN</strong>" not in s.api("GET", "/ui/container").text
     rearmed = s.events("breaker_rearmed")[-1]
     assert rearmed["details"]["who"].startswith("api:") and rearmed["details"]["was_open"] is True
@@ -344,6 +360,10 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
         summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
     # the postmortem gives the CMA view the default rules judge by (MemAvailable alone argues against the stop)
     assert "MemAvailable: 4.00 GiB" in summary and "CmaFree: 1.00 GiB   usable: 3.00 GiB" in summary, summary
+    # `sparkd status` says why the model is down, that it stays down, and where the postmortem is (it said none)
+    out = wait_for(lambda: _status_with(s, "stopped by: emergency"), 20)
+    assert out and "stays stopped until `sparkd start`" in out, out
+    assert f"last stop's postmortem archive: {s.tmp / 'archives' / stop['details']['archive']}" in out, out
     time.sleep(13.0)  # three cooldowns with memory held low and nothing running
     # a start now would launch into the shortage the guard just stopped it for: refused, unless forced
     r = s.api("POST", "/api/container/start")

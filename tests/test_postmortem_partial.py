@@ -131,3 +131,56 @@ def test_a_database_read_failing_is_missing_too(tmp_path: Path) -> None:
     for p in ("samples.csv", "kernel.log", "events.json"):
         assert f"{p}.missing" in parts, p
     assert "tripped low_available" in parts["sparkd.log"]
+
+
+def test_a_database_that_does_not_take_the_records_is_not_waited_on_and_loses_none(tmp_path: Path) -> None:
+    """The archive before a stop flushed the writer's queue: with the database locked (another process held a write
+    transaction) the stop waited ~15 s for the retries, and with no database open the queued records (the trip, the
+    stopping event) were dropped for good, reported as "queue full". It now waits ``DB_WAIT_S`` at most, takes
+    nothing from the writer, and the newest samples and events come from sparkd's memory, with a note."""
+    from sparkd.act.stop import DB_WAIT_S
+    from sparkd.store.store import Writer
+
+    d = _daemon(tmp_path)
+    assert d.store is not None
+    d.writer = Writer(d.store)  # its thread is not running: nothing queued reaches the database (as when locked)
+    now = time.time()
+    mi = read_meminfo().fields
+    newest = Sample(ts=now + 0.5, mono=0.0, mem_available=mi["MemAvailable"] - 12345, mem_free=mi["MemFree"])
+    d.live_samples.append(newest)
+    ev = {"ts": now + 0.6, "kind": "stopping", "severity": "warning", "message": "stopping vllm: rule", "details": {}}
+    d.recent_events.appendleft(ev)
+    d.writer.submit("sample", newest.to_row())
+    d.writer.submit("event", ev)
+    queued = d.writer.queue.qsize()
+    t0 = time.monotonic()
+    name, rep = _postmortem(d, ContainerManager(f"unix://{tmp_path}/no-dockerd.sock", api_timeout_s=2), "0" * 64)
+    took_s = time.monotonic() - t0
+    assert name is not None, rep.errors
+    parts = _members(d.settings.archives_path / name)
+    samples = parts["samples.csv"].splitlines()
+    assert len(samples) == 5 and str(newest.mem_available) in samples[-1]  # 3 from the database, 1 from memory
+    assert json.loads(parts["events.json"])[-1]["kind"] == "stopping"
+    assert "NOTE: the database had not taken sparkd's last records within 2 s" in parts["summary.txt"]
+    assert d.writer.queue.qsize() == queued and d.writer.dropped == 0  # nothing taken from the writer, nothing lost
+    assert took_s < DB_WAIT_S + 4.0, took_s  # the 2 s wait and the unreachable engine's calls, not retries
+
+
+@pytest.mark.docker
+def test_the_container_log_is_read_as_a_bounded_tail(launcher: Any, mgr: ContainerManager) -> None:
+    """``docker logs`` since the launch (weeks) was read whole into sparkd's memory before the stop (300 MB: 24 s
+    and 1 GB of RSS in a hostile test). It is read as a stream keeping the last ``max_bytes``."""
+    from sparkdproc import wait_for
+
+    fv = launcher()
+
+    def settled() -> bytes | None:  # the fake server's start-up lines, once it has stopped writing them
+        before = mgr.logs(fv.id)
+        time.sleep(0.5)
+        after = mgr.logs(fv.id)
+        return after if len(after) > 200 and after == before else None
+
+    full = wait_for(settled, 30)
+    assert full is not None
+    assert mgr.logs(fv.id, max_bytes=100) == full[-100:]
+    assert mgr.logs(fv.id, tail=1) == full[full.rstrip(b"\n").rfind(b"\n") + 1 :]

@@ -18,6 +18,7 @@ and ``SparkdError`` for any other engine refusal.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -86,6 +87,7 @@ class ContainerManager:
         self.api_timeout_s = api_timeout_s
         self._client: Any = None
         self._guarded: set[str] = set()
+        self._guarded_ids: set[str] = set()  # the containers ``guard`` found: guarded by id, whatever their name now
         self._lock = threading.Lock()
 
     # -- engine ---------------------------------------------------------------
@@ -245,14 +247,18 @@ class ContainerManager:
         return running[0]
 
     def guard(self, name: str) -> ContainerInfo | None:
-        """Allow inspecting, stopping and killing the unlabelled container ``name``
-        (explicitly configured by the operator). Returns it, or None when no
-        container of that name exists now (the permission stays)."""
+        """Allow inspecting, stopping and killing the unlabelled container ``name`` (a name or an id,
+        explicitly configured by the operator), and the container found by it under any later name.
+        Returns it, or None when no container of that name exists now (the permission stays)."""
         self._guarded.add(name.lstrip("/"))
         try:
-            return self.get(name)
+            info = self.get(name)
         except NotFound:
             return None
+        # by id too: ``guard`` may name an id (not the container's name), and a guarded container renamed while
+        # it runs (``docker rename``) is still the model sparkd watches; its stop was refused ("not guarded")
+        self._guarded_ids.add(info.id)
+        return info
 
     # -- one container ---------------------------------------------------------
     def _container(self, id_or_name: str) -> Any:
@@ -263,7 +269,7 @@ class ContainerManager:
         c = self._container(id_or_name)
         if self._is_managed(dict(c.labels or {})):
             return c
-        if allow_guarded and c.name in self._guarded:
+        if allow_guarded and (c.name in self._guarded or c.id in self._guarded_ids):
             return c
         raise Refused(
             f"will not {action} container {c.name!r} ({c.id[:12]}): it lacks the label "
@@ -368,12 +374,23 @@ class ContainerManager:
         return int(res.exit_code), bytes(res.output or b"")
 
     # -- logs ------------------------------------------------------------------
-    def logs(self, id_or_name: str, since: float | None = None, tail: int | None = None) -> bytes:
-        """stdout+stderr of the container as one byte string; ``since``: UTC epoch
-        seconds; ``tail``: last N lines. Raises ``NotFound``, ``DockerUnavailable``."""
+    def logs(
+        self, id_or_name: str, since: float | None = None, tail: int | None = None, max_bytes: int = 16 * 2**20
+    ) -> bytes:
+        """stdout+stderr of the container as one byte string; ``since``: UTC epoch seconds; ``tail``: last N lines;
+        at most the last ``max_bytes`` of them, read as a stream (the whole log is never held in memory).
+        Raises ``NotFound``, ``DockerUnavailable``."""
         c = self._container(id_or_name)
         with self._call(f"logs of {c.name!r}"):
-            return bytes(c.logs(stdout=True, stderr=True, since=since, tail=tail or "all"))
+            kept: collections.deque[bytes] = collections.deque()
+            size = 0
+            # follow=False: with stream=True docker-py follows by default (never ends while the container runs)
+            for chunk in c.logs(stdout=True, stderr=True, since=since, tail=tail or "all", stream=True, follow=False):
+                kept.append(chunk)
+                size += len(chunk)
+                while size - len(kept[0]) >= max_bytes:
+                    size -= len(kept.popleft())
+            return b"".join(kept)[-max_bytes:]
 
     def stream_logs(
         self,

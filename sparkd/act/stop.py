@@ -78,6 +78,10 @@ class StopReport:
     errors: list[str] = field(default_factory=list)
     killed: bool = False
     stopped_at: float | None = None  # Docker's FinishedAt after the stop (UTC epoch seconds)
+    # Docker's state read after the stop says the container no longer runs. False: the stop, the kill or that
+    # read failed (refused, or the engine hung: ``engine_hung``), and the model may still run
+    confirmed: bool = False
+    engine_hung: str | None = None  # why the engine's answers were not waited for any longer (None: it answered)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -151,10 +155,57 @@ def _redact_inspect(inspect: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def _gather(missing: dict[str, str], part: str, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)`` in a thread; a failure is recorded under ``part`` (``what`` failed: …) → None."""
+#: the archive before a stop waits this long for the database to take sparkd's last records (``Writer.written_until``)
+DB_WAIT_S = 2.0
+#: the container's log in the archive: its last lines since the launch (``docker logs --tail``), at most the last
+#: ``LOG_TAIL_BYTES`` of them. The whole log since the launch (weeks) was read into sparkd's memory before the stop:
+#: 300 MB of log took 24 s and 1 GB of sparkd's memory, in an emergency, at OOMScoreAdjust -1000.
+LOG_TAIL_LINES = 20000
+LOG_TAIL_BYTES = 16 * 2**20
+
+
+def _from_memory(
+    d: Any,
+    missing: dict[str, str],
+    rows: list[dict[str, Any]] | None,
+    kern: list[dict[str, Any]] | None,
+    events: list[dict[str, Any]] | None,
+    samples_since: float,
+    since: float,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """What the database returned (oldest first for samples, newest first for events), completed with the newer
+    samples (``live_samples``) and events (``recent_events``) sparkd holds in memory."""
+    rows = list(rows or [])
+    newest_row = rows[-1]["ts"] if rows else float("-inf")
+    rows += [x.to_row() for x in d.live_samples if x.ts > newest_row and x.ts >= samples_since]
+
+    def newer(got: list[dict[str, Any]] | None, keep: Any) -> list[dict[str, Any]]:
+        got = list(got or [])
+        top = got[0]["ts"] if got else float("-inf")
+        return [e for e in d.recent_events if e["ts"] > top and e["ts"] >= since and keep(e)] + got
+
+    for name in ("samples.csv", "kernel.log", "events.json"):
+        missing.pop(name, None)
+    return rows, newer(kern, lambda e: e.get("kind") in KERNEL_KINDS), newer(events, lambda e: True)
+
+
+async def _gather(
+    missing: dict[str, str], part: str, what: str, fn: Any, *args: Any, wait_s: float | None = None, **kw: Any
+) -> Any:
+    """``fn(*args, **kw)`` in a thread; a failure is recorded under ``part`` (``what`` failed: …) → None. ``wait_s``:
+    the call is waited on that long at most (an engine that hangs in it), then recorded as missing; it goes on in
+    its thread, unheard."""
     try:
-        return await asyncio.to_thread(fn, *args, **kw)
+        if wait_s is None:
+            return await asyncio.to_thread(fn, *args, **kw)
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
+        task.add_done_callback(_retrieve)
+        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        if not done:
+            missing[part] = f"{what} did not answer within {wait_s:g} s (the stop went on)"
+            log.warning("postmortem: %s missing (%s did not answer within %g s)", part, what, wait_s)
+            return None
+        return task.result()
     except Exception as e:
         missing[part] = f"{what} failed: {e}"
         log.warning("postmortem: %s missing (%s failed: %s)", part, what, e)
@@ -181,13 +232,29 @@ async def write_postmortem(
     s = sup.settings
     now = time.time()
     missing: dict[str, str] = {}
-    if d.writer is not None:
-        await _gather(missing, "samples.csv", "flushing the database queue", d.writer.flush)
-        missing.pop("samples.csv", None)  # what reached the database is still read below
+    notes: list[str] = []
+    # the records up to now in the database first (the stop's own "stopping" event makes the writer write at once);
+    # a database locked, slow or gone is not waited on longer than DB_WAIT_S, and what it has not taken comes
+    # from sparkd's memory below. A flush held the stop ~15 s behind a locked database, and dropped the records.
+    live = list(d.live_samples)
+    newest = max([e["ts"] for e in list(d.recent_events)[:1]] + [x.ts for x in live[-1:]], default=None)
+    written = d.writer is None or newest is None or await d.writer.written_until(newest, DB_WAIT_S)
     since = sup.launch_started_at or (now - s.container.archive_window_s)
     if engine_error is None:
-        inspect = await _gather(missing, "inspect.json", "docker inspect", sup.manager.inspect, cid)
-        logs = await _gather(missing, "container.log", "docker logs", sup.manager.logs, cid, since)
+        inspect = await _gather(
+            missing, "inspect.json", "docker inspect", sup.manager.inspect, cid, wait_s=ENGINE_MARGIN_S
+        )
+        logs = await _gather(
+            missing,
+            "container.log",
+            "docker logs",
+            sup.manager.logs,
+            cid,
+            since,
+            tail=LOG_TAIL_LINES,
+            max_bytes=LOG_TAIL_BYTES,
+            wait_s=ENGINE_MARGIN_S,
+        )
     else:
         inspect = logs = None
         for name in ("inspect.json", "container.log"):
@@ -205,6 +272,13 @@ async def write_postmortem(
             missing, "kernel.log", "reading kernel lines", store.events, since=since, kinds=KERNEL_KINDS, limit=10000
         )
         events = await _gather(missing, "events.json", "reading events", store.events, since=since, limit=500)
+    if not written:
+        rows, kern, events = _from_memory(d, missing, rows, kern, events, now - s.container.archive_window_s, since)
+        notes.append(
+            f"the database had not taken sparkd's last records within {DB_WAIT_S:g} s "
+            f"({(d.writer.last_error if d.writer else None) or 'no database open'}): the newest samples, events "
+            "and kernel lines come from sparkd's memory"
+        )
 
     def part(name: str, value: Any, make: Any) -> archive.Part:
         return archive.Missing(missing[name]) if value is None else make(value)
@@ -236,6 +310,7 @@ async def write_postmortem(
             parts["consumers.json"] = archive.Missing(why)
             missing["consumers.json"] = why
     summary = _summary(sup, rep, cid, inspect or {})
+    summary += "".join(f"\nNOTE: {n}\n" for n in notes)
     if missing:
         summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(
             f"  {name}: {why}\n" for name, why in missing.items()
@@ -308,13 +383,24 @@ async def _stop_and_confirm(
     emit: Emit,
 ) -> None:
     """Steps 3–5: ``docker stop`` with the grace, killed at once below the hard floor, kill
-    fallbacks, then the exit code and OOMKilled read back."""
+    fallbacks, then the exit code and OOMKilled read back (``rep.confirmed``: it no longer runs).
+
+    An engine that answers its ping but not the stop (containerd hung under dockerd: the stop, the
+    kill and the inspect each waited out the API timeout, 245 s from trip to a stop by the processes)
+    is given the grace plus ``ENGINE_MARGIN_S`` for the stop and ``ENGINE_MARGIN_S`` for a kill, then
+    ``rep.engine_hung`` says so and no further call is made: the caller stops the processes."""
     cid = target.container_id
+    deadline = time.monotonic() + grace_s + ENGINE_MARGIN_S
     stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
+    stop_task.add_done_callback(_retrieve)  # a stop given up on still ends, unheard
     while not stop_task.done():
         done, _ = await asyncio.wait({stop_task}, timeout=0.25)
         if done:
             break
+        if time.monotonic() > deadline:
+            rep.engine_hung = f"docker stop did not return within {grace_s:g} s of grace + {ENGINE_MARGIN_S:g} s"
+            rep.errors.append(rep.engine_hung)
+            return
         avail = read_mem_available()
         if avail is not None and avail < hard_floor_bytes and not rep.hard_floor_kill:
             rep.hard_floor_kill = True
@@ -325,7 +411,10 @@ async def _stop_and_confirm(
                 severity="critical",
             )
             try:  # a kill that fails here leaves the stop under way (it kills after the grace), never the daemon
-                await asyncio.to_thread(docker.kill, cid)
+                if not await _bounded(docker.kill, cid):
+                    rep.engine_hung = f"docker kill did not return within {ENGINE_MARGIN_S:g} s (hard floor)"
+                    rep.errors.append(rep.engine_hung)
+                    return
             except Exception as e:
                 rep.errors.append(f"hard-floor kill failed: {e}")
     try:
@@ -336,7 +425,10 @@ async def _stop_and_confirm(
     except Exception as e:
         rep.errors.append(f"docker stop failed: {e}")
         try:
-            await asyncio.to_thread(docker.kill, cid)
+            if not await _bounded(docker.kill, cid):
+                rep.engine_hung = f"docker kill did not return within {ENGINE_MARGIN_S:g} s"
+                rep.errors.append(rep.engine_hung)
+                return
             rep.outcome = "killed (stop failed)"
         except Exception as e2:
             rep.errors.append(f"kill failed: {e2}")
@@ -347,8 +439,31 @@ async def _stop_and_confirm(
             st = await asyncio.to_thread(docker.state, cid)
             rep.outcome = "killed (still running after stop)"
         rep.exit_code, rep.oom_killed, rep.stopped_at = st.exit_code, st.oom_killed, st.finished_at
+        rep.confirmed = not st.running
     except Exception as e:
         rep.errors.append(f"inspect failed: {e}")
+
+
+#: seconds an engine that answered its ping is given beyond a stop's grace (and for a kill) before it counts as hung
+ENGINE_MARGIN_S = 10.0
+
+
+async def _bounded(fn: Callable[[str], object], cid: str) -> bool:
+    """``fn(cid)`` in a worker thread, waited on for ``ENGINE_MARGIN_S``: False when it did not return by then
+    (it goes on in its thread, unheard). Raises what ``fn`` raised."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, cid))
+    task.add_done_callback(_retrieve)
+    done, _ = await asyncio.wait({task}, timeout=ENGINE_MARGIN_S)
+    if not done:
+        return False
+    task.result()
+    return True
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """A call given up on: its late error is nobody's to hear (not "exception never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: CleanupShm, emit: Emit) -> None:
@@ -432,6 +547,15 @@ async def run_stop(
     )
     if killed and not rep.hard_floor_kill and rep.durations_s["stop"] >= grace_s - 1:
         msg += f"; killed: no exit within {grace_s:g} s of SIGTERM"
+    if not rep.confirmed:  # never "stopped" on the word of calls that failed: the model may still run
+        emit(
+            "stop_unconfirmed",
+            f"{target.name}: the stop is NOT confirmed, the model may still run ({'; '.join(rep.errors)[:600]}); "
+            f"total {rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}",
+            severity="critical",
+            details=rep.to_json(),
+        )
+        return rep
     emit(
         "killed" if killed else "stopped",
         msg,

@@ -16,7 +16,7 @@ from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.supervision import StopIntent
-from sparkd.errors import SparkdError
+from sparkd.errors import DockerUnavailable, SparkdError
 from sparkd.loop.launchbook import LaunchBook
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -243,7 +243,11 @@ class RunBook(LaunchBook):
         ``stopper``: the Docker engine does not answer; the container is stopped by its processes
         (``act.procstop``), its archive written after the stop without the engine's parts
         (``container.log``, ``inspect.json``: missing, with the reason), and no read of Docker's state
-        after (the state stays ``stopping`` until the engine answers and the supervisor's next look)."""
+        after (the state stays ``stopping`` until the engine answers and the supervisor's next look).
+
+        Raises DockerUnavailable when, through Docker, the stop is not confirmed (``StopReport.confirmed``: the
+        engine hung in it or refused it; a ``stop_unconfirmed`` event says so): the caller's emergency stops the
+        container by its processes, an operator's stop too (``Supervisor.request``)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
@@ -295,6 +299,11 @@ class RunBook(LaunchBook):
             reader.close()
         self.stops_total += 1
         self.kills_total += rep.killed
+        if stopper is None and not rep.confirmed:
+            # the engine hung in the stop, or refused it: never read as stopped (an emergency stops the processes)
+            raise DockerUnavailable(
+                f"the stop of {self.name} is not confirmed: {rep.engine_hung or '; '.join(rep.errors)[:400]}"
+            )
         if stopper is None:
             await self.reconcile(probe=False, detail=reason)
         return rep

@@ -50,7 +50,7 @@ from sparkd.core.lifecycle import (
 from sparkd.core.rules import Decision
 from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
-from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources
+from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
 from sparkd.loop.status import (
     ContainerStatus,
@@ -466,12 +466,21 @@ class Supervisor(RunBook):
         self._refuse_if_busy()
         if action == "stop" and not await self._engine_answers():
             return await self._requested_stop_without_docker(source, reason)
-        return await self._request(action, source=source, reason=reason, force=force)
+        try:
+            return await self._request(action, source=source, reason=reason, force=force)
+        except DockerUnavailable as e:
+            if action != "stop" or self.container_id is None:
+                raise
+            # the engine answered its ping, then hung in the stop or refused it (RunBook._stop): the processes
+            return await self._requested_stop_without_docker(source, reason, e.message)
 
-    async def _requested_stop_without_docker(self, source: str, reason: str | None) -> dict[str, Any]:
-        """``request("stop")`` with the engine silent: stopped by its processes; the operator's intent is set
-        (it stays stopped, and a relaunch scheduled before is cancelled)."""
-        why = _no_answer()
+    async def _requested_stop_without_docker(
+        self, source: str, reason: str | None, why: str | None = None
+    ) -> dict[str, Any]:
+        """``request("stop")`` with the engine silent (``why``: what it did instead of answering): stopped by its
+        processes; the operator's intent is set (it stays stopped, and a relaunch scheduled before is cancelled)."""
+        error = why or self.engine_error
+        why = why or _no_answer()
         reason = reason or f"stop requested by {source}"
         done = await self._stop_without_docker(source, reason, why, emergency=False)
         if isinstance(done, str):
@@ -482,7 +491,7 @@ class Supervisor(RunBook):
         self.stay_stopped = True
         self.unattended.cancel_relaunch(f"stopped by {source}")
         await self.unattended.set_intent(self.unattended.intent_for(source), source, reason)
-        error = self.engine_error or why
+        error = error or why
         what = (
             f"stopping {self.name} by its processes left {len(left)} of them running after SIGKILL (stop_incomplete)"
             if left
@@ -530,6 +539,12 @@ class Supervisor(RunBook):
                     out["launch_id"] = await self._launch(source, force=force)
                     self.stay_stopped = False
                     await self.unattended.clear_intent(source)
+                    if self.unattended.state.breaker.is_open:  # a start by hand is allowed; said, not silent
+                        out["warning"] = (
+                            "the circuit breaker is still open: automatic relaunches after a stop stay off until "
+                            "`sparkd rearm`"
+                        )
+                        self._event("started_with_breaker_open", f"{source}: {out['warning']}", severity="warning")
                 return out
             finally:
                 self.action = None
@@ -549,7 +564,9 @@ class Supervisor(RunBook):
         from sparkd.core.budget import make_plan
 
         sources = setting_sources(new_budget, base=self.settings.budget)
-        new_plan = make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)).to_json()
+        new_plan = with_stop_line_warnings(
+            make_plan(budget_inputs(new_budget, self.settings.container, mem_total, sources=sources)), self.settings
+        ).to_json()
         out = ResizeResult(
             plan=PlanFigures.model_validate(new_plan),
             previous=PlanFigures.model_validate(self.plan_json) if self.plan_json else None,
@@ -673,6 +690,15 @@ class Supervisor(RunBook):
             if not active or time.monotonic() - self._unguarded_checked >= UNGUARDED_CHECK_S:
                 self._unguarded_checked = time.monotonic()
                 await self._check_unguarded()
+        elif self.mode == "guard" and self.container_id is not None and not self.lock.locked():
+            # the guarded name may be another container now: the one watched stopped or exited and a new one runs
+            # by the name (never watched: each trip said "not running"), or the watched one was renamed and
+            # another took the name. Every step while the watched one is down; while it runs, every
+            # UNGUARDED_CHECK_S (a Docker call)
+            active = self.state in ACTIVE_STATES
+            if not active or time.monotonic() - self._unguarded_checked >= UNGUARDED_CHECK_S:
+                self._unguarded_checked = time.monotonic()
+                await self._follow_guarded_name(active)
         if self.container_id is None:
             if self.mode == "guard":
                 await self._attach()
@@ -802,6 +828,27 @@ class Supervisor(RunBook):
         if rec is not None and self.running() and (self.container_started_at or 0.0) < rec.since:
             # the run sparkd was stopping in an emergency when it went away (crash, kill -9): the decision stands
             self._bg = asyncio.create_task(self._finish_interrupted_stop(rec))
+
+    async def _follow_guarded_name(self, was_active: bool) -> None:
+        """Guard mode: watch the running container that has the guarded name now, when it is not the one watched
+        (``_attach``); a ``guarded_container_changed`` event names both, critical when the one left still runs
+        (renamed: it is not stopped by a trip any more)."""
+        old_id, old_name, old_state = self.container_id, self.name, self.state
+        await self._attach()
+        if self.container_id == old_id or old_id is None:
+            return
+        left = (
+            f"the one watched before, {old_name} ({old_id[:12]}), still ran under another name: NOT guarded any more"
+            if was_active
+            else f"the one watched before, {old_id[:12]}, was {old_state}"
+        )
+        self._event(
+            "guarded_container_changed",
+            f"now guarding {self.name} ({(self.container_id or '')[:12]}), the running container named "
+            f"{self.settings.container.guard!r}; {left}",
+            severity="critical" if was_active else "warning",
+            details={"container_id": self.container_id, "previous_id": old_id, "previous_running": was_active},
+        )
 
     async def _finish_interrupted_stop(self, rec: IntentRecord) -> None:
         """Finish an emergency stop begun before sparkd's last exit (its intent was written before the stop;

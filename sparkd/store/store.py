@@ -1060,6 +1060,18 @@ class Writer:
             handle.cancel()
             self._gather_fut = None
 
+    async def written_until(self, ts: float, timeout_s: float) -> bool:
+        """Wait on the loop, taking nothing from the writer, until the records up to ``ts`` (UTC epoch s) are in the
+        database (``safe_until``), at most ``timeout_s``: True when they are, False at once when no database is
+        open. A postmortem archive asks before it reads (``act.stop.write_postmortem``): unlike ``flush``, a
+        database locked or gone neither holds up the stop for the retries nor drops the queued records."""
+        deadline = time.monotonic() + timeout_s
+        while self.safe_until < ts:
+            if self.store is None or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     def flush(self, attempts: int = 3) -> int:
         """Write everything still queued (synchronously, at shutdown). Returns items written;
         a batch the database keeps refusing after ``attempts`` tries is dropped and counted.

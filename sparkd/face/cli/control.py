@@ -70,6 +70,8 @@ def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False
         )
     if out.get("launch_id"):
         click.echo(f"launched: launch {out['launch_id']} (follow with `sparkd status`)")
+    if out.get("warning"):
+        click.echo(f"warning: {out['warning']}")
 
 
 @main.command()

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from sparkd.config import Settings
 from sparkd.errors import SparkdError, StoreError
 from sparkd.face.cli.base import (
     CLOCK_SLACK_S,
@@ -83,6 +84,12 @@ def _run_loop(main_coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main_coro)
 
 
+def _archive_of(settings: Settings, stop: dict[str, Any] | None) -> str | None:
+    """The path of the archive a stop event names (``details.archive``), or None."""
+    name = ((stop or {}).get("details") or {}).get("archive")
+    return str(settings.archives_path / name) if name else None
+
+
 def _echo_snapshot(st: Status) -> None:
     """Rules, watermark warnings, driver memory, GPUs and the container of a stored status."""
     if st.rules:
@@ -135,6 +142,21 @@ def _echo_snapshot(st: Status) -> None:
             f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a stop acts on the model's "
             "processes (its archive without the container's log); start, restart and resize wait for the engine"
         )
+    sv = c.supervision
+    if sv is not None and sv.intent is not None and c.state.value in ("stopped", "exited", "failed", "none"):
+        i = sv.intent
+        after = (
+            f"relaunch scheduled at {_ts(sv.pending_relaunch.get('at'))} UTC"
+            if sv.pending_relaunch
+            else "stays stopped until `sparkd start`"
+        )
+        click.echo(f"stopped by: {i.intent} ({i.who}) at {_ts(i.since)} UTC — {after}")
+    if sv is not None and sv.breaker.open:
+        b = sv.breaker
+        click.echo(
+            f"CIRCUIT BREAKER OPEN since {_ts(b.open_since)} UTC: {b.count} emergency stops (threshold {b.threshold} "
+            f"in {_span(b.window_s)}); no automatic relaunch until `sparkd rearm`"
+        )
     if c.unguarded is not None:
         u = c.unguarded
         click.echo(
@@ -164,6 +186,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         # a wall clock stepped back leaves samples dated in the future: they are not the latest reading
         latest = store.latest_sample(until=now + CLOCK_SLACK_S)
         events = store.events(limit=10)
+        last_stop = store.events(kinds=("stopped", "killed", "stop_unconfirmed"), limit=1)
     except READ_ERRORS as err:  # disk full, corrupt, locked: one line, no traceback
         why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
         raise StoreError(
@@ -193,6 +216,8 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "notify": snap.get("notify"),
         "gpu": snap.get("gpu"),
         "consumers": snap.get("consumers"),
+        "nearest_stop": snap.get("nearest_stop"),
+        "last_archive": _archive_of(settings, last_stop[0] if last_stop else None),
         "events": events,
         "db_path": str(settings.db_file),
     }
@@ -230,6 +255,8 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         click.echo("no status snapshot yet")
     else:
         _echo_snapshot(st)
+    if data["last_archive"]:
+        click.echo(f"last stop's postmortem archive: {data['last_archive']}")
     if events:
         click.echo("recent events:")
         for e in events:
