@@ -243,6 +243,9 @@ class NotifySettings(BaseModel):
             "heartbeat",
             "stopped",
             "killed",
+            "stop_unconfirmed",  # it replaced a false "stopped": never quieter than what it replaced
+            "stop_without_docker",
+            "guarded_container_changed",
             "nvrm_burst",
             "oom_kill",
             "leak_trend",

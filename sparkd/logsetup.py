@@ -69,17 +69,17 @@ def reopen_if_gone() -> str | None:
         if not isinstance(h, logging.handlers.RotatingFileHandler):
             continue
         path = Path(h.baseFilename)
+        h.acquire()  # not while a rollover swaps the stream
         try:
-            st = os.stat(path)
-            cur = os.fstat(h.stream.fileno()) if h.stream is not None else None
-            gone = cur is None or (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino)
-        except FileNotFoundError:
-            gone = True
-        if not gone:
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        h.acquire()
-        try:
+            try:
+                st = os.stat(path)
+                cur = os.fstat(h.stream.fileno()) if h.stream is not None else None
+                gone = cur is None or (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino)
+            except FileNotFoundError:
+                gone = True
+            if not gone:
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
             old, h.stream = h.stream, h._open()
             if old is not None:
                 old.close()

@@ -369,8 +369,15 @@ def test_a_trip_while_containerd_hangs_under_an_answering_dockerd_stops_the_mode
             ), done
             sev = db_query(s.db, "SELECT severity FROM events WHERE kind='stop_unconfirmed'")
             assert sev == [("critical",)]
+            # containerd still hung, the processes gone: the stop is not taken through the engine again (it did, every
+            # step: a new archive, "stopping" and a critical stop_unconfirmed every ~15 s for as long as it hung)
+            time.sleep(2.0 + ENGINE_MARGIN_S + 5)
+            assert len(s.events("stop_unconfirmed")) == 1 and len(s.events("stopping")) == 2, s.events("stopping")
+            # the archive before the stop through Docker, and the stop by the processes' own: no more
+            assert len(list((Path(s.tmp) / "archives").glob("*.tar.gz"))) == 2
         finally:
             os.kill(containerd[0], signal.SIGCONT)
+        print(f"containerd hung: the model was gone {took_s:.1f} s after the trip")
         assert took_s < 2.0 + ENGINE_MARGIN_S + 15, f"the model ran {took_s:.1f} s after the trip"
         (proc / "meminfo").write_text(HIGH)
 

@@ -28,6 +28,7 @@ def _run(
     grace_s: float,
     archive_after: bool = False,
     archived_while: list[bool] | None = None,
+    removed: bool = False,
 ) -> tuple[StopReport, list]:
     events: list[tuple[str, str, str]] = []
     started: list[float | None] = []
@@ -68,7 +69,8 @@ def _run(
     )
     assert started == [target.started_at]  # the /dev/shm age test gets this run's start time
     assert before == ["running"]
-    assert rep.stopped_at is not None and rep.stopped_at >= (target.started_at or 0)  # Docker's FinishedAt
+    if not removed:  # a removed container has no FinishedAt to read
+        assert rep.stopped_at is not None and rep.stopped_at >= (target.started_at or 0)  # Docker's FinishedAt
     return rep, events
 
 
@@ -110,3 +112,31 @@ def test_below_the_hard_floor_during_the_grace_it_kills_at_once(mgr: ContainerMa
     assert rep.durations_s["stop"] < 10  # not the 20 s grace
     assert [k for k, _s, _m in events] == ["stopping", "hard_floor_kill", "killed"]
     assert "0.50 GiB < hard floor 1.00 GiB" in events[1][2]
+
+
+def test_a_container_removed_right_after_its_stop_is_stopped_not_unconfirmed(
+    mgr: ContainerManager, launcher: Any
+) -> None:
+    """``docker run --rm`` (or ``docker rm -f`` during the stop): the inspect after the stop answers "no such
+    container". Read as an unconfirmed stop, it was a critical ``stop_unconfirmed`` and a search for processes,
+    though the container runs no more."""
+    from sparkd.errors import NotFound
+
+    fv = launcher(mode="graceful", startup_s=0.2)
+    assert fv.wait_healthy()
+    info = mgr.get(fv.id)
+
+    class RemovedOnStop:  # the real engine; the container is removed right after its stop, as --rm does
+        def __getattr__(self, name: str) -> Any:
+            return getattr(mgr, name)
+
+        def stop(self, cid: str, timeout_s: float = 30.0) -> Any:
+            result = mgr.stop(cid, timeout_s)
+            mgr.remove(cid)
+            return result
+
+    rep, events = _run(RemovedOnStop(), StopTarget(fv.id, fv.name, info.started_at), [8 * GiB], 10, removed=True)  # type: ignore[arg-type]
+    assert rep.confirmed and rep.outcome == "exited", rep
+    assert [k for k, _s, _m in events] == ["stopping", "stopped"], events
+    with pytest.raises(NotFound):
+        mgr.state(fv.id)

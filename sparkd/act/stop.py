@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sparkd.act import archive, shm
 from sparkd.config import effective_config
+from sparkd.errors import NotFound, Refused
 from sparkd.units import fmt_gib
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class StopReport:
     # read failed (refused, or the engine hung: ``engine_hung``), and the model may still run
     confirmed: bool = False
     engine_hung: str | None = None  # why the engine's answers were not waited for any longer (None: it answered)
+    refused: bool = False  # the engine refused the stop (not owned or guarded): never escalated to the processes
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -424,6 +426,7 @@ async def _stop_and_confirm(
             rep.outcome += " via kill fallback"
     except Exception as e:
         rep.errors.append(f"docker stop failed: {e}")
+        rep.refused = isinstance(e, Refused)
         try:
             if not await _bounded(docker.kill, cid):
                 rep.engine_hung = f"docker kill did not return within {ENGINE_MARGIN_S:g} s"
@@ -433,19 +436,35 @@ async def _stop_and_confirm(
         except Exception as e2:
             rep.errors.append(f"kill failed: {e2}")
     try:
-        st = await asyncio.to_thread(docker.state, cid)
+        # a kill returns when the signal is sent, not when a 100 GiB process has exited: its exit is waited for
+        st = await _exited(docker, cid, ENGINE_MARGIN_S if "kill" in (rep.outcome or "") else 0.0)
         if st.running:  # still running after stop: kill (step 4)
             await asyncio.to_thread(docker.kill, cid)
-            st = await asyncio.to_thread(docker.state, cid)
+            st = await _exited(docker, cid, ENGINE_MARGIN_S)
             rep.outcome = "killed (still running after stop)"
         rep.exit_code, rep.oom_killed, rep.stopped_at = st.exit_code, st.oom_killed, st.finished_at
         rep.confirmed = not st.running
+    except NotFound as e:  # removed meanwhile (docker run --rm, docker rm -f): it runs no more
+        rep.confirmed = True
+        rep.outcome = rep.outcome or "removed"
+        rep.errors.append(f"inspect: {e}")
     except Exception as e:
         rep.errors.append(f"inspect failed: {e}")
 
 
 #: seconds an engine that answered its ping is given beyond a stop's grace (and for a kill) before it counts as hung
 ENGINE_MARGIN_S = 10.0
+
+
+async def _exited(docker: Stopper, cid: str, wait_s: float) -> Any:
+    """Docker's state of ``cid``, read again every 0.2 s for up to ``wait_s`` while it still runs. Raises what
+    ``docker.state`` raises (``NotFound``: removed)."""
+    deadline = time.monotonic() + wait_s
+    st = await asyncio.to_thread(docker.state, cid)
+    while st.running and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        st = await asyncio.to_thread(docker.state, cid)
+    return st
 
 
 async def _bounded(fn: Callable[[str], object], cid: str) -> bool:

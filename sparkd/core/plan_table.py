@@ -71,7 +71,10 @@ def render_plan_table(
         ("wish = fixed + max(kv_need, KV target)", g(plan.wish_gib)),
         ("cap = MemTotal − host reserve", g(plan.cap_gib)),
         "results",
-        (f"gmu ({plan.gmu_source}: floor(min(wish, cap) / MemTotal, 0.001))", f"{plan.gmu:.3f}"),
+        (
+            f"gmu ({plan.gmu_source}: floor(min(wish, cap) / MemTotal, 0.001); +0.001 if short of one request)",
+            f"{plan.gmu:.3f}",
+        ),
         ("budget = gmu × MemTotal", g(plan.budget_gib)),
         ("kv_exp = budget − fixed (vLLM profiling decides)", g(plan.kv_exp_gib)),
         ("max-length concurrency = kv_exp / kv_need", f"{plan.max_len_concurrency:.2f}"),

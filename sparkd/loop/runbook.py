@@ -16,7 +16,7 @@ from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.supervision import StopIntent
-from sparkd.errors import DockerUnavailable, SparkdError
+from sparkd.errors import DockerUnavailable, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -246,8 +246,10 @@ class RunBook(LaunchBook):
         after (the state stays ``stopping`` until the engine answers and the supervisor's next look).
 
         Raises DockerUnavailable when, through Docker, the stop is not confirmed (``StopReport.confirmed``: the
-        engine hung in it or refused it; a ``stop_unconfirmed`` event says so): the caller's emergency stops the
-        container by its processes, an operator's stop too (``Supervisor.request``)."""
+        engine hung in it or failed; a ``stop_unconfirmed`` event says so): an emergency (``emergency_stop``, a
+        stop handed over to a relaunch or resize), an operator's stop (``Supervisor.request``) and sparkd's own
+        stop at exit then stop the container by its processes; a restart, a resize or a relaunch ends with the
+        error, launching nothing. Raises Refused when the engine refused the stop (not sparkd's to stop)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
@@ -300,10 +302,10 @@ class RunBook(LaunchBook):
         self.stops_total += 1
         self.kills_total += rep.killed
         if stopper is None and not rep.confirmed:
-            # the engine hung in the stop, or refused it: never read as stopped (an emergency stops the processes)
-            raise DockerUnavailable(
-                f"the stop of {self.name} is not confirmed: {rep.engine_hung or '; '.join(rep.errors)[:400]}"
-            )
+            # never read as stopped. The engine hung in the stop (or failed): an emergency stops the processes.
+            # The engine refused it (not sparkd's to stop): said, never escalated to the processes
+            why = f"the stop of {self.name} is not confirmed: {rep.engine_hung or '; '.join(rep.errors)[:400]}"
+            raise Refused(why) if rep.refused and rep.engine_hung is None else DockerUnavailable(why)
         if stopper is None:
             await self.reconcile(probe=False, detail=reason)
         return rep

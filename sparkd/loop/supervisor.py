@@ -91,6 +91,14 @@ HANDING_OVER = ("relaunching", "resizing")
 EMERGENCY_PING_S = 3.0
 
 
+def _processes_of(container_id: str) -> list[int]:
+    """The pids of the container's processes by cgroup (``ProcessStopper.pids``); [] for an id it cannot read."""
+    try:
+        return ProcessStopper(container_id).pids()
+    except ValueError:
+        return []
+
+
 def _no_answer() -> str:
     """Why the engine counts as down after ``_engine_answers`` said no."""
     return f"no answer to a ping within {EMERGENCY_PING_S:g} s"
@@ -190,7 +198,13 @@ class Supervisor(RunBook):
         if self._task:
             self._task.cancel()
         if self.settings.container.stop_on_exit and self.container_id and self.state in ACTIVE_STATES:
-            await self._stop("sparkd is stopping (container.stop_on_exit)", "daemon")
+            why = "sparkd is stopping (container.stop_on_exit)"
+            try:
+                await self._stop(why, "daemon")
+            except DockerUnavailable as e:  # never out of the daemon's shutdown: its records are still to be written
+                await self._stop_without_docker("daemon", why, e.message, emergency=True)
+            except SparkdError as e:
+                self._event("stop_not_executed", f"daemon: {e.message}", severity="warning")
         if self._log_stop:
             self._log_stop.set()
 
@@ -360,6 +374,16 @@ class Supervisor(RunBook):
         if pending is None or self.container_id is None:
             return
         source, reason = pending
+        if not await asyncio.to_thread(_processes_of, self.container_id):
+            # its processes are gone: Docker's word is only read (an engine still hung in containerd would take each
+            # stop through it for the grace + ENGINE_MARGIN_S, with an archive and a critical event every time)
+            obs = await self.reconcile(probe=False)
+            if obs.exists and (obs.running or obs.restarting):
+                self.stopped_without_docker = pending  # Docker has not caught up yet: read again at the next step
+            elif not obs.exists:
+                self._forget()
+                await self._finish_launch("removed")
+            return
         try:
             await self._request("stop", source=source, reason=f"{reason} (finishing the stop made without the engine)")
         except Refused:  # not running: Docker's state read in request() moved it to stopped (or it is gone)
@@ -761,7 +785,10 @@ class Supervisor(RunBook):
         intent = self.unattended.intent_for(source)
         if self.running():
             await self._hold_and_count(self.breaker_key(), source, reason)
-            await self._stop(reason, source)
+            try:
+                await self._stop(reason, source)
+            except DockerUnavailable as e:  # the engine hung in the stop: its processes, as emergency_stop does
+                await self._stop_without_docker(source, reason, e.message, emergency=True)
             await self._finish_launch("stopped")
         self.stay_stopped = True
         await self.unattended.set_intent(intent, source, reason)
