@@ -200,14 +200,12 @@ async def _gather(
     try:
         if wait_s is None:
             return await asyncio.to_thread(fn, *args, **kw)
-        task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
-        task.add_done_callback(_retrieve)
-        done, _ = await asyncio.wait({task}, timeout=wait_s)
+        done, result = await _within(wait_s, fn, *args, **kw)
         if not done:
             missing[part] = f"{what} did not answer within {wait_s:g} s (the stop went on)"
             log.warning("postmortem: %s missing (%s did not answer within %g s)", part, what, wait_s)
             return None
-        return task.result()
+        return result
     except Exception as e:
         missing[part] = f"{what} failed: {e}"
         log.warning("postmortem: %s missing (%s failed: %s)", part, what, e)
@@ -238,8 +236,9 @@ async def write_postmortem(
     # the records up to now in the database first (the stop's own "stopping" event makes the writer write at once);
     # a database locked, slow or gone is not waited on longer than DB_WAIT_S, and what it has not taken comes
     # from sparkd's memory below. A flush held the stop ~15 s behind a locked database, and dropped the records.
-    live = list(d.live_samples)
-    newest = max([e["ts"] for e in list(d.recent_events)[:1]] + [x.ts for x in live[-1:]], default=None)
+    newest_event = d.recent_events[0]["ts"] if d.recent_events else None  # newest first
+    newest_sample = d.live_samples[-1].ts if d.live_samples else None  # oldest first
+    newest = max((t for t in (newest_event, newest_sample) if t is not None), default=None)
     written = d.writer is None or newest is None or await d.writer.written_until(newest, DB_WAIT_S)
     since = sup.launch_started_at or (now - s.container.archive_window_s)
     if engine_error is None:
@@ -394,7 +393,7 @@ async def _stop_and_confirm(
     cid = target.container_id
     deadline = time.monotonic() + grace_s + ENGINE_MARGIN_S
     stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
-    stop_task.add_done_callback(_retrieve)  # a stop given up on still ends, unheard
+    stop_task.add_done_callback(unheard)  # a stop given up on still ends, unheard
     while not stop_task.done():
         done, _ = await asyncio.wait({stop_task}, timeout=0.25)
         if done:
@@ -413,7 +412,7 @@ async def _stop_and_confirm(
                 severity="critical",
             )
             try:  # a kill that fails here leaves the stop under way (it kills after the grace), never the daemon
-                if not await _bounded(docker.kill, cid):
+                if not (await _within(ENGINE_MARGIN_S, docker.kill, cid))[0]:
                     rep.engine_hung = f"docker kill did not return within {ENGINE_MARGIN_S:g} s (hard floor)"
                     rep.errors.append(rep.engine_hung)
                     return
@@ -428,7 +427,7 @@ async def _stop_and_confirm(
         rep.errors.append(f"docker stop failed: {e}")
         rep.refused = isinstance(e, Refused)
         try:
-            if not await _bounded(docker.kill, cid):
+            if not (await _within(ENGINE_MARGIN_S, docker.kill, cid))[0]:
                 rep.engine_hung = f"docker kill did not return within {ENGINE_MARGIN_S:g} s"
                 rep.errors.append(rep.engine_hung)
                 return
@@ -467,22 +466,20 @@ async def _exited(docker: Stopper, cid: str, wait_s: float) -> Any:
     return st
 
 
-async def _bounded(fn: Callable[[str], object], cid: str) -> bool:
-    """``fn(cid)`` in a worker thread, waited on for ``ENGINE_MARGIN_S``: False when it did not return by then
-    (it goes on in its thread, unheard). Raises what ``fn`` raised."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, cid))
-    task.add_done_callback(_retrieve)
-    done, _ = await asyncio.wait({task}, timeout=ENGINE_MARGIN_S)
-    if not done:
-        return False
-    task.result()
-    return True
+async def _within(wait_s: float, fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[bool, Any]:
+    """``fn(*args, **kw)`` in a worker thread, waited on for ``wait_s``: (True, its result), or (False, None) when it
+    did not return by then (it goes on in its thread, unheard). Raises what ``fn`` raised."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kw))
+    task.add_done_callback(unheard)
+    done, _ = await asyncio.wait({task}, timeout=wait_s)
+    return (True, task.result()) if done else (False, None)
 
 
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    """A call given up on: its late error is nobody's to hear (not "exception never retrieved")."""
-    if not task.cancelled():
-        task.exception()
+def unheard(fut: asyncio.Future[Any]) -> None:
+    """Done callback of a call given up on (a hung engine): its late error is nobody's to hear, and asyncio does not
+    log "exception was never retrieved" for it."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: CleanupShm, emit: Emit) -> None:

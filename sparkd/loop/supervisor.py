@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
-from sparkd.act.stop import StopReport
+from sparkd.act.stop import StopReport, unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -102,11 +102,6 @@ def _processes_of(container_id: str) -> list[int]:
 def _no_answer() -> str:
     """Why the engine counts as down after ``_engine_answers`` said no."""
     return f"no answer to a ping within {EMERGENCY_PING_S:g} s"
-
-
-def _retrieve(fut: asyncio.Future[bool]) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class Supervisor(RunBook):
@@ -303,7 +298,7 @@ class Supervisor(RunBook):
         ping = self._ping
         if ping is None or ping.done():
             ping = self._ping = asyncio.ensure_future(asyncio.to_thread(self.manager.ping))
-            ping.add_done_callback(_retrieve)  # an answer nobody waits for any more is not an error
+            ping.add_done_callback(unheard)  # an answer nobody waits for any more is not an error
         try:
             return bool(await asyncio.wait_for(asyncio.shield(ping), EMERGENCY_PING_S))
         except Exception:  # TimeoutError, or the engine's error: no answer
