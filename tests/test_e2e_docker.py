@@ -407,6 +407,44 @@ def test_an_operators_stop_while_containerd_hangs_is_made_by_the_processes_not_s
             os.kill(containerd, signal.SIGCONT)
 
 
+def test_after_an_engine_hung_in_the_stop_the_processes_get_what_is_left_of_the_grace_not_a_second_one(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """containerd hung under an answering dockerd, a model that ignores SIGTERM, a 12 s grace: the stop through
+    Docker takes the grace + ``ENGINE_MARGIN_S`` (22 s), then the processes were given a second full grace (12 s
+    more; ~70 s to SIGKILL at the default 30 s). Now they get what is left of it, at least
+    ``FALLBACK_MIN_GRACE_S`` (5 s): SIGKILL ~5 s after ``stop_without_docker``."""
+    import signal
+
+    from sparkd.act.procstop import ProcessStopper
+    from sparkd.act.stop import ENGINE_MARGIN_S, FALLBACK_MIN_GRACE_S
+
+    grace_s = 12.0
+    with _on_private_engine(
+        tmp_path, image, case_labels, stop_timeout_s=grace_s, env={"FAKEVLLM_MODE": "ignore-term"}
+    ) as (engine, s, proc):
+        c = s.wait_state("ready", 60)
+        stopper = ProcessStopper(c["container_id"])
+        assert stopper.pids()
+        containerd = _containerd_of(engine)
+        os.kill(containerd, signal.SIGSTOP)
+        try:
+            (proc / "meminfo").write_text(LOW)
+            said = s.wait_event("stop_without_docker", grace_s + ENGINE_MARGIN_S + 20)
+            seen = time.monotonic()
+            d = said["details"]
+            assert d["grace_s"] == FALLBACK_MIN_GRACE_S and d["stop_began_s_ago"] >= grace_s, d
+            left = f"SIGKILL after {FALLBACK_MIN_GRACE_S:g} s (what is left of the {grace_s:g} s grace"
+            assert left in said["message"], said["message"]
+            assert wait_for(lambda: stopper.pids() == [], grace_s + 10, 0.1), f"still running: {stopper.pids()}"
+            took_s = time.monotonic() - seen
+        finally:
+            os.kill(containerd, signal.SIGCONT)
+        print(f"SIGTERM ignored: the processes were killed {took_s:.1f} s after stop_without_docker")
+        assert FALLBACK_MIN_GRACE_S - 1.0 <= took_s < grace_s - 2.0, took_s
+        (proc / "meminfo").write_text(HIGH)
+
+
 def _containerd_of(engine: PrivateEngine) -> int:
     """The pid of the containerd a private dockerd started (its child)."""
     assert engine.proc is not None

@@ -140,3 +140,29 @@ def test_a_container_removed_right_after_its_stop_is_stopped_not_unconfirmed(
     assert [k for k, _s, _m in events] == ["stopping", "stopped"], events
     with pytest.raises(NotFound):
         mgr.state(fv.id)
+
+
+@pytest.mark.parametrize(
+    ("grace_s", "spent_s", "expected"),
+    [
+        (30.0, 0.0, 30.0),  # nothing spent through Docker: the whole grace
+        (30.0, 2.5, 27.5),  # the ping failed (engine down): the rest of the grace
+        (30.0, 40.0, 5.0),  # the engine hung in docker stop for grace + margin: FALLBACK_MIN_GRACE_S, not 30 s more
+        (2.0, 12.0, 2.0),  # a grace shorter than the minimum is not lengthened
+        (0.0, 5.0, 0.0),
+    ],
+)
+def test_a_stop_by_the_processes_after_docker_gets_what_is_left_of_the_grace(
+    grace_s: float, spent_s: float, expected: float
+) -> None:
+    from sparkd.act.stop import fallback_grace_s
+
+    assert fallback_grace_s(grace_s, spent_s) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("grace_s", "spent_s"), [(-1.0, 0.0), (30.0, -0.1)])
+def test_a_negative_grace_or_time_spent_is_refused(grace_s: float, spent_s: float) -> None:
+    from sparkd.act.stop import fallback_grace_s
+
+    with pytest.raises(ValueError, match="must be >= 0"):
+        fallback_grace_s(grace_s, spent_s)

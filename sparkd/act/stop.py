@@ -454,6 +454,24 @@ async def _stop_and_confirm(
 #: seconds an engine that answered its ping is given beyond a stop's grace (and for a kill) before it counts as hung
 ENGINE_MARGIN_S = 10.0
 
+#: the least SIGTERM time the processes get when a stop through Docker used up its grace first (s): a choice, a
+#: chance for vLLM to exit on its own before SIGKILL, not a measured figure
+FALLBACK_MIN_GRACE_S = 5.0
+
+
+def fallback_grace_s(grace_s: float, spent_s: float) -> float:
+    """The SIGTERM grace (s) of a stop made by the container's processes after ``spent_s`` seconds of a stop that
+    went through Docker first (the engine hung in it, or did not answer its ping): what is left of ``grace_s``
+    (``container.stop_timeout_s``), at least ``FALLBACK_MIN_GRACE_S`` (or ``grace_s`` when that is shorter).
+
+    A stop counts its grace from when it began: an engine that hung in ``docker stop`` for the grace plus
+    ``ENGINE_MARGIN_S`` and then a full second grace took the model to SIGKILL only after ~70 s at the default 30 s
+    (note 10). Now at most grace + ``ENGINE_MARGIN_S`` + ``FALLBACK_MIN_GRACE_S``; the hard floor still kills at
+    once. Raises ValueError for a negative grace or time spent."""
+    if grace_s < 0 or spent_s < 0:
+        raise ValueError(f"grace_s = {grace_s!r}, spent_s = {spent_s!r}: both must be >= 0 (seconds)")
+    return max(min(grace_s, FALLBACK_MIN_GRACE_S), grace_s - spent_s)
+
 
 async def _exited(docker: Stopper, cid: str, wait_s: float) -> Any:
     """Docker's state of ``cid``, read again every 0.2 s for up to ``wait_s`` while it still runs. Raises what

@@ -235,7 +235,13 @@ class RunBook(LaunchBook):
             self.restarts.append(time.time())
 
     async def _stop(
-        self, reason: str, source: str, *, archive_first: bool = True, stopper: ProcessStopper | None = None
+        self,
+        reason: str,
+        source: str,
+        *,
+        archive_first: bool = True,
+        stopper: ProcessStopper | None = None,
+        grace_s: float | None = None,
     ) -> StopReport:
         """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its
         dependencies handed in, then Docker's state read again (``stopped``).
@@ -244,6 +250,7 @@ class RunBook(LaunchBook):
         (``act.procstop``), its archive written after the stop without the engine's parts
         (``container.log``, ``inspect.json``: missing, with the reason), and no read of Docker's state
         after (the state stays ``stopping`` until the engine answers and the supervisor's next look).
+        ``grace_s``: the SIGTERM grace (s); None: ``container.stop_timeout_s``.
 
         Raises DockerUnavailable when, through Docker, the stop is not confirmed (``StopReport.confirmed``: the
         engine hung in it or failed; a ``stop_unconfirmed`` event says so): an emergency (``emergency_stop``, a
@@ -288,7 +295,7 @@ class RunBook(LaunchBook):
                 keeper,
                 reason=reason,
                 source=source,
-                grace_s=s.container.stop_timeout_s,
+                grace_s=s.container.stop_timeout_s if grace_s is None else grace_s,
                 hard_floor_bytes=parse_size(s.container.hard_floor),
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.act.docker import ContainerManager
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
-from sparkd.act.stop import StopReport, unheard
+from sparkd.act.stop import StopReport, fallback_grace_s, unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -194,10 +194,11 @@ class Supervisor(RunBook):
             self._task.cancel()
         if self.settings.container.stop_on_exit and self.container_id and self.state in ACTIVE_STATES:
             why = "sparkd is stopping (container.stop_on_exit)"
+            began = time.monotonic()
             try:
                 await self._stop(why, "daemon")
             except DockerUnavailable as e:  # never out of the daemon's shutdown: its records are still to be written
-                await self._stop_without_docker("daemon", why, e.message, emergency=True)
+                await self._stop_without_docker("daemon", why, e.message, emergency=True, began_at=began)
             except SparkdError as e:
                 self._event("stop_not_executed", f"daemon: {e.message}", severity="warning")
         if self._log_stop:
@@ -228,6 +229,7 @@ class Supervisor(RunBook):
         """A rule, the hard floor or the probe: stop through the normal procedure, count it once per launch
         toward the breaker, then the relaunch decision (intent ``emergency``)."""
         key, was_running = self.breaker_key(), self.running()
+        began = time.monotonic()  # the stop's grace counts from here, through Docker or not (fallback_grace_s)
         uptime = time.time() - self.container_started_at if self.container_started_at else None
         ready = self.ready_at is not None
         held = was_running and not self.lock.locked()
@@ -259,7 +261,7 @@ class Supervisor(RunBook):
             # the engine is down or hung: the model is stopped by its processes, as the engine would have
             if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
                 self.emergency_inbox = (source, reason)
-            not_done = await self._stop_without_docker(source, reason, e.message, emergency=True)
+            not_done = await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
             if isinstance(not_done, str):
                 self._event(
                     "stop_not_executed",
@@ -305,7 +307,7 @@ class Supervisor(RunBook):
             return False
 
     async def _stop_without_docker(
-        self, source: str, reason: str, why: str, *, emergency: bool
+        self, source: str, reason: str, why: str, *, emergency: bool, began_at: float | None = None
     ) -> tuple[StopReport, list[int]] | str:
         """The stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
@@ -315,6 +317,11 @@ class Supervisor(RunBook):
         or, when nothing was done, why (no process of the container runs, or its id is not known yet). The
         state stays ``stopping`` until the engine answers again; the supervisor then finishes the stop through
         Docker (``finish_stop_with_docker``).
+
+        ``began_at``: when the stop began (monotonic s), before a try through Docker: the SIGTERM grace is what is
+        left of ``container.stop_timeout_s`` since then, at least ``act.stop.FALLBACK_MIN_GRACE_S``
+        (``fallback_grace_s``; an engine hung in ``docker stop`` took the model to SIGKILL after ~70 s at the
+        default 30 s grace). None: the whole grace.
 
         ``emergency``: a rule, the hard floor or the probe. An action hung on the engine may hold the lock; an
         emergency does not wait for it. Anyone else (an operator's stop) is refused with Conflict then, as
@@ -329,19 +336,31 @@ class Supervisor(RunBook):
         if not emergency:
             self._refuse_if_busy()
         self._engine_down(why)
-        grace = self.settings.container.stop_timeout_s
+        full = self.settings.container.stop_timeout_s
+        spent = 0.0 if began_at is None else max(0.0, time.monotonic() - began_at)
+        grace = fallback_grace_s(full, spent)
+        left_of = f" (what is left of the {full:g} s grace: the stop began {spent:.0f} s ago)" if grace < full else ""
         self._event(
             "stop_without_docker",
             f"{source}: the Docker engine does not answer ({why}): stopping {self.name} by its {len(pids)} "
-            f"processes: SIGTERM to its init, SIGKILL after {grace:g} s",
+            f"processes: SIGTERM to its init, SIGKILL after {grace:g} s{left_of}",
             severity="critical",
-            details={"container_id": stopper.container_id, "pids": pids[:100], "engine_error": why},
+            details={
+                "container_id": stopper.container_id,
+                "pids": pids[:100],
+                "engine_error": why,
+                "grace_s": round(grace, 1),
+                "stop_began_s_ago": round(spent, 1),
+            },
         )
         async with self.lock if not self.lock.locked() else contextlib.nullcontext():
             action, self.action = self.action, "stopping"
             try:
                 rep = await self._stop(
-                    f"{reason} (the Docker engine does not answer: stopped by its processes)", source, stopper=stopper
+                    f"{reason} (the Docker engine does not answer: stopped by its processes)",
+                    source,
+                    stopper=stopper,
+                    grace_s=grace,
                 )
             finally:
                 if self.action == "stopping":  # a hung action that held the lock may have ended meanwhile
@@ -483,25 +502,26 @@ class Supervisor(RunBook):
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
         self._refuse_if_busy()
+        began = time.monotonic()
         if action == "stop" and not await self._engine_answers():
-            return await self._requested_stop_without_docker(source, reason)
+            return await self._requested_stop_without_docker(source, reason, began_at=began)
         try:
             return await self._request(action, source=source, reason=reason, force=force)
         except DockerUnavailable as e:
             if action != "stop" or self.container_id is None:
                 raise
             # the engine answered its ping, then hung in the stop or refused it (RunBook._stop): the processes
-            return await self._requested_stop_without_docker(source, reason, e.message)
+            return await self._requested_stop_without_docker(source, reason, e.message, began_at=began)
 
     async def _requested_stop_without_docker(
-        self, source: str, reason: str | None, why: str | None = None
+        self, source: str, reason: str | None, why: str | None = None, *, began_at: float | None = None
     ) -> dict[str, Any]:
         """``request("stop")`` with the engine silent (``why``: what it did instead of answering): stopped by its
         processes; the operator's intent is set (it stays stopped, and a relaunch scheduled before is cancelled)."""
         error = why or self.engine_error
         why = why or _no_answer()
         reason = reason or f"stop requested by {source}"
-        done = await self._stop_without_docker(source, reason, why, emergency=False)
+        done = await self._stop_without_docker(source, reason, why, emergency=False, began_at=began_at)
         if isinstance(done, str):
             if self.container_id is None:
                 raise DockerUnavailable(f"the Docker engine does not answer ({why}) and {done}")
@@ -780,10 +800,11 @@ class Supervisor(RunBook):
         intent = self.unattended.intent_for(source)
         if self.running():
             await self._hold_and_count(self.breaker_key(), source, reason)
+            began = time.monotonic()
             try:
                 await self._stop(reason, source)
             except DockerUnavailable as e:  # the engine hung in the stop: its processes, as emergency_stop does
-                await self._stop_without_docker(source, reason, e.message, emergency=True)
+                await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
             await self._finish_launch("stopped")
         self.stay_stopped = True
         await self.unattended.set_intent(intent, source, reason)
