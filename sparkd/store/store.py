@@ -12,6 +12,7 @@ sizes bytes).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -735,6 +736,33 @@ def _ts_of(p: Any) -> float | None:
     return ts if isinstance(ts, int | float) else None
 
 
+class RecordQueue:
+    """The records waiting for the writer, oldest first, at most ``maxsize`` of them (``Writer.submit`` drops a
+    record beyond that; ``maxsize`` <= 0: no bound). ``items`` is a ``collections.deque`` (in C, safe to append
+    and pop from two threads), not an ``asyncio.Queue``: its ``put_nowait`` ran four Python frames in every
+    tick, which on an idle host each cost several µs cold (issue 18). ``Writer.run`` waits for a first record
+    through a future of its own."""
+
+    __slots__ = ("items", "maxsize")
+
+    def __init__(self, maxsize: int) -> None:
+        self.items: collections.deque[tuple[str, Any]] = collections.deque()
+        self.maxsize = maxsize
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def full(self) -> bool:
+        return 0 < self.maxsize <= len(self.items)
+
+    def get_nowait(self) -> tuple[str, Any]:
+        """The oldest record. Raises IndexError when there is none."""
+        return self.items.popleft()
+
+
 class Writer:
     """Bounded queue → batched writes in the writer's own thread.
 
@@ -764,7 +792,8 @@ class Writer:
         self.store = store
         self.write_every_s = write_every_s
         self._urgent_queued = False  # an item outside GATHERED waits in the queue
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=maxsize)
+        self.queue = RecordQueue(maxsize)
+        self._getter: asyncio.Future[None] | None = None  # run() waits on it for a record while none is queued
         self.batch_max = batch_max
         self.dropped = 0
         self.written = 0
@@ -823,10 +852,14 @@ class Writer:
     def submit(self, kind: str, payload: Any, *, urgent: bool = False) -> bool:
         """Queue one record (never blocks, never raises; False when the queue is full and it was dropped).
         ``urgent``: write it (and what was gathered) at once, though its kind is one ``GATHERED``."""
-        try:
-            self.queue.put_nowait((kind, payload))
+        q = self.queue
+        if not 0 < q.maxsize <= len(q.items):
+            q.items.append((kind, payload))
             if urgent or kind not in GATHERED:
                 self._urgent_queued = True
+            getter = self._getter
+            if getter is not None and not getter.done():
+                getter.set_result(None)  # run() waited for a first record
             fut = self._gather_fut
             if (
                 fut is not None
@@ -835,27 +868,38 @@ class Writer:
             ):
                 fut.set_result(None)  # urgent, or due: this submit (the guard's tick) ends the gathering
             return True
-        except asyncio.QueueFull:
-            self.dropped += 1
-            if not self._drop_logged:
-                log.warning(
-                    "database writer is behind: queue full (%d items); dropping records after the rules saw them",
-                    self.queue.maxsize,
-                )
-                self._drop_logged = True
-                if self.on_trouble is not None:  # the keeper reports it (an event, not only a log line)
-                    self.on_trouble()
-            return False
+        self.dropped += 1
+        if not self._drop_logged:
+            log.warning(
+                "database writer is behind: queue full (%d items); dropping records after the rules saw them",
+                self.queue.maxsize,
+            )
+            self._drop_logged = True
+            if self.on_trouble is not None:  # the keeper reports it (an event, not only a log line)
+                self.on_trouble()
+        return False
 
     def _take_batch(self, first: tuple[str, Any] | None = None) -> list[tuple[str, Any]]:
         batch = [first] if first else []
+        items = self.queue.items
         while len(batch) < self.batch_max:
-            try:
-                batch.append(self.queue.get_nowait())
-            except asyncio.QueueEmpty:
+            if not items:
                 self._urgent_queued = False
                 break
+            batch.append(items.popleft())
         return batch
+
+    async def _get(self) -> tuple[str, Any]:
+        """The oldest queued record, waiting (on the loop) for a ``submit`` while there is none."""
+        items = self.queue.items
+        while not items:
+            loop = self._loop or asyncio.get_running_loop()
+            self._getter = loop.create_future()
+            try:
+                await self._getter
+            finally:
+                self._getter = None
+        return items.popleft()
 
     def _write(self, batch: list[tuple[str, Any]]) -> bool:
         """Write one batch; False (and logged once per episode) when the database refused it.
@@ -934,7 +978,7 @@ class Writer:
         while True:
             pending = self._pending if self._pending else None
             if pending is None:
-                first = await self.queue.get()
+                first = await self._get()
                 holder = [first]
                 self._pending = holder  # out of the queue while we gather: a shutdown flush must see it
                 if first[0] in GATHERED and self.write_every_s > 0:
