@@ -227,6 +227,31 @@ def test_the_token_and_the_log_file_are_written_again_after_the_state_dir_was_re
         assert wait_for(lambda: "state_files_restored" in (state / "logs" / "sparkd.log").read_text(), 10.0)
 
 
+def test_a_token_deleted_alone_is_written_again_within_a_write_not_at_the_idle_check(tmp_path: Path) -> None:
+    """The token deleted with the database beside it untouched: the keeper was woken only by its idle check
+    (``DB_IDLE_CHECK_S``, 60 s), so a new user measured 40-55 s without a token. The writer's thread now looks at
+    the state directory after each write (``Writer.dirs_changed``): back within ~one write."""
+    from sparkdproc import free_port
+
+    from sparkd.loop.daemon_db import DB_IDLE_CHECK_S
+    from sparkd.store.store import WRITE_EVERY_S
+
+    state = tmp_path / "state"
+    cfg = f'interval_s = 0.2\nfast_interval_s = 0.2\n[api]\nhost = "127.0.0.1"\nport = {free_port()}\n'
+    with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state, env={"SPARKD_LOG_DIR": str(state / "logs")}):
+        token = state / "token"
+        assert wait_for(lambda: token.exists() and db_query(state / "sparkd.db", "SELECT 1 FROM samples"), 20.0)
+        before = token.read_text()
+        time.sleep(WRITE_EVERY_S + 1.5)  # past the first writes: the keeper's start-up wake is behind us
+        t0 = time.monotonic()
+        token.unlink()
+        assert wait_for(token.exists, 2 * WRITE_EVERY_S + 5.0, 0.1), "token not written again"
+        took_s = time.monotonic() - t0
+        assert token.read_text() == before
+        print(f"token deleted alone: back after {took_s:.1f} s")
+        assert took_s < DB_IDLE_CHECK_S / 4, took_s
+
+
 def test_the_state_dir_name_held_by_another_user_does_not_keep_the_guard_from_starting(tmp_path: Path) -> None:
     """Abstract socket names have no permissions: a process of another uid holding the name is ignored
     (logged), never a reason to leave the host unguarded."""

@@ -403,6 +403,9 @@ class Daemon:
         self.writer = Writer(None, maxsize=s.queue_max)
         self.writer.check_file = self.db.replaced
         self.writer.on_trouble = self._db_alarm.wake
+        # a state file deleted alone (the token) is written again within a write, not at the keeper's idle check
+        dirs = (s.state_dir, str(s.logs_path), str(s.token_file.parent))
+        self.writer.watched_dirs = tuple(dict.fromkeys(os.path.abspath(d) for d in dirs))
         db_task = asyncio.create_task(self._db_loop(), name="sparkd-db")
         self._tasks.append(db_task)
         await asyncio.wait([asyncio.ensure_future(self._db_opened.wait())], timeout=_daemon_db.DB_FIRST_WAIT_S)

@@ -128,8 +128,9 @@ async def db_loop(daemon: Daemon) -> None:
 
 async def keep_files(daemon: Daemon) -> None:
     """Write again the state files deleted while sparkd runs (``Daemon.state_keepers``: its log file, the
-    API token, the supervision state), at each wake of the database keeper: within seconds of an ``rm -rf``
-    of the state dir (the writer finds the database gone and wakes it), else within ``DB_IDLE_CHECK_S``.
+    API token, the supervision state), at each wake of the database keeper: within one write of the writer
+    (``WRITE_EVERY_S``) after a deletion, which finds the database gone or a watched directory changed
+    (``Writer.dirs_changed``) and wakes it; else within ``DB_IDLE_CHECK_S``.
     What was written is said in one ``state_files_restored`` warning; a file that cannot be written is
     logged once per distinct reason (the keeper tries again at its next wake)."""
     restored: list[str] = []

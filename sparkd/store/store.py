@@ -828,8 +828,12 @@ class Writer:
         # newest ``ts`` of a record known to be in the database file at its path (what is newer waits in
         # the queue: ``loop.reads`` answers it from memory)
         self.safe_until = 0.0
-        # on the event loop, when the keeper has something to do (fatal, lost, refusals)
+        # on the event loop, when the keeper has something to do (fatal, lost, refusals, a watched directory changed)
         self.on_trouble: Callable[[], None] | None = None
+        # directories of the state files sparkd writes again when deleted (the token, the stop intent, its log):
+        # looked at after each write (``dirs_changed``); the daemon sets them
+        self.watched_dirs: tuple[str, ...] = ()
+        self._dir_mtimes: dict[str, int | None] = {}
         # held while a batch is written: flush() at shutdown waits for a write still in flight in the
         # worker thread (cancelling ``run`` cannot stop that thread), then sees exactly what is left
         self._lock = threading.Lock()
@@ -1060,8 +1064,26 @@ class Writer:
                 failing = self.store is not None and (
                     self.failing_for() >= FAILING_REPORT_S or is_full(self.last_error)
                 )
-                if (self.fatal or self.lost or self.refusals or failing) and self.on_trouble is not None:
+                changed = self.dirs_changed()
+                if (self.fatal or self.lost or self.refusals or failing or changed) and self.on_trouble is not None:
                     loop.call_soon_threadsafe(self.on_trouble)
+
+    def dirs_changed(self) -> bool:
+        """Whether an entry was made or removed in a directory of ``watched_dirs`` (its ``st_mtime_ns`` moved, or
+        it is gone) since the last look; the first look only notes them. Called by the writer's thread after each
+        write (one ``stat`` per directory every ``WRITE_EVERY_S``): a state file deleted alone (the token, with
+        the database beside it untouched) was written again only at the keeper's idle check, 40-55 s later
+        (note 11); now within a write. sparkd's own saves move it too: the keeper then finds nothing to do."""
+        changed = False
+        for d in self.watched_dirs:
+            try:
+                m: int | None = os.stat(d).st_mtime_ns
+            except OSError:
+                m = None
+            if d in self._dir_mtimes and self._dir_mtimes[d] != m:
+                changed = True
+            self._dir_mtimes[d] = m
+        return changed
 
     def _done_inflight(self) -> None:
         fut = self._inflight_done
