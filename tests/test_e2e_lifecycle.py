@@ -240,6 +240,22 @@ def test_a_guarded_container_named_by_id_or_renamed_is_stopped_not_refused(
     assert s.wait_state("stopped", 10)["container_id"] == fv.id
 
 
+@pytest.mark.parametrize("action", ["restart", "start"])
+def test_a_restart_or_start_of_a_guarded_container_is_refused_before_anything_is_stopped(
+    action: str, make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """Guard mode: ``sparkd restart`` stopped the model, then refused to start it ("guarded, not launched by sparkd:
+    start it yourself") and exited 1 with the model down (a new user, note 11). Refused before anything is done."""
+    fv, s, _proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=60.0)
+    assert s.wait_state("ready", 60)["container_id"] == fv.id
+    out = s.cli(action)
+    assert out.returncode != 0 and "guarded, not launched by sparkd" in out.stderr, (out.stdout, out.stderr)
+    assert f"docker {action} {fv.name}" in out.stderr, out.stderr
+    time.sleep(1.0)
+    assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is True
+    assert s.events("stopping") == [] and s.events("stopped") == []
+
+
 def test_a_new_container_under_the_guarded_name_is_followed_and_stopped(
     make: Any, launcher: Any, docker_client: Any, image: str, case_labels: dict[str, str], tmp_path: Path
 ) -> None:

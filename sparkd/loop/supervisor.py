@@ -501,6 +501,12 @@ class Supervisor(RunBook):
         known yet)."""
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
+        if action != "stop" and self.mode != "managed":
+            # before anything is done: a restart refused after its stop left the model down (note 11)
+            raise Refused(
+                f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "
+                "sparkd can stop it"
+            )
         self._refuse_if_busy()
         began = time.monotonic()
         if action == "stop" and not await self._engine_answers():
@@ -573,8 +579,6 @@ class Supervisor(RunBook):
                 if action == "start" and up:
                     raise Refused(f"{self.name} is already running (state {self.state}); use restart")
                 if action in ("start", "restart"):
-                    if self.mode != "managed":
-                        raise Refused(f"{self.name} is guarded, not launched by sparkd: start it yourself")
                     out["launch_id"] = await self._launch(source, force=force)
                     self.stay_stopped = False
                     await self.unattended.clear_intent(source)
