@@ -404,3 +404,50 @@ def test_a_budget_that_reaches_a_stop_line_is_warned_about(tmp_path: Path) -> No
     # the worked example leaves 26 GiB: no such warning
     code, out = _run(tmp_path, *WORKED, "--json")
     assert not [w for w in json.loads(out)["warnings"] if "stop rule" in w]
+
+
+def _with_resize_revision(tmp_path: Path, kv_target_gib: float) -> Path:
+    """A config file and a database holding a resize's revision made on top of it (as the daemon saves it)."""
+    from sparkd.config import load_settings
+    from sparkd.store.store import Store
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n[budget]\nweights_gib = 71.75\nkv_bytes_per_token = 29482\n')
+    s = load_settings(cfg)
+    store = Store.open(s.db_file, migrate=True)
+    base = s.budget.model_dump()
+    store.add_revision(who="config file", reason="configuration", data={**base, "_config_base": base}, diff=None)
+    store.add_revision(
+        who="api:token", reason="resize", data={**base, "kv_target_gib": kv_target_gib, "_config_base": base}, diff=None
+    )
+    store.close()
+    return cfg
+
+
+def test_config_show_and_plan_say_the_budget_of_a_resize_in_effect(tmp_path: Path) -> None:
+    """A resize is saved as a revision, not in the config file: ``config show`` printed the file's
+    ``kv_target_gib = 20.0`` and ``plan`` a "KV target 20.00 GiB default" while the daemon ran on 4 (note 11)."""
+    cfg = _with_resize_revision(tmp_path, 4.0)
+    r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["budget"]["kv_target_gib"] == 4.0
+    assert "revision 2 (resize, by api:token" in r.stderr and "kv_target_gib 20.0 -> 4.0" in r.stderr, r.stderr
+    r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show"])
+    assert r.stdout.startswith("# budget: revision 2") and "kv_target_gib = 4.0" in r.stdout, r.stdout[:500]
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", "--mem-total-gib", "121.69", "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads(r.stdout)
+    assert p["kv_target_gib"] == 4.0 and p["inputs"]["sources"]["kv_target_gib"] == "resize", p["inputs"]
+    # a flag still wins over the revision
+    r = CliRunner().invoke(main, ["--config", str(cfg), "plan", "--mem-total-gib", "121.69", "--kv-target-gib", "8"])
+    assert r.exit_code == 0, r.output
+    assert any("KV target" in line and "8.00 GiB" in line and "flag" in line for line in r.stdout.splitlines())
+
+
+def test_a_revision_made_on_another_configuration_is_not_shown(tmp_path: Path) -> None:
+    """The config file's [budget] edited after the resize: the file wins (the daemon does the same)."""
+    cfg = _with_resize_revision(tmp_path, 4.0)
+    cfg.write_text(cfg.read_text().replace("weights_gib = 71.75", "weights_gib = 70.0"))
+    r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show", "--json"])
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert json.loads(r.stdout)["budget"]["kv_target_gib"] == 20.0

@@ -80,8 +80,9 @@ def kv_mult_table(fp8_mult: float) -> dict[str, float]:
 
 #: KV_MULT per ``--kv-cache-dtype`` of the notes' model (CONTEXT.md: 1.0 for BF16, 0.58 for FP8).
 DEFAULT_KV_MULT: Mapping[str, float] = MappingProxyType(kv_mult_table(NOTES_FP8_KV_MULT))
-#: Where an input came from (``BudgetInputs.sources``), as shown by ``sparkd plan``.
-SOURCES: tuple[str, ...] = ("flag", "config file", "checkpoint config.json", "measured", "default")
+#: Where an input came from (``BudgetInputs.sources``), as shown by ``sparkd plan`` ("resize": a resize's revision
+#: in effect over the configuration file, ``Store.revision_in_effect``).
+SOURCES: tuple[str, ...] = ("flag", "config file", "resize", "checkpoint config.json", "measured", "default")
 #: Names vLLM's --kv-cache-dtype does not accept in every release; a 16-bit KV
 #: cache is "auto" (the model's dtype), which has the same size.
 _VLLM_KV_DTYPE = {"bf16": "auto", "fp16": "auto"}

@@ -160,11 +160,9 @@ class LaunchBook:
         store = self.daemon.store if self.daemon else None
         if store is None:
             return
-        revs = await asyncio.to_thread(store.revisions, limit=1)
-        base = self.settings.budget.model_dump()
-        if revs and revs[0]["data"].get("_config_base") == base:
-            data = {k: v for k, v in revs[0]["data"].items() if k != "_config_base"}
-            self.budget, self.revision = BudgetSettings(**data), revs[0]["id"]
+        rev = await asyncio.to_thread(store.revision_in_effect, self.settings.budget.model_dump())
+        if rev is not None:
+            self.budget, self.revision = BudgetSettings(**rev["data"]), rev["id"]
         else:
             self.revision = await self._save_revision(self.settings.budget, who="config file", reason="configuration")
 

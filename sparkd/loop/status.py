@@ -76,7 +76,7 @@ class BudgetInputsFigures(_Model):
     kv_window_groups: list[list[int]] = []  # (window_tokens, bytes_per_token) of sliding-window layers
     state_bytes_per_seq: int = 0  # linear-attention/SSM state per sequence (fixed part × max_num_seqs)
     model_max_len: int | None = None  # the checkpoint's max_position_embeddings
-    sources: dict[str, str] = {}  # input → flag | config file | checkpoint config.json | measured | default
+    sources: dict[str, str] = {}  # input → flag | config file | resize | checkpoint config.json | measured | default
     explain: dict[str, str] = {}  # input → how it was derived
 
 

@@ -563,6 +563,18 @@ class Store:
             )
             return int(r.inserted_primary_key[0])  # type: ignore[index]
 
+    def revision_in_effect(self, base: dict[str, Any]) -> dict[str, Any] | None:
+        """The newest configuration revision when it was made on top of ``base`` (the configuration file's
+        ``budget`` section as ``model_dump()``): a resize, in effect until the file's budget changes. None when
+        there is no revision or the newest was made on another base (the file was edited since: the file wins).
+        Shape: ``{"id", "ts", "who", "reason", "data" (the budget settings, without ``_config_base``), "diff"}``.
+        The daemon (``LaunchBook._load_revision``) and ``sparkd config show`` / ``plan`` read it the same way."""
+        revs = self.revisions(limit=1)
+        if not revs or revs[0]["data"].get("_config_base") != base:
+            return None
+        rev = revs[0]
+        return {**rev, "data": {k: v for k, v in rev["data"].items() if k != "_config_base"}}
+
     def revisions(self, *, limit: int = 50) -> list[dict[str, Any]]:
         q = select(CONFIG_REVISIONS).order_by(CONFIG_REVISIONS.c.id.desc()).limit(limit)
         with self.engine.connect() as conn:

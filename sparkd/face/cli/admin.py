@@ -12,9 +12,11 @@ import click
 from sparkd.config import Settings, effective_config
 from sparkd.errors import SparkdError
 from sparkd.face.cli.base import (
+    _budget_in_effect,
     _settings,
     _store,
     main,
+    revision_note,
 )
 
 
@@ -27,14 +29,23 @@ def config_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def config_show(ctx: click.Context, as_json: bool) -> None:
-    """Print the effective configuration (file + SPARKD_* env + defaults)."""
+    """Print the effective configuration (file + SPARKD_* env + defaults; the budget of a resize in effect)."""
     settings = _settings(ctx)
     data = effective_config(settings)
+    budget, rev = _budget_in_effect(settings)
+    note = None
+    if rev is not None:
+        data["budget"] = budget.model_dump(mode="json")
+        note = revision_note(settings, rev)
     if as_json:
+        if note:
+            click.echo(f"sparkd: {note}", err=True)  # stdout stays the configuration
         click.echo(json.dumps(data, indent=2))
         return
     from sparkd.tomlout import dumps
 
+    if note:
+        click.echo(f"# {note}")
     click.echo(dumps(data))
 
 

@@ -10,10 +10,10 @@ import click
 from pydantic import ValidationError
 
 from sparkd import __version__
-from sparkd.config import Settings, load_settings
+from sparkd.config import BudgetSettings, Settings, load_settings
 from sparkd.errors import SparkdError, StoreError
 from sparkd.loop.status import Status
-from sparkd.store.store import Store
+from sparkd.store.store import READ_ERRORS, Store
 from sparkd.units import parse_duration_s
 
 CLOCK_SLACK_S = 2.0  # `sparkd status`: a record dated further ahead than this is from before a clock step back
@@ -40,6 +40,35 @@ def _store(settings: Settings, *, migrate: bool = False) -> Store:
             "--config / SPARKD_STATE_DIR it runs with"
         )
     return Store.open(settings.db_file, migrate=migrate)
+
+
+def _budget_in_effect(settings: Settings) -> tuple[BudgetSettings, dict[str, Any] | None]:
+    """The budget settings the daemon launches with: the configuration's, or a resize's revision made on top of
+    them (``Store.revision_in_effect``), with that revision (None: the configuration's; also when there is no
+    database or it cannot be read). A resize does not rewrite the configuration file: without this, ``config show``
+    and ``plan`` printed the file's values while the daemon ran on the resize's (note 11)."""
+    if not settings.db_file.exists():
+        return settings.budget, None
+    try:
+        rev = _store(settings).revision_in_effect(settings.budget.model_dump())
+    except StoreError:
+        return settings.budget, None
+    except READ_ERRORS:
+        return settings.budget, None
+    if rev is None or rev["data"] == settings.budget.model_dump():
+        return settings.budget, None
+    return BudgetSettings(**rev["data"]), rev
+
+
+def revision_note(settings: Settings, rev: dict[str, Any]) -> str:
+    """One line: which revision's budget is in effect, by whom and when, and what differs from the file."""
+    diff = [
+        f"{k} {v!r} -> {rev['data'][k]!r}" for k, v in settings.budget.model_dump().items() if rev["data"].get(k) != v
+    ]
+    return (
+        f"budget: revision {rev['id']} ({rev['reason']}, by {rev['who']} at {_ts(rev['ts'])} UTC) is in effect, "
+        f"not the configuration file's: {', '.join(diff)}; it holds until the file's [budget] changes"
+    )
 
 
 def _snapshot(store: Store) -> Status | None:

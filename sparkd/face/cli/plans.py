@@ -13,11 +13,13 @@ from pydantic import ValidationError
 from sparkd.config import Settings
 from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.face.cli.base import (
+    _budget_in_effect,
     _f,
     _settings,
     _store,
     _ts,
     main,
+    revision_note,
 )
 from sparkd.units import GiB, fmt_gib
 
@@ -113,8 +115,11 @@ def plan(
 
     from sparkd.config import BudgetSettings, format_validation_error
 
+    in_effect, rev = _budget_in_effect(settings)  # a resize in effect is what the daemon launches with
+    if rev is not None:
+        click.echo(f"sparkd: {revision_note(settings, rev)}", err=as_json)
     try:
-        b = BudgetSettings(**{**settings.budget.model_dump(), **changes, "enabled": True})
+        b = BudgetSettings(**{**in_effect.model_dump(), **changes, "enabled": True})
     except ValidationError as e:
         click.echo("sparkd: " + format_validation_error(e, "plan inputs"), err=True)
         sys.exit(2)
@@ -131,7 +136,13 @@ def plan(
             check.describe() + ": vLLM would fail on it after loading the rest; complete the download",
             detail={"missing": list(check.missing), "problems": list(check.problems)},
         )
-    sources = setting_sources(settings.budget, flags=changes)
+    sources = setting_sources(in_effect, flags=changes, base=settings.budget)
+    if rev is not None:
+        filed = settings.budget.model_dump()
+        sources = {
+            k: "resize" if v != "flag" and rev["data"].get(k) != filed.get(k) else v
+            for k, v in sources.items()
+        }
     mem_src = "flag" if mem_total_gib is not None else "measured"
     p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
     learned = _learned_reserve(settings.model_copy(update={"budget": b, "container": c}), mem_total, p)
