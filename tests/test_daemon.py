@@ -237,10 +237,14 @@ def test_a_token_deleted_alone_is_written_again_within_a_write_not_at_the_idle_c
     from sparkd.store.store import WRITE_EVERY_S
 
     state = tmp_path / "state"
-    cfg = f'interval_s = 0.2\nfast_interval_s = 0.2\n[api]\nhost = "127.0.0.1"\nport = {free_port()}\n'
+    port = free_port()
+    cfg = f'interval_s = 0.2\nfast_interval_s = 0.2\n[api]\nhost = "127.0.0.1"\nport = {port}\n'
     with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state, env={"SPARKD_LOG_DIR": str(state / "logs")}):
         token = state / "token"
         assert wait_for(lambda: token.exists() and db_query(state / "sparkd.db", "SELECT 1 FROM samples"), 20.0)
+        # where to look, said once at start (a new user found no address in the log)
+        said = f"dashboard and API at http://127.0.0.1:{port}/ (log in with the token in {token})"
+        assert wait_for(lambda: said in (state / "logs" / "sparkd.log").read_text(), 10.0)
         before = token.read_text()
         time.sleep(WRITE_EVERY_S + 1.5)  # past the first writes: the keeper's start-up wake is behind us
         t0 = time.monotonic()

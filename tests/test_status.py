@@ -357,3 +357,30 @@ async def test_a_stop_handed_over_after_the_relaunchs_last_look_is_taken_when_it
     await sup._bg
     assert stops == [("rule low_available", "usable 3.00 GiB < 6.00 GiB")] and sup.emergency_inbox is None
     assert not sup.lock.locked()
+
+
+async def test_the_cli_counts_the_containers_uptime_on_from_the_snapshots_time(tmp_path: Path) -> None:
+    """The snapshot is written on a change or every STATUS_QUIET_S: ``sparkd status`` printed its uptime as stored,
+    "up 12 s" three times over 15 s (note 11). It adds the snapshot's age."""
+    import time
+
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    d = await _daemon(tmp_path, actions=FakeActions())
+    try:
+        snap = d.status_json()
+    finally:
+        await d.shutdown("test")
+    snap = snap.model_copy(
+        update={"ts": time.time() - 600.0, "container": snap.container.model_copy(update={"uptime_s": 60.0})}
+    )
+    store = Store.open(tmp_path / "state" / "sparkd.db")
+    store.write_batch([("status", snap.model_dump(mode="json"))])
+    store.close()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    line = next(ln for ln in out.splitlines() if ln.startswith("container:"))
+    assert ", up 11 min" in line, line  # 60 s at the snapshot + its 600 s of age

@@ -62,8 +62,13 @@ async def start_api(daemon: Daemon) -> None:
     install_exception_handler(asyncio.get_running_loop(), limited)
     for name in ("uvicorn.error", "asyncio"):
         logging.getLogger(name).addFilter(OncePerInterval())
+    shown = f"[{host}]" if ":" in host else host
     log.info(
-        "API: at most %d connections (descriptor limit %d/%d), request head within %g s",
+        "dashboard and API at http://%s:%d/ (log in with the token in %s); at most %d connections (descriptor "
+        "limit %d/%d), request head within %g s",
+        shown,
+        port,
+        daemon.settings.token_file,
         cap,
         soft,
         hard,

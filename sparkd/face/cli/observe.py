@@ -128,7 +128,9 @@ def _echo_snapshot(st: Status) -> None:
     if c.image:
         line += f", image {c.image}"
     if c.uptime_s is not None:
-        line += f", up {_span(c.uptime_s)}"
+        # the snapshot is written on a change or every STATUS_QUIET_S: its uptime is as old as it is (a new user
+        # saw "up 12 s" three times over 15 s)
+        line += f", up {_span(c.uptime_s + max(0.0, time.time() - st.ts))}"
     if c.memory_bytes:
         line += f", --memory {fmt_gib(c.memory_bytes)}"
     why = c.reason or c.state_reason
