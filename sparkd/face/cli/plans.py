@@ -139,10 +139,7 @@ def plan(
     sources = setting_sources(in_effect, flags=changes, base=settings.budget)
     if rev is not None:
         filed = settings.budget.model_dump()
-        sources = {
-            k: "resize" if v != "flag" and rev["data"].get(k) != filed.get(k) else v
-            for k, v in sources.items()
-        }
+        sources = {k: "resize" if v != "flag" and rev["data"].get(k) != filed.get(k) else v for k, v in sources.items()}
     mem_src = "flag" if mem_total_gib is not None else "measured"
     p = make_plan(budget_inputs(b, c, mem_total, sources=sources, mem_total_source=mem_src))
     learned = _learned_reserve(settings.model_copy(update={"budget": b, "container": c}), mem_total, p)
