@@ -430,6 +430,29 @@ async def test_it_hands_actions_to_the_supervisor(managed: Daemon, action: str) 
     assert managed.actions.calls == [(action, "api:token")]  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("client", "who"), [("cli", "api:cli"), ("someone-else", "api:token"), ("", "api:token")])
+async def test_sparkds_cli_is_named_in_the_actions_source_and_nothing_else_is_taken(
+    managed: Daemon, client: str, who: str
+) -> None:
+    """Every CLI action was recorded as ``api:token``, like any script holding the token (note 11). The CLI says
+    ``x-sparkd-client: cli``; no other value reaches a source (archive names are made from it)."""
+    from sparkd.face.auth import CLIENT_HEADER
+
+    async with _client(managed) as c:
+        r = await c.post("/api/container/stop", headers={**_bearer(managed), CLIENT_HEADER: client})
+    assert r.status_code == 200
+    assert managed.actions.calls == [("stop", who)]  # type: ignore[attr-defined]
+
+
+async def test_the_client_header_grants_nothing_without_the_token(managed: Daemon) -> None:
+    from sparkd.face.auth import CLIENT_HEADER
+
+    async with _client(managed) as c:
+        r = await c.post("/api/container/stop", headers={CLIENT_HEADER: "cli"})
+    assert r.status_code == 401
+    assert managed.actions.calls == []  # type: ignore[attr-defined]
+
+
 async def test_it_answers_409_while_an_action_runs(managed: Daemon) -> None:
     managed.actions.busy = "stopping"  # type: ignore[attr-defined]
     async with _client(managed) as c:

@@ -202,6 +202,9 @@ def test_the_stop_path_also_works_from_the_cli(sparkd_factory: Any) -> None:
     out = s.cli("stop", timeout_s=120)
     assert out.returncode == 0, out.stderr
     assert "stopped: exited (exit 0)" in out.stdout
+    # the CLI is named as the source (was "api:token", as any script holding the token), archive name included
+    assert "api:cli" in s.wait_event("stopped")["message"] + json.dumps(s.events("stopping"))
+    assert list((Path(s.tmp) / "archives").glob("*api-cli*.tar.gz")), os.listdir(Path(s.tmp) / "archives")
     again = s.cli("stop")
     assert again.returncode == 1 and "is not running" in again.stderr
 

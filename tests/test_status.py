@@ -384,3 +384,20 @@ async def test_the_cli_counts_the_containers_uptime_on_from_the_snapshots_time(t
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
     line = next(ln for ln in out.splitlines() if ln.startswith("container:"))
     assert ", up 11 min" in line, line  # 60 s at the snapshot + its 600 s of age
+
+
+@pytest.mark.parametrize(
+    ("result", "said"),
+    [
+        ({"rearmed_by": "api:cli", "was_open": True, "launch_id": "L1"}, "breaker re-armed by api:cli; launched L1"),
+        (
+            {"rearmed_by": "api:cli", "was_open": False},
+            "the circuit breaker was not open: nothing to re-arm (relaunch back-off reset by api:cli)",
+        ),
+    ],
+)
+def test_a_rearm_says_whether_the_breaker_was_open(result: dict[str, Any], said: str) -> None:
+    """``sparkd rearm`` on a closed breaker printed "breaker re-armed by api:token" (note 11)."""
+    from sparkd.face.presenters import rearm_text
+
+    assert rearm_text(result) == said

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sparkd.act.archive import open_archive
 from sparkd.errors import InvalidInput, Refused
 from sparkd.face import presenters as views
-from sparkd.face.auth import Auth
+from sparkd.face.auth import CLIENT_HEADER, Auth
 from sparkd.face.schemas import ResizeRequest, require_finite
 from sparkd.loop.status import ResizeResult, Status
 from sparkd.store.store import CHART_FIELDS
@@ -70,7 +70,9 @@ class StatusCache:
 async def require_auth(request: Request) -> str:
     """Dependency of every mutating endpoint: bearer token, or session cookie + CSRF token.
 
-    Returns ``"token"`` or ``"session"``. Raises ``Unauthorized`` (401) / ``Forbidden`` (403).
+    Returns ``"token"``, ``"cli"`` (the token, sent by sparkd's own CLI: ``CLIENT_HEADER: cli``; events and
+    archives then say ``api:cli``, not ``api:token``) or ``"session"``. Raises ``Unauthorized`` (401) /
+    ``Forbidden`` (403).
     """
     auth: Auth = request.app.state.auth
     form_csrf = None
@@ -78,7 +80,9 @@ async def require_auth(request: Request) -> str:
         form = await request.form()
         v = form.get("csrf_token")
         form_csrf = v if isinstance(v, str) else None
-    return auth.authorize(request.headers, dict(request.cookies), form_csrf)
+    who = auth.authorize(request.headers, dict(request.cookies), form_csrf)
+    # a label only (it grants nothing: the token was checked), and only this value: no caller's text in names
+    return "cli" if who == "token" and request.headers.get(CLIENT_HEADER) == "cli" else who
 
 
 async def require_reader(request: Request) -> str:

@@ -49,6 +49,7 @@ log = logging.getLogger("sparkd.face.auth")
 
 SESSION_COOKIE = "sparkd_session"
 CSRF_HEADER = "x-csrf-token"
+CLIENT_HEADER = "x-sparkd-client"  # "cli": sparkd's own CLI (a label in events and archive names; grants nothing)
 SESSION_MAX_AGE_S = 7 * 86400
 MAX_SESSIONS = 1000  # live sessions kept server-side; the oldest goes first
 # Failed logins: the first LOGIN_FREE_FAILURES per client cost nothing, then each waits

@@ -514,3 +514,14 @@ def bucket_columns(
 def pick_step(window_s: float) -> float:
     """Bucket width so a window has at most ~2000 points (≥ 1 s)."""
     return float(max(1, math.ceil(window_s / 2000)))
+
+
+def rearm_text(result: dict[str, Any]) -> str:
+    """What a re-arm did, for the CLI and the dashboard: ``result`` is ``Unattended.rearm``'s answer
+    (``rearmed_by``, ``was_open``, ``launch_id``). A breaker that was not open is said so (a new user read
+    "breaker re-armed" for a breaker that was closed)."""
+    launched = f"; launched {result['launch_id']}" if result.get("launch_id") else ""
+    if result.get("was_open") is False:
+        who = result["rearmed_by"]
+        return f"the circuit breaker was not open: nothing to re-arm (relaunch back-off reset by {who}){launched}"
+    return f"breaker re-armed by {result['rearmed_by']}{launched}"

@@ -361,8 +361,7 @@ def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
             result = await app.state.rearm(f"web:{who}")
         except SparkdError as e:
             return _error_fragment(request, e)
-        launched = f"; launched {result['launch_id']}" if result.get("launch_id") else ""
-        text = f"breaker re-armed by {result['rearmed_by']}{launched}"
+        text = views.rearm_text(result)
         return _fragment(request, "partials/_message.html", level="ok", title="re-armed", message=text, result=result)
 
     @app.post("/ui/resize", response_class=HTMLResponse, include_in_schema=False)

@@ -74,7 +74,8 @@ class RunBook(LaunchBook):
         cid = self.container_id
         self._event(
             "adopted",
-            f"adopted running container {self.name} ({cid[:12]}), launch {self.launch_id}",
+            f"adopted running container {self.name} ({cid[:12]})"
+            + (f", launch {self.launch_id}" if self.launch_id else " (not launched by sparkd: no launch record)"),
             details={
                 "container_id": cid,
                 "image": self.image,

@@ -10,10 +10,12 @@ import click
 
 from sparkd.config import Settings
 from sparkd.core.choices import KV_CACHE_DTYPES
+from sparkd.face.auth import CLIENT_HEADER
 from sparkd.face.cli.base import (
     _settings,
     main,
 )
+from sparkd.face.presenters import rearm_text
 from sparkd.loop.status import ResizeResult
 
 
@@ -35,7 +37,13 @@ def _api(
     host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
     url = f"http://{host}:{settings.api.port}{path}"
     try:
-        r = httpx.request(method, url, json=json_body, timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+        r = httpx.request(
+            method,
+            url,
+            json=json_body,
+            timeout=timeout_s,
+            headers={"Authorization": f"Bearer {token}", CLIENT_HEADER: "cli"},
+        )
     except httpx.HTTPError as e:
         click.echo(f"sparkd: no daemon answers at {url}: {e}", err=True)
         sys.exit(3)
@@ -108,9 +116,7 @@ def rearm(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(out, indent=2, default=str))
         return
-    click.echo(
-        f"breaker re-armed by {out['rearmed_by']}" + (f"; launched {out['launch_id']}" if out.get("launch_id") else "")
-    )
+    click.echo(rearm_text(out))
 
 
 @main.group("maintenance")
