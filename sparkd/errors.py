@@ -40,7 +40,12 @@ class InvalidInput(SparkdError):
     code = "invalid_input"
 
     def __init__(self, field: str, value: Any, allowed: str) -> None:
-        msg = f"{field}: {value!r} is not allowed; allowed: {allowed}"
+        # a missing value is "not set", not Python's None (a new user read "weights_gib: None is not allowed")
+        msg = (
+            f"{field}: not set; needed: {allowed}"
+            if value is None
+            else f"{field}: {value!r} is not allowed; allowed: {allowed}"
+        )
         super().__init__(msg, detail={"field": field, "value": value, "allowed": allowed, "message": msg})
         self.field = field
 

@@ -451,3 +451,11 @@ def test_a_revision_made_on_another_configuration_is_not_shown(tmp_path: Path) -
     r = CliRunner().invoke(main, ["--config", str(cfg), "config", "show", "--json"])
     assert r.exit_code == 0 and r.stderr == "", r.output
     assert json.loads(r.stdout)["budget"]["kv_target_gib"] == 20.0
+
+
+def test_a_plan_with_no_weights_names_the_flags_not_pythons_none(tmp_path: Path) -> None:
+    """``sparkd plan`` with nothing given said "budget.weights_gib: None is not allowed" (note 11)."""
+    code, out = _run(tmp_path, "--mem-total-gib", "121.69")
+    assert code != 0
+    assert "budget.weights_gib: not set" in out and "--weights-gib" in out and "--model-dir" in out, out
+    assert "None" not in out, out

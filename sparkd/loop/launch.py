@@ -96,7 +96,11 @@ def budget_inputs(
     weight_bytes = None
     if b.weights_gib is None:
         if not c.model_dir:
-            raise InvalidInput("budget.weights_gib", None, "a size in GiB, or container.model_dir to measure")
+            raise InvalidInput(
+                "budget.weights_gib",
+                None,
+                "a size in GiB (--weights-gib), or container.model_dir (--model-dir): the checkpoint to measure",
+            )
         try:
             weight_bytes = checkpoint_weight_bytes(c.model_dir)
         except OSError as e:
