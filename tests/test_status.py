@@ -401,3 +401,18 @@ def test_a_rearm_says_whether_the_breaker_was_open(result: dict[str, Any], said:
     from sparkd.face.presenters import rearm_text
 
     assert rearm_text(result) == said
+
+
+def test_samples_refuses_two_formats_and_events_says_when_there_is_none(tmp_path: Path) -> None:
+    """``samples --json --csv`` gave JSON without a word; ``events --kind nonsense`` printed nothing (note 11)."""
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}"\n')
+    Store.open(tmp_path / "sparkd.db", migrate=True).close()
+    r = CliRunner().invoke(main, ["--config", str(cfg), "samples", "--json", "--csv"])
+    assert r.exit_code == 2 and "--json and --csv: choose one" in r.output, r.output
+    r = CliRunner().invoke(main, ["--config", str(cfg), "events", "--kind", "nonsense", "--since", "2h"])
+    assert r.exit_code == 0 and r.stdout == "" and "no events of kind nonsense in the last 2h" in r.stderr, r.output

@@ -266,12 +266,14 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
 
 
 @main.command()
-@click.option("--since", default="10m", show_default=True, help="How far back (e.g. 30s, 10m, 2h).")
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--csv", "as_csv", is_flag=True)
+@click.option("--since", default="10m", show_default=True, help="How far back (e.g. 30s, 10m, 2h; a bare number: s).")
+@click.option("--json", "as_json", is_flag=True, help="All columns, sizes in bytes.")
+@click.option("--csv", "as_csv", is_flag=True, help="All columns, sizes in bytes.")
 @click.pass_context
 def samples(ctx: click.Context, since: str, as_json: bool, as_csv: bool) -> None:
-    """Stored samples (bytes) since a time ago."""
+    """Stored samples since a time ago: a table in GiB, or every column in bytes (--json, --csv)."""
+    if as_json and as_csv:
+        raise click.UsageError("--json and --csv: choose one")
     settings = _settings(ctx)
     since_s = _since(since)
     rows = _store(settings).samples(since=time.time() - since_s)
@@ -305,6 +307,9 @@ def events(ctx: click.Context, since: str, kinds: tuple[str, ...], as_json: bool
     if as_json:
         click.echo(json.dumps(rows, default=str))
         return
+    if not rows:  # said, not an empty screen (`launches` says "no launches recorded")
+        what = f"of kind {', '.join(kinds)} " if kinds else ""
+        click.echo(f"no events {what}in the last {since}", err=True)
     for e in reversed(rows):
         click.echo(f"{_ts(e['ts'])} {e['severity']:<8} {e['kind']:<22} {e['message']}")
 
