@@ -82,6 +82,7 @@ def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
     assert took_s <= 2.0, f"sparkd took {took_s:.2f} s to see the container running"
     ev = s.wait_event("restarted_outside", 5)
     assert fv.name in ev["message"] and "was stopped" in ev["message"]
+    assert ev["severity"] == "info" and "started again" in ev["message"]  # guard mode: how it runs, no warning
     new_start = _started_at(docker_client, fv.id)
     assert new_start > first_start
     assert s.container()["started_at"] == pytest.approx(new_start, abs=1e-3)

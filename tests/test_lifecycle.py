@@ -132,6 +132,18 @@ def test_a_container_started_by_hand_after_sparkd_stopped_it_is_adopted_with_an_
     assert "vllm" in ev.message and "was stopped" in ev.message and "rules apply" in ev.message
 
 
+def test_a_guarded_container_started_again_by_its_operator_is_said_without_a_warning() -> None:
+    """Guard mode: sparkd tells the operator to start the container themselves; doing so was a warning (note 11)."""
+    obs = Observation(
+        running=True, started_at=200.0, seen_started_at=100.0, seen_restart_count=0, name="vllm", guarded=True
+    )
+    step = transition(S.STOPPED, obs)
+    assert step.state is S.STARTING and [e.kind for e in step.effects] == [EffectKind.ADOPT, EffectKind.EMIT]
+    ev = step.effects[1]
+    assert ev.event == "restarted_outside" and ev.severity == "info"
+    assert ev.message == "vllm was started again (it was stopped); guarding it again: rules apply"
+
+
 def test_first_sight_of_a_running_container_is_adopted_not_restarted_outside() -> None:
     step = transition(S.NONE, Observation(running=True, started_at=5.0))
     assert step.state is S.STARTING

@@ -78,6 +78,7 @@ class Observation:
     (still not ready ``container.startup_timeout_s`` after the launch), ``seen_started_at`` and
     ``seen_restart_count`` (the start time and restart count sparkd recorded last; None: never
     seen), ``restart_warned`` (the restart-policy warning was given for this container),
+    ``guarded`` (guard mode: sparkd never starts it, so a start outside sparkd is how it runs, not a warning),
     ``name``, ``detail`` (the probe's error or stall description, for messages).
     """
 
@@ -98,6 +99,7 @@ class Observation:
     seen_started_at: float | None = None
     seen_restart_count: int | None = None
     restart_warned: bool = False
+    guarded: bool = False
     name: str = "container"
     detail: str | None = None
 
@@ -215,15 +217,17 @@ def _started_anew(state: ContainerState, obs: Observation) -> Step:
     if state in (S.NONE, S.UNKNOWN):
         return Step(S.STARTING, "adopted", (Effect(EffectKind.ADOPT, event="adopted"),))
     was = state.value
+    # guard mode: sparkd tells the operator to start it themselves; doing so is no warning (note 11)
+    said = "started again" if obs.guarded else "started outside sparkd"
     return Step(
         S.STARTING,
-        f"started outside sparkd (was {was})",
+        f"{said} (was {was})",
         (
             Effect(EffectKind.ADOPT),
             _emit(
                 "restarted_outside",
-                f"{obs.name} was started outside sparkd (it was {was}); guarding it again: rules apply",
-                "warning",
+                f"{obs.name} was {said} (it was {was}); guarding it again: rules apply",
+                "info" if obs.guarded else "warning",
             ),
         ),
     )

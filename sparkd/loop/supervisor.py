@@ -925,6 +925,7 @@ class Supervisor(RunBook):
             seen_started_at=self.seen_started_at,
             seen_restart_count=self.seen_restart_count,
             restart_warned=self.restart_warned,
+            guarded=self.mode != "managed",
             detail=detail,
         )
         try:
