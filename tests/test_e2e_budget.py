@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,16 @@ def test_resize_dry_run_changes_nothing_and_apply_relaunches_with_new_limits(man
     dry = r.json()
     assert dry["applied"] is False and dry["plan"]["gmu"] > old_gmu and "gmu" in dry["diff"]
     assert s.container()["container_id"] == c["container_id"]  # untouched
+    # the CLI's dry run: figures for people (it printed "wish_gib 25.60195320416242 -> ...", note 11)
+    out = s.cli("resize", "--kv-target-gib", "2", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    gmu_line = next(line for line in out.stdout.splitlines() if line.strip().startswith("gmu "))
+    assert f"{old_gmu:.4g} -> {dry['plan']['gmu']:.4g}" in gmu_line, out.stdout
+    assert all(
+        re.fullmatch(r"\s+\w+_gib\s+\d+\.\d\d GiB -> \d+\.\d\d GiB", line)
+        for line in out.stdout.splitlines()
+        if "_gib " in line
+    ), out.stdout
     revs_before = db_query(s.db, "SELECT count(*) FROM config_revisions")[0][0]
     r = s.api("POST", "/api/resize", json={"kv_target_gib": 2.0, "dry_run": False}, timeout=180)
     assert r.status_code == 200, r.text

@@ -84,6 +84,9 @@ def test_the_table_shows_the_figures_the_squeeze_and_the_command(tmp_path: Path)
         "--memory-swap 103063m",
     ):
         assert text in out, text
+    # weights given by a flag: said as given, not as a checkpoint row reading "— flag" (note 11)
+    row = next(line for line in out.splitlines() if "weights (given; no checkpoint measured)" in line)
+    assert "71.75 GiB" in row and row.rstrip().endswith("flag"), row
 
 
 @pytest.mark.parametrize(

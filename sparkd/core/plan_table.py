@@ -36,11 +36,11 @@ def render_plan_table(
     # (label, value, the input names whose source the row shows)
     inputs: list[tuple[str, str, tuple[str, ...]]] = [
         ("MemTotal", g(plan.mem_total_gib), ("mem_total_bytes",)),
-        (
-            "checkpoint weight files",
-            "—" if plan.checkpoint_gib is None else g(plan.checkpoint_gib),
-            ("weight_bytes",) if plan.checkpoint_gib is not None else ("weights_gib",),
-        ),
+        # weights given directly (--weights-gib, budget.weights_gib): no checkpoint measured, said as such
+        # (the row read "checkpoint weight files — flag", note 11)
+        ("checkpoint weight files", g(plan.checkpoint_gib), ("weight_bytes",))
+        if plan.checkpoint_gib is not None
+        else ("weights (given; no checkpoint measured)", g(i.weights_gib or 0.0), ("weights_gib",)),
         ("PLE (mmap'ed, not on the GPU side)", g(plan.ple_gib), ("ple_bytes",)),
         ("overhead", g(i.overhead_gib), ("overhead_gib",)),
         ("MTP", mtp, ("mtp_enabled", "mtp_gib" if i.mtp_enabled else "mtp_off_credit_gib")),

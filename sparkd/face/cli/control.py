@@ -195,6 +195,16 @@ def resize(ctx: click.Context, dry_run: bool, as_json: bool, **changes: Any) -> 
         f" GiB, --memory {r.plan.docker_memory_gib:.2f} GiB"
     )
     for k, change in r.diff.items():
-        click.echo(f"  {k:<22} {change.old} -> {change.new}")
+        click.echo(f"  {k:<22} {_figure(k, change.old)} -> {_figure(k, change.new)}")
+    if r.diff and not ({"gmu", "budget_gib", "docker_memory_gib"} & set(r.diff)):
+        # squeezed by the cap, a new KV target moves the wish but not what is launched: said (note 11)
+        click.echo("  (GMU, budget and --memory are unchanged: the container would launch as it runs now)")
     if not dry_run:
         click.echo("applied" if r.applied else f"NOT applied: {r.error} (rolled back: {r.rolled_back})")
+
+
+def _figure(key: str, value: Any) -> str:
+    """A plan figure for people: sizes (``*_gib``) to two decimals with the unit, other floats to 4 digits."""
+    if isinstance(value, float):
+        return f"{value:.2f} GiB" if key.endswith("_gib") else f"{value:.4g}"
+    return str(value)
