@@ -147,7 +147,9 @@ def test_on_this_host_it_says_why_it_cannot_enable(tmp_path: Path) -> None:
     assert runner.calls == []
     text = r.format()
     assert "systemd is not running as PID 1 on this host" in text
-    assert "created   /etc/systemd/system/sparkd.service" in text
+    # the file written under the root, not a path of the live /etc (note 11)
+    assert f"created   {tmp_path}/etc/systemd/system/sparkd.service" in text
+    assert (tmp_path / "etc/systemd/system/sparkd.service").exists()
     assert f"{EXE} run --config /etc/sparkd/sparkd.toml" in text
 
 

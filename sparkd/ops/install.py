@@ -92,7 +92,10 @@ class InstallReport:
         self.exit_code = 1
 
     def format(self) -> str:
-        done = [f"{state:<9} {path}" for path, state in self.files.items()]
+        # under --root, the path written (a new user read "created /etc/systemd/system/sparkd.service" and
+        # looked in the live /etc); ``files`` keeps the installed view
+        prefix = "" if self.root == Path("/") else str(self.root).rstrip("/")
+        done = [f"{state:<9} {prefix}{path}" for path, state in self.files.items()]
         return "\n".join([*done, *self.lines])
 
 
