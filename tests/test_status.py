@@ -416,3 +416,18 @@ def test_samples_refuses_two_formats_and_events_says_when_there_is_none(tmp_path
     assert r.exit_code == 2 and "--json and --csv: choose one" in r.output, r.output
     r = CliRunner().invoke(main, ["--config", str(cfg), "events", "--kind", "nonsense", "--since", "2h"])
     assert r.exit_code == 0 and r.stdout == "" and "no events of kind nonsense in the last 2h" in r.stderr, r.output
+
+
+@pytest.mark.parametrize(
+    ("name", "check", "line"),
+    [
+        ("decode", {"ok": True, "tok_s": 41.26, "min_tok_s": 5.0}, "  decode: ok 41.3 tok/s (at least 5)"),
+        ("decode", {"ok": False, "tok_s": 0.0, "min_tok_s": 1e9}, "  decode: FAILED 0.0 tok/s (at least 1e+09)"),
+        ("health", {"ok": False, "error": "HTTP 500"}, "  health: FAILED HTTP 500"),
+        ("models", {"ok": True}, "  models: ok"),
+    ],
+)
+def test_a_smoke_check_line_gives_the_decode_rate_and_the_error(name: str, check: dict[str, Any], line: str) -> None:
+    from sparkd.face.cli.control import smoke_line
+
+    assert smoke_line(name, check) == line

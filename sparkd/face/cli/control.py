@@ -145,7 +145,7 @@ def maintenance_run(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"drain: {'drained' if d['drained'] else 'limit reached'} after {d['waited_s']:.1f} s")
         click.echo(f"relaunched: {out['relaunched']} (launch {out.get('launch_id')})")
         for name, check in out["smoke"]["checks"].items():
-            click.echo(f"  {name}: {'ok' if check.get('ok') else 'FAILED'} {check.get('error') or ''}".rstrip())
+            click.echo(smoke_line(name, check))
         click.echo("released: maintenance intent cleared" if out["released"] else "HOLD: maintenance intent kept")
     sys.exit(0 if out["released"] else 1)
 
@@ -208,3 +208,13 @@ def _figure(key: str, value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f} GiB" if key.endswith("_gib") else f"{value:.4g}"
     return str(value)
+
+
+def smoke_line(name: str, check: dict[str, Any]) -> str:
+    """One smoke-test check for people: ok or FAILED, the decode rate beside its floor (``tok_s``,
+    ``min_tok_s``: it printed "decode: ok" without the figure, note 11), and the error."""
+    figure = ""
+    if check.get("tok_s") is not None:
+        figure = f"{check['tok_s']:.1f} tok/s (at least {check.get('min_tok_s', 0):g})"
+    said = " ".join(x for x in (figure, check.get("error") or "") if x)
+    return f"  {name}: {'ok' if check.get('ok') else 'FAILED'} {said}".rstrip()
