@@ -116,6 +116,7 @@ def test_the_printed_command_has_no_gpu_request_when_the_container_gets_none(tmp
     assert r.exit_code == 0 and "--gpus" not in r.output and "--memory 103063m" in r.output
     code, out = _run(tmp_path, *WORKED)
     assert code == 0 and "--gpus all" in out
+    assert "container.gpu = auto" in out and "NVIDIA runtime" in out  # the offline line says what auto means
 
 
 def test_the_printed_command_has_the_launch_flags_from_the_field(tmp_path: Path) -> None:

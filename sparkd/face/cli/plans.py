@@ -168,6 +168,11 @@ def plan(
             p,
         )
         click.echo(render_plan_table(p, command=spec.docker_run_command()))
+        if c.gpu == "auto":  # the launch asks the engine; this offline line cannot (note 11)
+            click.echo(
+                "(--gpus all: container.gpu = auto, as on a Spark; a launch asks for the GPU only where the Docker "
+                "engine has the NVIDIA runtime)"
+            )
         if check is not None:
             click.echo(check.describe())
         if learned is not None:
