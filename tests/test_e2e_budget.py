@@ -187,3 +187,19 @@ def test_a_launch_that_never_becomes_ready_rolls_back(managed: Any, docker_clien
     assert s.wait_event("rollback")["message"].startswith("revision ")
     revs = db_query(s.db, "SELECT who, reason FROM config_revisions ORDER BY id")
     assert revs[-1][0] == "sparkd" and revs[-1][1].startswith("rollback from revision")
+
+
+def test_a_stopped_model_keeps_its_plan_shown_across_a_restart_of_sparkd(managed: Any) -> None:
+    """After a restart of sparkd with the model stopped, ``/api/status`` had ``plan: null`` (the dashboard's plan card
+    empty) though the stopped container's name and image were shown (note 10, B6). The plan it ran with is shown."""
+    s = managed()
+    s.wait_state("ready", 60)
+    plan = s.status()["plan"]
+    assert plan is not None and plan["gmu"] > 0
+    assert s.api("POST", "/api/container/stop").status_code == 200
+    s.wait_state("stopped", 60)
+    s.kill9()
+    s.start()
+    s.wait_event("staying_stopped", 20)
+    assert s.container()["state"] == "stopped"
+    assert s.status()["plan"] == plan

@@ -139,6 +139,9 @@ class LaunchBook:
                 if rec["status"] != "removed":
                     self.state = states.get(rec["status"], ContainerState.STOPPED)
                     self.image = rec.get("image") or self.image
+                    # and the plan it ran with, as a stop within one run of sparkd leaves it shown (/api/status had
+                    # plan null after a restart of sparkd; the next start makes its plan from the revision)
+                    self.plan_json = self.plan_json or rec.get("plan")
             why = f"stop intent {intent.intent.value} ({intent.who}: {intent.reason})" if intent else ended
             self.state_reason = f"{why}; stays stopped until `sparkd start`"
             self._event(
