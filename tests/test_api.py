@@ -1216,8 +1216,14 @@ async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_th
         async with _client(d) as c:
             data = (await c.get(f"/incidents/{stop['id']}.json")).json()
             page = (await c.get(f"/incidents/{stop['id']}")).text
+            events = (await c.get("/events.json", params={"kind": "trip"})).json()
+            events_page = (await c.get("/events", params={"kind": "trip"})).text
     finally:
         await d.shutdown("test")
+    # the trip row links to the incident of the stop it led to, as the stop row does (note 10, B7)
+    [trip_row] = [e for e in events["rows"] if e["kind"] == "trip"]
+    assert trip_row["incident_id"] == stop["id"]
+    assert f'<a href="/incidents/{stop["id"]}">incident</a>' in events_page
     assert data["rule"] == "low" and data["stop_lines"] == lines
     assert "stop_lines" not in data["values"] and data["values"]["usable"] == 4 * 2**30  # the card's figures
     m = re.search(r'id="incident-chart" class="chart" data-config="([^"]*)"', page)

@@ -60,6 +60,20 @@ def _trip_for(store: Store, stop: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def stop_for(store: Store, trip: dict[str, Any]) -> dict[str, Any] | None:
+    """The stop a ``trip`` event led to (the incident's id is that stop's): the first ``stopped``/``killed`` event
+    of the same rule within ``TRIP_LOOKBACK_S`` after it, or None (a warn rule, a stop refused or not yet made).
+    The inverse of ``_trip_for``: the Events page links a trip row to its incident (note 10, B7)."""
+    rule = (trip.get("details") or {}).get("rule")
+    if not rule:
+        return None
+    stops = store.events(since=trip["ts"], until=trip["ts"] + TRIP_LOOKBACK_S, kinds=list(STOP_KINDS), limit=50)
+    for e in sorted(stops, key=lambda e: (e["ts"], e["id"])):
+        if _rule_of(e) == rule:
+            return e
+    return None
+
+
 def _stop_event(store: Store, incident_id: int) -> dict[str, Any]:
     ev = store.event(incident_id)
     if ev is None or ev["kind"] not in STOP_KINDS:

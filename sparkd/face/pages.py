@@ -91,6 +91,9 @@ def install_pages(app: FastAPI, daemon: DaemonView) -> None:
             return [], None
         rows = daemon.store.events(kinds=kind or None, since=since, until=until, before_id=before, limit=EVENTS_PAGE)
         older = rows[-1]["id"] if len(rows) == EVENTS_PAGE else None
+        for e in rows:  # a trip row links to the incident of the stop it led to
+            if e["kind"] == "trip" and (stop := inc.stop_for(daemon.store, e)) is not None:
+                e["incident_id"] = stop["id"]
         return rows, older
 
     def _kinds(kind: list[str] | None) -> list[str] | None:
