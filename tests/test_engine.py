@@ -178,3 +178,16 @@ def test_holds_now_asks_every_condition_the_evidence_and_the_projection() -> Non
     for s in falling:
         f.step(s)
     assert f.holds_now("projected", falling[-1]) is True and f.holds_now("no_such_rule", falling[-1]) is False
+
+
+def test_a_duration_rules_held_time_is_reported_from_its_first_counted_sample() -> None:
+    """A duration rule's card read "16/3 · 15 s" (counter over its minimum samples): it now reports ``held_s``."""
+    e = RuleEngine([RuleConfig(name="held", when=["MemAvailable < 8GiB"], for_s=15.0, samples=3)])
+    e.step(S(0.0, 20.0))
+    assert e.rules_json()[0]["held_s"] is None  # not counting
+    for t in (1.0, 2.0, 3.0, 4.5, 11.0):
+        e.step(S(t, 6.0))
+    [r] = e.rules_json()
+    assert r["counter"] == 5 and r["held_s"] == 10.0 and r["for_s"] == 15.0  # 1.0 .. 11.0
+    e.step(S(12.0, 20.0))
+    assert e.rules_json()[0]["held_s"] is None  # reset with the counter

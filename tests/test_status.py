@@ -33,6 +33,7 @@ from sparkd.loop.status import (
     ContainerStatus,
     PlanFigures,
     ResizeResult,
+    RuleStatus,
     SampleRow,
     Status,
     diff_figures,
@@ -431,3 +432,25 @@ def test_a_smoke_check_line_gives_the_decode_rate_and_the_error(name: str, check
     from sparkd.face.cli.control import smoke_line
 
     assert smoke_line(name, check) == line
+
+
+def test_a_duration_rule_is_shown_by_how_long_it_held_not_as_an_overrun_counter(tmp_path: Path) -> None:
+    """A 15 s rule with at least 3 samples, counting 16 samples over 11 s: the card read "16/3" with a full bar,
+    the CLI "16/3 (15 s)" (note 10, C1). Both say how long it held, and the bar is the lesser of the two."""
+    from sparkd.face.presenters import rules_from_status
+
+    base = {
+        "kind": "threshold",
+        "action": "stop",
+        "when": ["MemAvailable < 8GiB"],
+        "evidence": [],
+        "thresholds": [],
+        "floor_bytes": None,
+    }
+    rule = RuleStatus(name="held", samples=3, for_s=15.0, counter=16, held_s=11.0, **base)
+    [card] = rules_from_status(Status.model_construct(rules=[rule]))
+    assert card["progress_pct"] == pytest.approx(100 * 11 / 15) and card["held_s"] == 11.0
+    assert card["level"] == "critical"  # past half of its time
+    quiet = RuleStatus(name="n", samples=5, for_s=None, counter=1, **base)
+    [card] = rules_from_status(Status.model_construct(rules=[quiet]))
+    assert card["progress_pct"] == pytest.approx(20.0) and card["level"] == "warn"

@@ -113,6 +113,7 @@ class RuleEngine:
         self.demoted: dict[str, str] = {}
         self.slope = SlopeWindow(max_window_s=MIN_SLOPE_HISTORY_S)
         self.mem_total: int | None = None
+        self.last_mono: float | None = None  # the monotonic time of the last sample stepped (a duration's "now")
         self._compiled = False
         self._fixed = False
         self._base: list[Rule] = []
@@ -169,6 +170,7 @@ class RuleEngine:
     def step(self, sample: Sample) -> list[Decision]:
         """Advance every rule on ``sample`` (its ``mono`` is "now"); trips, near misses, cooldowns."""
         self.ensure(sample)
+        self.last_mono = sample.mono
         self.slope.add(sample.mono, usable_bytes(sample))
         return evaluate(
             sample,
@@ -263,11 +265,17 @@ class RuleEngine:
         return any(st.counter > 0 for st in self.states.values())
 
     def rules_json(self) -> list[dict[str, Any]]:
-        """Each rule as configured, with its counters, whether it was demoted, and why it is blind."""
-        return [
-            {**r.to_json(), "demoted": self.demoted.get(r.name), **self.states.get(r.name, RuleState()).to_json()}
-            for r in self.rules
-        ]
+        """Each rule as configured, with its counters, whether it was demoted, and why it is blind; ``held_s``: how
+        long its condition has held (s, first counted sample to the last sample stepped; None at counter 0), which
+        a duration rule (``for_s``) is measured by."""
+        out = []
+        for r in self.rules:
+            st = self.states.get(r.name, RuleState())
+            held = None
+            if st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
+                held = max(0.0, self.last_mono - st.started_mono)
+            out.append({**r.to_json(), "demoted": self.demoted.get(r.name), **st.to_json(), "held_s": held})
+        return out
 
 
 def replay_samples(engine: RuleEngine, samples: Sequence[Sample]) -> list[list[Decision]]:

@@ -203,11 +203,15 @@ def leak_line(status: Status) -> dict[str, Any] | None:
 
 
 def rules_from_status(status: Status) -> list[dict[str, Any]]:
-    """Each rule: counter/samples, near misses, trips, its conditions and a level."""
+    """Each rule: counter/samples (a duration rule: how long it has held of ``for_s``, its progress the lesser of
+    the two), near misses, trips, its conditions and a level."""
     out = []
     for r in status.rules:
         counter, need = r.counter, max(1, r.samples)
-        level = "ok" if counter == 0 else ("critical" if counter * 2 >= need else "warn")
+        frac = counter / need
+        if r.for_s:  # a duration rule trips on both: held for_s and at least `samples` samples; the one behind binds
+            frac = min(frac, (r.held_s or 0.0) / r.for_s)
+        level = "ok" if counter == 0 else ("critical" if frac * 2 >= 1 else "warn")
         if r.blind:  # an input it needs was not read: never a quiet 0/N
             level = "critical"
         out.append(
@@ -217,7 +221,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "action": r.action,
                 "counter": counter,
                 "samples": need,
-                "progress_pct": min(100.0, 100.0 * counter / need),
+                "progress_pct": min(100.0, 100.0 * frac),
+                "held_s": r.held_s,
                 "near_misses": r.near_misses,
                 "trips": r.trips,
                 "when": list(r.when),

@@ -291,8 +291,9 @@ class RuleStatus(_Model):
     window_s: float | None = None  # predictive: the shortest fit window
     demoted: str | None = None  # why the loop guard demoted it to warn
     counter: int = 0
+    held_s: float | None = None  # seconds the condition has held (first counted sample to the last); None at 0
     near_misses: int = 0
-    trips: int = 0
+    trips: int = 0  # since sparkd started
     last_reason: str | None = None
     blind: str | None = None  # why the rule cannot evaluate (an input it needs was not read), else None
 
