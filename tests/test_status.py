@@ -158,13 +158,18 @@ def test_it_exports_a_label_for_every_state() -> None:
     assert set(CONTAINER_STATES) == {s.value for s in ContainerState}
 
 
-@pytest.mark.parametrize("state", list(ContainerState))
-async def test_it_gives_every_state_a_level_on_the_container_card(tmp_path: Path, state: ContainerState) -> None:
+async def _status_with_fake_actions(tmp_path: Path) -> Status:
+    """The status of a daemon whose container is ``FakeActions``' (ready), the daemon shut down."""
     d = await _daemon(tmp_path, actions=FakeActions())
     try:
-        st = d.status_json()
+        return d.status_json()
     finally:
         await d.shutdown("test")
+
+
+@pytest.mark.parametrize("state", list(ContainerState))
+async def test_it_gives_every_state_a_level_on_the_container_card(tmp_path: Path, state: ContainerState) -> None:
+    st = await _status_with_fake_actions(tmp_path)
     card = views.container_from_status(
         st.model_copy(update={"container": st.container.model_copy(update={"state": state})})
     )
@@ -369,11 +374,7 @@ async def test_the_cli_counts_the_containers_uptime_on_from_the_snapshots_time(t
 
     from sparkd.face.cli import main
 
-    d = await _daemon(tmp_path, actions=FakeActions())
-    try:
-        snap = d.status_json()
-    finally:
-        await d.shutdown("test")
+    snap = await _status_with_fake_actions(tmp_path)
     snap = snap.model_copy(
         update={"ts": time.time() - 600.0, "container": snap.container.model_copy(update={"uptime_s": 60.0})}
     )
