@@ -288,3 +288,39 @@ def test_the_quiet_gpu_cadence_may_not_be_faster_than_the_asked_one(tmp_path: Pa
         load_settings(overrides={"state_dir": str(tmp_path), "gpu_quiet_interval_s": 2.0})
     s = load_settings(overrides={"state_dir": str(tmp_path)})
     assert (s.gpu_interval_s, s.gpu_quiet_interval_s) == (5.0, 30.0)
+
+
+def test_doctor_warns_as_the_daemon_does_about_a_floor_this_host_sits_on(tmp_path: Path) -> None:
+    """``doctor`` said "every threshold reachable" while the daemon warned at start that a rule may loop (its floor
+    within the margin of the host's MemAvailable). It runs the daemon's floor check, MemAvailable now as healthy."""
+    from sparkd.core.floors import check_floors
+    from sparkd.core.rules import compile_rules
+    from sparkd.ops.doctor import DoctorContext, check_rule_reach
+    from sparkd.units import GiB
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+    p = tmp_path / "c.toml"
+    p.write_text(  # 12 GiB available: a floor at 11.5 GiB is within the 1 GiB margin; 6 GiB is clear
+        '[[rules]]\nname = "near"\nwhen = ["MemAvailable < 11.5GiB"]\n'
+        '[[rules]]\nname = "fine"\nwhen = ["MemAvailable < 6GiB"]\n'
+    )
+    rules = load_settings(p).rules
+    checks = check_rule_reach(DoctorContext(proc_root=proc, rules=rules))
+    warned = {c.title: c.detail for c in checks if c.status == "WARN"}
+    # the same finding the daemon reports as its watermark warning
+    daemon_says = [
+        w.message
+        for w in check_floors(
+            compile_rules(rules, 16 * GiB),
+            healthy_mem_available_bytes=12 * GiB,
+            low_watermark_bytes=None,
+            min_free_kbytes=None,
+            watermark_scale_factor=None,
+        )
+        if w.severity == "warning"
+    ]
+    assert daemon_says and set(warned) == {"Rule near"}, warned
+    assert warned["Rule near"].startswith(daemon_says[0]), (warned, daemon_says)
+    assert not any(c.status == "OK" for c in checks)
