@@ -544,7 +544,11 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
             out.append(Check("WARN", f"Rule {r.name}", why, "fix the threshold: this rule guards nothing"))
     out += _floor_checks(ctx, total)
     return out or [
-        Check("OK", "Rules", f"{len(ctx.rules)} rules, every threshold reachable on this host and clear of it as it is")
+        Check(
+            "OK",
+            "Rules",
+            f"{len(ctx.rules)} rules, every threshold reachable on this host and clear of its MemAvailable now",
+        )
     ]
 
 
