@@ -424,6 +424,12 @@ def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
         # the whole hole, from the last sample before SIGSTOP: >= the 3 s stopped (one interval short, it
         # read 2.5-3.0 s before)
         assert 3.0 <= json.loads(details)["gap_s"] <= 10
+        # no catch-up burst after it: the samples that follow keep about an interval apart (two came 0.00 s
+        # apart, which a rule counting samples took as 2/2)
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] >= 12, 30)
+        ts = [r[0] for r in db_query(db, "SELECT ts FROM samples ORDER BY ts")]
+        gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)]
+        assert min(gaps) >= 0.25, gaps
 
 
 def test_short_stops_that_add_up_are_one_critical_guard_stalled_event(tmp_path: Path) -> None:

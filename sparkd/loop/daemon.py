@@ -574,7 +574,8 @@ class Daemon:
         decision in progress is finished, never cut short. An exception in a tick or in a decision
         ends this coroutine (the daemon reports a crash)."""
         loop = asyncio.get_running_loop()
-        self._next_at = self.mono()
+        # one interval after start-up's own sample (taken before READY=1), not a second sample right after it
+        self._next_at = self.mono() + (self.current_interval() if self.samples_taken else 0.0)
         while not self.should_exit.is_set():
             if self._decider_error is not None:
                 raise self._decider_error
@@ -671,8 +672,10 @@ class Daemon:
         gap_s = now - last if last is not None else 0.0
         if gap_s > LATE_FACTOR * interval and not self._note_gap(gap_s, interval):
             self._note_stall(now, gap_s, interval)  # a short stall: many of them are reported together
-        if self._next_at < now - interval:  # fell behind (suspend, stall): do not burst
-            self._next_at = now
+        if self._next_at < now + interval / 2:
+            # fell behind (a stall, a suspend, a slow tick): the next sample one interval on, never a catch-up
+            # tick at once (two samples 0.00 s apart counted "2/2 samples" after a SIGSTOP: no debounce)
+            self._next_at = now + interval
         return max(0.0, self._next_at - now)
 
     def _note_stall(self, now: float, gap_s: float, interval_s: float) -> None:
