@@ -782,3 +782,54 @@ def test_monitor_only_trips_once_per_cooldown_while_memory_stays_low(tmp_path: P
     kinds = [e["kind"] for e in asyncio.run(go())]
     assert kinds.count("trip") == 1 and kinds.count("stop_not_executed") == 1, kinds
     assert kinds.count("trip_cooldown") == 1, kinds  # said once per cooldown window, the holds counted
+
+
+def test_a_log_sink_that_blocks_does_not_freeze_the_guard(tmp_path: Path) -> None:
+    """stderr a 4 KiB pipe nobody reads (a terminal paused with Ctrl-S, a stalled journald): the log lines of a few
+    trips filled it, and the event loop blocked in the write: no sample for 115 s (note 11). The daemon logs through
+    a queue written by a thread; the ticks and the API go on, and what was dropped is counted."""
+    import fcntl
+    import signal
+
+    import httpx
+    from sparkdproc import db_query, free_port, wait_for
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    (proc / "meminfo").write_text(low)
+    port = free_port()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(  # a rule that trips on every sample (dry run): an event, and a log line, every 0.2 s
+        f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path / "logs"}"\nproc_root = "{proc}"\nkernlog_source = "off"\n'
+        'interval_s = 0.2\nfast_interval_s = 0.2\ndry_run = true\ncooldown_s = 0\n'
+        f'[api]\nhost = "127.0.0.1"\nport = {port}\n'
+        '[[rules]]\nname = "every_sample"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 1\n'
+    )
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest pipe, full after a few dozen lines
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_") and k != "JOURNAL_STREAM"}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), "run"], env=env, stdout=w, stderr=w
+    )
+    os.close(w)
+    try:
+        db = tmp_path / "sparkd.db"
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM events WHERE kind='trip'")[0][0] >= 60, 60), (
+            "the trips stopped: the guard is blocked"
+        )
+        before = db_query(db, "SELECT count(*) FROM samples")[0][0]
+        time.sleep(8.0)  # the pipe has been full for a while (nobody reads it)
+        after = db_query(db, "SELECT count(*) FROM samples")[0][0]
+        assert after - before >= 20, (before, after)  # ~40 at 0.2 s; 0 when the loop blocks in a write
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(20)  # the exit does not hang on the blocked sink either (logsetup.STOP_WAIT_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            os.close(r)
+    assert p.returncode == 0

@@ -80,6 +80,7 @@ async def start_api(daemon: Daemon) -> None:
         host=daemon.settings.api.host,
         port=daemon.settings.api.port,
         log_level="warning",
+        log_config=None,  # uvicorn's records go to the root logger: sparkd's queue, not a handler writing from the loop
         access_log=False,
         lifespan="off",
         http=guarded_protocol(cap, api.header_timeout_s, daemon.http_stats, limited),

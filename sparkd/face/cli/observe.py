@@ -48,7 +48,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     from sparkd.loop.daemon import Daemon, make_actions
 
     os.umask(0o077)  # state dir 0700, database, logs, archives and token 0600 whatever the caller's umask
-    setup_logging(settings.logs_path)
+    setup_logging(settings.logs_path, background=True)  # never a write from the event loop (logsetup)
 
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
