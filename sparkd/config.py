@@ -246,6 +246,9 @@ class NotifySettings(BaseModel):
             "stop_unconfirmed",  # it replaced a false "stopped": never quieter than what it replaced
             "stop_without_docker",
             "guarded_container_changed",
+            "archive_delayed",  # the state dir's storage slow or hung: the stop did not wait for its archive
+            "supervision_state_slow",
+            "supervision_state_not_saved",
             "nvrm_burst",
             "oom_kill",
             "leak_trend",

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -697,3 +698,83 @@ def test_a_hand_run_container_under_the_name_of_sparkds_stopped_and_renamed_one_
     by_hand.remove(force=True)
     s.wait_event("unguarded_container_gone", 20)
     assert len(s.events("unguarded_container")) == 1
+
+
+@contextlib.contextmanager
+def _frozen_mount(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
+    """A small ext4 file system on a loop device, mounted at ``tmp_path/mnt``; yields (mount point, freeze(bool))
+    (``fsfreeze``: every write to it blocks until thawed, as on storage that hung). Thawed and unmounted on exit."""
+    from conftest import need
+
+    need(os.geteuid() == 0 and shutil.which("fsfreeze") is not None, "root and fsfreeze (util-linux)")
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+    frozen = [False]
+
+    def freeze(on: bool) -> None:
+        subprocess.run(["fsfreeze", "-f" if on else "-u", str(mnt)], check=True, timeout=30)
+        frozen[0] = on
+
+    try:
+        yield mnt, freeze
+    finally:
+        if frozen[0]:
+            subprocess.run(["fsfreeze", "-u", str(mnt)], check=False, timeout=30)
+        for _ in range(50):  # the daemon may still hold files there for a moment
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.2)
+
+
+def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiting_for_it(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """The state directory's storage hung (``fsfreeze``): the emergency stop waited on the stop intent's fsync and on
+    its archive before the SIGTERM, until the thaw, while the status said "ready" (a hostile test: 40 s; a slow
+    disk, 12 s; note 11). Each write is now waited for a bounded time (``SAVE_WAIT_S``, ``ARCHIVE_WAIT_S``), said
+    (critical), and finished in the background."""
+    from sparkd.act.procstop import ProcessStopper
+    from sparkd.act.stop import ARCHIVE_WAIT_S
+    from sparkd.loop.unattended import SAVE_WAIT_S
+
+    with _frozen_mount(tmp_path) as (mnt, freeze):
+        proc = tmp_path / "proc"
+        proc.mkdir()
+        (proc / "meminfo").write_text(HIGH)
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(
+            work,
+            image,
+            case_labels,
+            container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
+            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+            top={"proc_root": str(proc), "state_dir": str(mnt / "state"), "log_dir": str(tmp_path / "logs")},
+        )
+        s.db = mnt / "state" / "sparkd.db"
+        s.start()
+        try:
+            c = s.wait_state("ready", 60)
+            stopper = ProcessStopper(c["container_id"])
+            assert stopper.pids()
+            freeze(True)
+            t0 = time.monotonic()
+            (proc / "meminfo").write_text(LOW)
+            assert wait_for(lambda: stopper.pids() == [], 2 * SAVE_WAIT_S + ARCHIVE_WAIT_S + 20, 0.2), (
+                "the model still runs with the state dir's storage hung"
+            )
+            took_s = time.monotonic() - t0
+            print(f"state dir frozen: the model was gone {took_s:.1f} s after the trip")
+            freeze(False)
+            said = s.wait_event("archive_delayed", 30)
+            assert said["severity"] == "critical" and "storage slow or hung" in said["message"], said
+            assert s.wait_event("supervision_state_slow", 10)["severity"] == "critical"
+            assert s.wait_event("archive_written_late", 30)
+            assert s.wait_state("stopped", 30)["container_id"] == c["container_id"]
+        finally:
+            (proc / "meminfo").write_text(HIGH)
+            s.stop()
+    assert took_s < 2 * SAVE_WAIT_S + ARCHIVE_WAIT_S + 10, took_s

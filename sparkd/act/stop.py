@@ -516,6 +516,55 @@ async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: Cleanup
         rep.errors.append(f"/dev/shm cleanup failed: {e}")
 
 
+#: the longest a stop waits for its archive before the SIGTERM (s): the container's log read (``ENGINE_MARGIN_S`` at
+#: most), the database's newest records (``DB_WAIT_S``) and the writing; past it the stop goes on, the archive is
+#: finished in the background. An archive directory on storage that hung (``fsfreeze``) held the stop until the thaw
+#: (note 11). Below the hard floor the stop does not wait for it at all.
+ARCHIVE_WAIT_S = 10.0
+
+
+async def _archive_first(
+    target: StopTarget,
+    rep: StopReport,
+    postmortem: Callable[[StopReport], Awaitable[str | None]],
+    hard_floor_bytes: int,
+    read_mem_available: Callable[[], int | None],
+    emit: Emit,
+) -> str | None:
+    """The archive before the stop, waited for ``ARCHIVE_WAIT_S`` at most and not at all once MemAvailable is below
+    the hard floor (read every 0.25 s); then a critical ``archive_delayed`` event, the stop goes on, and the archive
+    is finished in the background (``archive_written_late`` names it). Returns its name, or None when not done."""
+    task = asyncio.ensure_future(postmortem(rep))
+    deadline = time.monotonic() + ARCHIVE_WAIT_S
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        avail = read_mem_available()
+        if avail is not None and avail < hard_floor_bytes:
+            why = f"MemAvailable {fmt_gib(avail)} is below the hard floor {fmt_gib(hard_floor_bytes)}"
+            break
+        if time.monotonic() > deadline:
+            why = f"the archive is not written within {ARCHIVE_WAIT_S:g} s (its directory's storage slow or hung?)"
+            break
+    emit(
+        "archive_delayed",
+        f"{target.name}: {why}: stopping now; the postmortem archive is finished in the background",
+        severity="critical",
+    )
+    rep.errors.append(f"archive not waited for: {why}")
+
+    def _late(t: asyncio.Future[str | None]) -> None:
+        if t.cancelled() or t.exception() is not None:
+            return
+        name = t.result()
+        if name:
+            emit("archive_written_late", f"the postmortem archive of the stop of {target.name}: {name}")
+
+    task.add_done_callback(_late)
+    return None
+
+
 async def run_stop(
     target: StopTarget,
     docker: Stopper,
@@ -554,7 +603,7 @@ async def run_stop(
         details={"source": source, "container_id": cid},
     )
     if postmortem is not None and not archive_after:
-        rep.archive = await postmortem(rep)
+        rep.archive = await _archive_first(target, rep, postmortem, hard_floor_bytes, read_mem_available, emit)
         rep.durations_s["archive"] = time.monotonic() - t0
     if before_stop is not None:
         await before_stop(rep)
