@@ -778,3 +778,67 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
             (proc / "meminfo").write_text(HIGH)
             s.stop()
     assert took_s < 2 * SAVE_WAIT_S + ARCHIVE_WAIT_S + 10, took_s
+
+
+def test_a_trip_on_a_full_state_disk_is_remembered_once_there_is_room_again(
+    tmp_path: Path, image: str, case_labels: dict[str, str]
+) -> None:
+    """The state dir's disk full at a trip: the stop worked, but the launch's end (no database) and the stop intent
+    (``supervision.json``) were never written, not even once there was room again, and a restart relaunched the model
+    the rule had stopped (note 11). Both are now written when the disk has room, and the restart keeps it stopped."""
+    from conftest import need
+
+    need(os.geteuid() == 0, "root, to mount a small tmpfs")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
+    try:
+        proc = tmp_path / "proc"
+        proc.mkdir()
+        (proc / "meminfo").write_text(HIGH)
+        work = tmp_path / "s"
+        work.mkdir()
+        s = SparkdUnderTest(
+            work,
+            image,
+            case_labels,
+            container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
+            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+            top={"proc_root": str(proc), "state_dir": str(mnt / "state"), "log_dir": str(tmp_path / "logs")},
+        )
+        s.db = mnt / "state" / "sparkd.db"
+        s.start()
+        try:
+            c = s.wait_state("ready", 60)
+            filler = mnt / "filler"
+            subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)  # until ENOSPC
+            (proc / "meminfo").write_text(LOW)
+            assert wait_for(lambda: s.container()["state"] == "stopped", 60), s.container()
+            (proc / "meminfo").write_text(HIGH)
+            time.sleep(1.0)
+            filler.unlink()  # room again, sparkd still running
+            state = mnt / "state" / "supervision.json"
+            assert wait_for(
+                lambda: (
+                    state.exists()
+                    and '"emergency"' in state.read_text()
+                    and db_query(s.db, "SELECT status FROM launches WHERE id=?", (c["launch_id"],)) == [("stopped",)]
+                ),
+                90,
+                0.5,
+            ), (state.read_text() if state.exists() else "no file", db_query(s.db, "SELECT id, status FROM launches"))
+            s.stop()
+            s.start()
+            kept = s.wait_event("staying_stopped", 30)["message"]
+            assert "stop intent emergency" in kept and "`sparkd start` launches again" in kept, kept
+            time.sleep(3.0)
+            assert s.container()["state"] == "stopped" and s.container()["stay_stopped"] is True, s.container()
+            assert len(s.events("launched")) == 1  # not relaunched at the restart
+        finally:
+            (proc / "meminfo").write_text(HIGH)
+            s.stop()
+    finally:
+        for _ in range(50):
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.2)

@@ -467,9 +467,14 @@ class LaunchBook:
 
     async def _finish_launch(self, status: str) -> None:
         """How a launch ended, written at once (not through the queue): a restart of sparkd reads it to decide
-        whether to launch again, so it must survive a crash right after the stop."""
+        whether to launch again, so it must survive a crash right after the stop. With no database open (a full
+        disk, a locked or lost file) it goes through the writer's queue and reaches the database when it is back:
+        it was dropped, and a restart after the disk was freed relaunched a model a rule had stopped (note 11)."""
         d = self.daemon
-        if not d or not d.store or not self.launch_id:
+        if not d or not self.launch_id:
+            return
+        if not d.store:
+            self._save_launch(status=status, stopped_at=time.time())
             return
         row = {
             "id": self.launch_id,

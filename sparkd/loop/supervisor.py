@@ -201,6 +201,7 @@ class Supervisor(RunBook):
                 await self._stop_without_docker("daemon", why, e.message, emergency=True, began_at=began)
             except SparkdError as e:
                 self._event("stop_not_executed", f"daemon: {e.message}", severity="warning")
+        await self.unattended.save_pending()
         if self._log_stop:
             self._log_stop.set()
 

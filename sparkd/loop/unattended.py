@@ -173,6 +173,12 @@ class Unattended:
                     severity="critical",
                 )
 
+    async def save_pending(self) -> None:
+        """At sparkd's exit: a state not on disk yet (a save that failed, or one still under way) gets one more
+        try, ``SAVE_WAIT_S`` at most, so that the next start reads the stop intent and breaker sparkd held."""
+        if self._dirty or self._save_lock.locked():
+            await self.save()
+
     async def _save_now(self) -> None:
         async with self._save_lock:  # one at a time; the newest state is the one written
             if not self._dirty:
