@@ -842,3 +842,40 @@ def test_a_trip_on_a_full_state_disk_is_remembered_once_there_is_room_again(
             if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
                 break
             time.sleep(0.2)
+
+
+def test_a_container_paused_while_sparkd_was_down_is_adopted_and_a_trip_stops_it(
+    tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any
+) -> None:
+    """``docker pause`` of the model while sparkd was not running: at its start sparkd found no running container
+    (state ``none``), tried to remove the paused one to launch, and every trip said "not running" while the paused
+    model held its memory (note 11). A paused container is adopted, and the trip stops it."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HIGH)
+    work = tmp_path / "s"
+    work.mkdir()
+    s = SparkdUnderTest(
+        work,
+        image,
+        case_labels,
+        container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        top={"proc_root": str(proc), "cooldown_s": 5.0},
+    )
+    s.start()
+    try:
+        c = s.wait_state("ready", 60)
+        s.stop()  # sparkd down, the model left running (stop_on_exit is off by default)
+        box = docker_client.containers.get(c["container_id"])
+        box.pause()
+        s.start()
+        assert wait_for(lambda: s.container()["container_id"] == c["container_id"], 30), s.container()
+        assert not s.events("launch_refused")
+        (proc / "meminfo").write_text(LOW)
+        assert wait_for(lambda: docker_client.api.inspect_container(box.id)["State"]["Running"] is False, 60), s.events(
+            "stop_not_executed"
+        )
+    finally:
+        (proc / "meminfo").write_text(HIGH)
+        s.stop()

@@ -230,10 +230,10 @@ class ContainerManager:
         return sorted(infos, key=lambda i: (i.started_at or 0.0, i.created or 0.0), reverse=True)
 
     def adopt(self) -> ContainerInfo | None:
-        """The running managed container, or None. With several running, the
-        newest (by start time) is returned and the others are logged as a warning;
+        """The running managed container (paused counts: it holds its memory, and a trip must stop it), or None.
+        With several running, the newest (by start time) is returned and the others are logged as a warning;
         ``find_managed`` lists them all."""
-        running = [i for i in self.find_managed() if i.status == "running"]
+        running = [i for i in self.find_managed() if i.status in ("running", "paused")]
         if not running:
             return None
         if len(running) > 1:

@@ -854,14 +854,15 @@ class Supervisor(RunBook):
             )
 
     async def _attach(self) -> None:
-        """Find the container to watch (managed: the running labelled one; guard: the named one,
-        running or restarting) and reconcile with it: first sight gives ``adopted``."""
+        """Find the container to watch (managed: the running labelled one; guard: the named one, running, restarting
+        or paused: a container paused when sparkd started was "not running" and each trip's stop was refused while it
+        held its memory, note 11) and reconcile with it: first sight gives ``adopted``."""
         info = None
         if self.mode == "managed":
             info = await asyncio.to_thread(self.manager.adopt)
         elif self.settings.container.guard:
             info = await asyncio.to_thread(self.manager.guard, self.settings.container.guard)
-            if info is not None and info.status not in ("running", "restarting"):
+            if info is not None and info.status not in ("running", "restarting", "paused"):
                 info = None
         if info is None or info.id == self.container_id:
             if info is None and self.interrupted_stop is not None and self.mode == "managed":
