@@ -730,7 +730,7 @@ def _frozen_mount(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
 
 
 def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiting_for_it(
-    tmp_path: Path, image: str, case_labels: dict[str, str]
+    tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any
 ) -> None:
     """The state directory's storage hung (``fsfreeze``): the emergency stop waited on the stop intent's fsync and on
     its archive before the SIGTERM, until the thaw, while the status said "ready" (a hostile test: 40 s; a slow
@@ -781,7 +781,7 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
 
 
 def test_a_trip_on_a_full_state_disk_is_remembered_once_there_is_room_again(
-    tmp_path: Path, image: str, case_labels: dict[str, str]
+    tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any
 ) -> None:
     """The state dir's disk full at a trip: the stop worked, but the launch's end (no database) and the stop intent
     (``supervision.json``) were never written, not even once there was room again, and a restart relaunched the model
@@ -845,7 +845,7 @@ def test_a_trip_on_a_full_state_disk_is_remembered_once_there_is_room_again(
 
 
 def test_a_container_paused_while_sparkd_was_down_is_adopted_and_a_trip_stops_it(
-    tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any
+    tmp_path: Path, image: str, case_labels: dict[str, str], docker_client: Any, launcher: Any
 ) -> None:
     """``docker pause`` of the model while sparkd was not running: at its start sparkd found no running container
     (state ``none``), tried to remove the paused one to launch, and every trip said "not running" while the paused
