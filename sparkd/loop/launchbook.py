@@ -22,7 +22,7 @@ from sparkd.core.lifecycle import ContainerState
 from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
-from sparkd.loop.status import diff_figures
+from sparkd.loop.status import PlanFigures, diff_figures
 from sparkd.ops.preflight import run_preflight
 from sparkd.sense import procfs
 from sparkd.sense.kernlog import KernRecord
@@ -42,6 +42,19 @@ log = logging.getLogger("sparkd.loop.supervisor")
 # After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
 # field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
 START_FAILED_CAUSE_WAIT_S = 5.0
+
+
+def stored_plan(raw: Any) -> dict[str, Any] | None:
+    """A plan read back from a launch record, when it still has ``PlanFigures``' shape; None otherwise (a record
+    written by another version, or without a budget): a status that shows it must never fail on it."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        PlanFigures.model_validate(raw)
+    except ValueError:  # pydantic.ValidationError is a ValueError
+        log.info("the stored plan of the last launch is of another shape; not shown")
+        return None
+    return raw
 
 
 class LaunchBook:
@@ -141,7 +154,7 @@ class LaunchBook:
                     self.image = rec.get("image") or self.image
                     # and the plan it ran with, as a stop within one run of sparkd leaves it shown (/api/status had
                     # plan null after a restart of sparkd; the next start makes its plan from the revision)
-                    self.plan_json = self.plan_json or rec.get("plan")
+                    self.plan_json = self.plan_json or stored_plan(rec.get("plan"))
             why = f"stop intent {intent.intent.value} ({intent.who}: {intent.reason})" if intent else ended
             self.state_reason = f"{why}; stays stopped until `sparkd start`"
             self._event(

@@ -17,7 +17,7 @@ from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_b
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.supervision import StopIntent
 from sparkd.errors import DockerUnavailable, Refused, SparkdError
-from sparkd.loop.launchbook import LaunchBook
+from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
 from sparkd.units import fmt_gib, parse_size
@@ -92,7 +92,7 @@ class RunBook(LaunchBook):
         if self.daemon and self.daemon.store and self.launch_id:
             rec = await asyncio.to_thread(self.daemon.store.launch, self.launch_id)
             if rec:
-                self.plan_json = rec.get("plan")
+                self.plan_json = stored_plan(rec.get("plan"))
                 self.launch_started_at = rec.get("started_at") or self.launch_started_at
                 self.ready_at, self.trough_bytes = rec.get("ready_at"), rec.get("trough_bytes")
         if revision not in (None, str(self.revision)) and self.mode == "managed":
