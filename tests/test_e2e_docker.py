@@ -700,6 +700,31 @@ def test_a_hand_run_container_under_the_name_of_sparkds_stopped_and_renamed_one_
     assert len(s.events("unguarded_container")) == 1
 
 
+def _scripted_sparkd(
+    tmp_path: Path, image: str, case_labels: dict[str, str], *, state_dir: Path | None = None, **top: Any
+) -> tuple[SparkdUnderTest, Path]:
+    """A started sparkd managing a container on the shared engine, whose low_available rule (< 6 GiB, 2 samples)
+    reads a scripted /proc (``proc/meminfo``: ``HIGH`` at first), a 2 s grace; ``state_dir`` elsewhere than its
+    work dir (its log stays in ``tmp_path/logs``). Returns (sparkd, proc)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HIGH)
+    work = tmp_path / "s"
+    work.mkdir()
+    where = {"state_dir": str(state_dir), "log_dir": str(tmp_path / "logs")} if state_dir is not None else {}
+    s = SparkdUnderTest(
+        work,
+        image,
+        case_labels,
+        container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        top={"proc_root": str(proc), **where, **top},
+    )
+    if state_dir is not None:
+        s.db = state_dir / "sparkd.db"
+    return s.start(), proc
+
+
 @contextlib.contextmanager
 def _frozen_mount(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
     """A small ext4 file system on a loop device, mounted at ``tmp_path/mnt``; yields (mount point, freeze(bool))
@@ -741,21 +766,7 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
     from sparkd.loop.unattended import SAVE_WAIT_S
 
     with _frozen_mount(tmp_path) as (mnt, freeze):
-        proc = tmp_path / "proc"
-        proc.mkdir()
-        (proc / "meminfo").write_text(HIGH)
-        work = tmp_path / "s"
-        work.mkdir()
-        s = SparkdUnderTest(
-            work,
-            image,
-            case_labels,
-            container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
-            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
-            top={"proc_root": str(proc), "state_dir": str(mnt / "state"), "log_dir": str(tmp_path / "logs")},
-        )
-        s.db = mnt / "state" / "sparkd.db"
-        s.start()
+        s, proc = _scripted_sparkd(tmp_path, image, case_labels, state_dir=mnt / "state")
         try:
             c = s.wait_state("ready", 60)
             stopper = ProcessStopper(c["container_id"])
@@ -793,21 +804,7 @@ def test_a_trip_on_a_full_state_disk_is_remembered_once_there_is_room_again(
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True)
     try:
-        proc = tmp_path / "proc"
-        proc.mkdir()
-        (proc / "meminfo").write_text(HIGH)
-        work = tmp_path / "s"
-        work.mkdir()
-        s = SparkdUnderTest(
-            work,
-            image,
-            case_labels,
-            container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
-            rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
-            top={"proc_root": str(proc), "state_dir": str(mnt / "state"), "log_dir": str(tmp_path / "logs")},
-        )
-        s.db = mnt / "state" / "sparkd.db"
-        s.start()
+        s, proc = _scripted_sparkd(tmp_path, image, case_labels, state_dir=mnt / "state")
         try:
             c = s.wait_state("ready", 60)
             filler = mnt / "filler"
@@ -850,20 +847,7 @@ def test_a_container_paused_while_sparkd_was_down_is_adopted_and_a_trip_stops_it
     """``docker pause`` of the model while sparkd was not running: at its start sparkd found no running container
     (state ``none``), tried to remove the paused one to launch, and every trip said "not running" while the paused
     model held its memory (note 11). A paused container is adopted, and the trip stops it."""
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    (proc / "meminfo").write_text(HIGH)
-    work = tmp_path / "s"
-    work.mkdir()
-    s = SparkdUnderTest(
-        work,
-        image,
-        case_labels,
-        container={"hard_floor": "1GiB", "stop_timeout_s": 2.0},
-        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
-        top={"proc_root": str(proc), "cooldown_s": 5.0},
-    )
-    s.start()
+    s, proc = _scripted_sparkd(tmp_path, image, case_labels, cooldown_s=5.0)
     try:
         c = s.wait_state("ready", 60)
         s.stop()  # sparkd down, the model left running (stop_on_exit is off by default)
