@@ -869,7 +869,7 @@ class Writer:
         """Queue one record (never blocks, never raises; False when the queue is full and it was dropped).
         ``urgent``: write it (and what was gathered) at once, though its kind is one ``GATHERED``."""
         q = self.queue
-        if not 0 < q.maxsize <= len(q.items):
+        if not q.full():
             q.items.append((kind, payload))
             if urgent or kind not in GATHERED:
                 self._urgent_queued = True
