@@ -226,7 +226,7 @@ def test_an_operators_stop_with_the_engine_silent_is_refused_while_an_action_hol
     from sparkd.errors import Conflict
 
     init = box.start("sleep 300 & wait")
-    members = box.wait_members(2)
+    members = box.wait_members(3)  # unshare, the namespace's init (sh), its sleep: all born before the check
     sup: Any = _supervisor(tmp_path, box.id)
 
     async def engine_silent_while_an_action_begins() -> bool:
