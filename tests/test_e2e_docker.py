@@ -620,6 +620,38 @@ def test_a_container_removed_outside_sparkd_is_not_relaunched(sparkd_factory: An
     assert len(s.events("launched")) == 1 and s.container()["state"] == "none"
 
 
+def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_the_next_trip(
+    sparkd_factory: Any, docker_client: Any
+) -> None:
+    """``docker rm -f`` of sparkd's container, then ``docker run`` of the same image with sparkd's own labels: a
+    container sparkd would adopt at start-up, so it is sparkd's to guard now. It showed "none" (and no
+    ``unguarded`` either: it carries the label) until the next trip found and stopped it (note 11)."""
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    old = docker_client.containers.get(c["container_id"])
+    cfg = old.attrs["Config"]
+    old.remove(force=True)
+    s.wait_event("container_gone", 20)
+    by_hand = docker_client.containers.run(
+        cfg["Image"],
+        cfg["Cmd"],
+        name=c["name"],
+        environment=cfg["Env"],
+        labels=cfg["Labels"],  # sparkd.managed=true and this sparkd's selector (the test's case labels)
+        network_mode="host",
+        detach=True,
+    )
+    ev = s.wait_event("adopted", 20)
+    assert ev["details"]["container_id"] == by_hand.id, ev
+    assert s.wait_state("ready", 60)["container_id"] == by_hand.id
+    assert s.container()["unguarded"] is None
+    assert s.api("POST", "/api/container/stop").status_code == 200  # and it is sparkd's to stop
+    assert s.wait_state("stopped", 60)["container_id"] == by_hand.id
+    by_hand.reload()
+    assert by_hand.status == "exited"
+    assert len(s.events("launched")) == 1  # adopted, never relaunched
+
+
 def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(
     sparkd_factory: Any, docker_client: Any, image: str, case_labels: dict[str, str]
 ) -> None:

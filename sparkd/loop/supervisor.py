@@ -731,6 +731,11 @@ class Supervisor(RunBook):
             # the name may be someone else's now: sparkd's container removed, or renamed (stopped or running).
             # Every step while none of sparkd's runs; while one runs, every UNGUARDED_CHECK_S (a Docker call)
             active = self.container_id is not None and self.state in ACTIVE_STATES
+            if not active and not self.lock.locked():
+                # a container with sparkd's labels run by hand (`docker run` with them after a `docker rm -f` of
+                # sparkd's) is sparkd's to guard, as at start-up: it showed "none" until a trip adopted it (note 11)
+                await self._attach()
+                active = self.container_id is not None and self.state in ACTIVE_STATES
             if not active or time.monotonic() - self._unguarded_checked >= UNGUARDED_CHECK_S:
                 self._unguarded_checked = time.monotonic()
                 await self._check_unguarded()
