@@ -27,7 +27,7 @@ from sparkdapi import SparkdUnderTest
 from sparkdproc import db_query
 
 from sparkd.sense import procfs
-from sparkd.units import GiB
+from sparkd.units import GiB, MiB
 
 pytest_plugins = ["dockerkit"]
 
@@ -650,6 +650,23 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
     by_hand.reload()
     assert by_hand.status == "exited"
     assert len(s.events("launched")) == 1  # adopted, never relaunched
+
+
+def test_a_docker_update_of_the_memory_limit_by_hand_is_shown_and_said(sparkd_factory: Any, docker_client: Any) -> None:
+    """``docker update --memory`` of sparkd's running container: the status kept the launch's figure (note 11).
+    Now it shows Docker's limit from the next observation, and a warning says the plan assumed the old one."""
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    launched = c["memory_bytes"]
+    assert launched, c  # the test launch passes a --memory
+    new = launched + 64 * MiB
+    docker_client.containers.get(c["container_id"]).update(mem_limit=new, memswap_limit=new)
+    ev = s.wait_event("memory_limit_changed", 20)
+    assert ev["severity"] == "warning" and ev["details"]["memory_bytes"] == new, ev
+    assert ev["details"]["was_bytes"] == launched and "docker update" in ev["message"], ev
+    assert s.container()["memory_bytes"] == new
+    time.sleep(2.5)
+    assert len(s.events("memory_limit_changed")) == 1  # said once (not at the launch, not at each observation)
 
 
 def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(

@@ -142,7 +142,8 @@ class ContainerState:
     ``restarting`` (``State.Restarting``: Docker waits to restart it, and says ``running`` meanwhile),
     ``restart_count`` (``RestartCount``: restarts by the restart policy; ``docker start`` resets it),
     ``restart_policy`` (``HostConfig.RestartPolicy.Name``), ``health`` (``State.Health.Status`` when
-    the image has a HEALTHCHECK)."""
+    the image has a HEALTHCHECK), ``memory_bytes`` (``HostConfig.Memory``, Docker's ``--memory`` limit in
+    bytes as it is now, ``docker update`` included: 0 when unlimited, None when not read)."""
 
     status: str
     running: bool
@@ -156,6 +157,7 @@ class ContainerState:
     restart_count: int = 0
     restart_policy: str | None = None
     health: str | None = None
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)

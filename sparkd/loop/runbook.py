@@ -103,6 +103,26 @@ class RunBook(LaunchBook):
                 severity="warning",
             )
 
+    def _follow_memory_limit(self, memory_bytes: int | None) -> None:
+        """Docker's ``--memory`` as ``docker inspect`` reads it now (``HostConfig.Memory`` in bytes, 0: unlimited;
+        None: not read, nothing changes). A ``docker update --memory`` by hand is shown in the status from the next
+        observation (it kept the launch's figure, note 11) and said once: a warning when sparkd manages the
+        container (the plan's budget assumed the old limit), info when it only guards it."""
+        if memory_bytes is None or (memory_bytes or None) == self.mem_limit_bytes:
+            return
+        was, self.mem_limit_bytes = self.mem_limit_bytes, memory_bytes or None
+
+        def said(b: int | None) -> str:
+            return fmt_gib(b) if b else "unlimited"
+
+        self._event(
+            "memory_limit_changed",
+            f"{self.name}: Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)} (changed outside "
+            "sparkd: docker update)" + ("; the plan's budget assumed the old limit" if self.mode == "managed" else ""),
+            severity="warning" if self.mode == "managed" else "info",
+            details={"container_id": self.container_id, "memory_bytes": self.mem_limit_bytes, "was_bytes": was},
+        )
+
     def _forget(self) -> None:
         assert self.container_id is not None
         self._event(

@@ -939,6 +939,8 @@ class Supervisor(RunBook):
             st: DockerState = await asyncio.to_thread(self.manager.state, self.container_id)
         except NotFound:
             return replace(base, exists=False)
+        if st.started_at is not None and st.started_at == self.seen_started_at:  # a run already taken (not adopting)
+            self._follow_memory_limit(st.memory_bytes)
         obs = replace(
             base,
             running=st.running,
