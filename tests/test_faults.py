@@ -269,6 +269,41 @@ def test_it_guards_while_another_process_holds_the_write_lock_at_start(tmp_path:
         holder.close()
 
 
+def test_a_clean_stop_with_the_database_locked_is_recorded_at_the_next_start_not_called_unclean(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while another process holds the database's write lock: the run's end cannot be written, and the
+    next start said critically that the previous sparkd "did not stop cleanly: nothing was guarded for N s"
+    (note 11). The end goes to ``<state_dir>/run_end.json`` instead, and the next start records it from there."""
+    state = tmp_path / "state"
+    db = state / "sparkd.db"
+    with guarded(tmp_path, state) as g:
+        assert wait_for(lambda: db_query(db, "SELECT count(*) FROM samples")[0][0] > 3, 25.0)
+        holder = sqlite3.connect(db, timeout=0.1, isolation_level=None)
+        try:
+            holder.execute("BEGIN EXCLUSIVE")
+            t_term = time.time()
+            g.p.terminate()
+            out, _ = g.p.communicate(timeout=60)
+            assert g.p.returncode == 0 and "Traceback" not in out, out[-2000:]
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    first_run, first_stopped = db_query(db, "SELECT id, stopped_at FROM daemon_runs ORDER BY id")[0]
+    assert first_stopped is None  # the database did not take it
+    assert (state / "run_end.json").exists()
+    with guarded(tmp_path, state) as g2:
+        ev = wait_for(lambda: g2.events("run_end_recovered"), 20.0, 0.2)
+        assert ev and f"pid {g.p.pid}" in ev[0]["message"] and "stopped cleanly (SIGTERM)" in ev[0]["message"], ev
+        assert ev[0]["severity"] == "info"
+        stopped_at, reason = db_query(db, "SELECT stopped_at, exit_reason FROM daemon_runs WHERE id = ?", (first_run,))[
+            0
+        ]
+        assert reason == "SIGTERM" and t_term <= stopped_at <= time.time(), (stopped_at, reason)
+        assert g2.events("unclean_exit") == []
+        assert not (state / "run_end.json").exists()  # taken: said once
+
+
 @pytest.mark.parametrize("fault", ["write lock", "disk full"])
 def test_writes_failing_while_running_are_said_and_recording_resumes(tmp_path: Path, fault: str) -> None:
     """A write lock taken by another process, or the state directory filling up, while sparkd runs: after

@@ -729,14 +729,20 @@ class Daemon:
             if self.guard:
                 for start, count in self.guard.nvrm.flush():
                     self.writer.submit("nvrm_window", (start, self.settings.nvrm_window_s, count))
+            end: dict[str, Any] | None = None
+            if self.run_id is not None:
+                end = {"id": self.run_id, "stopped_at": time.time(), "exit_reason": reason}
+                end["samples"] = self.samples_taken
             try:
                 self.writer.flush()
                 self.writer.close()
-                if self.store and self.run_id is not None:
-                    end = {"id": self.run_id, "stopped_at": time.time(), "exit_reason": reason}
-                    self.store.write_batch([("run_end", {**end, "samples": self.samples_taken})])
+                if self.store and end is not None:
+                    self.store.write_batch([("run_end", dict(end))])  # it pops the id
+                    end = None
             except Exception as e:  # a database that failed while running must not turn a stop into a traceback
                 log.error("database at shutdown: %s; %d records not written", _one_line(e), self.writer.queue.qsize())
+            if end is not None:  # not in the database: the next start takes it from the state dir
+                _daemon_db.note_run_end(self, end)
         if self._kern_gate is not None:
             self._kern_gate.close()
         if self.guard and self.guard.kern_source is not None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
@@ -20,6 +22,7 @@ from sparkd.config import effective_config
 from sparkd.logsetup import reopen_if_gone
 from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
+from sparkd.store.supervision_state import write_atomic
 from sparkd.units import parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
@@ -27,6 +30,8 @@ log = logging.getLogger("sparkd.loop.daemon")
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
+#: ``<state_dir>/run_end.json``: a clean exit's end when the database could not take it at shutdown
+RUN_END_FILE = "run_end.json"
 DB_FIRST_WAIT_S = 1.0  # start-up waits this long for the database before the guard starts without it
 DB_IDLE_CHECK_S = 60.0  # with the database ok the keeper sleeps until the writer calls (Writer.on_trouble)
 
@@ -61,7 +66,26 @@ async def report_unclean_end(daemon: Daemon, run_id: int) -> None:
     store = daemon.store
     assert store is not None
     prev = await asyncio.to_thread(store.unclean_run, run_id)
+    note_path = Path(daemon.settings.state_dir) / RUN_END_FILE
+    note = _read_run_end_note(note_path)
+    ours = note is not None and prev is not None and note.get("id") == prev["id"] and note.get("pid") == prev["pid"]
+    if not ours:
+        with contextlib.suppress(OSError):
+            note_path.unlink(missing_ok=True)  # another run's (a database restored from a backup): not this one's
     if prev is None:
+        return
+    if note is not None and ours:
+        # a clean exit whose database was down, full or hung at shutdown: not an unclean one (note 11)
+        row = {"id": prev["id"], "stopped_at": float(note["stopped_at"]), "exit_reason": str(note["exit_reason"])}
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["stopped_at"]))
+        daemon.event(
+            "run_end_recovered",
+            f"the previous sparkd (pid {prev['pid']}) stopped cleanly ({row['exit_reason']}) at {when} UTC while its "
+            f"database was unavailable: its end is recorded now, from {note_path}",
+            details={"run_id": prev["id"], "pid": prev["pid"], **row},
+        )
+        await asyncio.to_thread(store.write_batch, [("run_end", {**row, "samples": note.get("samples")})])
+        note_path.unlink(missing_ok=True)
         return
     last = prev["last_sample_ts"]
     end = last if last is not None else prev["started_at"]
@@ -76,6 +100,29 @@ async def report_unclean_end(daemon: Daemon, run_id: int) -> None:
     )
     end_row = {"id": prev["id"], "stopped_at": end, "exit_reason": "unclean"}
     await asyncio.to_thread(store.write_batch, [("run_end", end_row)])
+
+
+def _read_run_end_note(path: Path) -> dict[str, Any] | None:
+    """``run_end.json`` as written by ``note_run_end``, or None (absent, unreadable, another shape)."""
+    try:
+        d = json.loads(path.read_text())
+        float(d["stopped_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return d if isinstance(d, dict) and "exit_reason" in d else None
+
+
+def note_run_end(daemon: Daemon, end: dict[str, Any]) -> None:
+    """A clean shutdown whose ``run_end`` row the database did not take (down, full, hung, its run row written
+    earlier): the row (``id``, ``stopped_at`` epoch s, ``exit_reason``, ``samples``) plus the pid, written
+    atomically to ``<state_dir>/run_end.json``. The next start records it from there (``run_end_recovered``)
+    instead of a critical ``unclean_exit`` that said nothing was guarded (note 11). Never raises: the state
+    dir may be what failed, and then the next start's ``unclean_exit`` is the best that can be said."""
+    path = Path(daemon.settings.state_dir) / RUN_END_FILE
+    try:
+        write_atomic(path, json.dumps({**end, "pid": os.getpid()}).encode())
+    except OSError as e:
+        log.error("the run's end was not written to the database nor to %s: %s", path, e)
 
 
 def db_down_event(daemon: Daemon) -> None:

@@ -91,12 +91,20 @@ def load(path: Path) -> SupervisionState:
 
 
 def save(path: Path, state: SupervisionState) -> None:
-    """Write ``state`` atomically (tmp + fsync + rename + directory fsync), mode 0600.
+    """Write ``state`` atomically (``write_atomic``), mode 0600.
 
     Raises:
         StoreError: the directory is not writable or the disk is full; the old file is left as it was.
     """
-    data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode()
+    try:
+        write_atomic(path, json.dumps(state.to_json(), indent=1, sort_keys=True).encode())
+    except OSError as e:
+        raise StoreError(f"{path}: cannot write the supervision state: {e}") from e
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in its directory (mode 0600), fsync, rename over
+    ``path``, fsync of the directory. Raises ``OSError``; the old file, if any, is then left as it was."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,8 +120,6 @@ def save(path: Path, state: SupervisionState) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except OSError as e:
-        raise StoreError(f"{path}: cannot write the supervision state: {e}") from e
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
