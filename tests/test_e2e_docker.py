@@ -777,7 +777,9 @@ def _scripted_sparkd(
 @contextlib.contextmanager
 def _frozen_mount(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
     """A small ext4 file system on a loop device, mounted at ``tmp_path/mnt``; yields (mount point, freeze(bool))
-    (``fsfreeze``: every write to it blocks until thawed, as on storage that hung). Thawed and unmounted on exit."""
+    (``fsfreeze``: every write to it blocks until thawed, as on storage that hung; ``freeze`` of the state it is in
+    does nothing). Thawed and unmounted on exit; a test thaws it before it stops its sparkd, which may be blocked on
+    it in uninterruptible sleep (SIGKILL waits for the thaw: a failed assertion hung the suite)."""
     from conftest import need
 
     need(os.geteuid() == 0 and shutil.which("fsfreeze") is not None, "root and fsfreeze (util-linux)")
@@ -789,8 +791,9 @@ def _frozen_mount(tmp_path: Path) -> Iterator[tuple[Path, Any]]:
     frozen = [False]
 
     def freeze(on: bool) -> None:
-        subprocess.run(["fsfreeze", "-f" if on else "-u", str(mnt)], check=True, timeout=30)
-        frozen[0] = on
+        if on != frozen[0]:
+            subprocess.run(["fsfreeze", "-f" if on else "-u", str(mnt)], check=True, timeout=30)
+            frozen[0] = on
 
     try:
         yield mnt, freeze
@@ -812,6 +815,7 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
     (critical), and finished in the background."""
     from sparkd.act.procstop import ProcessStopper
     from sparkd.act.stop import ARCHIVE_WAIT_S
+    from sparkd.loop.launchbook import LAUNCH_RECORD_WAIT_S
     from sparkd.loop.unattended import SAVE_WAIT_S
 
     with _frozen_mount(tmp_path) as (mnt, freeze):
@@ -828,6 +832,9 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
             )
             took_s = time.monotonic() - t0
             print(f"state dir frozen: the model was gone {took_s:.1f} s after the trip")
+            # the stop's end does not wait on the storage either: the action's lock is free (a start is not refused
+            # as busy) while it is still frozen; it was held until the thaw by the launch record's write
+            assert wait_for(lambda: not s.container()["busy"], LAUNCH_RECORD_WAIT_S + 15, 0.2), s.container()
             freeze(False)
             said = s.wait_event("archive_delayed", 30)
             assert said["severity"] == "critical" and "storage slow or hung" in said["message"], said
@@ -836,6 +843,7 @@ def test_a_trip_with_the_state_dir_on_hung_storage_stops_the_model_without_waiti
             assert s.wait_state("stopped", 30)["container_id"] == c["container_id"]
         finally:
             (proc / "meminfo").write_text(HIGH)
+            freeze(False)  # before the stop: a process blocked on frozen storage cannot be killed (D state)
             s.stop()
     assert took_s < 2 * SAVE_WAIT_S + ARCHIVE_WAIT_S + 10, took_s
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
+from sparkd.act.stop import unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.supervision import IntentRecord, StopIntent
@@ -42,6 +43,9 @@ log = logging.getLogger("sparkd.loop.supervisor")
 # After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
 # field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
 START_FAILED_CAUSE_WAIT_S = 5.0
+#: how long a stop's end waits for its launch record to be written (s): storage that hangs held the action's lock
+#: (start, restart and resize refused as busy) until the thaw; then it goes through the writer's queue (note 11)
+LAUNCH_RECORD_WAIT_S = 2.0
 
 
 def stored_plan(raw: Any) -> dict[str, Any] | None:
@@ -480,9 +484,11 @@ class LaunchBook:
 
     async def _finish_launch(self, status: str) -> None:
         """How a launch ended, written at once (not through the queue): a restart of sparkd reads it to decide
-        whether to launch again, so it must survive a crash right after the stop. With no database open (a full
-        disk, a locked or lost file) it goes through the writer's queue and reaches the database when it is back:
-        it was dropped, and a restart after the disk was freed relaunched a model a rule had stopped (note 11)."""
+        whether to launch again, so it must survive a crash right after the stop. The write is waited for
+        ``LAUNCH_RECORD_WAIT_S``; past that it goes on in its thread and the record is queued too (storage that
+        hung held the action's lock until the thaw). With no database open (a full disk, a locked or lost file)
+        it goes through the writer's queue and reaches the database when it is back: it was dropped, and a
+        restart after the disk was freed relaunched a model a rule had stopped (note 11)."""
         d = self.daemon
         if not d or not self.launch_id:
             return
@@ -495,8 +501,11 @@ class LaunchBook:
             "stopped_at": time.time(),
             "started_at": self.launch_started_at or time.time(),
         }
+        write = asyncio.ensure_future(asyncio.to_thread(d.store.save_launch, dict(row)))
+        write.add_done_callback(unheard)  # a write that ends after the wait: its error is the queued one's too
         try:
-            await asyncio.to_thread(d.store.save_launch, row)
-        except Exception as e:
-            log.warning("launch record not written directly (%s); queued", e)
+            await asyncio.wait_for(asyncio.shield(write), LAUNCH_RECORD_WAIT_S)
+        except Exception as e:  # refused, or not done within LAUNCH_RECORD_WAIT_S (an upsert: twice is harmless)
+            why = str(e) or f"not written within {LAUNCH_RECORD_WAIT_S:g} s: storage slow or hung"
+            log.warning("launch record not written directly (%s); queued", why)
             self._save_launch(status=status, stopped_at=row["stopped_at"])
