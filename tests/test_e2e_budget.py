@@ -134,6 +134,9 @@ def test_resize_dry_run_changes_nothing_and_apply_relaunches_with_new_limits(man
     assert applied["applied"] is True
     c2 = s.wait_state("ready", 60)
     assert c2["container_id"] != c["container_id"]
+    # the old run's stop is archived, as a restart's is: its container (and log) went at the launch (note 10, C3)
+    (stop,) = [e for e in s.events("stopped") if e["details"]["reason"].startswith("resize to revision")]
+    assert stop["details"]["archive"] and (s.tmp / "archives" / stop["details"]["archive"]).exists(), stop
     new_args = _args(docker_client, c2["container_id"])
     new_mem = docker_client.api.inspect_container(c2["container_id"])["HostConfig"]["Memory"]
     assert float(_arg(new_args, "--gpu-memory-utilization")) == dry["plan"]["gmu"] > old_gmu

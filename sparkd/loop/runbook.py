@@ -260,7 +260,6 @@ class RunBook(LaunchBook):
         reason: str,
         source: str,
         *,
-        archive_first: bool = True,
         stopper: ProcessStopper | None = None,
         grace_s: float | None = None,
     ) -> StopReport:
@@ -320,7 +319,7 @@ class RunBook(LaunchBook):
                 hard_floor_bytes=parse_size(s.container.hard_floor),
                 read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
                 emit=self._event,
-                postmortem=postmortem if archive_first else None,
+                postmortem=postmortem,
                 archive_after=stopper is not None,  # nothing from the engine in it: the SIGTERM first
                 before_stop=before_stop,
                 cleanup_shm=cleanup_shm,

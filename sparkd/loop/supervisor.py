@@ -639,7 +639,8 @@ class Supervisor(RunBook):
         self._event("resize", f"resize to revision {rev} by {source}: {diff_text}", details=out.model_dump(mode="json"))
         await self._drain()
         if self.container_id and self.state in ACTIVE_STATES:
-            await self._stop(f"resize to revision {rev}", source, archive_first=False)
+            # archived as a restart's stop is: the old run's container (and its log) is removed at the launch (C3)
+            await self._stop(f"resize to revision {rev}", source)
             await self._finish_launch("stopped")
         self.budget = new_budget
         ok, why = await self._launch_and_wait(source, since=began)
@@ -650,7 +651,7 @@ class Supervisor(RunBook):
                 severity="critical",
             )
             if self.container_id and self.state not in (S.STOPPED, S.EXITED, S.NONE):
-                await self._stop(f"rollback from revision {rev}", "sparkd", archive_first=True)
+                await self._stop(f"rollback from revision {rev}", "sparkd")
                 await self._finish_launch("failed")
             self.budget = old_budget
             await self._save_revision(old_budget, who="sparkd", reason=f"rollback from revision {rev}")
