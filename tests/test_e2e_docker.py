@@ -625,7 +625,10 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
 ) -> None:
     """``docker rm -f`` of sparkd's container, then ``docker run`` of the same image with sparkd's own labels: a
     container sparkd would adopt at start-up, so it is sparkd's to guard now. It showed "none" (and no
-    ``unguarded`` either: it carries the label) until the next trip found and stopped it (note 11)."""
+    ``unguarded`` either: it carries the label) until the next trip found and stopped it (note 11). The run is a new
+    one: none of the removed run's figures (ready time) are shown as its own."""
+    from sparkd.act.containerspec import LABEL_LAUNCH_ID
+
     s = sparkd_factory().start()
     c = s.wait_state("ready", 60)
     old = docker_client.containers.get(c["container_id"])
@@ -637,14 +640,17 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
         cfg["Cmd"],
         name=c["name"],
         environment=cfg["Env"],
-        labels=cfg["Labels"],  # sparkd.managed=true and this sparkd's selector (the test's case labels)
+        # sparkd.managed=true and this sparkd's selector (the test's case labels); no launch of sparkd's
+        labels={k: v for k, v in cfg["Labels"].items() if k != LABEL_LAUNCH_ID},
         network_mode="host",
         detach=True,
     )
     ev = s.wait_event("adopted", 20)
-    assert ev["details"]["container_id"] == by_hand.id, ev
-    assert s.wait_state("ready", 60)["container_id"] == by_hand.id
-    assert s.container()["unguarded"] is None
+    assert ev["details"]["container_id"] == by_hand.id and "no launch record" in ev["message"], ev
+    c2 = s.wait_state("ready", 60)
+    assert c2["container_id"] == by_hand.id and c2["ready_at"] > c["ready_at"], (c, c2)
+    assert wait_for(lambda: len(s.events("ready")) == 2, 10)  # its own readiness, said
+    assert s.container()["unguarded"] is None and s.events("memory_limit_changed") == []
     assert s.api("POST", "/api/container/stop").status_code == 200  # and it is sparkd's to stop
     assert s.wait_state("stopped", 60)["container_id"] == by_hand.id
     by_hand.reload()

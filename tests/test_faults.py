@@ -888,3 +888,46 @@ def test_records_dropped_by_a_full_writer_queue_are_a_critical_event_once_per_in
     evs = asyncio.run(go())
     assert len(evs) == 1 and evs[0]["severity"] == "critical", evs
     assert evs[0]["details"]["dropped"] >= 10 and "dropped after the rules saw them" in evs[0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "severity", "said"), [("SIGTERM", "info", "stopped cleanly"), ("crash: boom", "critical", "ended")]
+)
+def test_a_run_end_note_is_taken_for_its_own_run_only_and_a_crash_stays_critical(
+    tmp_path: Path, reason: str, severity: str, said: str
+) -> None:
+    """``report_unclean_end`` on a real database: the note of the run before is recorded (a crash's stays critical:
+    its ``daemon_crashed`` went with the database); another run's note (a database restored from a backup) is
+    removed and the critical ``unclean_exit`` is said as before."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from sparkd.loop.daemon_db import RUN_END_FILE, report_unclean_end
+    from sparkd.store.store import Store
+
+    store = Store.open(tmp_path / "sparkd.db")
+    events: list[tuple[str, str, str]] = []
+    daemon = SimpleNamespace(
+        store=store,
+        settings=SimpleNamespace(state_dir=str(tmp_path)),
+        event=lambda kind, message, severity="info", details=None: events.append((kind, severity, message)),
+    )
+    note = tmp_path / RUN_END_FILE
+    for own in (True, False):
+        events.clear()
+        prev = store.start_run(pid=4242, version="t", hostname="h", config={})
+        now = store.start_run(pid=4343, version="t", hostname="h", config={})
+        run = {"id": prev if own else prev - 1, "stopped_at": time.time(), "exit_reason": reason, "samples": 7}
+        note.write_text(json.dumps({**run, "pid": 4242}))
+        asyncio.run(report_unclean_end(daemon, now))  # type: ignore[arg-type]
+        assert not note.exists()
+        ((kind, sev, message),) = events
+        if own:
+            assert kind == "run_end_recovered" and sev == severity and f"pid 4242) {said} ({reason})" in message
+            assert db_query(tmp_path / "sparkd.db", "SELECT exit_reason FROM daemon_runs WHERE id=?", (prev,)) == [
+                (reason,)
+            ]
+        else:
+            assert kind == "unclean_exit" and sev == "critical", events
+    store.close()

@@ -77,15 +77,19 @@ async def report_unclean_end(daemon: Daemon, run_id: int) -> None:
     if note is not None and ours:
         # a clean exit whose database was down, full or hung at shutdown: not an unclean one (note 11)
         row = {"id": prev["id"], "stopped_at": float(note["stopped_at"]), "exit_reason": str(note["exit_reason"])}
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["stopped_at"]))
-        daemon.event(
-            "run_end_recovered",
-            f"the previous sparkd (pid {prev['pid']}) stopped cleanly ({row['exit_reason']}) at {when} UTC while its "
-            f"database was unavailable: its end is recorded now, from {note_path}",
-            details={"run_id": prev["id"], "pid": prev["pid"], **row},
-        )
         await asyncio.to_thread(store.write_batch, [("run_end", {**row, "samples": note.get("samples")})])
         note_path.unlink(missing_ok=True)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["stopped_at"]))
+        crashed = row["exit_reason"].startswith("crash")  # its critical daemon_crashed went with the database
+        daemon.event(
+            "run_end_recovered",
+            f"the previous sparkd (pid {prev['pid']}) "
+            + ("ended" if crashed else "stopped cleanly")
+            + f" ({row['exit_reason']}) at {when} UTC while its database was unavailable: its end is recorded now, "
+            f"from {note_path}",
+            severity="critical" if crashed else "info",
+            details={"run_id": prev["id"], "pid": prev["pid"], **row},
+        )
         return
     last = prev["last_sample_ts"]
     end = last if last is not None else prev["started_at"]
@@ -113,11 +117,12 @@ def _read_run_end_note(path: Path) -> dict[str, Any] | None:
 
 
 def note_run_end(daemon: Daemon, end: dict[str, Any]) -> None:
-    """A clean shutdown whose ``run_end`` row the database did not take (down, full, hung, its run row written
+    """A shutdown whose ``run_end`` row the database did not take (locked, down, lost; its run row written
     earlier): the row (``id``, ``stopped_at`` epoch s, ``exit_reason``, ``samples``) plus the pid, written
     atomically to ``<state_dir>/run_end.json``. The next start records it from there (``run_end_recovered``)
-    instead of a critical ``unclean_exit`` that said nothing was guarded (note 11). Never raises: the state
-    dir may be what failed, and then the next start's ``unclean_exit`` is the best that can be said."""
+    instead of a critical ``unclean_exit`` that said nothing was guarded (note 11); a ``crash:`` reason stays
+    critical there. Never raises: the state dir may be what failed (full: the note fails too), and then the next
+    start's ``unclean_exit`` is the best that can be said."""
     path = Path(daemon.settings.state_dir) / RUN_END_FILE
     try:
         write_atomic(path, json.dumps({**end, "pid": os.getpid()}).encode())

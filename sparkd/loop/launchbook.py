@@ -508,4 +508,5 @@ class LaunchBook:
         except Exception as e:  # refused, or not done within LAUNCH_RECORD_WAIT_S (an upsert: twice is harmless)
             why = str(e) or f"not written within {LAUNCH_RECORD_WAIT_S:g} s: storage slow or hung"
             log.warning("launch record not written directly (%s); queued", why)
-            self._save_launch(status=status, stopped_at=row["stopped_at"])
+            if d.writer:  # this launch's row as it was: another launch may have begun during the wait
+                d.writer.submit("launch", dict(row))

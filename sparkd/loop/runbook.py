@@ -118,7 +118,12 @@ class RunBook(LaunchBook):
         self._event(
             "memory_limit_changed",
             f"{self.name}: Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)} (changed outside "
-            "sparkd: docker update)" + ("; the plan's budget assumed the old limit" if self.mode == "managed" else ""),
+            "sparkd: docker update)"
+            + (
+                "; the plan's budget assumed the old limit, and the next launch sets the plan's again"
+                if self.mode == "managed"
+                else ""
+            ),
             severity="warning" if self.mode == "managed" else "info",
             details={"container_id": self.container_id, "memory_bytes": self.mem_limit_bytes, "was_bytes": was},
         )

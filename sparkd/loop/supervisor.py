@@ -735,7 +735,7 @@ class Supervisor(RunBook):
             if not active and not self.lock.locked():
                 # a container with sparkd's labels run by hand (`docker run` with them after a `docker rm -f` of
                 # sparkd's) is sparkd's to guard, as at start-up: it showed "none" until a trip adopted it (note 11)
-                await self._attach()
+                await self._attach(unless_busy=True)
                 active = self.container_id is not None and self.state in ACTIVE_STATES
             if not active or time.monotonic() - self._unguarded_checked >= UNGUARDED_CHECK_S:
                 self._unguarded_checked = time.monotonic()
@@ -859,10 +859,13 @@ class Supervisor(RunBook):
                 details={"container_id": old.id, "name": old.name},
             )
 
-    async def _attach(self) -> None:
+    async def _attach(self, *, unless_busy: bool = False) -> None:
         """Find the container to watch (managed: the running labelled one; guard: the named one, running, restarting
         or paused: a container paused when sparkd started was "not running" and each trip's stop was refused while it
-        held its memory, note 11) and reconcile with it: first sight gives ``adopted``."""
+        held its memory, note 11) and reconcile with it: first sight gives ``adopted``, with the figures of the run
+        watched before forgotten (ready time, trough, plan: the launch record gives them back when it has them), and
+        a scheduled relaunch cancelled (the model runs). ``unless_busy``: nothing is changed when an action took the
+        lock during the Docker call (its answer may name the container the action just stopped or replaced)."""
         info = None
         if self.mode == "managed":
             info = await asyncio.to_thread(self.manager.adopt)
@@ -870,6 +873,8 @@ class Supervisor(RunBook):
             info = await asyncio.to_thread(self.manager.guard, self.settings.container.guard)
             if info is not None and info.status not in ("running", "restarting", "paused"):
                 info = None
+        if unless_busy and self.lock.locked():
+            return
         if info is None or info.id == self.container_id:
             if info is None and self.interrupted_stop is not None and self.mode == "managed":
                 self.interrupted_stop = None  # that run ended meanwhile (Docker finished the stop): stopped
@@ -878,6 +883,9 @@ class Supervisor(RunBook):
         self.container_id, self.image, self.name, self.launch_id = info.id, info.image, info.name, info.launch_id
         self.unguarded = None  # a container of sparkd's runs by that name now
         self.seen_started_at, self.seen_restart_count, self.restart_warned = None, None, False
+        # another run than the one watched before (its container removed or replaced by hand): none of its figures
+        self.ready_at = self.trough_bytes = self.launch_started_at = self.plan_json = None
+        self.unattended.cancel_relaunch(f"{info.name} ({info.id[:12]}) runs: adopted")
         await self.reconcile(probe=False)
         rec, self.interrupted_stop = self.interrupted_stop, None
         if rec is not None and self.running() and (self.container_started_at or 0.0) < rec.since:
@@ -942,6 +950,8 @@ class Supervisor(RunBook):
             return replace(base, exists=False)
         if st.started_at is not None and st.started_at == self.seen_started_at:  # a run already taken (not adopting)
             self._follow_memory_limit(st.memory_bytes)
+        elif st.memory_bytes is not None:  # a run being taken (adopted, restarted): its limit, without a word
+            self.mem_limit_bytes = st.memory_bytes or None
         obs = replace(
             base,
             running=st.running,
