@@ -228,6 +228,9 @@ class BudgetSettings(BaseModel):
     apply_learned_reserve: bool = False  # raise host_reserve_gib to what past launches of this configuration needed
 
 
+Severity = Literal["info", "warning", "error", "critical"]
+
+
 class NotifySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -258,6 +261,9 @@ class NotifySettings(BaseModel):
             "docker_up",
         ]
     )
+    #: sent whatever their kind: a critical event says the host may be unguarded (unguarded_container, guard_gap,
+    #: sensor_blind, unclean_exit, database_unavailable, peer_unreachable, ...), and most were in no default kind
+    severities: list[Severity] = Field(default_factory=lambda: list[Severity](["critical"]))
     command: list[str] = Field(default_factory=list)
     webhook_url: str | None = None
     timeout_s: float = Field(default=5.0, gt=0, le=120)
@@ -721,6 +727,7 @@ FIELD_DOCS: dict[str, str] = {
     "budget.apply_learned_reserve": "Raise host_reserve_gib to the reserve learned from past launches of the same "
     "configuration (their start-up troughs); shown with its evidence in `sparkd plan`.",
     "notify.kinds": "Event kinds that are sent out.",
+    "notify.severities": "Event severities sent out whatever their kind (default: critical; [] sends by kind only).",
     "notify.command": "argv run for each event (no shell); fields in SPARKD_EVENT_* variables.",
     "notify.webhook_url": "URL that receives a JSON POST for each event.",
     "notify.timeout_s": "Timeout of one command run or webhook POST.",

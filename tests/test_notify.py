@@ -226,12 +226,27 @@ def test_command_timeout_kills_the_process_group(tmp_path: Path) -> None:
 
 
 def test_kinds_filter(receiver: Receiver) -> None:
-    n = Notifier(NotifySettings(webhook_url=receiver.url, kinds=["stopped"], min_interval_s=0))
+    n = Notifier(NotifySettings(webhook_url=receiver.url, kinds=["stopped"], severities=[], min_interval_s=0))
     for k in ("trip", "sampling_fast", "stopped", "daemon_started"):
         n.submit(ev(kind=k))
     n.close(5)
     assert [b["kind"] for b in receiver.bodies] == ["stopped"]
     assert n.stats.filtered == 3
+
+
+def test_a_critical_event_of_any_kind_is_sent_by_default(receiver: Receiver) -> None:
+    """``unguarded_container``, ``guard_gap``, ``unclean_exit``, ``peer_unreachable``... were critical and in no
+    default kind: an operator who set up notifications was not told the host was unguarded (the README said
+    ``peer_unreachable`` notifies). ``notify.severities`` (default critical) sends them whatever their kind."""
+    n = Notifier(NotifySettings(webhook_url=receiver.url, min_interval_s=0))
+    assert "unguarded_container" not in n.kinds and "peer_unreachable" not in n.kinds
+    n.submit(ev(kind="unguarded_container", severity="critical"))
+    n.submit(ev(kind="peer_unreachable", severity="critical"))
+    n.submit(ev(kind="sampling_fast", severity="info"))  # neither its kind nor its severity: not sent
+    n.submit(ev(kind="notify_failed", severity="critical"))  # never sent, whatever its severity
+    n.close(5)
+    assert [b["kind"] for b in receiver.bodies] == ["unguarded_container", "peer_unreachable"]
+    assert n.stats.filtered == 2
 
 
 def test_star_kinds_still_never_sends_notify_failed(receiver: Receiver) -> None:

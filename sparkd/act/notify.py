@@ -1,7 +1,7 @@
 """Send chosen events out — a command and/or a webhook — without ever slowing the guard.
 
 ``Notifier.submit(event)`` is called on the guard's path (``Daemon.event`` →
-``notify_hooks``). It only filters by kind, applies the per-kind rate limit and
+``notify_hooks``). It only filters by kind and severity, applies the per-kind rate limit and
 puts the event on a bounded ``queue.Queue``: a few microseconds, no I/O, never
 blocks, never raises. One worker thread (``sparkd-notify``) does the sending,
 so a hanging receiver or a slow command delays only other notifications.
@@ -183,7 +183,7 @@ class Notifier:
     """Bounded queue + one worker thread that runs the command and posts the webhook.
 
     Args:
-        settings: ``NotifySettings`` — ``kinds`` (``"*"`` = every kind),
+        settings: ``NotifySettings`` — ``kinds`` (``"*"`` = every kind), ``severities`` (sent whatever the kind),
             ``command`` (argv), ``webhook_url``, ``timeout_s``, ``retries``,
             ``min_interval_s``. With neither a command nor a webhook the notifier
             is disabled: no thread, ``submit`` filters and returns.
@@ -210,6 +210,7 @@ class Notifier:
         self.settings = settings
         self.kinds = frozenset(settings.kinds)
         self.all_kinds = "*" in self.kinds
+        self.severities = frozenset(settings.severities)
         self.on_failure = on_failure
         self.dispatch = dispatch
         self.clock = clock
@@ -230,9 +231,10 @@ class Notifier:
             self._thread.start()
 
     # ------------------------------------------------------------------ guard side
-    def wants(self, kind: str) -> bool:
-        """Is ``kind`` chosen for notification (and not in ``NEVER_NOTIFIED``)?"""
-        return kind not in NEVER_NOTIFIED and (self.all_kinds or kind in self.kinds)
+    def wants(self, kind: str, severity: str | None = None) -> bool:
+        """Is an event of ``kind`` and ``severity`` chosen for notification: its kind in ``notify.kinds`` or its
+        severity in ``notify.severities``, and not in ``NEVER_NOTIFIED``?"""
+        return kind not in NEVER_NOTIFIED and (self.all_kinds or kind in self.kinds or severity in self.severities)
 
     def submit(self, event: dict[str, Any]) -> None:
         """Queue ``event`` for sending. Never blocks, never raises, no I/O.
@@ -242,7 +244,7 @@ class Notifier:
         """
         try:
             kind = str(event.get("kind", ""))
-            if not self.enabled or not self.wants(kind):
+            if not self.enabled or not self.wants(kind, str(event.get("severity", ""))):
                 self.stats.filtered += 1
                 return
             if self._closed:
