@@ -132,3 +132,33 @@ def test_an_incomplete_checkpoint_fails_the_launch_preflight(make: Any, tmp_path
     assert s.container()["container_id"] is None
     r = s.api("POST", "/api/container/start")
     assert r.status_code == 422 and "preflight failed" in r.text and "incomplete" in r.text
+
+
+def test_a_labelled_container_run_by_hand_during_a_relaunch_back_off_is_adopted_and_the_relaunch_cancelled(
+    make: Any, docker_client: Any
+) -> None:
+    """The model exited, a relaunch waits out its back-off, and the operator runs it by hand with sparkd's labels:
+    it is adopted, and the relaunch is cancelled. Left scheduled, it was refused ("already running") and made a
+    critical ``restart_failed``, then another, longer back-off, for as long as the adopted model ran (a review)."""
+    s = make(container={"auto_restart": True, "restart_cooldown_s": 60.0})
+    c = s.wait_state("ready", 60)
+    old = docker_client.containers.get(c["container_id"])
+    cfg = old.attrs["Config"]
+    old.kill()  # an exit nobody asked for
+    decision = s.wait_event("relaunch_decision", 30)
+    assert decision["details"]["action"] == "relaunch" and decision["details"]["delay_s"] >= 60, decision
+    by_hand = docker_client.containers.run(
+        cfg["Image"],
+        cfg["Cmd"],
+        name=f"{c['name']}-by-hand",
+        environment=cfg["Env"],
+        labels=cfg["Labels"],  # sparkd.managed=true and this sparkd's selector (the test's case labels)
+        network_mode="host",
+        detach=True,
+    )
+    ev = s.wait_event("adopted", 20)
+    assert ev["details"]["container_id"] == by_hand.id, ev
+    cancelled = s.wait_event("relaunch_cancelled", 10)
+    assert "adopted" in cancelled["message"] and by_hand.id[:12] in cancelled["message"], cancelled
+    assert s.wait_state("ready", 60)["container_id"] == by_hand.id
+    assert s.events("restart_failed") == [] and len(s.events("launched")) == 1

@@ -883,8 +883,10 @@ class Supervisor(RunBook):
         self.container_id, self.image, self.name, self.launch_id = info.id, info.image, info.name, info.launch_id
         self.unguarded = None  # a container of sparkd's runs by that name now
         self.seen_started_at, self.seen_restart_count, self.restart_warned = None, None, False
-        # another run than the one watched before (its container removed or replaced by hand): none of its figures
+        # another run than the one watched before (its container removed or replaced by hand): none of its figures,
+        # and a first sight (``adopted``), not "started outside sparkd (it was exited)" of another container
         self.ready_at = self.trough_bytes = self.launch_started_at = self.plan_json = None
+        self.state = S.NONE
         self.unattended.cancel_relaunch(f"{info.name} ({info.id[:12]}) runs: adopted")
         await self.reconcile(probe=False)
         rec, self.interrupted_stop = self.interrupted_stop, None
