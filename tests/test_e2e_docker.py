@@ -642,6 +642,8 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
         environment=cfg["Env"],
         # sparkd.managed=true and this sparkd's selector (the test's case labels); no launch of sparkd's
         labels={k: v for k, v in cfg["Labels"].items() if k != LABEL_LAUNCH_ID},
+        mem_limit=c["memory_bytes"] + 128 * MiB,  # its own --memory, not the removed run's
+        memswap_limit=c["memory_bytes"] + 128 * MiB,
         network_mode="host",
         detach=True,
     )
@@ -649,6 +651,7 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
     assert ev["details"]["container_id"] == by_hand.id and "no launch record" in ev["message"], ev
     c2 = s.wait_state("ready", 60)
     assert c2["container_id"] == by_hand.id and c2["ready_at"] > c["ready_at"], (c, c2)
+    assert c2["memory_bytes"] == c["memory_bytes"] + 128 * MiB, (c, c2)
     assert wait_for(lambda: len(s.events("ready")) == 2, 10)  # its own readiness, said
     assert s.container()["unguarded"] is None and s.events("memory_limit_changed") == []
     assert s.api("POST", "/api/container/stop").status_code == 200  # and it is sparkd's to stop

@@ -75,7 +75,7 @@ async def report_unclean_end(daemon: Daemon, run_id: int) -> None:
     if prev is None:
         return
     if note is not None and ours:
-        # a clean exit whose database was down, full or hung at shutdown: not an unclean one (note 11)
+        # an exit whose database was locked or unusable at shutdown: not an unclean one (note 11)
         row = {"id": prev["id"], "stopped_at": float(note["stopped_at"]), "exit_reason": str(note["exit_reason"])}
         await asyncio.to_thread(store.write_batch, [("run_end", {**row, "samples": note.get("samples")})])
         note_path.unlink(missing_ok=True)

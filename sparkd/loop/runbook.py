@@ -84,8 +84,7 @@ class RunBook(LaunchBook):
             },
         )
         try:
-            ins = await asyncio.to_thread(self.manager.inspect, cid)
-            self.mem_limit_bytes = ins.get("HostConfig", {}).get("Memory") or None
+            ins = await asyncio.to_thread(self.manager.inspect, cid)  # --memory: taken from the observation
             revision = (ins.get("Config", {}).get("Labels") or {}).get("sparkd.config_revision")
         except SparkdError:
             revision = None
