@@ -7,7 +7,8 @@ version, started alternately (A, B, A, B, ...), every one monitor-only, API on, 
 (``idle.Daemon``), each in its own state directory. After ``--warmup`` s it reads the CPU of every
 thread of every daemon (``/proc/PID/task/*/schedstat``, ns) at the start and end of ``--window`` s
 and prints, per daemon, µs of CPU per second in all, for the main thread (the event loop and the
-ticks) and for the other threads (the database writer); then each version's median and B's change
+ticks), for the other threads (the database writer) and for its child processes (the NVML helper on a
+GPU host), and the RSS of the daemon and of its children at the end; then each version's median and B's change
 against A in percent. Spread between identical daemons in one window is the noise floor to compare
 that change with (on this VM about ±10 %).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import subprocess
@@ -86,7 +88,19 @@ def per_thread_ns(pid: int) -> dict[str, int]:
         except (OSError, IndexError, ValueError):
             continue
         out["main" if t.name == str(pid) else "other"] += ns
+    for child in idle.children(pid):  # the NVML helper, on a GPU host
+        with contextlib.suppress(OSError):
+            out["helper"] += int(idle.sched(child)[0] * 1e9)
     return dict(out)
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """RSS of ``pid`` and of its children together (its NVML helper), MiB."""
+    kids = 0
+    for child in idle.children(pid):
+        with contextlib.suppress(OSError):
+            kids += idle.rss_bytes(child)
+    return idle.rss_bytes(pid) / 2**20, kids / 2**20
 
 
 def change_pct(a: float, b: float) -> float:
@@ -128,19 +142,31 @@ def main() -> None:
         time.sleep(args.window)
         end = [per_thread_ns(d.proc.pid) for _, d in daemons]
         w = time.monotonic() - t0
+        rss = [rss_mib(d.proc.pid) for _, d in daemons]
     finally:
         for _, d in daemons:
             d.stop()
     print(f"A = {args.a}, B = {args.b}; {args.pairs} daemons each, 1 Hz idle, window {w:.0f} s after {args.warmup:g} s")
-    print(f"{'daemon':8s} {'µs/s':>7s} {'main':>7s} {'other':>7s}")
+    print(
+        f"{'daemon':8s} {'µs/s':>7s} {'main':>7s} {'other':>7s} {'helper':>7s} {'+helper':>8s} "
+        f"{'RSS MiB':>8s} {'helper MiB':>10s}"
+    )
     totals: dict[str, list[float]] = {"A": [], "B": []}
-    for (name, _), s, e in zip(daemons, start, end, strict=True):
-        parts = {k: (e.get(k, 0) - s.get(k, 0)) / w / 1e3 for k in ("main", "other")}
-        total = sum(parts.values())
+    withh: dict[str, list[float]] = {"A": [], "B": []}
+    for (name, _), s, e, (mem, kids) in zip(daemons, start, end, rss, strict=True):
+        parts = {k: (e.get(k, 0) - s.get(k, 0)) / w / 1e3 for k in ("main", "other", "helper")}
+        total = parts["main"] + parts["other"]
         totals[name].append(total)
-        print(f"{name:8s} {total:7.0f} {parts['main']:7.0f} {parts['other']:7.0f}")
+        withh[name].append(total + parts["helper"])
+        print(
+            f"{name:8s} {total:7.0f} {parts['main']:7.0f} {parts['other']:7.0f} {parts['helper']:7.0f} "
+            f"{total + parts['helper']:8.0f} {mem:8.1f} {kids:10.1f}"
+        )
     ma, mb = statistics.median(totals["A"]), statistics.median(totals["B"])
     print(f"median A {ma:.0f} µs/s, B {mb:.0f} µs/s: B {change_pct(ma, mb):+.1f} % against A")
+    ha, hb = statistics.median(withh["A"]), statistics.median(withh["B"])
+    if (ha, hb) != (ma, mb):
+        print(f"with their NVML helpers: A {ha:.0f} µs/s, B {hb:.0f} µs/s: B {change_pct(ha, hb):+.1f} % against A")
     spread = [max(v) - min(v) for v in totals.values() if len(v) > 1]
     if spread:
         print(f"spread between daemons of one version: up to {max(spread):.0f} µs/s (the noise to compare with)")

@@ -26,6 +26,9 @@ loses its caches, work done once a second runs cold: a sparkd tick measured ~70 
 times that here, and the figures move by up to 2x from run to run; compare rows of one window, not
 figures of two runs. The table prints wake-ups per second (timeslices, ``schedstat``) beside the CPU.
 
+On a GPU host each sparkd reads NVML through a helper process (``sparkd.sense.gpu_helper``): its CPU and RSS
+are on rows of their own ("helper"), and summed with its daemon's below the table.
+
 Goals (issue 18): 1 Hz ≤ 500 µs CPU per second (0.05 % of a core), 4 Hz ≤ 0.3 %;
 ≤ 10 MB/day of history at 1 Hz; RSS ≤ 80 MiB after an hour idle; READY=1 ≤ 1.5 s.
 The window starts after the first retention pass (60 s after start, then hourly; ~14 ms of CPU):
@@ -82,6 +85,15 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def children(pid: int) -> list[int]:
+    """``pid``'s child processes (``/proc/PID/task/*/children``): sparkd's NVML helper on a GPU host."""
+    out: list[int] = []
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (t / "children").read_text().split()]
+    return out
 
 
 def db_bytes(db: Path) -> int:
@@ -341,6 +353,9 @@ def main() -> None:
             }
             time.sleep(args.warmup)
             procs = {"sparkd 1 Hz": d1.proc.pid, "sparkd 4 Hz": d4.proc.pid}
+            for name, d in (("1 Hz", d1), ("4 Hz", d4)):  # the NVML helper, where there is a driver
+                for i, child in enumerate(children(d.proc.pid)):
+                    procs[f" helper{i or ''} {name}"] = child
             if eo is not None:
                 procs["earlyoom"] = eo.pid
             procs["python sleep(1)"] = floor.pid
@@ -392,6 +407,14 @@ def main() -> None:
         st, sc = per_s[k]
         wakes = (s1[k] - s0[k]) / win
         print(f"{k:<16} {st * 1e6:16.0f} {sc * 1e6:17.0f} {sc * 100:8.3f} {wakes:8.1f} {rss[k] / 2**20:8.1f}")
+    for name in ("1 Hz", "4 Hz"):
+        helpers = [k for k in procs if k.startswith(" helper") and k.endswith(name)]
+        if helpers:
+            both = sum(per_s[k][1] for k in [f"sparkd {name}", *helpers])
+            mem = sum(rss[k] for k in [f"sparkd {name}", *helpers])
+            print(f"sparkd {name} with its NVML helper: {both * 1e6:.0f} µs/s, RSS {mem / 2**20:.1f} MiB")
+        else:
+            print(f"sparkd {name}: no NVML helper (no NVIDIA driver here: the GPU loop asked once and ended)")
     fl = per_s["python sleep(1)"][1]
     print(
         f"floor: a Python process that only sleeps 1 s at a time costs {fl * 1e6:.0f} µs/s here "

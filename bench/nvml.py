@@ -1,5 +1,6 @@
-"""What one NVML reading costs: ``read_gpu`` as the daemon's GPU loop calls it (nvmlInit, the
-readings, nvmlShutdown each time) against one NVML session kept open (nvmlInit once).
+"""What one NVML reading costs: ``read_gpu`` (nvmlInit, the readings, nvmlShutdown each time), one NVML
+session kept open (nvmlInit once), and the daemon's way: that session in a helper process
+(``sparkd.sense.gpu_helper``), asked over a pipe, whose CPU is this process's and the helper's together.
 
 The idle bench (``bench/idle.py``) runs where there is no NVIDIA driver: there the GPU loop asks
 once, gets "unavailable" and ends, so its cost on a Spark never shows. This bench needs a driver.
@@ -17,6 +18,7 @@ resident size grew most with ``nvmlInit`` and the reading (issue 18: RSS on a GP
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import idle  # the bench's own helper, next to this file
 
 from sparkd.sense.gpu import GpuSession, read_gpu
 
@@ -102,6 +106,48 @@ def memory() -> None:
     subprocess.run([sys.executable, "-c", MEMORY_CHILD, root], check=False)
 
 
+def helper_way(reps: int, interval: float) -> None:
+    """The daemon's way (``sparkd.sense.gpu_helper.GpuHelper``): NVML in a child process. Prints the CPU per
+    reading of this process (the request, the pipe, the JSON) and of the helper, and the RSS of each."""
+    from sparkd.sense.gpu_helper import GpuHelper
+
+    before = idle.rss_bytes(os.getpid()) // 1024
+    h = GpuHelper()
+    t0 = time.perf_counter()
+    first = h.read()
+    start_ms = (time.perf_counter() - t0) * 1e3
+    if h.proc is None or not any(r.available for r in first):
+        print(f"helper: no readings: {first[0].reason if first else '?'}")
+        return
+    pid = h.proc.pid
+    mine: list[float] = []
+    theirs: list[float] = []
+    wall: list[float] = []
+    for _ in range(reps):
+        c0, h0, w0 = time.process_time_ns(), idle.sched(pid)[0], time.perf_counter_ns()
+        h.read()
+        wall.append((time.perf_counter_ns() - w0) / 1e6)
+        mine.append((time.process_time_ns() - c0) / 1e3)
+        theirs.append((idle.sched(pid)[0] - h0) * 1e6)
+        time.sleep(0.05)
+    both = [a + b for a, b in zip(mine, theirs, strict=True)]
+    med = statistics.median(both)
+    print(
+        f"{'helper process (GpuHelper.read)':<38} {med:>10.0f} {max(both):>10.0f} "
+        f"{statistics.median(wall):>11.2f} {med / interval:>16.1f}"
+    )
+    print(
+        f"  of which this process {statistics.median(mine):.0f} µs and the helper {statistics.median(theirs):.0f} µs"
+        f" (median); the helper's start and first reading took {start_ms:.0f} ms"
+    )
+    after = idle.rss_bytes(os.getpid()) // 1024
+    print(
+        f"  RSS: this process {before} KiB before the helper, {after} KiB after {reps + 1} readings "
+        f"(NVML is not loaded here); the helper {idle.rss_bytes(pid) // 1024} KiB"
+    )
+    h.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=40)
@@ -123,6 +169,7 @@ def main() -> int:
         med = statistics.median(cpu)
         print(f"{name:<38} {med:>10.0f} {max(cpu):>10.0f} {statistics.median(wall):>11.2f} {med / a.interval:>16.1f}")
     session.close()
+    helper_way(a.reps, a.interval)
     memory()
     return 0
 

@@ -351,15 +351,16 @@ def test_the_daemon_reads_the_gpu_at_the_quiet_cadence_unless_someone_reads_the_
     from sparkd.face import presenters
     from sparkd.loop import daemon_decide
     from sparkd.loop.daemon import Daemon
+    from sparkd.sense.gpu_helper import GpuHelper
 
     reads: list[float] = []
-    whole = answer = read_gpu(FakeNvml(memory=3))  # before GpuSession.read is replaced below
+    whole = answer = read_gpu(FakeNvml(memory=3))  # before GpuHelper.read is replaced below
 
-    def read(self: GpuSession) -> list[GpuReading]:
+    def read(self: GpuHelper) -> list[GpuReading]:
         reads.append(time.monotonic())
         return answer
 
-    monkeypatch.setattr(GpuSession, "read", read)
+    monkeypatch.setattr(GpuHelper, "read", read)  # the helper process itself: tests/test_gpu_helper.py
 
     def since(t: float) -> int:
         return sum(1 for x in reads if x >= t)

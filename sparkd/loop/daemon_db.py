@@ -29,6 +29,7 @@ log = logging.getLogger("sparkd.loop.daemon")
 
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
+    from sparkd.sense.gpu import GpuSampler
 
 #: ``<state_dir>/run_end.json``: a clean exit's end when the database could not take it at shutdown
 RUN_END_FILE = "run_end.json"
@@ -324,17 +325,27 @@ async def retention_loop(daemon: Daemon) -> None:
 
 
 async def gpu_loop(daemon: Daemon) -> None:
-    """NVML readings in a worker thread (an NVML call can block in the driver): every ``gpu_interval_s`` while
-    someone reads the status (``daemon.gpu_wanted``, set by ``Daemon.want_gpu``: the dashboard, ``/api/status``,
-    a peer Spark) or the guard samples fast (set on the switch), every ``gpu_quiet_interval_s`` otherwise. Without
-    NVML at the first reading the loop ends; after a first answer an unavailable reading (a driver reloaded) is
-    asked again at the quiet cadence. The readings are context (the dashboard, the postmortem),
-    never a stop trigger; on an H200 host each costs ~0.8 ms of CPU in all (the worker's NVML calls, the
-    thread hand-offs, the loop's wake-ups), 166 µs/s at 5 s (``bench/ab.py`` with and without this loop)."""
+    """NVML readings from a helper process (``sparkd.sense.gpu_helper``: the driver's libraries, a call that
+    blocks in the driver and a crash in it stay out of the guard), asked from a worker thread: every
+    ``gpu_interval_s`` while someone reads the status (``daemon.gpu_wanted``, set by ``Daemon.want_gpu``: the
+    dashboard, ``/api/status``, a peer Spark) or the guard samples fast (set on the switch), every
+    ``gpu_quiet_interval_s`` otherwise. Without NVML at the first reading (no driver, no device: a ``final``
+    answer) the loop ends and the helper with it; after a first answer an unavailable reading (a driver
+    reloaded, a helper killed for its silence) is asked again at the quiet cadence. The readings are context
+    (the dashboard, the postmortem), never a stop trigger."""
     from sparkd.sense.gpu import GpuSampler
+    from sparkd.sense.gpu_helper import GpuHelper
 
     s = daemon.settings
-    sampler = GpuSampler(s.gpu_interval_s)
+    helper = GpuHelper()
+    sampler = GpuSampler(s.gpu_interval_s, reader=helper.read)
+    try:
+        await _gpu_readings(daemon, sampler)
+    finally:
+        await asyncio.to_thread(helper.close)
+
+
+async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> None:
     while True:
         try:
             readings = await asyncio.to_thread(sampler.sample)
@@ -359,7 +370,7 @@ async def gpu_loop(daemon: Daemon) -> None:
                         "memory_supported": r.memory_supported,
                     },
                 )
-        if readings and not any(r.available for r in readings) and daemon.gpu_read_at is None:
+        if readings and not any(r.available or not r.final for r in readings) and daemon.gpu_read_at is None:
             return  # no NVML here: asked once, answered once
         daemon.gpu_read_at = daemon.mono()  # after the first answer: a driver reloaded later is asked again
         await _gpu_wait(daemon)

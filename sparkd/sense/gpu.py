@@ -49,6 +49,9 @@ class GpuReading:
     driver reports memory on GB10 the total equals MemTotal and is kept as is.
     ``available`` is ``False`` only for ``GpuReading.unavailable(reason)``.
     ``notes`` lists fields that failed for another reason (``"power: ..."``).
+    ``final`` (an unavailable reading only) is ``False`` when asking again may help (a helper process that
+    failed, ``sparkd.sense.gpu_helper``) and ``True`` when it will not (no driver, no package, no device);
+    it is not part of ``to_json``.
     """
 
     index: int | None
@@ -63,16 +66,24 @@ class GpuReading:
     available: bool = True
     reason: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    final: bool = True
 
     @classmethod
-    def unavailable(cls, reason: str) -> GpuReading:
-        """No readings at all: package missing, driver not loaded, no device."""
-        return cls(index=None, available=False, reason=reason)
+    def unavailable(cls, reason: str, *, final: bool = True) -> GpuReading:
+        """No readings at all: package missing, driver not loaded, no device (``final``), or a helper that
+        failed (``final=False``)."""
+        return cls(index=None, available=False, reason=reason, final=final)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
+        del d["final"]
         return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GpuReading:
+        """The inverse of ``to_json``. Raises ``TypeError`` for an unknown or missing field."""
+        return cls(**{**d, "notes": tuple(d.get("notes") or ())})
 
 
 def _text(value: Any) -> str:

@@ -1,0 +1,285 @@
+"""sparkd.sense.gpu_helper: NVML read in a real helper process (``python -m sparkd.sense.gpu_helper``).
+
+This machine has no NVIDIA driver, so the helper imports ``tests/fake_pynvml/pynvml.py`` (through ``PYTHONPATH``):
+only the driver edge is replaced. The process, its pipes, its time-outs, its kill and its end are real.
+``bench/nvml.py`` runs the real driver on a GPU host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sparkd.sense import gpu_helper
+from sparkd.sense.gpu import GpuReading, GpuSession
+from sparkd.sense.gpu_helper import GpuHelper
+from tests.conftest import REPO
+
+FAKE = REPO / "tests" / "fake_pynvml"
+
+
+class Driver:
+    """The fake driver's steering file and call log."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.mode_file = tmp / "mode"
+        self.log_file = tmp / "nvml.log"
+        self.proc_entry = tmp / "proc-driver-nvidia"  # stands for /proc/driver/nvidia
+        self.proc_entry.mkdir()
+        self.set("ok")
+        self.log_file.write_text("")
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(FAKE), str(REPO)]),
+            "FAKE_NVML_MODE_FILE": str(self.mode_file),
+            "FAKE_NVML_LOG": str(self.log_file),
+        }
+
+    def set(self, mode: str) -> None:
+        self.mode_file.write_text(mode)
+
+    def calls(self) -> list[tuple[str, int]]:
+        return [(w, int(p)) for w, p in (ln.split() for ln in self.log_file.read_text().splitlines())]
+
+    def helper(self, **kw: float) -> GpuHelper:
+        return GpuHelper(env=self.env, driver_proc=self.proc_entry, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Driver:
+    return Driver(tmp_path)
+
+
+@pytest.fixture
+def helpers() -> Iterator[list[GpuHelper]]:
+    made: list[GpuHelper] = []
+    yield made
+    for h in made:
+        h.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is not alive: it ended and waits for its parent
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_the_helper_reads_what_an_in_process_session_reads_and_nvml_runs_in_the_helper(
+    driver: Driver, helpers: list[GpuHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = driver.helper()
+    helpers.append(h)
+    first = h.read()
+    second = h.read()
+    assert h.proc is not None
+    pid = h.proc.pid
+    # the same readings as a session in this process reading the same fake driver
+    monkeypatch.setenv("FAKE_NVML_MODE_FILE", str(driver.mode_file))
+    monkeypatch.setenv("FAKE_NVML_LOG", str(driver.log_file))
+    monkeypatch.syspath_prepend(str(FAKE))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    import pynvml
+
+    assert Path(pynvml.__file__).parent == FAKE
+    here = GpuSession(pynvml).read()
+    monkeypatch.delitem(sys.modules, "pynvml")
+    assert first == second == here
+    assert first[0].name == "NVIDIA GB10" and first[0].memory_supported is False and first[0].power_w == 11.17
+    helper_calls = [c for c in driver.calls() if c[1] == pid]
+    # one nvmlInit for the helper's life, two readings, and none of it in this process
+    assert [w for w, _ in helper_calls] == ["init", "read", "read"]
+    assert pid != os.getpid()
+    h.close()
+    assert not alive(pid)
+    assert ("shutdown", pid) in driver.calls()  # at end of file it shut NVML down
+
+
+def test_no_driver_loaded_starts_no_helper(driver: Driver, helpers: list[GpuHelper]) -> None:
+    driver.proc_entry.rmdir()
+    h = driver.helper()
+    helpers.append(h)
+    [r] = h.read()
+    assert not r.available and r.final and str(driver.proc_entry) in (r.reason or "")
+    assert h.proc is None and driver.calls() == []
+
+
+def test_a_driver_that_does_not_initialize_is_a_final_answer(driver: Driver, helpers: list[GpuHelper]) -> None:
+    driver.set("nodriver")
+    h = driver.helper()
+    helpers.append(h)
+    [r] = h.read()
+    assert r == GpuReading.unavailable("NVML init failed: Driver Not Loaded")
+    assert r.final  # the daemon's GPU loop ends on it
+
+
+def test_a_reading_that_hangs_in_the_driver_kills_the_helper_and_a_new_one_comes_after_the_back_off(
+    driver: Driver, helpers: list[GpuHelper]
+) -> None:
+    now = [0.0]
+    h = GpuHelper(
+        env=driver.env, driver_proc=driver.proc_entry, read_timeout_s=1.0, backoff_s=60.0, clock=lambda: now[0]
+    )
+    helpers.append(h)
+    assert h.read()[0].available
+    assert h.proc is not None
+    first = h.proc.pid
+    driver.set("hang")
+    t = time.monotonic()
+    [r] = h.read()
+    took = time.monotonic() - t
+    assert not r.available and not r.final
+    assert "did not answer within 1 s" in (r.reason or "") and str(first) in (r.reason or "")
+    assert took < 1.0 + gpu_helper.REAP_WAIT_S + 1.0, took
+    assert not alive(first)
+    driver.set("ok")
+    now[0] += 30.0  # inside the back-off: no new helper yet
+    [r] = h.read()
+    assert not r.available and not r.final and "the next one starts in 30 s" in (r.reason or ""), r
+    assert h.proc is None
+    now[0] += 31.0
+    [r] = h.read()
+    assert r.available and r.name == "NVIDIA GB10"
+    assert h.proc is not None and h.proc.pid != first
+
+
+def test_a_helper_that_crashes_in_the_driver_is_said_and_the_back_off_doubles(
+    driver: Driver, helpers: list[GpuHelper]
+) -> None:
+    now = [0.0]
+    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=60.0, clock=lambda: now[0])
+    helpers.append(h)
+    driver.set("crash")
+    [r] = h.read()
+    assert not r.available and not r.final and "killed by SIGSEGV" in (r.reason or ""), r
+    now[0] += 61.0
+    [r] = h.read()  # a second helper, crashed again: the next wait is twice as long
+    assert "killed by SIGSEGV" in (r.reason or ""), r
+    now[0] += 61.0
+    [r] = h.read()
+    assert "the next one starts in 59 s" in (r.reason or ""), r
+    assert [w for w, _ in driver.calls()].count("init") == 2
+    driver.set("ok")
+    now[0] += 60.0
+    assert h.read()[0].available
+
+
+def test_a_helper_killed_between_readings_is_replaced_after_the_back_off(
+    driver: Driver, helpers: list[GpuHelper]
+) -> None:
+    now = [0.0]
+    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=10.0, clock=lambda: now[0])
+    helpers.append(h)
+    assert h.read()[0].available
+    assert h.proc is not None
+    pid = h.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    h.proc.wait(5)
+    [r] = h.read()
+    assert not r.available and "ended (killed by SIGKILL)" in (r.reason or ""), r
+    now[0] += 10.0
+    assert h.read()[0].available
+
+
+def test_the_helper_ends_when_the_daemon_is_killed(driver: Driver, tmp_path: Path) -> None:
+    """kill -9 of the daemon closes the helper's stdin: the helper shuts NVML down and exits, and is not left
+    holding the driver's memory."""
+    pid_file = tmp_path / "helper.pid"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from sparkd.sense.gpu_helper import GpuHelper\n"
+            f"h = GpuHelper(driver_proc=Path({str(driver.proc_entry)!r}))\n"
+            "assert h.read()[0].available\n"
+            f"Path({str(pid_file)!r}).write_text(str(h.proc.pid))\n"
+            "time.sleep(600)\n",
+        ],
+        env=driver.env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        helper_pid = int(pid_file.read_text())
+        assert alive(helper_pid)
+        parent.kill()
+        parent.wait(5)
+        deadline = time.monotonic() + 10
+        while alive(helper_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(helper_pid)
+        assert ("shutdown", helper_pid) in driver.calls()
+    finally:
+        parent.kill()
+        parent.wait(5)
+
+
+def test_the_helper_gives_up_the_daemons_oom_shield(driver: Driver, helpers: list[GpuHelper]) -> None:
+    """sparkd runs at OOMScoreAdjust=-1000 (systemd/sparkd.service); its helper guards nothing and is not shielded.
+    Lowering a score needs privilege, raising one's own does not: the helper sets 0 whoever runs it."""
+    h = driver.helper()
+    helpers.append(h)
+    assert h.read()[0].available
+    assert h.proc is not None
+    assert Path(f"/proc/{h.proc.pid}/oom_score_adj").read_text().strip() == "0"
+
+
+def test_an_unknown_request_is_answered_with_an_error_the_daemon_takes_as_garbage(driver: Driver) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "sparkd.sense.gpu_helper"],
+        input=b"hello\n",
+        capture_output=True,
+        env=driver.env,
+        timeout=30,
+    )
+    assert p.returncode == 0
+    assert b'"error":"unknown request' in p.stdout
+
+
+def test_the_daemon_reads_the_gpu_through_its_helper_and_ends_it_at_shutdown(
+    driver: Driver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real daemon: its GPU loop starts the helper, shows its readings in the status, never calls NVML in its
+    own process, and ends the helper when it shuts down."""
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    for k in ("PYTHONPATH", "FAKE_NVML_MODE_FILE", "FAKE_NVML_LOG"):
+        monkeypatch.setenv(k, driver.env[k])
+    monkeypatch.setattr(gpu_helper, "NVIDIA_DRIVER_PROC", driver.proc_entry)
+
+    async def scenario() -> tuple[list[dict[str, object]], list[int]]:
+        settings = load_settings(
+            overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "gpu_interval_s": 0.5}
+        )
+        d = Daemon(settings, serve_api=False)
+        await d.startup()
+        try:
+            deadline = time.monotonic() + 30
+            while not d.gpu and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            seen = list(d.gpu)
+            pids = sorted({p for w, p in driver.calls() if w == "init"})
+        finally:
+            await d.shutdown("test")
+        return seen, pids
+
+    seen, pids = asyncio.run(scenario())
+    assert [g["name"] for g in seen] == ["NVIDIA GB10"] and seen[0]["available"] is True
+    assert len(pids) == 1 and pids[0] != os.getpid()
+    assert not alive(pids[0])
+    assert ("shutdown", pids[0]) in driver.calls()
