@@ -10,7 +10,8 @@ Why a second process (issue 18, and the guard's own safety):
   call holds the thread for ever and cannot be cancelled. The helper is killed after ``READ_TIMEOUT_S`` and a
   new one is started later.
 - **A crash in the driver's library** (a segfault in ``libnvidia-ml.so``) ends the helper, not the guard, which
-  runs at ``OOMScoreAdjust=-1000``. The helper sets its own ``oom_score_adj`` back to 0: it guards nothing.
+  runs at ``OOMScoreAdjust=-1000``. The helper sets its own ``oom_score_adj`` and nice value back to 0: it
+  guards nothing.
 
 Protocol (line-based, on the helper's stdin and stdout): the daemon writes ``read\\n``; the helper answers one
 line of JSON, ``{"readings": [GpuReading.to_json(), ...]}``. At end of file on its stdin (the daemon closed it,
@@ -257,9 +258,13 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], session: GpuSession | None = None
 
 def main() -> int:
     """``python -m sparkd.sense.gpu_helper``: serve readings on stdin/stdout until end of file."""
-    # the helper guards nothing: it leaves the daemon's OOMScoreAdjust=-1000 (raising one's own is allowed)
+    # the helper guards nothing: it leaves the daemon's OOMScoreAdjust=-1000 and Nice=-5 (systemd/sparkd.service;
+    # raising one's own score or nice value needs no privilege)
     with contextlib.suppress(OSError):
         Path("/proc/self/oom_score_adj").write_text("0")
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
     return serve(sys.stdin.buffer, sys.stdout.buffer)
 
 
