@@ -15,7 +15,8 @@ Shapes:
     ``parse_nvidia_smi_table(text) -> SmiTable``
 
 NVML calls can block inside the driver. The guard loop must never call
-``read_gpu``/``GpuSampler.sample`` inline: run them in a worker thread.
+``read_gpu``/``GpuSampler.sample`` inline: the daemon reads through a helper process
+(``sparkd.sense.gpu_helper.GpuHelper``, which holds the ``GpuSession``), asked from a worker thread.
 
 ``python -m sparkd.sense.gpu`` prints the readings as JSON.
 """
