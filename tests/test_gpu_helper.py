@@ -292,3 +292,162 @@ def test_the_daemon_reads_the_gpu_through_its_helper_and_ends_it_at_shutdown(
     assert len(pids) == 1 and pids[0] != os.getpid()
     assert not alive(pids[0])
     assert ("shutdown", pids[0]) in driver.calls()
+
+
+def test_a_helper_whose_pipe_has_a_descriptor_above_1023_is_read(
+    driver: Driver, helpers: list[GpuHelper], tmp_path: Path
+) -> None:
+    """The unit allows 8,192 open files (idle API connections): a helper started then gets pipe descriptors
+    above 1023, which ``select`` refuses (``ValueError``); the reading waits with ``poll``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        h = driver.helper()
+        helpers.append(h)
+        [r] = h.read()
+        assert h.proc is not None and h.proc.stdout is not None
+        assert h.proc.stdout.fileno() > 1023
+        assert r.available and r.name == "NVIDIA GB10", r
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_back_off_is_capped_after_any_number_of_failures(driver: Driver) -> None:
+    now = [0.0]
+    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=60.0, clock=lambda: now[0])
+    h._failures = 5000  # ~2 months of failures at the cap: 60 * 2**5000 would be an OverflowError
+    h._failure("test")
+    assert h._next_start_at == gpu_helper.RESPAWN_MAX_S
+
+
+def test_close_while_a_reading_waits_ends_the_helper_and_no_other_is_started(
+    driver: Driver, helpers: list[GpuHelper]
+) -> None:
+    """At the daemon's shutdown the GPU loop's task is cancelled, but its worker thread may still wait on the
+    helper: ``close`` from the loop ends the helper, the reading returns, and no helper is started after."""
+    import threading
+
+    h = driver.helper()
+    helpers.append(h)
+    assert h.read()[0].available
+    assert h.proc is not None
+    pid = h.proc.pid
+    driver.set("hang")
+    got: list[list[GpuReading]] = []
+    reader = threading.Thread(target=lambda: got.append(h.read()))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while [w for w, _ in driver.calls()].count("read") < 2:  # the helper is inside the hanging call
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t = time.monotonic()
+    h.close()
+    reader.join(10)
+    assert not reader.is_alive()
+    assert time.monotonic() - t < 2 * gpu_helper.REAP_WAIT_S + 2.0
+    assert not got[0][0].available
+    assert not alive(pid)
+    driver.set("ok")
+    [r] = h.read()
+    assert not r.available and "closed" in (r.reason or "") and h.proc is None
+    assert len({p for w, p in driver.calls() if w == "init"}) == 1
+
+
+def test_a_helper_that_does_not_die_at_sigkill_is_waited_for_not_doubled(
+    driver: Driver, helpers: list[GpuHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process inside a driver call can sleep uninterruptibly (state D) and outlive SIGKILL. Such a helper is
+    remembered and no second one is started beside it (each would hang the same way) until it has ended. D
+    state cannot be made here: the kill is withheld instead, so the helper is really still running."""
+    now = [0.0]
+    h = GpuHelper(
+        env=driver.env, driver_proc=driver.proc_entry, read_timeout_s=0.5, backoff_s=10.0, clock=lambda: now[0]
+    )
+    helpers.append(h)
+    assert h.read()[0].available
+    assert h.proc is not None
+    stuck = h.proc
+    driver.set("hang")
+    monkeypatch.setattr(gpu_helper, "_kill", lambda proc, close_pipes=True: False)
+    [r] = h.read()
+    assert "did not answer" in (r.reason or "")
+    now[0] += 3600.0  # long past the back-off
+    driver.set("ok")
+    [r] = h.read()
+    assert f"pid {stuck.pid}) is still stuck" in (r.reason or ""), r
+    assert h.proc is None and alive(stuck.pid)
+    stuck.kill()
+    stuck.wait(5)
+    [r] = h.read()
+    assert r.available, r
+    assert h.proc is not None and h.proc.pid != stuck.pid
+
+
+WHOLE = GpuReading(index=0, name="NVIDIA GB10", driver_version="580.126.09", memory_supported=False)
+NO_DRIVER = GpuReading.unavailable("no NVIDIA driver is loaded (/proc/driver/nvidia is absent)")
+HELPER_FAILED = GpuReading.unavailable("NVML did not answer within 30 s (the helper, pid 1, was killed)", final=False)
+
+
+@pytest.mark.parametrize(
+    ("answers", "ends_after"),
+    [
+        pytest.param([NO_DRIVER], 1, id="no-driver-ends-at-once"),
+        pytest.param([HELPER_FAILED, WHOLE], None, id="a-failed-helper-is-asked-again"),
+        pytest.param([HELPER_FAILED, NO_DRIVER], 2, id="a-failed-helper-then-no-device-ends"),
+        pytest.param([WHOLE, NO_DRIVER, WHOLE], None, id="a-driver-gone-after-an-answer-is-asked-again"),
+    ],
+)
+def test_the_gpu_loop_ends_only_on_a_final_answer_before_any_device_answered(
+    answers: list[GpuReading], ends_after: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real daemon's GPU loop, its helper's answers given (the helper itself is tested above): a host without
+    a driver costs one question and no helper afterwards; a helper that failed is no reason to give up."""
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    asked: list[float] = []
+    closed: list[float] = []
+
+    def read(self: GpuHelper) -> list[GpuReading]:
+        asked.append(time.monotonic())
+        return [answers[min(len(asked), len(answers)) - 1]]
+
+    monkeypatch.setattr(GpuHelper, "read", read)
+    monkeypatch.setattr(GpuHelper, "close", lambda self: closed.append(time.monotonic()))
+
+    async def scenario() -> tuple[bool, list[dict[str, object]]]:
+        settings = load_settings(
+            overrides={
+                "state_dir": str(tmp_path / "state"),
+                "kernlog_source": "off",
+                "gpu_interval_s": 0.5,
+                "gpu_quiet_interval_s": 0.5,
+            }
+        )
+        d = Daemon(settings, serve_api=False)
+        await d.startup()
+        try:
+            await asyncio.sleep(2.8)
+            [task] = [t for t in d._tasks if t.get_name() == "sparkd-gpu"]
+            return task.done(), list(d.gpu)
+        finally:
+            await d.shutdown("test")
+
+    done, gpu = asyncio.run(scenario())
+    if ends_after is None:
+        assert not done and len(asked) >= 4, asked
+        assert gpu and gpu[0]["available"] is True
+    else:
+        assert done and len(asked) == ends_after, asked
+        assert len(closed) == 1 and closed[0] < asked[-1] + 1.0, (asked, closed)

@@ -141,3 +141,43 @@ def test_it_does_not_block_what_the_guard_needs(setting: str, why: str) -> None:
 def test_it_says_stopping_sparkd_leaves_the_container_alone() -> None:
     text = UNIT.read_text()
     assert "does NOT stop the vLLM container" in text
+
+
+def _syscalls(item: str, seen: set[str] | None = None) -> set[str]:
+    """The system calls a ``SystemCallFilter=`` item names: itself, or a group expanded by
+    ``systemd-analyze syscall-filter`` (systemd's own definitions, groups in groups included)."""
+    if not item.startswith("@"):
+        return {item}
+    seen = seen if seen is not None else set()
+    if item in seen:
+        return set()
+    seen.add(item)
+    out = subprocess.run(["systemd-analyze", "syscall-filter", item], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls: set[str] = set()
+    for line in out.stdout.splitlines()[1:]:
+        word = line.strip()
+        if word and not word.startswith("#"):
+            calls |= _syscalls(word, seen)
+    return calls
+
+
+def test_the_system_call_filter_lets_the_nvml_helper_lower_its_priority_and_nothing_else_of_resources() -> None:
+    """The NVML helper (sparkd.sense.gpu_helper) sets its nice value back to 0 from the unit's Nice=-5 with
+    setpriority(2), which @resources holds. The filter's lines are applied in order, as systemd does (the first,
+    an allow-list, sets the default; a later ``~`` line takes calls out, a later plain line puts them back)."""
+    need(shutil.which("systemd-analyze") is not None, "systemd-analyze is not installed")
+    lines = [v for _, k, v in _directives(UNIT.read_text()) if k == "SystemCallFilter"]
+    assert not lines[0].startswith("~"), "the first SystemCallFilter= line is expected to be an allow-list"
+    allowed: set[str] = set()
+    for value in lines:
+        deny = value.startswith("~")
+        items = set().union(*(_syscalls(x) for x in value.lstrip("~").split()))
+        if deny:
+            allowed -= items
+        else:
+            allowed |= items
+    assert "setpriority" in allowed
+    assert {"setrlimit", "sched_setscheduler", "set_mempolicy"} & allowed == set(), (
+        "the rest of @resources stays denied"
+    )

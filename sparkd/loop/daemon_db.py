@@ -329,9 +329,9 @@ async def gpu_loop(daemon: Daemon) -> None:
     blocks in the driver and a crash in it stay out of the guard), asked from a worker thread: every
     ``gpu_interval_s`` while someone reads the status (``daemon.gpu_wanted``, set by ``Daemon.want_gpu``: the
     dashboard, ``/api/status``, a peer Spark) or the guard samples fast (set on the switch), every
-    ``gpu_quiet_interval_s`` otherwise. Without NVML at the first reading (no driver, no device: a ``final``
-    answer) the loop ends and the helper with it; after a first answer an unavailable reading (a driver
-    reloaded, a helper killed for its silence) is asked again at the quiet cadence. The readings are context
+    ``gpu_quiet_interval_s`` otherwise. A ``final`` unavailable answer (no driver, no device) before any device
+    has answered ends the loop and the helper with it; a helper that failed (killed for its silence, crashed)
+    is asked again, and after a first answer so is a driver that went away (reloaded). The readings are context
     (the dashboard, the postmortem), never a stop trigger."""
     from sparkd.sense.gpu import GpuSampler
     from sparkd.sense.gpu_helper import GpuHelper
@@ -346,6 +346,7 @@ async def gpu_loop(daemon: Daemon) -> None:
 
 
 async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> None:
+    ever = False  # a device has answered once: a driver that goes away later is asked again
     while True:
         try:
             readings = await asyncio.to_thread(sampler.sample)
@@ -370,9 +371,10 @@ async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> None:
                         "memory_supported": r.memory_supported,
                     },
                 )
-        if readings and not any(r.available or not r.final for r in readings) and daemon.gpu_read_at is None:
-            return  # no NVML here: asked once, answered once
-        daemon.gpu_read_at = daemon.mono()  # after the first answer: a driver reloaded later is asked again
+        ever = ever or any(r.available for r in readings)
+        if readings and not ever and all(r.final for r in readings):
+            return  # no NVML here (no driver, no device): asked until a final answer, which ends the helper too
+        daemon.gpu_read_at = daemon.mono()
         await _gpu_wait(daemon)
 
 

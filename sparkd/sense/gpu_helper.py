@@ -31,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -64,7 +65,7 @@ class GpuHelper:
     readers (one reader at a time, the GPU loop's worker thread); ``close`` may be called from another thread.
 
     Args:
-        argv: the helper's command line; default ``[sys.executable, "-m", "sparkd.sense.gpu_helper"]``.
+        argv: the helper's command line; default ``[sys.executable, "-P", "-m", "sparkd.sense.gpu_helper"]``.
         env: the helper's environment; default the daemon's.
         driver_proc: the NVIDIA driver's ``/proc`` entry, default ``NVIDIA_DRIVER_PROC`` (read at each reading);
             ``None`` skips that check.
@@ -84,7 +85,8 @@ class GpuHelper:
         backoff_s: float = RESPAWN_BACKOFF_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.argv = argv or [sys.executable, "-m", "sparkd.sense.gpu_helper"]
+        # -P: the working directory (the unit's /var/lib/sparkd) is not put first on sys.path of a root process
+        self.argv = argv or [sys.executable, "-P", "-m", "sparkd.sense.gpu_helper"]
         self._env = dict(env) if env is not None else None
         self._driver_proc = driver_proc
         self._start_timeout_s = start_timeout_s
@@ -92,13 +94,17 @@ class GpuHelper:
         self._backoff_s = backoff_s
         self._clock = clock
         self.proc: subprocess.Popen[bytes] | None = None
-        self._answered = False  # the current helper has answered once (its session is open)
+        self._session_open = False  # the current helper's last answer was whole: its NVML session is open
+        self._mu = threading.Lock()  # self.proc and self._closed, between a reader and close()
+        self._closed = False
         self._stuck: subprocess.Popen[bytes] | None = None  # a killed helper that has not ended
         self._failures = 0  # failures in a row
         self._next_start_at = 0.0  # clock s
         self._last_failure: str | None = None
 
     def read(self) -> list[GpuReading]:
+        if self._closed:
+            return [GpuReading.unavailable("the NVML helper was closed")]
         driver_proc = NVIDIA_DRIVER_PROC if self._driver_proc == "default" else self._driver_proc
         if driver_proc is not None and not driver_proc.exists():
             return [GpuReading.unavailable(f"no NVIDIA driver is loaded ({driver_proc} is absent)")]
@@ -114,59 +120,60 @@ class GpuHelper:
             wait_s = self._next_start_at - self._clock()
             if wait_s > 0:
                 return [self._failed_again(f"{self._last_failure}; the next one starts in {wait_s:.0f} s")]
-            try:
-                proc = self.proc = subprocess.Popen(
-                    self.argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    env=self._env,
-                    close_fds=True,
-                )
-            except OSError as exc:
-                return [self._fail(None, f"the NVML helper could not start: {exc}")]
-            self._answered = False
-        timeout_s = self._read_timeout_s if self._answered else self._start_timeout_s
+            with self._mu:  # not after close(): a helper started then would outlive the daemon's shutdown
+                if self._closed:
+                    return [GpuReading.unavailable("the NVML helper was closed")]
+                try:
+                    proc = self.proc = subprocess.Popen(
+                        self.argv,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        env=self._env,
+                        close_fds=True,
+                    )
+                except OSError as exc:
+                    return [self._fail(None, f"the NVML helper could not start: {exc}")]
+            self._session_open = False
+        # nvmlInit is asked again after an answer that was not whole (the helper's session closes itself then)
+        timeout_s = self._read_timeout_s if self._session_open else self._start_timeout_s
         try:
             line = _ask(proc, timeout_s)
-        except OSError as exc:  # a broken pipe: it ended at the request
-            line = None
-            why = f"the NVML helper ended ({_how(_reap(proc))}: {exc})"
-        else:
-            why = ""
+        except Exception as exc:  # a broken pipe, or closed under us: never raised to the reader
+            return [self._fail(proc, f"the NVML helper ended ({_how(_reap(proc))}: {exc})")]
         if line is None:
-            if not why:
-                code = proc.poll()
-                why = (
-                    f"the NVML helper ended ({_how(code)})"
-                    if code is not None
-                    else f"NVML did not answer within {timeout_s:g} s (the helper, pid {proc.pid}, was killed)"
-                )
+            code = proc.poll()
+            why = (
+                f"the NVML helper ended ({_how(code)})"
+                if code is not None
+                else f"NVML did not answer within {timeout_s:g} s (the helper, pid {proc.pid}, was killed)"
+            )
             return [self._fail(proc, why)]
         try:
             readings = [GpuReading.from_json(r) for r in json.loads(line)["readings"]]
-        except (ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # whatever the helper wrote, the reader gets a reading
             return [self._fail(proc, f"the NVML helper answered garbage: {exc}: {line[:120]!r}")]
-        self._answered = True
+        self._session_open = bool(readings) and all(r.available for r in readings)
         self._failures = 0
         self._last_failure = None
         return readings
 
     def close(self) -> None:
-        """End the helper: close its stdin (it shuts NVML down and exits), kill it if it has not after
-        ``REAP_WAIT_S``."""
-        proc, self.proc = self.proc, None
+        """End the helper for good: close its stdin (it shuts NVML down and exits), kill it if it has not after
+        ``REAP_WAIT_S``; no helper is started after it. Safe from another thread while ``read`` waits on the
+        helper: its stdout is left to the reader (closing it under a ``poll`` could hand its fd number to a file
+        opened meanwhile), which sees the end of file and returns."""
+        with self._mu:
+            self._closed = True
+            proc, self.proc = self.proc, None
         if proc is None:
             return
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             if proc.stdin is not None:
                 proc.stdin.close()
         try:
             proc.wait(REAP_WAIT_S)
         except subprocess.TimeoutExpired:
-            _kill(proc)
-        with contextlib.suppress(OSError):
-            if proc.stdout is not None:
-                proc.stdout.close()
+            _kill(proc, close_pipes=False)
 
     def _fail(self, proc: subprocess.Popen[bytes] | None, why: str) -> GpuReading:
         if proc is not None:
@@ -178,7 +185,9 @@ class GpuHelper:
 
     def _failure(self, why: str) -> None:
         self._last_failure = why
-        self._next_start_at = self._clock() + min(self._backoff_s * 2**self._failures, RESPAWN_MAX_S)
+        # RESPAWN_BACKOFF_S doubled per failure in a row, at most RESPAWN_MAX_S (the exponent capped: 2**1024
+        # is an OverflowError after ~11 days of failures at the cap)
+        self._next_start_at = self._clock() + min(self._backoff_s * 2 ** min(self._failures, 16), RESPAWN_MAX_S)
         self._failures += 1
 
     def _failed_again(self, why: str) -> GpuReading:
@@ -187,16 +196,20 @@ class GpuHelper:
 
 def _ask(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
     """Write one request and read one line of answer within ``timeout_s``; ``None`` at end of file or at the
-    deadline. Raises ``OSError`` when the request cannot be written (the helper is gone)."""
+    deadline. Raises ``OSError`` when the request cannot be written (the helper is gone), ``ValueError`` when
+    its pipes were closed. ``poll``, not ``select``: a daemon with over 1,023 files open (``LimitNOFILE=8192``,
+    idle API connections) gives the pipe a descriptor ``select`` refuses."""
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"read\n")
     proc.stdin.flush()
     fd = proc.stdout.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     deadline = time.monotonic() + timeout_s
     buf = b""
     while b"\n" not in buf:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
             return None
         chunk = os.read(fd, 1 << 16)
         if not chunk:
@@ -205,16 +218,17 @@ def _ask(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
     return buf.split(b"\n", 1)[0].decode("utf-8", "replace")
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> bool:
-    """SIGKILL and reap within ``REAP_WAIT_S``; False when it has not ended (asleep in the driver)."""
+def _kill(proc: subprocess.Popen[bytes], *, close_pipes: bool = True) -> bool:
+    """SIGKILL and reap within ``REAP_WAIT_S`` (and close its pipes, unless ``close_pipes`` is false); False when
+    it has not ended (asleep in the driver)."""
     with contextlib.suppress(OSError):
         proc.kill()
     try:
         proc.wait(REAP_WAIT_S)
     except subprocess.TimeoutExpired:
         return False
-    for pipe in (proc.stdin, proc.stdout):
-        with contextlib.suppress(OSError):
+    for pipe in (proc.stdin, proc.stdout) if close_pipes else ():
+        with contextlib.suppress(OSError, ValueError):
             if pipe is not None:
                 pipe.close()
     return True
