@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,8 +50,9 @@ class Driver:
     def calls(self) -> list[tuple[str, int]]:
         return [(w, int(p)) for w, p in (ln.split() for ln in self.log_file.read_text().splitlines())]
 
-    def helper(self, **kw: float) -> GpuHelper:
-        return GpuHelper(env=self.env, driver_proc=self.proc_entry, **kw)  # type: ignore[arg-type]
+    def helper(self, **kw: Any) -> GpuHelper:
+        """A helper reading this fake driver; ``kw``: ``GpuHelper``'s other arguments."""
+        return GpuHelper(env=self.env, driver_proc=self.proc_entry, **kw)
 
 
 @pytest.fixture
@@ -127,9 +129,7 @@ def test_a_reading_that_hangs_in_the_driver_kills_the_helper_and_a_new_one_comes
     driver: Driver, helpers: list[GpuHelper]
 ) -> None:
     now = [0.0]
-    h = GpuHelper(
-        env=driver.env, driver_proc=driver.proc_entry, read_timeout_s=1.0, backoff_s=60.0, clock=lambda: now[0]
-    )
+    h = driver.helper(read_timeout_s=1.0, backoff_s=60.0, clock=lambda: now[0])
     helpers.append(h)
     assert h.read()[0].available
     assert h.proc is not None
@@ -157,7 +157,7 @@ def test_a_helper_that_crashes_in_the_driver_is_said_and_the_back_off_doubles(
     driver: Driver, helpers: list[GpuHelper]
 ) -> None:
     now = [0.0]
-    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=60.0, clock=lambda: now[0])
+    h = driver.helper(backoff_s=60.0, clock=lambda: now[0])
     helpers.append(h)
     driver.set("crash")
     [r] = h.read()
@@ -178,7 +178,7 @@ def test_a_helper_killed_between_readings_is_replaced_after_the_back_off(
     driver: Driver, helpers: list[GpuHelper]
 ) -> None:
     now = [0.0]
-    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=10.0, clock=lambda: now[0])
+    h = driver.helper(backoff_s=10.0, clock=lambda: now[0])
     helpers.append(h)
     assert h.read()[0].available
     assert h.proc is not None
@@ -239,7 +239,7 @@ def test_the_helper_gives_up_the_daemons_oom_shield_and_priority(driver: Driver,
                 sys.executable, "-m", "sparkd.sense.gpu_helper"]  # fmt: skip
     if os.geteuid() != 0:
         pytest.skip("lowering the nice value needs root (CI runs as root)")
-    h = GpuHelper(shielded, env=driver.env, driver_proc=driver.proc_entry)
+    h = driver.helper(argv=shielded)
     helpers.append(h)
     assert h.read()[0].available
     assert h.proc is not None
@@ -325,7 +325,7 @@ def test_a_helper_whose_pipe_has_a_descriptor_above_1023_is_read(
 
 def test_the_back_off_is_capped_after_any_number_of_failures(driver: Driver) -> None:
     now = [0.0]
-    h = GpuHelper(env=driver.env, driver_proc=driver.proc_entry, backoff_s=60.0, clock=lambda: now[0])
+    h = driver.helper(backoff_s=60.0, clock=lambda: now[0])
     h._failures = 5000  # ~2 months of failures at the cap: 60 * 2**5000 would be an OverflowError
     h._failure("test")
     assert h._next_start_at == gpu_helper.RESPAWN_MAX_S
@@ -371,9 +371,7 @@ def test_a_helper_that_does_not_die_at_sigkill_is_waited_for_not_doubled(
     remembered and no second one is started beside it (each would hang the same way) until it has ended. D
     state cannot be made here: the kill is withheld instead, so the helper is really still running."""
     now = [0.0]
-    h = GpuHelper(
-        env=driver.env, driver_proc=driver.proc_entry, read_timeout_s=0.5, backoff_s=10.0, clock=lambda: now[0]
-    )
+    h = driver.helper(read_timeout_s=0.5, backoff_s=10.0, clock=lambda: now[0])
     helpers.append(h)
     assert h.read()[0].available
     assert h.proc is not None
