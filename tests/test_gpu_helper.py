@@ -153,13 +153,16 @@ def test_a_reading_that_hangs_in_the_driver_kills_the_helper_and_a_new_one_comes
     assert h.proc is not None and h.proc.pid != first
 
 
+@pytest.mark.parametrize("crash", ["crash", "crash-slow"])
 def test_a_helper_that_crashes_in_the_driver_is_said_and_the_back_off_doubles(
-    driver: Driver, helpers: list[GpuHelper]
+    crash: str, driver: Driver, helpers: list[GpuHelper]
 ) -> None:
+    """A crash is said as one (``killed by SIGSEGV``), also when its stdout ends before its exit status is there,
+    not as a helper that did not answer."""
     now = [0.0]
     h = driver.helper(backoff_s=60.0, clock=lambda: now[0])
     helpers.append(h)
-    driver.set("crash")
+    driver.set(crash)
     [r] = h.read()
     assert not r.available and not r.final and "killed by SIGSEGV" in (r.reason or ""), r
     now[0] += 61.0

@@ -138,15 +138,12 @@ class GpuHelper:
         timeout_s = self._read_timeout_s if self._session_open else self._start_timeout_s
         try:
             line = _ask(proc, timeout_s)
+        except EOFError:  # it closed its stdout: it died (its exit status may lag its pipe's end: waited for)
+            return [self._fail(proc, f"the NVML helper ended ({_how(_reap(proc))})")]
         except Exception as exc:  # a broken pipe, or closed under us: never raised to the reader
             return [self._fail(proc, f"the NVML helper ended ({_how(_reap(proc))}: {exc})")]
         if line is None:
-            code = proc.poll()
-            why = (
-                f"the NVML helper ended ({_how(code)})"
-                if code is not None
-                else f"NVML did not answer within {timeout_s:g} s (the helper, pid {proc.pid}, was killed)"
-            )
+            why = f"NVML did not answer within {timeout_s:g} s (the helper, pid {proc.pid}, was killed)"
             return [self._fail(proc, why)]
         try:
             readings = [GpuReading.from_json(r) for r in json.loads(line)["readings"]]
@@ -195,10 +192,10 @@ class GpuHelper:
 
 
 def _ask(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
-    """Write one request and read one line of answer within ``timeout_s``; ``None`` at end of file or at the
-    deadline. Raises ``OSError`` when the request cannot be written (the helper is gone), ``ValueError`` when
-    its pipes were closed. ``poll``, not ``select``: a daemon with over 1,023 files open (``LimitNOFILE=8192``,
-    idle API connections) gives the pipe a descriptor ``select`` refuses."""
+    """Write one request and read one line of answer within ``timeout_s``; ``None`` at the deadline. Raises
+    ``EOFError`` at the end of its stdout (it died), ``OSError`` when the request cannot be written (the helper
+    is gone), ``ValueError`` when its pipes were closed. ``poll``, not ``select``: a daemon with over 1,023
+    files open (``LimitNOFILE=8192``, idle API connections) gives the pipe a descriptor ``select`` refuses."""
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"read\n")
     proc.stdin.flush()
@@ -213,7 +210,7 @@ def _ask(proc: subprocess.Popen[bytes], timeout_s: float) -> str | None:
             return None
         chunk = os.read(fd, 1 << 16)
         if not chunk:
-            return None
+            raise EOFError("the helper closed its stdout")
         buf += chunk
     return buf.split(b"\n", 1)[0].decode("utf-8", "replace")
 

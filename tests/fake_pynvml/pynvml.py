@@ -4,7 +4,8 @@ its time-outs and its ends are real.
 
 The test steers it through a file named by ``FAKE_NVML_MODE_FILE``, read at each call:
 ``ok`` (a GB10: memory Not Supported), ``hang`` (the utilization call never returns, as a call blocked in the
-driver), ``crash`` (the process dies of SIGSEGV in the utilization call), ``nodriver`` (nvmlInit fails: Driver
+driver), ``crash`` (the process dies of SIGSEGV in the utilization call), ``crash-slow`` (the same, its stdout closed
+0.5 s before), ``nodriver`` (nvmlInit fails: Driver
 Not Loaded). Each call is appended to ``FAKE_NVML_LOG`` as ``<what> <pid>``.
 """
 
@@ -69,6 +70,10 @@ def nvmlDeviceGetUtilizationRates(h: str) -> SimpleNamespace:
         while True:
             time.sleep(3600)
     if mode == "crash":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if mode == "crash-slow":  # its stdout ends well before its exit status is there (a core being written)
+        os.close(1)
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGSEGV)
     return SimpleNamespace(gpu=7, memory=0)
 
