@@ -758,6 +758,44 @@ def test_a_hand_run_container_under_the_name_of_sparkds_stopped_and_renamed_one_
     assert len(s.events("unguarded_container")) == 1
 
 
+def test_a_second_container_with_sparkds_labels_beside_the_watched_run_is_said_to_be_unguarded(
+    sparkd_factory: Any, docker_client: Any, image: str
+) -> None:
+    """A second model started by hand while sparkd's run is active, with the labels of the watched one (copied
+    from ``docker inspect``, its launch id too): sparkd watches one run at a time and a trip stops that one only.
+    It was neither adopted nor said (note 12); now it is ``unguarded_container`` (critical) until it ends, and
+    sparkd keeps watching its own run."""
+    s = sparkd_factory().start()
+    c = s.wait_state("ready", 60)
+    labels = docker_client.containers.get(c["container_id"]).labels
+    assert labels.get("sparkd.managed") == "true" and labels.get("sparkd.launch_id"), labels
+    second = docker_client.containers.run(
+        image,
+        name=f"{c['name']}-by-hand",
+        entrypoint=["/usr/bin/python3", "-c", "import time; time.sleep(600)"],
+        labels=labels,  # the case's labels among them: the fixture removes it if this test fails
+        network_mode="host",
+        detach=True,
+    )
+    try:
+        ev = s.wait_event("unguarded_container", 25)  # the look comes every UNGUARDED_CHECK_S (10 s) while it runs
+        assert ev["severity"] == "critical" and ev["details"]["container_id"] == second.id, ev
+        assert ev["details"]["labelled"] is True and "beside the one sparkd watches" in ev["message"], ev
+        now = s.container()
+        assert now["container_id"] == c["container_id"] and now["state"] == "ready", now  # its own run, still
+        assert now["unguarded"]["id"] == second.id and now["unguarded"]["labelled"] is True
+        live = s.api("GET", "/ui/live.json").json()
+        assert live["level"] == "critical" and "not guarded" in live["label"], live
+        second.remove(force=True)
+        s.wait_event("unguarded_container_gone", 25)
+        assert s.container()["unguarded"] is None
+        assert len(s.events("unguarded_container")) == 1  # said once, not at each look
+        assert len(s.events("launched")) == 1
+    finally:
+        with contextlib.suppress(Exception):
+            second.remove(force=True)
+
+
 def _scripted_sparkd(
     tmp_path: Path, image: str, case_labels: dict[str, str], *, state_dir: Path | None = None, **top: Any
 ) -> tuple[SparkdUnderTest, Path]:

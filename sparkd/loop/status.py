@@ -152,14 +152,16 @@ class SupervisionStatus(_Model):
 
 # --------------------------------------------------------------------------- the container side
 class UnguardedContainer(_Model):
-    """A running container by the managed container's name that lacks sparkd's label (``docker run`` by
-    hand after sparkd's own was removed): sparkd will not stop it, so a stop rule cannot protect the
-    host from it. ``since``: epoch s when sparkd first saw it."""
+    """A running container sparkd will not stop, so a stop rule cannot protect the host from it: one by the
+    managed container's name that lacks sparkd's label (``docker run`` by hand after sparkd's own was removed),
+    or (``labelled``) one with sparkd's labels running beside the run sparkd watches (a trip stops the watched
+    one only). ``since``: epoch s when sparkd first saw it."""
 
     id: str
     name: str
     image: str | None = None
     since: float
+    labelled: bool = False
 
 
 class ContainerStatus(_Model):

@@ -822,40 +822,76 @@ class Supervisor(RunBook):
         return False, f"stopped by {source}: {reason}"
 
     async def _check_unguarded(self) -> None:
-        """Managed mode, no container of sparkd's running: one by ``container.name`` that runs without sparkd's
-        label (``docker rm`` or ``docker rename`` of sparkd's, then ``docker run --name`` by hand; paused
-        counts: it holds its memory) is one sparkd will not stop
-        (it never stops an unlabelled container it was not told to guard), so a stop rule cannot protect
-        the host from it. Said at once and loudly (``unguarded_container``, critical; ``status.container.
-        unguarded``), once per container; ``unguarded_container_gone`` when it stops or is removed."""
+        """Managed mode: a running container sparkd will not stop, so no stop rule can protect the host from it:
+        - one by ``container.name`` without sparkd's label, while none of sparkd's runs (``docker rm`` or ``docker
+          rename`` of sparkd's, then ``docker run --name`` by hand; paused counts: it holds its memory): sparkd
+          never stops an unlabelled container it was not told to guard;
+        - one **with** sparkd's labels beside the run sparkd watches (its command line copied from ``docker
+          inspect``, say; or a second one found at start-up, when the newest is adopted): sparkd watches one run
+          at a time, and a trip stops that one only. Looked for only while no action holds the lock (a relaunch's
+          new container runs before it is watched; its labels, the launch id too, may be copies of the watched one's).
+          While none of sparkd's runs, the step adopts a labelled one first (``_attach``).
+        Said at once and loudly (``unguarded_container``, critical; ``status.container.unguarded``), once per
+        container; ``unguarded_container_gone`` when it stops, is removed, or becomes the run sparkd watches."""
         try:
             info = await asyncio.to_thread(self.manager.get, self.settings.container.name)
         except NotFound:
             info = None
-        running = (
+        found: UnguardedContainer | None = None
+        if (
             info is not None
             and info.name == self.settings.container.name.lstrip("/")  # a name, not an id prefix that matched
             and info.id != self.container_id
             and not info.managed
             and info.status in ("running", "restarting", "paused")
-        )
+        ):
+            found = UnguardedContainer(id=info.id, name=info.name, image=info.image, since=time.time())
         old = self.unguarded
-        if running and info is not None and (old is None or old.id != info.id):
-            self.unguarded = UnguardedContainer(id=info.id, name=info.name, image=info.image, since=time.time())
+        if found is None:
+            if self.lock.locked():
+                if old is not None and old.labelled:
+                    return  # not looked at while an action runs: what was said stands until the next look
+            else:
+                labelled = await asyncio.to_thread(self.manager.running_managed)
+                if self.lock.locked():  # an action began during the call: its new run may be in the answer
+                    return
+                for cid, name, image in labelled:
+                    if cid != self.container_id:
+                        found = UnguardedContainer(id=cid, name=name, image=image, since=time.time(), labelled=True)
+                        break
+        if found is not None and (old is None or old.id != found.id):
+            self.unguarded = found
+            if found.labelled:
+                message = (
+                    f"container {found.name} ({found.id[:12]}, {found.image}) runs with sparkd's labels beside the "
+                    f"one sparkd watches, {self.name} ({(self.container_id or '')[:12]}): sparkd watches one run at "
+                    f"a time and a trip stops that one only, so no stop rule protects this host from "
+                    f"{found.name}. Stop it (`docker stop {found.name}`), or stop both and `sparkd start`"
+                )
+            else:
+                message = (
+                    f"container {found.name} ({found.id[:12]}, {found.image}) runs without sparkd's label "
+                    f"(started outside sparkd): sparkd will not stop it, so no stop rule protects this host from "
+                    f"it. Stop it and `sparkd start` to run the model under sparkd, or guard it as it is "
+                    f"(container.guard = {found.name!r}, without container.image)"
+                )
             self._event(
                 "unguarded_container",
-                f"container {info.name} ({info.id[:12]}, {info.image}) runs without sparkd's label "
-                f"(started outside sparkd): sparkd will not stop it, so no stop rule protects this host from "
-                f"it. Stop it and `sparkd start` to run the model under sparkd, or guard it as it is "
-                f"(container.guard = {info.name!r}, without container.image)",
+                message,
                 severity="critical",
-                details={"container_id": info.id, "name": info.name, "image": info.image},
+                details={
+                    "container_id": found.id,
+                    "name": found.name,
+                    "image": found.image,
+                    "labelled": found.labelled,
+                },
             )
-        elif not running and old is not None:
+        elif found is None and old is not None:
             self.unguarded = None
+            how = "is now the run sparkd watches" if old.id == self.container_id else "is no longer running"
             self._event(
                 "unguarded_container_gone",
-                f"container {old.name} ({old.id[:12]}), which ran without sparkd's label, is no longer running",
+                f"container {old.name} ({old.id[:12]}), which ran unguarded, {how}",
                 details={"container_id": old.id, "name": old.name},
             )
 
