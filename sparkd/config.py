@@ -761,7 +761,11 @@ FIELD_DOCS: dict[str, str] = {
     "retention.raw_samples_s": "Keep raw samples this long (48 h).",
     "retention.minute_aggregates_s": "Keep per-minute min/avg/max this long (30 days).",
     "retention.events_s": "Keep events and launch records this long (a year).",
-    "retention.archives_max_count": "Keep at most this many archives (oldest removed first, never the newest).",
+    "retention.archives_max_count": (
+        "Keep at most this many archives: the oldest routine ones (operator stops, restarts, resizes) are "
+        "removed first, an incident's postmortem (a stop rule, a peer, a failed launch) only when none is left; "
+        "never the newest."
+    ),
     "retention.archives_max_bytes": "Keep archives within this total size.",
     "retention.interval_s": "Run retention this often.",
     "cluster.node": "This node's name in a cluster of Sparks (required with peers).",

@@ -258,6 +258,66 @@ def test_it_leaves_foreign_files_alone_when_pruning(tmp_path: Path) -> None:
     assert (tmp_path / "operator.tar.gz").exists()
 
 
+# the first lines of a summary as every release writes them (0.1's ``stopproc._summary`` too): who asked is
+# what tells an incident's postmortem from a routine stop's
+SUMMARY_01 = (
+    "sparkd postmortem\n=================\ntime (UTC):   2026-11-29 11:00:00\n"
+    "reason:       {reason}\nrequested by: {source}\n"
+)
+
+
+def _make_by(d: Path, sources: list[str]) -> list[str]:
+    """One bundle per source, oldest first, each with a 0.1-style summary naming who asked for the stop."""
+    names = []
+    for i, source in enumerate(sources):
+        summary = SUMMARY_01.format(reason=f"stop {i}", source=source)
+        info = write_archive(d, f"vllm-{source}", {"container.log": b"x"}, summary, now=NOW + i)
+        os.utime(info.path, (NOW + i, NOW + i))
+        names.append(info.name)
+    return names
+
+
+def test_it_reads_who_asked_for_the_stop_from_the_summary(tmp_path: Path) -> None:
+    rule, token = _make_by(tmp_path, ["rule low-available", "api:token"])
+    assert archive.requested_by(tmp_path / rule) == "rule low-available"
+    assert archive.requested_by(tmp_path / token) == "api:token"
+    kinds = {a.name: archive.is_incident_archive(a) for a in list_archives(tmp_path)}
+    assert kinds == {rule: True, token: False}
+
+
+def test_a_bundle_whose_kind_cannot_be_told_counts_as_an_incident(tmp_path: Path) -> None:
+    (torn,) = _make(tmp_path, 1)
+    (tmp_path / torn).write_bytes(b"\x1f\x8b not a whole gzip stream")
+    no_line = write_archive(tmp_path, "no-line", {}, "sparkd postmortem\nreason: x\n", now=NOW + 5).name
+    assert archive.requested_by(tmp_path / torn) is None and archive.requested_by(tmp_path / no_line) is None
+    assert all(archive.is_incident_archive(a) for a in list_archives(tmp_path))
+
+
+def test_routine_archives_are_pruned_before_any_incidents_postmortem(tmp_path: Path) -> None:
+    """A tuning session of resizes and restarts after a trip: the trips' postmortems stay, the oldest routine
+    ones go first, even when newer than the trips'; the newest is kept whatever it is."""
+    sources = [
+        "rule low-available",  # 0: a trip last week
+        "api:token",  # 1: a resize
+        "peer:spark-b",  # 2: the other node tripped
+        "web:session",  # 3: a restart
+        "sparkd (failed launch)",  # 4
+        "cli",  # 5: an operator's stop
+        "daemon",  # 6: sparkd's own exit
+        "api:token",  # 7: newest, routine
+    ]
+    names = _make_by(tmp_path, sources)
+    assert prune_archives(tmp_path, max_count=5, max_total_bytes=10**9) == [names[1], names[3], names[5]]
+    assert prune_archives(tmp_path, max_count=3, max_total_bytes=10**9) == [names[6], names[0]]
+    assert [a.name for a in list_archives(tmp_path)] == [names[7], names[4], names[2]]
+
+
+def test_incidents_go_oldest_first_once_no_routine_archive_is_left(tmp_path: Path) -> None:
+    names = _make_by(tmp_path, ["rule a", "hard floor", "probe", "api:token"])
+    assert prune_archives(tmp_path, max_count=1, max_total_bytes=10**9) == names[:3]
+    assert [a.name for a in list_archives(tmp_path)] == [names[3]]
+
+
 @pytest.mark.parametrize(("count", "size"), [(0, 10), (-1, 10), (1, -1)])
 def test_it_refuses_bad_prune_limits(tmp_path: Path, count: int, size: int) -> None:
     with pytest.raises(InvalidInput):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tarfile
 import time
 from pathlib import Path
@@ -64,12 +65,14 @@ def _members(path: Path) -> dict[str, str]:
         return {m.name: tf.extractfile(m).read().decode() for m in tf.getmembers()}  # type: ignore[union-attr]
 
 
-def _postmortem(d: Daemon, manager: ContainerManager, cid: str) -> tuple[str | None, StopReport]:
+def _postmortem(
+    d: Daemon, manager: ContainerManager, cid: str, source: str = "rule low_available"
+) -> tuple[str | None, StopReport]:
     sup = Supervisor(d.settings, manager=manager)
     sup.daemon = d
     sup.container_id = cid
     sup.launch_started_at = time.time() - 60
-    rep = StopReport("low_available: MemAvailable below the floor", "rule")
+    rep = StopReport("low_available: MemAvailable below the floor", source)
     return asyncio.run(write_postmortem(sup, rep, cid)), rep
 
 
@@ -164,6 +167,24 @@ def test_a_database_that_does_not_take_the_records_is_not_waited_on_and_loses_no
     assert "NOTE: the database had not taken sparkd's last records within 2 s" in parts["summary.txt"]
     assert d.writer.queue.qsize() == queued and d.writer.dropped == 0  # nothing taken from the writer, nothing lost
     assert took_s < DB_WAIT_S + 4.0, took_s  # the 2 s wait and the unreachable engine's calls, not retries
+
+
+def test_the_postmortems_summary_tells_a_trip_from_an_operators_stop_when_archives_are_pruned(tmp_path: Path) -> None:
+    """The real summary (``write_postmortem``), read back by pruning: the trip's archive outlives a newer
+    operator's stop's, and the newest is kept."""
+    from sparkd.act.archive import list_archives, prune_archives, requested_by
+
+    d = _daemon(tmp_path)
+    gone = ContainerManager(f"unix://{tmp_path}/no-dockerd.sock", api_timeout_s=2)
+    names = []
+    for i, source in enumerate(["rule low_available", "api:token", "web:session"]):
+        name, rep = _postmortem(d, gone, "0" * 64, source)
+        assert name is not None, rep.errors
+        os.utime(d.settings.archives_path / name, (1_795_000_000 + i, 1_795_000_000 + i))  # oldest first
+        names.append(name)
+    assert requested_by(d.settings.archives_path / names[0]) == "rule low_available"
+    assert prune_archives(d.settings.archives_path, max_count=2, max_total_bytes=10**9) == [names[1]]
+    assert [a.name for a in list_archives(d.settings.archives_path)] == [names[2], names[0]]
 
 
 @pytest.mark.docker

@@ -81,3 +81,31 @@ def test_three_days_at_1_hz_are_aggregated_pruned_and_bounded(tmp_path: Path) ->
     assert store.count_samples() <= 2 * DAY + 60
     assert _db_bytes(settings.db_file) <= full
     store.close()
+
+
+def test_the_retention_pass_prunes_routine_archives_before_a_trips_postmortem(tmp_path: Path) -> None:
+    """The daemon's pass (``retention_once``) with the default classifier: a resize's and a restart's bundles
+    newer than the trip's go first; the event names them."""
+    from sparkd.act.archive import list_archives, write_archive
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "retention": {"archives_max_count": 2},
+        }
+    )
+    now = time.time()
+    names = []
+    for i, source in enumerate(["rule low_available", "api:token", "web:session", "cli"]):
+        summary = f"sparkd postmortem\n=================\nreason:       x\nrequested by: {source}\n"
+        info = write_archive(settings.archives_path, f"vllm-{i}", {"container.log": b"x"}, summary, now=now + i)
+        os.utime(info.path, (now - 100 + i, now - 100 + i))
+        names.append(info.name)
+    daemon = Daemon(settings, serve_api=False)
+    daemon.store = Store.open(settings.db_file)
+    assert asyncio.run(daemon.retention_once(now=now))["archives"] == 2
+    assert [a.name for a in list_archives(settings.archives_path)] == [names[3], names[0]]
+    (ev,) = [e for e in daemon.recent_events if e["kind"] == "archives_pruned"]  # no writer here: in memory
+    assert ev["details"]["removed"] == [names[1], names[2]] and "routine stops first" in ev["message"]

@@ -344,3 +344,27 @@ def test_it_names_the_intent_of_a_stop_by_who_asked(source: str, intent: StopInt
     from sparkd.loop.unattended import Unattended
 
     assert Unattended.intent_for(source) is intent
+
+
+@pytest.mark.parametrize(
+    ("source", "incident"),
+    [
+        ("rule low_available", True),
+        ("rule hard_floor", True),
+        ("probe", True),
+        ("peer:spark-b", True),
+        ("sparkd (failed launch)", True),
+        ("sparkd (GPU lost)", True),
+        ("sparkd", True),  # a rollback from a resize that did not reach ready
+        ("maintenance by api:token", False),
+        ("api:token", False),
+        ("web:session", False),
+        ("cli", False),
+        ("daemon", False),  # sparkd's own exit (stop_on_exit)
+        ("auto-relaunch (intent emergency, back-off 30 s)", False),
+    ],
+)
+def test_it_tells_an_incident_by_who_asked_for_the_stop(source: str, incident: bool) -> None:
+    from sparkd.core.supervision import is_incident
+
+    assert is_incident(source) is incident

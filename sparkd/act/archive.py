@@ -31,12 +31,13 @@ import stat
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePath
 from typing import BinaryIO
 
+from sparkd.core.supervision import is_incident
 from sparkd.errors import InvalidInput, NotFound
 from sparkd.units import MiB
 
@@ -352,10 +353,50 @@ def open_archive(archive_dir: str | Path, name: str) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def prune_archives(archive_dir: str | Path, *, max_count: int, max_total_bytes: int) -> list[str]:
-    """Delete the oldest bundles until at most ``max_count`` remain and they
-    total at most ``max_total_bytes``; the newest is never deleted (even if it
-    alone exceeds the size limit). Returns the removed names, oldest first.
+#: at most this much of ``summary.txt`` is read to tell an archive's kind (a summary is ~2 KiB)
+SUMMARY_READ_BYTES = 64 * 1024
+
+
+def requested_by(path: str | Path) -> str | None:
+    """The ``requested by:`` line of a bundle's ``summary.txt`` (who asked for the stop: ``rule low-available``,
+    ``api:token`` …; every release writes it, 0.1 too), or None when the bundle cannot be read or has no such line.
+    Reads the first member only, at most ``SUMMARY_READ_BYTES``."""
+    try:
+        with tarfile.open(path, "r:gz") as tf:
+            first = tf.next()
+            if first is None or first.name != SUMMARY_MEMBER or not first.isfile():
+                return None
+            f = tf.extractfile(first)
+            text = f.read(SUMMARY_READ_BYTES).decode("utf-8", "replace") if f is not None else ""
+    except (OSError, tarfile.TarError, EOFError):
+        return None
+    for line in text.splitlines():
+        if line.startswith("requested by:"):
+            return line.partition(":")[2].strip()
+    return None
+
+
+def is_incident_archive(info: ArchiveInfo) -> bool:
+    """Whether a bundle is an incident's postmortem (``core.supervision.is_incident`` of its ``requested by:``:
+    a rule, the hard floor, the probe, a peer, a failed launch …). One that cannot be told (unreadable, no such
+    line) counts as an incident: kept longer, never pruned first."""
+    source = requested_by(info.path)
+    return source is None or is_incident(source)
+
+
+def prune_archives(
+    archive_dir: str | Path,
+    *,
+    max_count: int,
+    max_total_bytes: int,
+    incident: Callable[[ArchiveInfo], bool] = is_incident_archive,
+) -> list[str]:
+    """Delete bundles until at most ``max_count`` remain and they total at most ``max_total_bytes``: the oldest
+    **routine** one first (an operator's stop, restart or resize, a maintenance drain, sparkd's own exit), and
+    the oldest incident one (``incident``: a trip's postmortem) only when no routine one is left. A tuning
+    session of resizes pushed last week's trip postmortem out before (note 12). The newest is never deleted
+    (even if it alone exceeds the size limit). Each bundle's kind is read (its summary's first lines) only
+    when something must go. Returns the removed names, in the order removed.
 
     Raises:
         InvalidInput: ``max_count`` < 1 or ``max_total_bytes`` < 0.
@@ -366,19 +407,28 @@ def prune_archives(archive_dir: str | Path, *, max_count: int, max_total_bytes: 
         raise InvalidInput("max_total_bytes", max_total_bytes, "bytes >= 0")
     archives = list_archives(archive_dir)  # newest first
     total = sum(a.size_bytes for a in archives)
+    count = len(archives)
+    if count <= 1 or (count <= max_count and total <= max_total_bytes):
+        return []
+    older = archives[1:]  # the newest is kept whatever it is
+    kinds = {a.name: incident(a) for a in older}
+    # oldest routine first, then oldest incident: the order of removal
+    order = [a for a in reversed(older) if not kinds[a.name]] + [a for a in reversed(older) if kinds[a.name]]
     removed: list[str] = []
-    while len(archives) > 1 and (len(archives) > max_count or total > max_total_bytes):
-        oldest = archives.pop()
+    for victim in order:
+        if count <= max_count and total <= max_total_bytes:
+            break
         try:
-            os.unlink(oldest.path)
+            os.unlink(victim.path)
         except FileNotFoundError:
             pass  # someone else pruned it
         except OSError as e:
-            log.warning("could not prune archive %s: %s", oldest.name, e)
+            log.warning("could not prune archive %s: %s", victim.name, e)
             continue
         else:
-            removed.append(oldest.name)
-        total -= oldest.size_bytes
+            removed.append(victim.name)
+        count -= 1
+        total -= victim.size_bytes
     return removed
 
 

@@ -44,6 +44,31 @@ class StopIntent(StrEnum):
 AUTOMATIC_INTENTS = frozenset({StopIntent.EMERGENCY, StopIntent.EXITED, StopIntent.FAILED_LAUNCH})
 
 
+def intent_for(source: str) -> StopIntent:
+    """A stop's intent from who asked (the ``source`` of a stop request): a rule, the hard floor or the probe
+    → emergency; a peer (``peer:<name>``) → peer_emergency; ``maintenance`` → maintenance; a failed start-up
+    → failed_launch; anyone else → operator."""
+    if source.startswith(("rule ", "probe", "hard floor")):
+        return StopIntent.EMERGENCY
+    if source.startswith("peer:"):  # loop.cluster.accept_stop: the other node tripped
+        return StopIntent.PEER_EMERGENCY
+    if source.startswith("maintenance"):
+        return StopIntent.MAINTENANCE
+    if source.startswith("sparkd (failed launch"):
+        return StopIntent.FAILED_LAUNCH
+    return StopIntent.OPERATOR
+
+
+def is_incident(source: str) -> bool:
+    """Whether a stop requested by ``source`` is an incident, whose postmortem an operator reads afterwards: one
+    sparkd decided (a rule, the hard floor, the probe, a peer's trip, a failed launch, a lost GPU, a rollback)
+    rather than an operator's stop, restart or resize, a maintenance drain, or sparkd's own exit (``daemon``).
+    Archive pruning removes the routine ones first (``act.archive.prune_archives``)."""
+    if intent_for(source) in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY, StopIntent.FAILED_LAUNCH):
+        return True
+    return source == "sparkd" or source.startswith("sparkd (")
+
+
 # ---------------------------------------------------------------------------------------------- back-off
 @dataclass(frozen=True)
 class BackoffPolicy:

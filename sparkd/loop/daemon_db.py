@@ -306,7 +306,9 @@ async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, 
     )
     if gone:
         daemon.event(
-            "archives_pruned", f"removed {len(gone)} old archives: {', '.join(gone[:5])}", details={"removed": gone}
+            "archives_pruned",
+            f"removed {len(gone)} old archives (routine stops first, then incidents): {', '.join(gone[:5])}",
+            details={"removed": gone},
         )
     return {**removed, "archives": len(gone)}
 

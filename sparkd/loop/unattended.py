@@ -46,6 +46,7 @@ from sparkd.core.supervision import (
     decide_relaunch,
     heartbeat_due,
     heartbeat_message,
+    intent_for,
     maintenance_expired,
     parse_schedule,
     probe_outcome,
@@ -211,20 +212,8 @@ class Unattended:
         return f"{self.path} (the stop intent, breaker and back-off)"
 
     # ------------------------------------------------------------------ intents
-    @staticmethod
-    def intent_for(source: str) -> StopIntent:
-        """A stop's intent from who asked: a rule, the hard floor or the probe → emergency; a peer
-        (``peer:<name>``) → peer_emergency; ``maintenance`` → maintenance; a failed start-up →
-        failed_launch; anyone else → operator."""
-        if source.startswith(("rule ", "probe", "hard floor")):
-            return StopIntent.EMERGENCY
-        if source.startswith("peer:"):  # loop.cluster.accept_stop: the other node tripped
-            return StopIntent.PEER_EMERGENCY
-        if source.startswith("maintenance"):
-            return StopIntent.MAINTENANCE
-        if source.startswith("sparkd (failed launch"):
-            return StopIntent.FAILED_LAUNCH
-        return StopIntent.OPERATOR
+    #: a stop's intent from who asked (``core.supervision.intent_for``)
+    intent_for = staticmethod(intent_for)
 
     async def set_intent(self, intent: StopIntent, who: str, reason: str) -> None:
         """Record and persist why the model is stopped (a ``stop_intent`` event). The intent ``hold`` put in
