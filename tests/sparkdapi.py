@@ -179,9 +179,10 @@ class SparkdUnderTest:
             {"ts": r[0], "message": r[1], "details": json.loads(r[2]) if r[2] else None, "severity": r[3]} for r in rows
         ]
 
-    def wait_event(self, kind: str, timeout_s: float = 60) -> dict[str, Any]:
-        got = wait_for(lambda: self.events(kind), timeout_s)
-        assert got, f"no {kind} event within {timeout_s} s\n{self.output()[-3000:]}"
+    def wait_event(self, kind: str, timeout_s: float = 60, *, nth: int = 1) -> dict[str, Any]:
+        """The newest ``kind`` event once there are at least ``nth`` of them (waited up to ``timeout_s``)."""
+        got = wait_for(lambda: len(self.events(kind)) >= nth and self.events(kind), timeout_s)
+        assert got, f"no {kind} event #{nth} within {timeout_s} s\n{self.output()[-3000:]}"
         return got[-1]  # type: ignore[no-any-return]
 
     def vllm(self, method: str, path: str) -> Any:

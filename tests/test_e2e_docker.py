@@ -673,9 +673,19 @@ def test_a_docker_update_of_the_memory_limit_by_hand_is_shown_and_said(sparkd_fa
     ev = s.wait_event("memory_limit_changed", 20)
     assert ev["severity"] == "warning" and ev["details"]["memory_bytes"] == new, ev
     assert ev["details"]["was_bytes"] == launched and "docker update" in ev["message"], ev
-    assert s.container()["memory_bytes"] == new
+    assert s.container()["memory_bytes"] == new and ev["details"]["swap_bytes"] == 0, ev
     time.sleep(2.5)
     assert len(s.events("memory_limit_changed")) == 1  # said once (not at the launch, not at each observation)
+    # `docker update --memory` back down alone: Docker keeps --memory-swap, and the difference is swap (note 12)
+    docker_client.containers.get(c["container_id"]).update(mem_limit=launched)
+    ev = s.wait_event("memory_limit_changed", 20, nth=2)
+    assert ev["details"]["memory_bytes"] == launched and ev["details"]["swap_bytes"] == 64 * MiB, ev
+    assert ev["severity"] == "warning" and "may use 0.06 GiB of swap" in ev["message"], ev
+    assert "--memory-swap M" in ev["message"], ev
+    docker_client.containers.get(c["container_id"]).update(mem_limit=launched, memswap_limit=launched)
+    ev = s.wait_event("memory_limit_changed", 20, nth=3)
+    assert ev["details"]["swap_bytes"] == 0 and "may no longer swap" in ev["message"], ev
+    assert len(s.events("memory_limit_changed")) == 3
 
 
 def test_a_same_name_container_started_by_hand_is_said_to_be_unguarded(

@@ -143,7 +143,9 @@ class ContainerState:
     ``restart_count`` (``RestartCount``: restarts by the restart policy; ``docker start`` resets it),
     ``restart_policy`` (``HostConfig.RestartPolicy.Name``), ``health`` (``State.Health.Status`` when
     the image has a HEALTHCHECK), ``memory_bytes`` (``HostConfig.Memory``, Docker's ``--memory`` limit in
-    bytes as it is now, ``docker update`` included: 0 when unlimited, None when not read)."""
+    bytes as it is now, ``docker update`` included: 0 when unlimited, None when not read),
+    ``memory_swap_bytes`` (``HostConfig.MemorySwap``, ``--memory-swap``: memory plus swap in bytes, -1 unlimited
+    swap, 0 unset; None when not read)."""
 
     status: str
     running: bool
@@ -158,6 +160,22 @@ class ContainerState:
     restart_policy: str | None = None
     health: str | None = None
     memory_bytes: int | None = None
+    memory_swap_bytes: int | None = None
+
+
+def swap_allowance_bytes(memory_bytes: int | None, memory_swap_bytes: int | None) -> int:
+    """The swap a container may use beyond its ``--memory`` (Docker's run reference, "--memory-swap details"):
+    ``--memory-swap`` minus ``--memory``; -1 when unlimited (``--memory-swap -1``); as much as ``--memory`` when
+    ``--memory-swap`` is unset (0; Docker fills in twice ``--memory`` at ``docker run``); 0 when there is no
+    ``--memory`` or either figure was not read (None). sparkd launches with none (CONTEXT.md: ``--memory-swap``
+    same as ``--memory``); a ``docker update --memory`` below it gives the difference as swap."""
+    if not memory_bytes or memory_swap_bytes is None:
+        return 0
+    if memory_swap_bytes == -1:
+        return -1
+    if memory_swap_bytes == 0:
+        return memory_bytes
+    return max(0, memory_swap_bytes - memory_bytes)
 
 
 @dataclass(frozen=True)

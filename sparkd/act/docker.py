@@ -313,6 +313,7 @@ class ContainerManager:
             restart_policy=(ins.get("HostConfig", {}).get("RestartPolicy") or {}).get("Name") or None,
             health=(s.get("Health") or {}).get("Status"),
             memory_bytes=int(ins.get("HostConfig", {}).get("Memory") or 0),
+            memory_swap_bytes=int(ins.get("HostConfig", {}).get("MemorySwap") or 0),
             exit_code=None if running and not restarting else s.get("ExitCode"),
             oom_killed=bool(s.get("OOMKilled")),
             started_at=epoch_from_docker(s.get("StartedAt")),

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.act.stop import unheard
@@ -85,6 +86,7 @@ class LaunchBook:
     stay_stopped: bool
     autostart_pending: bool
     mem_limit_bytes: int | None
+    mem_swap_bytes: int
     unattended: Unattended
     parser: LaunchLogParser | None
     _log_stop: threading.Event | None
@@ -277,6 +279,9 @@ class LaunchBook:
             info = await asyncio.to_thread(self.manager.get, self.container_id)
             self.image, self.name, self.container_started_at = info.image, info.name, info.started_at
             self.mem_limit_bytes = spec.mem_limit_bytes
+            self.mem_swap_bytes = swap_allowance_bytes(
+                spec.mem_limit_bytes, spec.memswap_limit_bytes or spec.mem_limit_bytes
+            )
             self._figures_saved = set()
             self._launch_actual = {
                 "preflight": pf.to_json(),

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from sparkd.act import shm
+from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
@@ -102,29 +103,49 @@ class RunBook(LaunchBook):
                 severity="warning",
             )
 
-    def _follow_memory_limit(self, memory_bytes: int | None) -> None:
-        """Docker's ``--memory`` as ``docker inspect`` reads it now (``HostConfig.Memory`` in bytes, 0: unlimited;
-        None: not read, nothing changes). A ``docker update --memory`` by hand is shown in the status from the next
-        observation (it kept the launch's figure, note 11) and said once: a warning when sparkd manages the
-        container (the plan's budget assumed the old limit), info when it only guards it."""
-        if memory_bytes is None or (memory_bytes or None) == self.mem_limit_bytes:
+    def _follow_memory_limit(self, memory_bytes: int | None, memory_swap_bytes: int | None = None) -> None:
+        """Docker's ``--memory`` and ``--memory-swap`` as ``docker inspect`` reads them now (``HostConfig.Memory``
+        and ``MemorySwap`` in bytes; ``memory_bytes`` 0: unlimited, None: not read, nothing changes). A ``docker
+        update`` by hand is shown in the status from the next observation (it kept the launch's figure, note 11)
+        and said once (``memory_limit_changed``): a warning when sparkd manages the container (the plan's budget
+        assumed the old limit), info when it only guards it. When the change lets the container swap (``docker
+        update --memory`` below its ``--memory-swap``: Docker keeps the old ``--memory-swap``, and the difference
+        becomes swap; sparkd launches with none, CONTEXT.md) the event says so: a warning in either mode."""
+        if memory_bytes is None:
+            return
+        swap = swap_allowance_bytes(memory_bytes, memory_swap_bytes)
+        if (memory_bytes or None) == self.mem_limit_bytes and swap == self.mem_swap_bytes:
             return
         was, self.mem_limit_bytes = self.mem_limit_bytes, memory_bytes or None
+        was_swap, self.mem_swap_bytes = self.mem_swap_bytes, swap
 
         def said(b: int | None) -> str:
             return fmt_gib(b) if b else "unlimited"
 
+        message = f"{self.name}: Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)}"
+        if swap:
+            allowed = "unlimited swap (--memory-swap -1)" if swap == -1 else f"{fmt_gib(swap)} of swap beyond it"
+            message += (
+                f", and the container may use {allowed} where the host has swap (sparkd launches with none: "
+                "--memory-swap equal to --memory). Swapping a model's memory slows the host before MemAvailable "
+                "trips a rule; `docker update --memory M --memory-swap M` takes it back"
+            )
+        elif was_swap:
+            message += ", and the container may no longer swap"
+        message += " (changed outside sparkd: docker update)"
+        if self.mode == "managed":
+            message += "; the plan's budget assumed the old limit, and the next launch sets the plan's again"
         self._event(
             "memory_limit_changed",
-            f"{self.name}: Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)} (changed outside "
-            "sparkd: docker update)"
-            + (
-                "; the plan's budget assumed the old limit, and the next launch sets the plan's again"
-                if self.mode == "managed"
-                else ""
-            ),
-            severity="warning" if self.mode == "managed" else "info",
-            details={"container_id": self.container_id, "memory_bytes": self.mem_limit_bytes, "was_bytes": was},
+            message,
+            severity="warning" if self.mode == "managed" or swap else "info",
+            details={
+                "container_id": self.container_id,
+                "memory_bytes": self.mem_limit_bytes,
+                "was_bytes": was,
+                "swap_bytes": swap,
+                "was_swap_bytes": was_swap,
+            },
         )
 
     def _forget(self) -> None:

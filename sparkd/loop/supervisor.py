@@ -31,6 +31,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.docker import ContainerManager
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
@@ -139,6 +140,7 @@ class Supervisor(RunBook):
         # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
         self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
+        self.mem_swap_bytes = 0  # swap the watched run may use beyond --memory (containerspec.swap_allowance_bytes)
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
         self.parser: LaunchLogParser | None = None
         self._log_stop: threading.Event | None = None
@@ -987,9 +989,10 @@ class Supervisor(RunBook):
         except NotFound:
             return replace(base, exists=False)
         if st.started_at is not None and st.started_at == self.seen_started_at:  # a run already taken (not adopting)
-            self._follow_memory_limit(st.memory_bytes)
-        elif st.memory_bytes is not None:  # a run being taken (adopted, restarted): its limit, without a word
+            self._follow_memory_limit(st.memory_bytes, st.memory_swap_bytes)
+        elif st.memory_bytes is not None:  # a run being taken (adopted, restarted): its limits, without a word
             self.mem_limit_bytes = st.memory_bytes or None
+            self.mem_swap_bytes = swap_allowance_bytes(st.memory_bytes, st.memory_swap_bytes)
         obs = replace(
             base,
             running=st.running,
