@@ -283,11 +283,17 @@ def test_it_keeps_an_entry_replaced_between_plan_and_execute(made: Made) -> None
     assert _kept(result)[name] == "replaced by another file since the scan"
 
 
+def _age(path: str, seconds: float) -> None:
+    """Make an entry look ``seconds`` old (``changed_at`` is min(mtime, ctime))."""
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+
+
 def test_it_removes_only_known_names_when_age_is_unknown(made: Made) -> None:
     known = f"psm_{secrets.token_hex(8)}"
     other = f"sparkd-test-{uuid.uuid4()}-leftover"
-    made(known)
-    made(other)
+    _age(made(known), 60)
+    _age(made(other), 60)
     plan = _plan(made, started_at=None)
     assert not plan.remove
     assert _kept(plan)[known].startswith("age unknown")
@@ -296,6 +302,53 @@ def test_it_removes_only_known_names_when_age_is_unknown(made: Made) -> None:
     assert _kept(plan)[other].startswith("not sparkd's to judge: name matches no known")
     assert shm.execute(plan, dry_run=True).removed == [(known, 4096)]
     assert os.path.exists(os.path.join(SHM, known))
+
+
+def test_an_unheld_known_entry_changed_a_moment_ago_is_not_yet_a_leftover(made: Made) -> None:
+    """The preflight removed any unheld vLLM/NCCL/loky-named entry, whoever made it: another job's runtime that
+    had just made a segment and was about to map it lost it (notes 12, 13). One younger than LEFTOVER_MIN_AGE_S
+    is kept, and named for the preflight to look at again."""
+    young = made(f"nccl-{secrets.token_hex(3)}")
+    plan = _plan(made, started_at=None, allow_unknown_age=True)
+    assert not plan.remove
+    reason = _kept(plan)[os.path.basename(young)]
+    assert reason.startswith("changed ") and "too new to call a leftover" in reason, reason
+    assert shm.young_leftovers(shm.execute(plan)) == [os.path.basename(young)]
+    _age(young, shm.LEFTOVER_MIN_AGE_S + 1)
+    assert [e.name for e in _plan(made, started_at=None, allow_unknown_age=True).remove] == [os.path.basename(young)]
+
+
+def test_the_preflight_looks_again_at_new_entries_and_spares_one_mapped_meanwhile(
+    made_tmp: Made, tmp_path: Path
+) -> None:
+    """Two new unheld NCCL segments at a launch: one is a crash's leftover (nobody comes back for it), the other
+    another job maps a second later. The preflight waits LEFTOVER_MIN_AGE_S and looks again: the first goes,
+    the second stays (in use)."""
+    from sparkd.ops.preflight import run_preflight
+
+    leftover = made_tmp(f"nccl-{secrets.token_hex(3)}")
+    wanted = made_tmp(f"nccl-{secrets.token_hex(3)}")
+    code = "import os,sys,time; time.sleep(1); os.open(sys.argv[1], 0); print('ready', flush=True); time.sleep(99)"
+    job = subprocess.Popen([sys.executable, "-c", code, wanted], stdout=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        pf = run_preflight(
+            gmu=None,
+            margin_bytes=0,
+            running_managed=[],
+            shm_dir=made_tmp.shm_dir,
+            ignore_unreadable_pids=sorted(_hidden_pids()),
+        )
+        took_s = time.monotonic() - t0
+        assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+        assert not os.path.exists(leftover) and os.path.exists(wanted), pf.notes
+        assert any("looked at again after 10 s" in n for n in pf.notes), pf.notes
+        assert any("removed 1 dead /dev/shm leftovers" in n for n in pf.notes), pf.notes
+        assert any(os.path.basename(wanted) in n and "in use by" in n for n in pf.notes), pf.notes
+        assert took_s >= shm.LEFTOVER_MIN_AGE_S, took_s
+    finally:
+        job.kill()
+        job.wait()
 
 
 # --------------------------------------------------------------------------- private dir

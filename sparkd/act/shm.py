@@ -79,6 +79,12 @@ from sparkd.units import GiB, MiB
 
 log = logging.getLogger(__name__)
 
+#: An unheld entry of unknown age (the launch preflight) changed within this many seconds is not called a
+#: leftover yet: another job's runtime may have just made it and be about to map it (NCCL's proxy makes a segment
+#: that a peer opens a moment later). The preflight looks again once it is this old (``young_leftovers``).
+LEFTOVER_MIN_AGE_S = 10.0
+TOO_NEW = "changed {age:.1f} s ago: too new to call a leftover (a runtime may be about to map it)"
+
 # the reading side lives in sparkd.sense.shm_scan; act.shm is the one name callers use for /dev/shm
 __all__ = [
     "DEFAULT_CLOCK_SLACK_S",
@@ -97,6 +103,7 @@ __all__ = [
     "process_tree",
     "scan",
     "unreadable_pids",
+    "young_leftovers",
 ]
 
 # --------------------------------------------------------------------------- plan
@@ -146,7 +153,8 @@ def plan_cleanup(
     * with ``container_started_at=None`` (preflight leftovers report) its age
       is unknown and it is kept, unless ``allow_unknown_age=True``, which
       allows unused entries whose name matches a known vLLM/NCCL/loky pattern
-      (:data:`KNOWN_RUNTIME_KINDS`).
+      (:data:`KNOWN_RUNTIME_KINDS`) and that did not change within the last
+      :data:`LEFTOVER_MIN_AGE_S` (another job may be about to map a new one).
 
     ``ignore_unreadable_pids``: processes known to be irrelevant although
     /proc hides them from sparkd (e.g. a sandbox supervisor); any *other*
@@ -191,6 +199,8 @@ def _keep_reason(
             return f"age unknown (no container start given); last changed {_utc(e.changed_at)}"
         if e.kind not in KNOWN_RUNTIME_KINDS:
             return "not sparkd's to judge: name matches no known vLLM/NCCL/loky pattern"
+        if now - e.changed_at < LEFTOVER_MIN_AGE_S:
+            return TOO_NEW.format(age=max(0.0, now - e.changed_at))
         return None
     if e.changed_at < threshold:
         age_s = max(0.0, now - e.changed_at)
@@ -352,6 +362,12 @@ def format_result(result: CleanupResult, *, limit: int = 20) -> str:
     section("kept", [f"{k.name}: {k.reason}" for k in result.kept])
     section("errors", [f"{n}: {msg}" for n, msg in result.errors])
     return "\n".join(lines)
+
+
+def young_leftovers(result: CleanupResult) -> list[str]:
+    """Names ``result`` kept only because they changed within :data:`LEFTOVER_MIN_AGE_S` (looked at again later)."""
+    head = TOO_NEW.split("{", 1)[0]
+    return [k.name for k in result.kept if k.reason.startswith(head)]
 
 
 def cleanup(

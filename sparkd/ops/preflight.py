@@ -17,6 +17,7 @@ Checks (issue "Memory budget, launch preflight"):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,13 +111,25 @@ def run_preflight(
         pf.fail(f"another sparkd-managed container is running: {', '.join(running_managed)}; stop it first")
     try:
         if clean_shm:
-            res = shm.cleanup(
-                container_started_at=None,
-                shm_dir=shm_dir,
-                proc_root=proc_root,
-                allow_unknown_age=True,
-                ignore_unreadable_pids=ignore_unreadable_pids or (),
-            )
+
+            def clean() -> shm.CleanupResult:
+                return shm.cleanup(
+                    container_started_at=None,
+                    shm_dir=shm_dir,
+                    proc_root=proc_root,
+                    allow_unknown_age=True,
+                    ignore_unreadable_pids=ignore_unreadable_pids or (),
+                )
+
+            res = clean()
+            young = shm.young_leftovers(res)
+            if young:  # a crash's leftovers a moment ago, or another job's segment about to be mapped: look again
+                time.sleep(shm.LEFTOVER_MIN_AGE_S)
+                first, res = res, clean()
+                res.removed[:0] = first.removed
+                pf.notes.append(
+                    f"{len(young)} new unheld /dev/shm entries looked at again after {shm.LEFTOVER_MIN_AGE_S:g} s"
+                )
             if res.removed:
                 pf.notes.append(
                     f"removed {len(res.removed)} dead /dev/shm leftovers ({fmt_gib(sum(b for _n, b in res.removed))})"
