@@ -312,6 +312,20 @@ def test_routine_archives_are_pruned_before_any_incidents_postmortem(tmp_path: P
     assert [a.name for a in list_archives(tmp_path)] == [names[7], names[4], names[2]]
 
 
+def test_a_large_incident_that_must_go_for_the_size_cap_does_not_take_the_routine_ones_with_it(tmp_path: Path) -> None:
+    """One 3 MB trip postmortem over a 2 MB cap with five small routine bundles: only the trip's can bring the
+    total under the cap, so it goes and the routine ones stay (review helper-30: all six went)."""
+    names = []
+    for i, source in enumerate(["rule low-available", "api:token", "cli", "web:session", "api:token", "cli", "cli"]):
+        summary = SUMMARY_01.format(reason=f"stop {i}", source=source)
+        blob = os.urandom(3_000_000 if i == 0 else 10_000)  # random: gzip cannot shrink it
+        info = write_archive(tmp_path, f"vllm-{i}", {"container.log": blob}, summary, now=NOW + i)
+        os.utime(info.path, (NOW + i, NOW + i))
+        names.append(info.name)
+    assert prune_archives(tmp_path, max_count=50, max_total_bytes=2_000_000) == [names[0]]
+    assert sorted(a.name for a in list_archives(tmp_path)) == sorted(names[1:])
+
+
 def test_incidents_go_oldest_first_once_no_routine_archive_is_left(tmp_path: Path) -> None:
     names = _make_by(tmp_path, ["rule a", "hard floor", "probe", "api:token"])
     assert prune_archives(tmp_path, max_count=1, max_total_bytes=10**9) == names[:3]

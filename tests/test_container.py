@@ -168,6 +168,30 @@ def test_it_adopts_the_one_running_managed_container(
     assert adopted is not None and adopted.id == older.id
 
 
+def test_it_adopts_a_crash_looping_managed_container_while_docker_waits_to_restart_it(
+    mgr: ContainerManager, docker_client: Any, image: str, case_labels: dict[str, str]
+) -> None:
+    """A labelled copy run by hand with ``--restart always`` that crash-loops is "restarting" most of the time
+    (Docker's back-off doubles): it was not adopted, yet ``docker ps`` lists it, so sparkd called it unguarded
+    "beside the one sparkd watches" with none watched (review helper-30). It holds memory each time it runs."""
+    c = docker_client.containers.run(
+        image,
+        entrypoint=["/usr/bin/python3", "-c", "raise SystemExit(3)"],
+        labels={**case_labels, LABEL_MANAGED: "true"},
+        restart_policy={"Name": "always"},
+        network_mode="host",
+        detach=True,
+    )
+    try:
+        # after 4 restarts Docker waits >= 1.6 s before the next: "restarting" long enough to look twice
+        assert wait_for(lambda: mgr.state(c.id).restart_count >= 4 and mgr.get(c.id).status == "restarting", 30)
+        assert [i[0] for i in mgr.running_managed()] == [c.id]
+        adopted = mgr.adopt()
+        assert adopted is not None and adopted.id == c.id and adopted.status == "restarting", adopted
+    finally:
+        c.remove(force=True)
+
+
 def test_it_touches_an_unlabelled_container_only_when_guarded(mgr: ContainerManager, launcher: Any) -> None:
     other = launcher(managed=False)
     assert other.wait_healthy()  # PID 1 ignores SIGTERM until its handler is installed

@@ -318,6 +318,17 @@ def test_an_unheld_known_entry_changed_a_moment_ago_is_not_yet_a_leftover(made: 
     assert [e.name for e in _plan(made, started_at=None, allow_unknown_age=True).remove] == [os.path.basename(young)]
 
 
+def test_only_entries_kept_as_too_new_are_looked_at_again() -> None:
+    result = shm.CleanupResult(
+        kept=[
+            shm.Kept("nccl-aaaaaa", shm.TOO_NEW.format(age=2.5)),
+            shm.Kept("nccl-bbbbbb", "changed since the scan (mtime 1 -> 2)"),  # a race's reason, not an age
+            shm.Kept("psm_cccc", "in use by pid 1 (python3)"),
+        ]
+    )
+    assert shm.young_leftovers(result) == ["nccl-aaaaaa"]
+
+
 def test_the_preflight_looks_again_at_new_entries_and_spares_one_mapped_meanwhile(
     made_tmp: Made, tmp_path: Path
 ) -> None:

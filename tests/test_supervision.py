@@ -356,6 +356,7 @@ def test_it_names_the_intent_of_a_stop_by_who_asked(source: str, intent: StopInt
         ("sparkd (failed launch)", True),
         ("sparkd (GPU lost)", True),
         ("sparkd", True),  # a rollback from a resize that did not reach ready
+        ("alertmanager", True),  # face.alertmanager: an alert's stop (an operator's intent, an incident's archive)
         ("maintenance by api:token", False),
         ("api:token", False),
         ("web:session", False),

@@ -395,8 +395,9 @@ def prune_archives(
     **routine** one first (an operator's stop, restart or resize, a maintenance drain, sparkd's own exit), and
     the oldest incident one (``incident``: a trip's postmortem) only when no routine one is left. A tuning
     session of resizes pushed last week's trip postmortem out before (note 12). The newest is never deleted
-    (even if it alone exceeds the size limit). Each bundle's kind is read (its summary's first lines) only
-    when something must go. Returns the removed names, in the order removed.
+    (even if it alone exceeds the size limit). When an incident's bundle must go for the size cap, the routine
+    ones its removal leaves room for are kept (newest first). Each bundle's kind is read (its summary's first
+    lines) only when something must go. Returns the removed names, in the order removed.
 
     Raises:
         InvalidInput: ``max_count`` < 1 or ``max_total_bytes`` < 0.
@@ -414,10 +415,20 @@ def prune_archives(
     kinds = {a.name: incident(a) for a in older}
     # oldest routine first, then oldest incident: the order of removal
     order = [a for a in reversed(older) if not kinds[a.name]] + [a for a in reversed(older) if kinds[a.name]]
-    removed: list[str] = []
+    plan: list[ArchiveInfo] = []
     for victim in order:
         if count <= max_count and total <= max_total_bytes:
             break
+        plan.append(victim)
+        count, total = count - 1, total - victim.size_bytes
+    # an incident that had to go for the size cap may leave room for routine ones planned before it: those are
+    # kept, newest first (a single large postmortem must not take every routine bundle with it)
+    for spared in sorted((a for a in plan if not kinds[a.name]), key=lambda a: (a.created, a.name), reverse=True):
+        if any(kinds[a.name] for a in plan) and count + 1 <= max_count and total + spared.size_bytes <= max_total_bytes:
+            plan.remove(spared)
+            count, total = count + 1, total + spared.size_bytes
+    removed: list[str] = []
+    for victim in plan:
         try:
             os.unlink(victim.path)
         except FileNotFoundError:
@@ -427,8 +438,6 @@ def prune_archives(
             continue
         else:
             removed.append(victim.name)
-        count -= 1
-        total -= victim.size_bytes
     return removed
 
 

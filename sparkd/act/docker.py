@@ -241,10 +241,11 @@ class ContainerManager:
         ]
 
     def adopt(self) -> ContainerInfo | None:
-        """The running managed container (paused counts: it holds its memory, and a trip must stop it), or None.
-        With several running, the newest (by start time) is returned and the others are logged as a warning;
-        ``find_managed`` lists them all."""
-        running = [i for i in self.find_managed() if i.status in ("running", "paused")]
+        """The running managed container (paused counts: it holds its memory, and a trip must stop it; restarting
+        too: a labelled copy run by hand with ``--restart always`` that crash-loops holds memory each time it runs,
+        as guard mode counts it), or None. With several running, the newest (by start time) is returned and the
+        others are logged as a warning; ``find_managed`` lists them all."""
+        running = [i for i in self.find_managed() if i.status in ("running", "paused", "restarting")]
         if not running:
             return None
         if len(running) > 1:

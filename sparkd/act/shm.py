@@ -366,8 +366,8 @@ def format_result(result: CleanupResult, *, limit: int = 20) -> str:
 
 def young_leftovers(result: CleanupResult) -> list[str]:
     """Names ``result`` kept only because they changed within :data:`LEFTOVER_MIN_AGE_S` (looked at again later)."""
-    head = TOO_NEW.split("{", 1)[0]
-    return [k.name for k in result.kept if k.reason.startswith(head)]
+    tail = TOO_NEW.split("}", 1)[1]  # " s ago: too new …": not "changed since the scan", a race's reason
+    return [k.name for k in result.kept if k.reason.startswith("changed ") and k.reason.endswith(tail)]
 
 
 def cleanup(

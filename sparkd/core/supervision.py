@@ -61,12 +61,12 @@ def intent_for(source: str) -> StopIntent:
 
 def is_incident(source: str) -> bool:
     """Whether a stop requested by ``source`` is an incident, whose postmortem an operator reads afterwards: one
-    sparkd decided (a rule, the hard floor, the probe, a peer's trip, a failed launch, a lost GPU, a rollback)
-    rather than an operator's stop, restart or resize, a maintenance drain, or sparkd's own exit (``daemon``).
-    Archive pruning removes the routine ones first (``act.archive.prune_archives``)."""
+    sparkd or an alert decided (a rule, the probe, a peer's trip, an Alertmanager alert, a failed launch, a lost
+    GPU, a rollback) rather than an operator's stop, restart or resize, a maintenance drain, or sparkd's own exit
+    (``daemon``). Archive pruning removes the routine ones first (``act.archive.prune_archives``)."""
     if intent_for(source) in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY, StopIntent.FAILED_LAUNCH):
         return True
-    return source == "sparkd" or source.startswith("sparkd (")
+    return source in ("sparkd", "alertmanager") or source.startswith("sparkd (")
 
 
 # ---------------------------------------------------------------------------------------------- back-off

@@ -15,7 +15,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.docker import ContainerManager
 from sparkd.act.pagecache import evict
 from sparkd.act.stop import unheard
@@ -86,7 +85,7 @@ class LaunchBook:
     stay_stopped: bool
     autostart_pending: bool
     mem_limit_bytes: int | None
-    mem_swap_bytes: int
+    mem_swap_bytes: int | None
     unattended: Unattended
     parser: LaunchLogParser | None
     _log_stop: threading.Event | None
@@ -279,9 +278,9 @@ class LaunchBook:
             info = await asyncio.to_thread(self.manager.get, self.container_id)
             self.image, self.name, self.container_started_at = info.image, info.name, info.started_at
             self.mem_limit_bytes = spec.mem_limit_bytes
-            self.mem_swap_bytes = swap_allowance_bytes(
-                spec.mem_limit_bytes, spec.memswap_limit_bytes or spec.mem_limit_bytes
-            )
+            # read from the first inspect, without a word: a host without swap accounting stores -1 for the spec's
+            # "no swap" (moby verifyPlatformContainerResources), and that is not a change by hand
+            self.mem_swap_bytes = None
             self._figures_saved = set()
             self._launch_actual = {
                 "preflight": pf.to_json(),

@@ -110,11 +110,17 @@ class RunBook(LaunchBook):
         and said once (``memory_limit_changed``): a warning when sparkd manages the container (the plan's budget
         assumed the old limit), info when it only guards it. When the change lets the container swap (``docker
         update --memory`` below its ``--memory-swap``: Docker keeps the old ``--memory-swap``, and the difference
-        becomes swap; sparkd launches with none, CONTEXT.md) the event says so: a warning in either mode."""
+        becomes swap; sparkd launches with none, CONTEXT.md) the event says so: a warning in either mode. The swap
+        of a run just launched is taken from its first reading without a word (a host without swap accounting
+        stores -1 for "no swap")."""
         if memory_bytes is None:
             return
         swap = swap_allowance_bytes(memory_bytes, memory_swap_bytes)
-        if (memory_bytes or None) == self.mem_limit_bytes and swap == self.mem_swap_bytes:
+        if self.mem_swap_bytes is None:
+            self.mem_swap_bytes = swap
+        memory_changed = (memory_bytes or None) != self.mem_limit_bytes
+        swap_changed = swap != self.mem_swap_bytes
+        if not memory_changed and not swap_changed:
             return
         was, self.mem_limit_bytes = self.mem_limit_bytes, memory_bytes or None
         was_swap, self.mem_swap_bytes = self.mem_swap_bytes, swap
@@ -122,18 +128,22 @@ class RunBook(LaunchBook):
         def said(b: int | None) -> str:
             return fmt_gib(b) if b else "unlimited"
 
-        message = f"{self.name}: Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)}"
-        if swap:
-            allowed = "unlimited swap (--memory-swap -1)" if swap == -1 else f"{fmt_gib(swap)} of swap beyond it"
-            message += (
-                f", and the container may use {allowed} where the host has swap (sparkd launches with none: "
+        parts = []
+        if memory_changed:
+            parts.append(f"Docker's --memory is {said(self.mem_limit_bytes)} now, was {said(was)}")
+        if swap_changed and swap:
+            allowed = "unlimited swap (--memory-swap -1)" if swap == -1 else f"{fmt_gib(swap)} of swap beyond --memory"
+            parts.append(
+                f"the container may use {allowed} where the host has swap (sparkd launches with none: "
                 "--memory-swap equal to --memory). Swapping a model's memory slows the host before MemAvailable "
                 "trips a rule; `docker update --memory M --memory-swap M` takes it back"
             )
-        elif was_swap:
-            message += ", and the container may no longer swap"
-        message += " (changed outside sparkd: docker update)"
-        if self.mode == "managed":
+        elif swap_changed and self.mem_limit_bytes:
+            parts.append("the container may no longer swap (--memory-swap equal to --memory)")
+        if not parts:  # only the swap of a container without --memory changed: neither is limited
+            return
+        message = f"{self.name}: " + "; ".join(parts) + " (changed outside sparkd: docker update)"
+        if self.mode == "managed" and memory_changed:
             message += "; the plan's budget assumed the old limit, and the next launch sets the plan's again"
         self._event(
             "memory_limit_changed",

@@ -140,7 +140,8 @@ class Supervisor(RunBook):
         # in a cluster the head launches every node in order (POST /api/cluster/start): no lone autostart
         self.autostart_pending = self.mode == "managed" and settings.container.autostart and not settings.cluster.peers
         self.mem_limit_bytes: int | None = None
-        self.mem_swap_bytes = 0  # swap the watched run may use beyond --memory (containerspec.swap_allowance_bytes)
+        # swap the watched run may use beyond --memory (containerspec.swap_allowance_bytes); None: not read yet
+        self.mem_swap_bytes: int | None = None
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
         self.parser: LaunchLogParser | None = None
         self._log_stop: threading.Event | None = None
@@ -831,8 +832,9 @@ class Supervisor(RunBook):
         - one **with** sparkd's labels beside the run sparkd watches (its command line copied from ``docker
           inspect``, say; or a second one found at start-up, when the newest is adopted): sparkd watches one run
           at a time, and a trip stops that one only. Looked for only while no action holds the lock (a relaunch's
-          new container runs before it is watched; its labels, the launch id too, may be copies of the watched one's).
-          While none of sparkd's runs, the step adopts a labelled one first (``_attach``).
+          new container runs before it is watched; its labels, the launch id too, may be copies of the watched one's:
+          a relaunch or resize holds it for minutes of start-up). While none of sparkd's runs is watched, the step
+          adopts a labelled one first (``_attach``), and no look is made.
         Said at once and loudly (``unguarded_container``, critical; ``status.container.unguarded``), once per
         container; ``unguarded_container_gone`` when it stops, is removed, or becomes the run sparkd watches."""
         try:
@@ -850,11 +852,18 @@ class Supervisor(RunBook):
             found = UnguardedContainer(id=info.id, name=info.name, image=info.image, since=time.time())
         old = self.unguarded
         if found is None:
-            if self.lock.locked():
+            watching = self.container_id is not None and self.state in ACTIVE_STATES
+            if not watching or self.lock.locked():
+                # not looked at while an action runs, nor while no run is watched (the step adopts a labelled one
+                # first): what was said stands until the next look
                 if old is not None and old.labelled:
-                    return  # not looked at while an action runs: what was said stands until the next look
+                    return
             else:
-                labelled = await asyncio.to_thread(self.manager.running_managed)
+                try:
+                    labelled = await asyncio.to_thread(self.manager.running_managed)
+                except SparkdError as e:  # an engine error answer: the step goes on (reconcile, probe)
+                    log.warning("looking for other containers with sparkd's labels failed: %s", e)
+                    return
                 if self.lock.locked():  # an action began during the call: its new run may be in the answer
                     return
                 for cid, name, image in labelled:
@@ -890,10 +899,9 @@ class Supervisor(RunBook):
             )
         elif found is None and old is not None:
             self.unguarded = None
-            how = "is now the run sparkd watches" if old.id == self.container_id else "is no longer running"
             self._event(
                 "unguarded_container_gone",
-                f"container {old.name} ({old.id[:12]}), which ran unguarded, {how}",
+                f"container {old.name} ({old.id[:12]}), which ran unguarded, is no longer running",
                 details={"container_id": old.id, "name": old.name},
             )
 
@@ -919,7 +927,16 @@ class Supervisor(RunBook):
                 self._record_state(S.STOPPED, self.state_reason)
             return
         self.container_id, self.image, self.name, self.launch_id = info.id, info.image, info.name, info.launch_id
-        self.unguarded = None  # a container of sparkd's runs by that name now
+        u = self.unguarded
+        if u is not None and u.id == info.id:  # the labelled one said to run beside the watched run is watched now
+            self.unguarded = None
+            self._event(
+                "unguarded_container_gone",
+                f"container {u.name} ({u.id[:12]}), which ran unguarded, is now the run sparkd watches",
+                details={"container_id": u.id, "name": u.name},
+            )
+        elif u is not None and not u.labelled:
+            self.unguarded = None  # a container of sparkd's runs by that name now: the unlabelled one has another
         self.seen_started_at, self.seen_restart_count, self.restart_warned = None, None, False
         # another run than the one watched before (its container removed or replaced by hand): none of its figures,
         # and a first sight (``adopted``), not "started outside sparkd (it was exited)" of another container
