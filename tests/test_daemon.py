@@ -403,6 +403,77 @@ def test_a_stop_is_skipped_when_memory_recovered_before_acting(tmp_path: Path) -
     assert len(stops) == 1 and stops[0].startswith("low_available: MemAvailable 2.00 GiB < 6.00 GiB for 2/2")
 
 
+def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_a_cooldown(tmp_path: Path) -> None:
+    """One good reading at the re-check cancelled the stop, and the trip's cooldown (60 s) then muted the rule
+    while MemAvailable fell to a quarter of its line (helper-31). With the model running, the next trip stops it;
+    with the model down, the cooldown stands (nothing to stop)."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+    from sparkd.loop.status import ContainerStatus
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    (proc / "meminfo").write_text(high)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "cooldown_s": 60,
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+
+    class Serving(MonitorOnly):
+        """The container side as the daemon sees it with a model serving (or down): state and mode only."""
+
+        def __init__(self, state: str) -> None:
+            super().__init__()
+            self.state, self.stops = state, []  # type: list[str]
+
+        def lifecycle_state(self) -> str:
+            return self.state
+
+        def status_json(self) -> ContainerStatus:
+            return ContainerStatus(mode="managed", state=self.state)  # type: ignore[arg-type]
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    async def go(state: str) -> tuple[list[str], list[dict[str, Any]]]:
+        actions = Serving(state)
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            (proc / "meminfo").write_text(low)
+            assert d._tick_once() is not None
+            r = d._tick_once()
+            assert r is not None and [x.kind for x in r.decisions] == ["trip"]
+            (proc / "meminfo").write_text(high)  # the re-check reads a good figure: no stop
+            await d._handle(r)
+            (proc / "meminfo").write_text(low)  # and memory falls again at once
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            return actions.stops, [e for e in d.recent_events if e["kind"] == "recovered_before_stop"]
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+            (proc / "meminfo").write_text(high)
+
+    stops, (recovered,) = asyncio.run(go("ready"))
+    assert stops == ["low_available"], stops  # the second trip acts
+    assert recovered["details"]["cooldown_reset"] is True and "no cooldown" in recovered["message"], recovered
+    stops, (recovered,) = asyncio.run(go("stopped"))
+    assert stops == [] and recovered["details"]["cooldown_reset"] is False, (stops, recovered)
+
+
 def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:
     """SIGSTOP for 3 s then SIGCONT (a frozen host, a starved process): a critical ``guard_gap`` event
     names the hole in the samples instead of leaving it silent."""
@@ -833,3 +904,60 @@ def test_a_log_sink_that_blocks_does_not_freeze_the_guard(tmp_path: Path) -> Non
                 p.wait()
             os.close(r)
     assert p.returncode == 0
+
+
+def test_a_percentage_rule_without_memtotal_is_blind_not_the_end_of_the_guard(tmp_path: Path) -> None:
+    """``MemAvailable < 30%`` with a /proc/meminfo that has no MemTotal raised ``ValueError`` out of the first tick
+    (helper-31): under systemd a restart loop while an adopted model ran unguarded. The rule is now blind on
+    MemTotal (named, never a quiet 0/N), the others guard, and it compiles once MemTotal is read."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")  # 12 GiB, no MemTotal
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "rules": [
+                {"name": "pct", "when": ["MemAvailable < 30%"], "samples": 2},
+                {"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2},
+            ],
+        }
+    )
+
+    class Recorder(MonitorOnly):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    async def go() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+        actions = Recorder()
+        d = Daemon(settings, actions=actions)
+        await d.startup()  # the first tick is in it: it raised here
+        try:
+            (proc / "meminfo").write_text("MemFree: 1048576 kB\nMemAvailable: 2097152 kB\n")  # 2 GiB
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            blind = d.blind_json()
+            (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n")
+            assert d._tick_once() is not None
+            return actions.stops, blind, d.blind_json()
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, blind, after = asyncio.run(go())
+    assert "low_available" in stops and "pct" not in stops, stops
+    assert "MemTotal" in blind["rules"]["pct"] and "low_available" not in blind["rules"], blind
+    assert "pct" not in after["rules"], after  # compiled against the MemTotal read now

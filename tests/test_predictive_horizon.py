@@ -81,14 +81,30 @@ def test_the_horizon_is_the_time_a_stop_takes(horizon_s: float, trip_gib: float)
 def test_measured_stops_set_the_horizon() -> None:
     engine = RuleEngine([RuleConfig(**r) for r in DEFAULT_RULES], cooldown_s=60.0, horizon_s=30.0)
     assert engine.horizon_s == 30.0  # the configured grace before any stop was measured
-    for took in (4.0, 9.5, 6.0):
+    for took in (4.0, 12.5, 6.0):
         engine.note_stop_duration(took)
-    assert engine.horizon_s == 9.5  # the longest of the recent stops
+    assert engine.horizon_s == 12.5  # the longest of the recent stops
     engine.note_stop_duration(float("nan"))  # ignored
     engine.note_stop_duration(-1.0)
-    assert engine.horizon_s == 9.5
+    assert engine.horizon_s == 12.5
     trip_t = next(s.mono for s in descent(0.25) if any(d.kind == "trip" for d in engine.step(s)))
-    assert 30.0 - 0.5 * trip_t == pytest.approx(8.75, abs=0.5)  # eta (8.75 - 4) / 0.5 = 9.5 s
+    assert 30.0 - 0.5 * trip_t == pytest.approx(10.25, abs=0.5)  # eta (10.25 - 4) / 0.5 = 12.5 s
+
+
+def test_quick_stops_do_not_shrink_the_horizon_below_10_s() -> None:
+    """One stop of an idle model in 0.3 s made the horizon 0.3 s: the same 0.5 GiB/s fall then hung the host at
+    7 GiB untripped (helper-31). The learned horizon stays >= 10 s (a stop under pressure took that long)."""
+    from sparkd.core.engine import MIN_LEARNED_HORIZON_S
+
+    engine = RuleEngine([RuleConfig(**r) for r in DEFAULT_RULES], cooldown_s=60.0, horizon_s=30.0)
+    engine.note_stop_duration(0.3)
+    assert engine.horizon_s == MIN_LEARNED_HORIZON_S == 10.0
+    trip_t = next(s.mono for s in descent(0.25) if any(d.kind == "trip" for d in engine.step(s)))
+    at = 30.0 - 0.5 * trip_t
+    assert at == pytest.approx(9.0, abs=0.5) and at > 7.0, at  # tripped before the hang at 7 GiB
+    short = RuleEngine([RuleConfig(**r) for r in DEFAULT_RULES], cooldown_s=60.0, horizon_s=5.0)
+    short.note_stop_duration(0.3)
+    assert short.horizon_s == 5.0  # a grace configured shorter than 10 s is the floor itself
 
 
 # ------------------------------------------------------------------ false positives stay clean

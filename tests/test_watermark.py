@@ -487,3 +487,57 @@ def test_the_daemon_rearms_a_demoted_rule_when_a_resized_run_has_room_and_says_s
     assert rearmed["message"].startswith("rule low_available stops again: a run launched after it was demoted")
     status = d.status_json()
     assert next(r for r in status.rules if r.name == "low_available").demoted is None
+
+
+def test_a_model_adopted_at_start_withdraws_the_start_reading_so_its_first_trip_stops(tmp_path: Path) -> None:
+    """sparkd restarted while a model ran at 5.5 GiB (below the 6 GiB rule): the start-up reading counted as
+    healthy, the first trip convicted the rule ("cannot protect this host … demoted to warn") and the model ran
+    on below the line (helper-31). A running model found at start (``adopted``) withdraws that reading: the trip
+    stops it. Without a model (a tuned host, ``test_field_guard``) the start reading still convicts."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    short = "MemTotal: 16777216 kB\nMemFree: 3145728 kB\nMemAvailable: 5767168 kB\n"  # 5.5 GiB, no zoneinfo
+    (proc / "meminfo").write_text(short)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        }
+    )
+
+    class Recorder(MonitorOnly):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    async def go(adopt: bool) -> tuple[list[str], dict[str, str]]:
+        actions = Recorder()
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        assert d.guard is not None
+        try:
+            if adopt:  # the supervisor's first step finds the model running
+                d.event("adopted", "vllm adopted", details={"started_at": time.time() - 3600})
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            return actions.stops, dict(d.guard.engine.demoted)
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    assert asyncio.run(go(adopt=True)) == (["low_available"], {})  # stopped, not demoted
+    stops, demoted = asyncio.run(go(adopt=False))
+    assert stops == [] and "low_available" in demoted  # the tuned host without a model: as before

@@ -16,7 +16,8 @@ Shapes:
     ``undemote(rule)`` — it stops again (the loop guard withdrew its verdict).
     ``blind() -> {rule: why}`` — rules that could not evaluate on the last sample.
     ``horizon_s`` — the time a stop takes: the longest of the last ``STOP_MEMORY`` measured stops
-    (``note_stop_duration``), or the configured grace (``container.stop_timeout_s``) before any.
+    (``note_stop_duration``), never below ``MIN_LEARNED_HORIZON_S`` (10 s; the grace when shorter), or the
+    configured grace (``container.stop_timeout_s``) before any.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sparkd.core.floors import demote as demote_rules
 from sparkd.core.rules import (
     DEFAULT_HORIZON_S,
     Decision,
+    MemTotalUnknown,
     Rule,
     RuleSpec,
     RuleState,
@@ -85,6 +87,12 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
 #: How many measured stop durations the horizon remembers.
 STOP_MEMORY = 5
 
+#: The learned horizon never goes below this (s), nor below the configured grace when that is shorter. One quick
+#: stop (an idle model, 0.3 s) made it 0.3 s, and the predictive rule then let the README's hang case (a steady
+#: 0.5 GiB/s fall to a hang at ~7 GiB) through (helper-31). The field's floor: a 7.1 → 5.7 GiB collapse in 9 s
+#: under a 10 s grace still ended in SIGKILL (README "30 s grace"): a stop under pressure takes at least that.
+MIN_LEARNED_HORIZON_S = 10.0
+
 #: The slope window always keeps at least this much history (s), whatever the rules ask.
 MIN_SLOPE_HISTORY_S = 64.0
 
@@ -102,8 +110,18 @@ class RuleEngine:
     """
 
     def __init__(
-        self, specs: Iterable[RuleSpec], *, cooldown_s: float = 0.0, horizon_s: float = DEFAULT_HORIZON_S
+        self,
+        specs: Iterable[RuleSpec],
+        *,
+        cooldown_s: float = 0.0,
+        horizon_s: float = DEFAULT_HORIZON_S,
+        unresolved_ok: bool = False,
     ) -> None:
+        # unresolved_ok (the live guard): a % rule compiled while MemTotal is not read is left out and blind
+        # (``unresolved``) until it is read; it raised out of the daemon's first tick (helper-31): a restart loop
+        # under systemd while an adopted model ran unguarded. Replay keeps the error (it names --mem-total-gib)
+        self.unresolved_ok = unresolved_ok
+        self.unresolved: dict[str, str] = {}
         self.specs = list(specs)
         self.cooldown_s = cooldown_s
         self.configured_horizon_s = horizon_s
@@ -132,8 +150,11 @@ class RuleEngine:
     # ------------------------------------------------------------------ set-up
     @property
     def horizon_s(self) -> float:
-        """The time a stop takes (s): the longest recent measured stop, else the configured grace."""
-        return max(self.stop_durations) if self.stop_durations else self.configured_horizon_s
+        """The time a stop takes (s): the longest recent measured stop, but never less than
+        ``MIN_LEARNED_HORIZON_S`` (or the configured grace, when shorter); else the configured grace."""
+        if not self.stop_durations:
+            return self.configured_horizon_s
+        return max(max(self.stop_durations), min(self.configured_horizon_s, MIN_LEARNED_HORIZON_S))
 
     def note_stop_duration(self, seconds: float) -> None:
         """Remember how long a stop took (SIGTERM to exit, s); ignored unless finite and > 0."""
@@ -145,7 +166,17 @@ class RuleEngine:
         """(Re)compile the rules against MemTotal; counters of rules that remain are kept.
         ``fixed``: keep this MemTotal whatever the samples say (replay's ``--mem-total-gib``)."""
         self._fixed = fixed
-        self._base = compile_rules(self.specs, mem_total_bytes)
+        specs, self.unresolved = self.specs, {}
+        if self.unresolved_ok and mem_total_bytes is None:
+            specs = []
+            for spec in self.specs:
+                try:
+                    compile_rules([spec], None)
+                except MemTotalUnknown as e:
+                    self.unresolved[spec.name] = f"cannot evaluate: MemTotal not read ({e})"
+                    continue
+                specs.append(spec)
+        self._base = compile_rules(specs, mem_total_bytes)
         self.rules = demote_rules(self._base, self.demoted)
         self.mem_total = mem_total_bytes
         self._compiled = True
@@ -182,11 +213,13 @@ class RuleEngine:
             horizon_s=self.horizon_s,
         )
 
-    def reset_cooldowns(self) -> None:
-        """Forget every rule's last trip: a new run of the container (launched, adopted, started by hand)
-        or a trip that stopped nothing must not leave the rules silent for ``cooldown_s``."""
-        for st in self.states.values():
-            st.last_trip_mono = None
+    def reset_cooldowns(self, rule_name: str | None = None) -> None:
+        """Forget every rule's last trip (``rule_name``: that rule's only): a new run of the container (launched,
+        adopted, started by hand) or a trip that stopped nothing must not leave the rules silent for
+        ``cooldown_s``. An unknown rule name changes nothing."""
+        for name, st in self.states.items():
+            if rule_name is None or name == rule_name:
+                st.last_trip_mono = None
 
     def holds_now(self, rule_name: str, sample: Sample) -> bool:
         """Would ``rule_name`` trip on ``sample`` were its counter full: its ``when``, evidence and (predictive)
@@ -259,7 +292,10 @@ class RuleEngine:
 
     def blind(self) -> dict[str, str]:
         """``{rule: why}`` for each rule whose inputs were missing on the last sample."""
-        return {r.name: why for r in self.rules if (why := self.states[r.name].blind) is not None}
+        return {
+            **self.unresolved,
+            **{r.name: why for r in self.rules if (why := self.states[r.name].blind) is not None},
+        }
 
     def counting(self) -> bool:
         return any(st.counter > 0 for st in self.states.values())

@@ -411,6 +411,7 @@ class LoopGuard:
         self.healthy_cma_free: int = 0
         self.healthy_t: float | None = None
         self.low_watermark_bytes: int | None = None  # the zones' low watermarks at the healthy reading
+        self.healthy_at_start = False  # the healthy reading is sparkd's start-up one (``forget_start_reading``)
         self.trips: dict[str, _RuleTrips] = {}
         self.verdicts: dict[str, LoopVerdict] = {}
 
@@ -425,13 +426,29 @@ class LoopGuard:
         mem_available_bytes: int | None,
         cma_free_bytes: int | None = None,
         low_watermark_bytes: int | None = None,
+        *,
+        at_start: bool = False,
     ) -> None:
         """MemAvailable (and CmaFree, and the zones' low watermarks) in bytes while the model is
-        loaded, healthy and idle. A ``None`` MemAvailable is ignored."""
+        loaded, healthy and idle. A ``None`` MemAvailable is ignored. ``at_start``: the reading sparkd takes
+        at its own start, before it knows whether a model runs (the host as it is then counts as healthy: a
+        tuned host without a model); ``forget_start_reading`` withdraws it when a running model is found."""
         if mem_available_bytes is not None:
             self.healthy_bytes, self.healthy_t = mem_available_bytes, t
             self.healthy_cma_free = cma_free_bytes or 0
             self.low_watermark_bytes = low_watermark_bytes
+            self.healthy_at_start = at_start
+
+    def forget_start_reading(self) -> bool:
+        """A running model was found after sparkd's start (adopted): the reading taken at the start is of a host
+        under that model's load at an unknown moment (a restart of sparkd while memory was short: 5.5 GiB read
+        as "healthy" convicted the 6 GiB rule at its first trip and left the model running below it; helper-31).
+        It is withdrawn; the run's own ``ready`` gives the next one. True when one was withdrawn."""
+        if not self.healthy_at_start or self.healthy_bytes is None:
+            return False
+        self.healthy_bytes = self.healthy_t = None
+        self.healthy_at_start = False
+        return True
 
     def cannot_protect(self, rule_name: str) -> LoopVerdict | None:
         """The verdict on ``rule_name``, if one was reached."""

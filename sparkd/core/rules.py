@@ -89,18 +89,22 @@ def _num(v: float | int | None) -> str:
     return str(int(v)) if float(v).is_integer() else f"{v:.2f}"
 
 
+class MemTotalUnknown(ValueError):
+    """A ``%`` threshold compiled while MemTotal is unknown (``compile_condition``)."""
+
+
 def compile_condition(text: str, mem_total_bytes: int | None) -> Condition:
     """Resolve a condition string against MemTotal (for ``%`` thresholds).
 
     Raises:
-        ValueError: bad condition text, or a percentage with MemTotal unknown.
+        ValueError: bad condition text; ``MemTotalUnknown`` (a ValueError): a percentage with MemTotal unknown.
     """
     name, op, value = parse_condition(text)
     attr = FIELD_ALIASES[name]
     is_size = attr in SIZE_ATTRS
     if value.endswith("%"):
         if mem_total_bytes is None:
-            raise ValueError(f"{text!r}: a percentage needs MemTotal, which is unknown")
+            raise MemTotalUnknown(f"{text!r}: a percentage needs MemTotal, which is unknown")
         threshold: float = float(value[:-1]) / 100.0 * mem_total_bytes
     elif is_size:
         threshold = float(parse_size(value))

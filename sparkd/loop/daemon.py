@@ -332,6 +332,8 @@ class Daemon:
             # repeated the critical trip every `samples` ticks for as long as memory stayed low (24 in 2 min
             # after a guard stop, each fed to the loop guard); the cooldown applies as after a stop.
             self.guard.engine.reset_cooldowns()
+        if kind == "adopted" and self.loop_guard.forget_start_reading():
+            log.info("loop guard: the MemAvailable read at sparkd's start is not a healthy reading (a model runs)")
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
@@ -447,7 +449,9 @@ class Daemon:
             await self._handle(result)
         if self.store is not None:
             await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
-        self.check_floors(healthy=True)  # at start: the host as it is now counts as healthy
+        # at start: the host as it is now counts as healthy (a tuned host without a model), until a running model
+        # is adopted (``forget_start_reading``)
+        _daemon_view.run_floor_checks(self, healthy=True, at_start=True)
         _daemon_view.report_rules_that_never_fire(self)
         if self.serve_api:
             try:

@@ -215,13 +215,20 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     if daemon.settings.recheck and daemon.guard:
         fresh = daemon.guard.read_sample()
         if tripped is not None and not daemon.guard.engine.recheck(d.rule, fresh):
+            # the trip stopped nothing: its rule keeps counting with no cooldown while the model runs. One good
+            # reading at the re-check muted the rule for cooldown_s (60 s) while MemAvailable fell to a quarter
+            # of its line (helper-31). With the model down there is nothing to stop, and the cooldown stands
+            rearmed = running and not idle and not monitor_only
+            if rearmed:
+                daemon.guard.engine.reset_cooldowns(d.rule)
             daemon.event(
                 "recovered_before_stop",
                 f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "
                 f"usable {fmt_gib(fresh.mem_available_minus_cma)}, "
-                f"MemFree {fmt_gib(fresh.mem_free)} on re-check)",
+                f"MemFree {fmt_gib(fresh.mem_free)} on re-check)"
+                + ("; the rule keeps counting, with no cooldown: nothing was stopped" if rearmed else ""),
                 severity="warning",
-                details={"rule": d.rule},
+                details={"rule": d.rule, "cooldown_reset": rearmed},
             )
             return False
     for hook in daemon.stop_hooks:

@@ -174,17 +174,20 @@ def summary_line(daemon: Daemon) -> str:
     )
 
 
-def run_floor_checks(daemon: Daemon, *, healthy: bool) -> None:
+def run_floor_checks(daemon: Daemon, *, healthy: bool, at_start: bool = False) -> None:
     """Compare each rule's floor with the kernel's low watermark and the MemAvailable seen
     while healthy; report each new problem once as a ``watermark`` warning. A healthy reading may
     also re-arm a rule the loop guard demoted (``LoopGuard.rearm``: a later run sits well above its
-    floor), said as a ``watermark`` event with ``action = "re-armed"``."""
+    floor), said as a ``watermark`` event with ``action = "re-armed"``. ``at_start``: sparkd's own start,
+    before it knows whether a model runs (``LoopGuard.forget_start_reading`` when one is adopted)."""
     g = daemon.guard
     last = g.last if g else None
     if g is None or last is None or last.mem_available is None:
         return
     if healthy:
-        daemon.loop_guard.note_healthy(time.time(), last.mem_available, last.cma_free, g.low_watermark)
+        daemon.loop_guard.note_healthy(
+            time.time(), last.mem_available, last.cma_free, g.low_watermark, at_start=at_start
+        )
         for r in daemon.loop_guard.rearm(g.engine.configured_rules):
             g.engine.undemote(r.rule)
             daemon.event("watermark", r.reason, details=r.details())

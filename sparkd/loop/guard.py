@@ -72,7 +72,10 @@ class Guard:
         self.wall = wall
         # the one rule engine (core.engine): the same object answers step, re-check and demotion
         self.engine = RuleEngine(
-            settings.rules, cooldown_s=settings.cooldown_s, horizon_s=settings.container.stop_timeout_s
+            settings.rules,
+            cooldown_s=settings.cooldown_s,
+            horizon_s=settings.container.stop_timeout_s,
+            unresolved_ok=True,  # a /proc/meminfo without MemTotal makes % rules blind, never ends the guard
         )
         self.nvrm = NvrmWindows(settings.nvrm_window_s)
         self.bursts = BurstDetector(settings.nvrm_window_s, settings.nvrm_burst)
