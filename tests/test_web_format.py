@@ -29,3 +29,23 @@ def test_trip_rows_are_labelled_for_people() -> None:
         "projected time to the floor",
         "fit window",
     ]
+
+
+def test_the_headline_names_a_demoted_stop_rule_over_a_plain_warn_not_over_critical() -> None:
+    """The loop guard demoted low_available and memory sat near collapse_projected's line ("warn"): the headline
+    read "warn · 0.5 GiB to collapse_projected" and never named the rule that no longer stops (helper-31)."""
+    from sparkd.face.presenters import headline
+
+    rules = [
+        {"name": "low_available", "action": "warn", "demoted": "cannot protect this host"},
+        {"name": "collapse_projected", "action": "stop", "demoted": None},
+    ]
+
+    def at(level: str) -> dict[str, object]:
+        ns = {"level": level, "rule": "collapse_projected", "headroom_bytes": GiB // 2}
+        return headline({"nearest_stop": ns, "sample": {"ts": 1.0}, "rules": rules, "container": {}}, None)
+
+    for level in ("ok", "warn"):
+        h = at(level)
+        assert (h["level"], h["label"]) == ("warn", "low_available demoted to warn (cannot protect this host)"), h
+    assert (at("critical")["level"], at("critical")["label"]) == ("critical", "critical")  # the nearer danger first

@@ -334,7 +334,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
-    elif demoted and _LEVEL_RANK.get(level, 0) < 1:  # a stop rule switched off by the loop guard: never "ok"
+    elif demoted and _LEVEL_RANK.get(level, 0) < 2:  # a stop rule switched off by the loop guard: never "ok",
+        # and named over a plain "warn" (near another line): the generic label hid it while memory sat below the
+        # demoted rule's line (helper-31)
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
