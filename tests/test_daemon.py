@@ -950,6 +950,9 @@ def test_a_percentage_rule_without_memtotal_is_blind_not_the_end_of_the_guard(tm
                 assert r is not None
                 await d._handle(r)
             blind = d.blind_json()
+            # listed where operators look (sparkd status, the dashboard's table, sparkd_rule_blind), never missing
+            listed = {r.name: r.blind for r in d.status_json().rules}
+            assert "MemTotal" in (listed.get("pct") or ""), listed
             (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n")
             assert d._tick_once() is not None
             return actions.stops, blind, d.blind_json()

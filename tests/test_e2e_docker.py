@@ -59,7 +59,8 @@ def test_it_launches_the_container_and_it_becomes_ready(sparkd_factory: Any, doc
     assert rc == 0 and out.startswith(b"/sbin/docker-init")
     rc, out = cont.exec_run(["sh", "-c", "cat /proc/$(cut -d' ' -f1 /proc/1/task/1/children)/cmdline"])
     assert rc == 0 and out.startswith(b"/usr/bin/python3") and not out.startswith(b"/bin/sh")
-    assert s.wait_event("ready")["details"]["time_to_ready_s"] > 0
+    ready = s.wait_event("ready")["details"]
+    assert ready["time_to_ready_s"] > 0 and ready["adopted"] is False  # sparkd saw it start: a healthy reading
 
 
 def test_end_to_end_a_real_memory_trip_archives_stops_gracefully_and_cleans_shm(
@@ -653,6 +654,8 @@ def test_a_container_run_by_hand_with_sparkds_labels_is_adopted_at_once_not_at_t
     assert c2["container_id"] == by_hand.id and c2["ready_at"] > c["ready_at"], (c, c2)
     assert c2["memory_bytes"] == c["memory_bytes"] + 128 * MiB, (c, c2)
     assert wait_for(lambda: len(s.events("ready")) == 2, 10)  # its own readiness, said
+    # first seen already running: its `ready` is no healthy figure for the loop guard (its load is unknown)
+    assert [e["details"].get("adopted") for e in s.events("ready")] == [False, True]
     assert s.container()["unguarded"] is None and s.events("memory_limit_changed") == []
     assert s.api("POST", "/api/container/stop").status_code == 200  # and it is sparkd's to stop
     assert s.wait_state("stopped", 60)["container_id"] == by_hand.id

@@ -419,6 +419,27 @@ def test_replay_rechecks_a_stop_on_the_next_sample() -> None:
     assert stop is not None and stop.recheck is None  # the trace ended: unknown
 
 
+def test_a_trip_that_recovered_on_re_check_leaves_its_rule_without_a_cooldown_as_in_the_daemon() -> None:
+    """The daemon forgets a trip's cooldown when its re-check found memory recovered (nothing stopped, a model
+    running); replay kept it and said "muted" where sparkd stopped (review helper-32)."""
+    from sparkd.core.engine import EngineChange
+
+    rules = [{"name": "low", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    samples = [low(t, g) for t, g in enumerate([8, 5, 5, 7, 5, 5, 4, 3, 2])]
+    got = [(d.t, d.kind, d.recheck) for d in replay(samples, rules, cooldown_s=60.0).decisions]
+    assert got[:2] == [(2, "trip", False), (5, "trip", True)], got  # then the cooldown of a stop that acted
+    # a database trace: the daemon's own record decides (here: the model was down, the cooldown stood)
+    stood = replay(samples, rules, cooldown_s=60.0, changes=[EngineChange(-1.0, "reset")]).decisions
+    assert [(d.t, d.kind) for d in stood][:2] == [(2, "trip"), (5, "cooldown")]
+    told = replay(
+        samples,
+        rules,
+        cooldown_s=60.0,
+        changes=[EngineChange(-1.0, "reset"), EngineChange(2.5, "cooldown_reset", rule="low")],
+    ).decisions
+    assert [(d.t, d.kind) for d in told][:2] == [(2, "trip"), (5, "trip")]
+
+
 def test_replay_percentage_rules_take_mem_total_from_the_trace_or_the_argument() -> None:
     rules = [{"name": "pct", "when": ["MemAvailable < 5%"], "samples": 2}]
     samples = [low(t, 6.0) for t in range(2)]

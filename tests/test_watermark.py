@@ -270,6 +270,26 @@ def test_within_margin_needs_consecutive_quick_trips() -> None:
     assert v is not None and v.quick_trips == 2 and "2 trips in a row" in v.reason
 
 
+def test_a_trip_whose_re_check_recovered_is_taken_back_and_does_not_count_toward_a_loop() -> None:
+    """A recovered trip (nothing stopped) then the real one within 15 min of a launch: two quick trips convicted
+    the rule ("stopping would loop") with nothing ever stopped (review helper-32)."""
+    rule = next(r for r in default_rules(None) if r.name == "low_available")
+
+    def guard() -> LoopGuard:
+        g = LoopGuard(quick_trips=2)
+        g.note_launch(0)
+        g.note_healthy(60, int(6.5 * GiB))  # within the 1 GiB margin of the 6 GiB floor
+        assert g.record_trip(rule, 200) is None
+        return g
+
+    g = guard()
+    g.withdraw_trip(rule.name)  # its re-check found memory recovered
+    assert g.record_trip(rule, 205) is None and g.trips[rule.name].trips == 1
+    g = guard()  # not withdrawn: the second quick trip convicts, as before
+    assert g.record_trip(rule, 205) is not None
+    g.withdraw_trip("no_such_rule")  # nothing recorded: nothing changes
+
+
 def test_rules_without_a_loop_floor_are_never_convicted() -> None:
     rule = next(r for r in default_rules(None) if r.name == "low_free_with_evidence")
     g = LoopGuard()
@@ -527,8 +547,10 @@ def test_a_model_adopted_at_start_withdraws_the_start_reading_so_its_first_trip_
         await d.startup()
         assert d.guard is not None
         try:
-            if adopt:  # the supervisor's first step finds the model running
+            if adopt:  # the supervisor's first step finds the model running, and its first healthy probe
                 d.event("adopted", "vllm adopted", details={"started_at": time.time() - 3600})
+                # guard mode (or no launch record): `ready` a second later, of the same run under the same load
+                d.event("ready", "vllm ready", details={"adopted": True})
             for _ in range(2):
                 r = d._tick_once()
                 assert r is not None

@@ -37,11 +37,13 @@ from sparkd.core.rules import (
     RuleState,
     SlopeWindow,
     compile_rules,
+    default_samples,
     evaluate,
     still_holds,
     usable_bytes,
 )
 from sparkd.core.sample import Sample
+from sparkd.units import parse_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,7 @@ class EngineChange:
     samples applies them where the guard did."""
 
     ts: float
-    kind: Literal["stop_duration", "demote", "rearm", "relief", "reset"]
+    kind: Literal["stop_duration", "demote", "rearm", "relief", "reset", "cooldown_reset"]
     seconds: float | None = None
     rule: str | None = None
     reason: str | None = None
@@ -66,7 +68,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
     reset, ``stopped``/``killed`` with ``durations_s.stop`` → a measured stop, ``watermark``
     with ``action = "demoted to warn"`` → a demotion, ``watermark`` with ``action = "re-armed"`` → its
     end, ``relief`` with ``counters_reset`` → one
-    ``relief`` change per rule it names."""
+    ``relief`` change per rule it names, ``recovered_before_stop`` with ``cooldown_reset`` → that rule's
+    cooldown forgotten (the trip stopped nothing)."""
     out = [EngineChange(float(t), "reset") for t in run_starts]
     for e in events:
         d = e.get("details") or {}
@@ -81,6 +84,8 @@ def engine_changes(events: Iterable[Mapping[str, Any]], run_starts: Iterable[flo
             out.append(EngineChange(float(e["ts"]), "rearm", rule=str(d["rule"])))
         elif kind == "relief" and d.get("counters_reset"):
             out += [EngineChange(float(e["ts"]), "relief", rule=str(r)) for r in d.get("rules") or []]
+        elif kind == "recovered_before_stop" and d.get("cooldown_reset") and d.get("rule"):
+            out.append(EngineChange(float(e["ts"]), "cooldown_reset", rule=str(d["rule"])))
     return sorted(out, key=lambda c: c.ts)
 
 
@@ -263,6 +268,8 @@ class RuleEngine:
             self.relieved(change.rule)
         elif change.kind == "reset":
             self.reset()
+        elif change.kind == "cooldown_reset" and change.rule is not None:
+            self.reset_cooldowns(change.rule)
 
     def relieved(self, rule_name: str) -> None:
         """Relief before stopping raised MemFree (``loop.relief``): ``rule_name``'s counter starts again
@@ -311,7 +318,36 @@ class RuleEngine:
             if st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
                 held = max(0.0, self.last_mono - st.started_mono)
             out.append({**r.to_json(), "demoted": self.demoted.get(r.name), **st.to_json(), "held_s": held})
+        for spec in self.specs:  # left out until MemTotal is read: listed, blind, never missing from the table
+            if spec.name in self.unresolved:
+                out.append(_unresolved_json(spec, self.unresolved[spec.name]))
         return out
+
+
+def _unresolved_json(spec: RuleSpec, why: str) -> dict[str, Any]:
+    """A rule left out of the compiled set (``RuleEngine.unresolved``) in the shape of ``rules_json``: as configured,
+    no thresholds, blind with ``why``; so ``sparkd status``, the dashboard's table and ``sparkd_rule_blind`` name it."""
+    return {
+        "name": spec.name,
+        "kind": spec.kind,
+        "action": spec.action,
+        "samples": default_samples(spec),
+        "for_s": spec.for_s,
+        "duration_based": spec.for_s is not None,
+        "when": list(spec.when),
+        "evidence": list(spec.evidence),
+        "thresholds": [],
+        "floor_bytes": parse_size(spec.floor) if spec.floor else None,
+        "within_s": spec.within_s,
+        "window_s": spec.window_s,
+        "demoted": None,
+        "counter": 0,
+        "near_misses": 0,
+        "trips": 0,
+        "last_reason": None,
+        "blind": why,
+        "held_s": None,
+    }
 
 
 def replay_samples(engine: RuleEngine, samples: Sequence[Sample]) -> list[list[Decision]]:

@@ -376,6 +376,7 @@ class _RuleTrips:
     trips: int = 0
     quick_streak: int = 0
     last_trip_t: float | None = None
+    before: tuple[int, int, float | None] | None = None  # (trips, quick_streak, last_trip_t) before the last trip
 
 
 class LoopGuard:
@@ -471,6 +472,7 @@ class LoopGuard:
         the watermarks unknown (no zoneinfo) the shortfall counts as explained.
         """
         st = self.trips.setdefault(rule.name, _RuleTrips())
+        st.before = (st.trips, st.quick_streak, st.last_trip_t)
         st.trips += 1
         st.last_trip_t = t
         quick = self.launch_t is not None and 0 <= t - self.launch_t <= self.relaunch_window_s
@@ -500,6 +502,17 @@ class LoopGuard:
         v = LoopVerdict(rule.name, t, lf, h, st.trips, st.quick_streak, reason)
         self.verdicts[rule.name] = v
         return v
+
+    def withdraw_trip(self, rule_name: str) -> None:
+        """The last trip of ``rule_name`` stopped nothing: its re-check found memory recovered. It is taken back
+        (its count and quick streak): a loop is stops that keep coming back, and a recovered trip followed by
+        the real one convicted the rule as "stopping would loop" with nothing stopped (review helper-32).
+        Nothing changes once a verdict was reached, or for a rule with no trip recorded."""
+        st = self.trips.get(rule_name)
+        if st is None or st.before is None or rule_name in self.verdicts:
+            return
+        st.trips, st.quick_streak, st.last_trip_t = st.before
+        st.before = None
 
     def rearm(self, rules: Sequence[Rule]) -> list[Rearm]:
         """The verdicts that no longer hold, withdrawn: one ``Rearm`` per rule to arm again.

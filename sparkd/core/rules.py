@@ -246,6 +246,12 @@ class RuleSpec(Protocol):
     def for_s(self) -> float | None: ...
 
 
+def default_samples(c: RuleSpec) -> int:
+    """The samples a rule needs: as configured, else 5 for a count rule (the seed) and ``DURATION_MIN_SAMPLES``
+    for a duration rule (``for_s``)."""
+    return c.samples if c.samples is not None else (5 if c.for_s is None else DURATION_MIN_SAMPLES)
+
+
 def compile_rules(configs: Iterable[RuleSpec], mem_total_bytes: int | None) -> list[Rule]:
     """Compile rule configs. ``samples`` unset: 5 for a count rule (the seed), and
     ``DURATION_MIN_SAMPLES`` for a duration rule (``for_s``).
@@ -255,7 +261,7 @@ def compile_rules(configs: Iterable[RuleSpec], mem_total_bytes: int | None) -> l
     """
     out = []
     for c in configs:
-        n = c.samples if c.samples is not None else (5 if c.for_s is None else DURATION_MIN_SAMPLES)
+        n = default_samples(c)
         out.append(
             Rule(
                 name=c.name,

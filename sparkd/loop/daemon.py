@@ -334,19 +334,21 @@ class Daemon:
             self.guard.engine.reset_cooldowns()
         if kind == "adopted" and self.loop_guard.forget_start_reading():
             log.info("loop guard: the MemAvailable read at sparkd's start is not a healthy reading (a model runs)")
+            self.check_floors(healthy=False)  # the start-up reading's floor warnings go with it
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
             self.loop_guard.note_launch(time.time())
             if self.consumers is not None:
                 self.consumers.wake()  # who holds the memory: this container's share, not the last one's
-        elif kind == "ready":
-            self.check_floors(healthy=True)
+        elif kind == "ready":  # healthy unless the run was first seen already running (adopted: load unknown)
+            self.check_floors(healthy=not (details or {}).get("adopted"))
         return ev
 
     def check_floors(self, *, healthy: bool) -> None:
         """Compare each rule's floor with the kernel's low watermark and the MemAvailable seen
-        while healthy; report each new problem once as a ``watermark`` warning."""
+        while healthy; report each new problem once as a ``watermark`` warning. ``healthy`` False: the
+        watermark checks only (the MemAvailable now is not a healthy figure)."""
         _daemon_view.run_floor_checks(self, healthy=healthy)
 
     def status_json(self) -> Status:

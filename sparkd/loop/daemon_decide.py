@@ -221,6 +221,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             rearmed = running and not idle and not monitor_only
             if rearmed:
                 daemon.guard.engine.reset_cooldowns(d.rule)
+            if rule is not None:  # nor is it a trip toward "stopping would loop": nothing was stopped
+                daemon.loop_guard.withdraw_trip(d.rule)
             daemon.event(
                 "recovered_before_stop",
                 f"{d.rule}: recovered before stop (MemAvailable {fmt_gib(fresh.mem_available)}, "

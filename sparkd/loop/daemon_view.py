@@ -193,7 +193,7 @@ def run_floor_checks(daemon: Daemon, *, healthy: bool, at_start: bool = False) -
             daemon.event("watermark", r.reason, details=r.details())
     daemon.floor_warnings = check_floors(
         g.rules,
-        healthy_mem_available_bytes=last.mem_available,
+        healthy_mem_available_bytes=last.mem_available if healthy else None,
         low_watermark_bytes=g.low_watermark,
         min_free_kbytes=daemon.vm_tunables.get("min_free_kbytes"),
         watermark_scale_factor=daemon.vm_tunables.get("watermark_scale_factor"),

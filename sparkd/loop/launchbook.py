@@ -86,6 +86,7 @@ class LaunchBook:
     autostart_pending: bool
     mem_limit_bytes: int | None
     mem_swap_bytes: int | None
+    first_sight: bool
     unattended: Unattended
     parser: LaunchLogParser | None
     _log_stop: threading.Event | None

@@ -61,6 +61,8 @@ class RunBook(LaunchBook):
         self.container_started_at = obs.started_at
         self.launch_started_at = (self.launch_started_at or obs.started_at) if first_sight else obs.started_at
         self._oom_record, self._metrics_prev, self._stall_polls = None, None, 0
+        # a run first seen already running: its `ready` reads memory under a load of unknown age (not "healthy")
+        self.first_sight = first_sight
         if first_sight:
             await self._adopted(obs)
         else:
@@ -178,7 +180,9 @@ class RunBook(LaunchBook):
             "ready",
             f"{self.name} /health ready after {t_ready:.1f} s; start-up trough "
             f"MemAvailable {fmt_gib(self.trough_bytes)}",
-            details={"time_to_ready_s": t_ready, "trough_bytes": self.trough_bytes},
+            # adopted: a run first seen running (sparkd restarted beside it, guard mode): the loop guard does not
+            # take this moment's MemAvailable as the model's healthy figure (helper-32)
+            details={"time_to_ready_s": t_ready, "trough_bytes": self.trough_bytes, "adopted": self.first_sight},
         )
         self._save_launch(ready_at=now, trough_bytes=self.trough_bytes, status="ready")
 

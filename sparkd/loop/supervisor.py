@@ -142,6 +142,7 @@ class Supervisor(RunBook):
         self.mem_limit_bytes: int | None = None
         # swap the watched run may use beyond --memory (containerspec.swap_allowance_bytes); None: not read yet
         self.mem_swap_bytes: int | None = None
+        self.first_sight = False  # the run watched was first seen already running (``_take_run``)
         self.restarts: collections.deque[float] = collections.deque(maxlen=100)
         self.parser: LaunchLogParser | None = None
         self._log_stop: threading.Event | None = None
@@ -685,6 +686,7 @@ class Supervisor(RunBook):
         """sparkd launched a new container (called by ``_launch`` under the observation lock)."""
         self.seen_started_at, self.seen_restart_count, self.restart_warned = started_at, 0, False
         self.restart_count, self.restart_policy = 0, "no"
+        self.first_sight = False  # sparkd saw this run start: its `ready` is a healthy reading
         obs = Observation(launched=True, started_at=started_at, detail=f"launched by {source}", name=self.name)
         await self.apply(transition(self.state, obs), obs)
 

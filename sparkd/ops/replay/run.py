@@ -175,6 +175,8 @@ def replay(
     ``changes``: what the daemon told its engine between samples (``core.engine.engine_changes``
     of the stored events: measured stops, demotions, restarts), applied before the first sample
     after each (sample ``ts`` and change ``ts`` on one clock: a database trace's epoch seconds).
+    A stop trip whose re-check finds memory recovered forgets its rule's cooldown, as the live guard does
+    while a model runs; with ``changes`` the daemon's own record of that is applied instead.
 
     Raises:
         ValueError: a ``%`` threshold with MemTotal unknown, or an invalid rule.
@@ -200,6 +202,10 @@ def replay(
             derive(s)  # samples built by hand: usable as build_sample derives it (the loaders already did)
         for p in pending:  # re-check the previous sample's stop trips on this one
             p.recheck = engine.recheck(p.rule, s)
+            if p.recheck is False and not changes:
+                # the live guard forgets the cooldown of a trip that stopped nothing while a model runs, as a
+                # replay assumes; a database trace has the daemon's own record of it (engine_changes)
+                engine.reset_cooldowns(p.rule)
         pending = []
         decisions = engine.step(s)
         step = _record(s, trace.synthetic[i], trace.labels[i], decisions, first, max_counter, pending)
