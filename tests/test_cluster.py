@@ -195,12 +195,49 @@ def test_it_authenticates_by_address_and_token(tmp_path: Path) -> None:
     c = Cluster(
         ClusterSettings(node="a", peers=[PeerSettings(name="b", url="http://127.0.0.5:1", token_file=str(tok))])
     )
+    assert c.tokens["b"].wait(5)  # read in a worker thread, never on the event loop
     assert c.authenticate("127.0.0.5", "s3cret") is not None
     assert c.authenticate("127.0.0.5", "nope") is None
     assert c.authenticate("127.0.0.6", "s3cret") is None
     assert c.authenticate(None, "s3cret") is None
     tok.write_text("")
     assert c.authenticate("127.0.0.5", "") is None  # an empty secret never matches
+
+
+def test_a_token_file_that_blocks_never_blocks_the_caller_and_a_new_token_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer token on a hung mount (a FIFO here: its open blocks until a writer comes) was read on the event loop
+    at a trip's broadcast and at any GET of /api/cluster: the guard, the stop and the API froze for as long
+    (43 s, helper-33). It is read in a worker thread; the caller gets the value last read at once."""
+    import os
+
+    from sparkd.loop import cluster as cluster_mod
+
+    fifo = tmp_path / "token.fifo"
+    os.mkfifo(fifo)
+    c = Cluster(
+        ClusterSettings(node="a", peers=[PeerSettings(name="b", url="http://127.0.0.5:1", token_file=str(fifo))])
+    )
+    try:
+        t0 = time.monotonic()
+        assert c.authenticate("127.0.0.5", "s3cret") is None and c.token(c.settings.peers[0]) is None
+        assert time.monotonic() - t0 < 0.5  # answered at once, the read still blocked in its thread
+        assert not c.tokens["b"].wait(0.2)
+    finally:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the blocked reader opens; then it reads this
+        os.write(fd, b"s3cret\n")
+        os.close(fd)
+    assert c.tokens["b"].wait(5)
+    assert c.authenticate("127.0.0.5", "s3cret") is not None
+    plain = tmp_path / "t"
+    plain.write_text("old\n")
+    monkeypatch.setattr(cluster_mod, "TOKEN_REFRESH_S", 0.0)  # a rotated token: read again at the next use
+    tf = cluster_mod.TokenFile(plain)
+    assert tf.wait(5) and tf.get() == "old"
+    plain.write_text("new\n")
+    assert tf.wait(5) and tf.get() in ("old", "new")  # that use started the read
+    assert tf.wait(5) and tf.get() == "new"
 
 
 def test_a_coordinated_launch_starts_the_worker_first(pair: Any) -> None:

@@ -1,8 +1,9 @@
 """The supervisor's look for containers sparkd will not stop (``Supervisor._check_unguarded``) and its reading of
 Docker's memory limits (``RunBook._follow_memory_limit``), at the edges a real engine cannot be made to hit on
 cue: an action taking the lock during the ``docker ps``, no run watched, an engine error answer, a host without
-swap accounting. The Docker manager is a stub here (the edge); the real engine's path has its own tests in
-``test_e2e_docker.py`` (``…second_container_with_sparkds_labels…``, ``…docker_update_of_the_memory_limit…``)."""
+swap accounting, a trip while another stop holds the lock. The Docker manager is a stub here (the edge); the
+real engine's path has its own tests in ``test_e2e_docker.py`` (``…second_container_with_sparkds_labels…``,
+``…docker_update_of_the_memory_limit…``) and ``test_cluster.py`` (a peer's stop)."""
 
 from __future__ import annotations
 
@@ -196,3 +197,24 @@ def test_memory_made_unlimited_does_not_say_the_container_may_no_longer_swap(tmp
     _follow(sup, 0, -1)
     (ev,) = events
     assert "--memory is unlimited now" in ev["message"] and "no longer swap" not in ev["message"], ev
+
+
+# --------------------------------------------------------------------------- a trip while a stop is under way
+
+
+def test_a_trip_while_another_stop_is_under_way_is_covered_by_it_and_keeps_its_cooldown(tmp_path: Path) -> None:
+    """A peer's stop (or an operator's) held the lock when the local rule tripped: ``stop_not_executed`` reset the
+    rules' cooldowns, so the rule tripped critically again every few samples through the grace, each trip
+    broadcast to the peers again (helper-33). The trip is covered by the stop under way (``trip_during_stop``)."""
+    m = Manager([])
+    m.ping = lambda: True  # type: ignore[attr-defined]
+    sup, events = _sup(tmp_path, m)
+
+    async def trip_during_a_stop() -> None:
+        async with sup.lock:  # the peer's stop
+            sup.action = "stopping"
+            await sup.emergency_stop("rule low_available", "MemAvailable 4.00 GiB < 6.00 GiB for 4.00 s")
+
+    asyncio.run(trip_during_a_stop())
+    assert _kinds(events) == ["trip_during_stop"], events
+    assert "covers it" in events[0]["message"] and events[0]["details"]["source"] == "rule low_available"

@@ -21,6 +21,7 @@ import hmac
 import ipaddress
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,56 @@ class PeerResult:
     body: dict[str, Any] | None = None
 
 
+#: How often a peer's token file is read again (s): a rotated token takes effect within this.
+TOKEN_REFRESH_S = 5.0
+
+
+class TokenFile:
+    """A token file read in a worker thread, never on the event loop. The loop runs the guard's ticks, the stop and
+    the API: a token file on a hung mount (or a FIFO) froze all of them at a trip's broadcast, and any local GET of
+    ``/api/cluster`` froze the guard for as long (helper-33). ``get()`` answers at once with the value last read
+    (None before the first read ends, or when unreadable or empty) and starts a new read when the last is older
+    than ``TOKEN_REFRESH_S``; at most one read per file is under way (a read that hangs holds one thread only)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.value: str | None = None
+        self.read_at: float | None = None  # monotonic s of the last read that ended
+        self._reading = threading.Event()
+        self._mu = threading.Lock()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Start a read in a daemon thread unless one is under way."""
+        with self._mu:
+            if self._reading.is_set():
+                return
+            self._reading.set()
+        threading.Thread(target=self._read, name="sparkd-peer-token", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            try:
+                text: str | None = self.path.read_text().strip() or None
+            except (OSError, UnicodeDecodeError):
+                text = None
+            self.value, self.read_at = text, time.monotonic()
+        finally:
+            self._reading.clear()
+
+    def get(self) -> str | None:
+        if self.read_at is None or time.monotonic() - self.read_at >= TOKEN_REFRESH_S:
+            self.refresh()
+        return self.value
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for a read under way to end (tests, start-up); True when none is under way."""
+        end = time.monotonic() + timeout_s
+        while self._reading.is_set() and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self._reading.is_set()
+
+
 class Cluster:
     """The peers of this node and the calls to them.
 
@@ -72,6 +123,7 @@ class Cluster:
     def __init__(self, settings: ClusterSettings, *, emit: Emit | None = None) -> None:
         self.settings = settings
         self.emit = emit
+        self.tokens = {p.name: TokenFile(p.token_file) for p in settings.peers}
         self.peer_addresses: dict[str, set[str]] = {
             p.name: _addresses(urlsplit(p.url).hostname or "") for p in settings.peers
         }
@@ -94,14 +146,13 @@ class Cluster:
         daemon.stop_hooks.append(self.on_local_stop)
 
     # -- incoming -------------------------------------------------------------------------
-    @staticmethod
-    def token(peer: PeerSettings) -> str | None:
-        """The pair's shared secret from ``peer.token_file`` (None when unreadable or empty)."""
-        try:
-            t = Path(peer.token_file).read_text().strip()
-        except OSError:
-            return None
-        return t or None
+    def token(self, peer: PeerSettings) -> str | None:
+        """The pair's shared secret from ``peer.token_file`` (None when unreadable or empty), as last read: never
+        read on the event loop (``TokenFile``)."""
+        tf = self.tokens.get(peer.name)
+        if tf is None:
+            tf = self.tokens[peer.name] = TokenFile(peer.token_file)
+        return tf.get()
 
     def peer_from(self, client_host: str | None) -> PeerSettings | None:
         """The configured peer whose address ``client_host`` is (None for anyone else)."""

@@ -257,11 +257,20 @@ class Supervisor(RunBook):
                     details={"action": self.action},
                 )
                 return
-            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
-            if self.action != "stopping":
-                if held:
-                    await self.unattended.release_hold(before)
+            if self.action == "stopping":
+                # a stop of the model is under way (a peer's, an operator's, another rule's): it covers this one.
+                # `stop_not_executed` reset the rules' cooldowns, so the rule tripped critically again every few
+                # samples through the grace, each trip broadcast to the peers again (helper-33)
+                self._event(
+                    "trip_during_stop",
+                    f"{source}: {reason}; not acted on: a stop of {self.name} is under way and covers it",
+                    details={"source": source, "covered_by": "the stop under way"},
+                )
                 return
+            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
+            if held:
+                await self.unattended.release_hold(before)
+            return
         except DockerUnavailable as e:
             # the engine is down or hung: the model is stopped by its processes, as the engine would have
             if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
