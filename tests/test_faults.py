@@ -931,3 +931,34 @@ def test_a_run_end_note_is_taken_for_its_own_run_only_and_a_crash_stays_critical
         else:
             assert kind == "unclean_exit" and sev == "critical", events
     store.close()
+
+
+def test_an_operators_command_at_the_connection_cap_says_so_not_that_no_daemon_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Half-open connections held the API at its cap: `sparkd stop` said "no daemon answers … Connection reset by
+    peer" while the daemon ran and guarded (helper-33). It now says the daemon closed the connection and why it may
+    have (its cap), and the daemon counts the refusal."""
+    import socket
+
+    from sparkd.config import load_settings
+    from sparkd.face.cli.control import _api
+
+    state = tmp_path / "state"
+    with guarded(tmp_path, state, api="max_connections = 8\nheader_timeout_s = 30.0\n") as g:
+        cap = g.status()["http"]["connection_cap"]
+        assert cap == 8  # the least the daemon allows (httpserver.connection_cap)
+        held = [socket.create_connection(("127.0.0.1", g.port), timeout=5) for _ in range(cap)]  # no head, ever
+        try:
+            time.sleep(0.3)
+            with pytest.raises(SystemExit) as ex:
+                _api(load_settings(tmp_path / "sparkd.toml"), "POST", "/api/container/stop", timeout_s=10)
+            err = capsys.readouterr().err
+        finally:
+            for s in held:
+                s.close()
+        assert ex.value.code == 3
+        assert "closed the connection without an answer" in err and "connection cap" in err, err
+        assert "no daemon answers" not in err, err
+        st = wait_for(lambda: g.status(), 5.0)
+        assert st["http"]["refused"] >= 1, st["http"]

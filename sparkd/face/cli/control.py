@@ -44,6 +44,17 @@ def _api(
             timeout=timeout_s,
             headers={"Authorization": f"Bearer {token}", CLIENT_HEADER: "cli"},
         )
+    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+        # something accepted the connection and closed it without an answer: a daemon at its connection cap aborts
+        # new ones at once (``loop.httpserver``), and said "no daemon answers" while it ran and guarded (helper-33)
+        click.echo(
+            f"sparkd: the daemon at {url} closed the connection without an answer ({e}): it may be at its "
+            "connection cap (api.max_connections; its log says \"API connection refused\", and `refused` in "
+            "/api/status counts them). The guard does not depend on the API; retry once the clients holding "
+            "connections are gone",
+            err=True,
+        )
+        sys.exit(3)
     except httpx.HTTPError as e:
         click.echo(f"sparkd: no daemon answers at {url}: {e}", err=True)
         sys.exit(3)
