@@ -49,7 +49,7 @@ def _api(
         # new ones at once (``loop.httpserver``), and said "no daemon answers" while it ran and guarded (helper-33)
         click.echo(
             f"sparkd: the daemon at {url} closed the connection without an answer ({e}): it may be at its "
-            "connection cap (api.max_connections; its log says \"API connection refused\", and `refused` in "
+            'connection cap (api.max_connections; its log says "API connection refused", and `refused` in '
             "/api/status counts them). The guard does not depend on the API; retry once the clients holding "
             "connections are gone",
             err=True,
