@@ -423,10 +423,11 @@ def prune_archives(
         count, total = count - 1, total - victim.size_bytes
     # an incident that had to go for the size cap may leave room for routine ones planned before it: those are
     # kept, newest first (a single large postmortem must not take every routine bundle with it)
-    for spared in sorted((a for a in plan if not kinds[a.name]), key=lambda a: (a.created, a.name), reverse=True):
-        if any(kinds[a.name] for a in plan) and count + 1 <= max_count and total + spared.size_bytes <= max_total_bytes:
-            plan.remove(spared)
-            count, total = count + 1, total + spared.size_bytes
+    if any(kinds[a.name] for a in plan):
+        for spared in sorted((a for a in plan if not kinds[a.name]), key=lambda a: (a.created, a.name), reverse=True):
+            if count + 1 <= max_count and total + spared.size_bytes <= max_total_bytes:
+                plan.remove(spared)
+                count, total = count + 1, total + spared.size_bytes
     removed: list[str] = []
     for victim in plan:
         try:

@@ -171,17 +171,16 @@ class RuleEngine:
         """(Re)compile the rules against MemTotal; counters of rules that remain are kept.
         ``fixed``: keep this MemTotal whatever the samples say (replay's ``--mem-total-gib``)."""
         self._fixed = fixed
-        specs, self.unresolved = self.specs, {}
+        self.unresolved = {}
         if self.unresolved_ok and mem_total_bytes is None:
-            specs = []
-            for spec in self.specs:
+            self._base = []
+            for spec in self.specs:  # each on its own: one % rule left out, the others compiled once
                 try:
-                    compile_rules([spec], None)
+                    self._base += compile_rules([spec], None)
                 except MemTotalUnknown as e:
                     self.unresolved[spec.name] = f"cannot evaluate: MemTotal not read ({e})"
-                    continue
-                specs.append(spec)
-        self._base = compile_rules(specs, mem_total_bytes)
+        else:
+            self._base = compile_rules(self.specs, mem_total_bytes)
         self.rules = demote_rules(self._base, self.demoted)
         self.mem_total = mem_total_bytes
         self._compiled = True

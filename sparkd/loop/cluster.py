@@ -78,16 +78,17 @@ class TokenFile:
         self.path = Path(path)
         self.value: str | None = None
         self.read_at: float | None = None  # monotonic s of the last read that ended
-        self._reading = threading.Event()
+        self._idle = threading.Event()  # set while no read is under way
+        self._idle.set()
         self._mu = threading.Lock()
         self.refresh()
 
     def refresh(self) -> None:
         """Start a read in a daemon thread unless one is under way."""
         with self._mu:
-            if self._reading.is_set():
+            if not self._idle.is_set():
                 return
-            self._reading.set()
+            self._idle.clear()
         threading.Thread(target=self._read, name="sparkd-peer-token", daemon=True).start()
 
     def _read(self) -> None:
@@ -98,7 +99,7 @@ class TokenFile:
                 text = None
             self.value, self.read_at = text, time.monotonic()
         finally:
-            self._reading.clear()
+            self._idle.set()
 
     def get(self) -> str | None:
         if self.read_at is None or time.monotonic() - self.read_at >= TOKEN_REFRESH_S:
@@ -107,10 +108,7 @@ class TokenFile:
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for a read under way to end (tests, start-up); True when none is under way."""
-        end = time.monotonic() + timeout_s
-        while self._reading.is_set() and time.monotonic() < end:
-            time.sleep(0.01)
-        return not self._reading.is_set()
+        return self._idle.wait(timeout_s)
 
 
 class Cluster:
