@@ -984,3 +984,53 @@ def test_a_container_paused_while_sparkd_was_down_is_adopted_and_a_trip_stops_it
     finally:
         (proc / "meminfo").write_text(HIGH)
         s.stop()
+
+
+def test_a_flood_of_dashboard_requests_does_not_hold_up_the_emergency_stop(
+    tmp_path: Path, image: str, case_labels: dict[str, str], launcher: Any
+) -> None:
+    """150 keep-alive connections asking for the dashboard as fast as it answers (no token needed on loopback): each
+    step of the stop that waits in a worker thread (the archive's reads, the /dev/shm witness) waited behind the
+    page renders on the one event loop, and the SIGTERM went out 6–10 s after the trip (helper-33; 0.4 s without
+    the flood). From the stop's decision until its SIGTERM is out the API now reads no new request
+    (``httpserver.ReadHold``): the requests under way are answered, then the stop has the loop."""
+    import sys
+
+    from sparkd.act.procstop import ProcessStopper
+
+    s, proc = _scripted_sparkd(tmp_path, image, case_labels)
+    flood: subprocess.Popen[str] | None = None
+    try:
+        c = s.wait_state("ready", 60)
+        stopper = ProcessStopper(c["container_id"])
+        assert stopper.pids()
+        flood = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "flood.py"), str(s.api_port), "150"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(5)  # the flood at full speed
+        (proc / "meminfo").write_text(LOW)
+        t0 = time.monotonic()
+        assert wait_for(lambda: stopper.pids() == [], 60, 0.1), "the model still runs"
+        gone_s = time.monotonic() - t0
+        trip = s.wait_event("trip", 10)
+        stopping = s.wait_event("stopping", 10)
+        stopped = s.wait_event("stopped", 30)
+        flood.terminate()
+        out, _ = flood.communicate(timeout=30)
+        answered = int(out.split("answered=")[1].split()[0])
+        print(
+            f"flood of 150 connections ({answered} answers): model gone {gone_s:.1f} s after memory fell; "
+            f"stop durations {stopped['details']['durations_s']}"
+        )
+        assert answered > 300, out  # the flood did load the API
+        # 2 samples at 0.25 s to the trip, the archive, then the SIGTERM: the fake model exits at once
+        assert stopping["ts"] - trip["ts"] < 1.0, (trip, stopping)
+        assert stopped["details"]["durations_s"]["archive"] < 3.0, stopped["details"]
+        assert gone_s < 6.0, gone_s
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+        (proc / "meminfo").write_text(HIGH)
+        s.stop()

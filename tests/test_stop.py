@@ -46,6 +46,8 @@ def _run(
         assert stopped_at >= (started_at or 0)
         return shm.CleanupResult()
 
+    signalled: list[tuple[int, bool]] = []  # (before_stop calls so far, running) when run_stop said the SIGTERM is next
+
     async def postmortem(rep: StopReport) -> str | None:
         if archived_while is not None:  # was the container still running when its archive was written?
             archived_while.append(mgr.state(target.container_id).running)
@@ -65,8 +67,10 @@ def _run(
             before_stop=before_stop,
             cleanup_shm=cleanup,
             archive_after=archive_after,
+            signalled=lambda: signalled.append((len(before), mgr.state(target.container_id).running)),
         )
     )
+    assert signalled == [(1, True)]  # once, after the last witness scan, before the SIGTERM (the API reads again)
     assert started == [target.started_at]  # the /dev/shm age test gets this run's start time
     assert before == ["running"]
     if not removed:  # a removed container has no FinishedAt to read

@@ -218,3 +218,27 @@ def test_a_trip_while_another_stop_is_under_way_is_covered_by_it_and_keeps_its_c
     asyncio.run(trip_during_a_stop())
     assert _kinds(events) == ["trip_during_stop"], events
     assert "covers it" in events[0]["message"] and events[0]["details"]["source"] == "rule low_available"
+
+
+def test_an_emergency_stop_holds_the_apis_reading_and_lets_it_go_when_it_cannot_be_carried_out(tmp_path: Path) -> None:
+    """``Supervisor.emergency_stop`` holds the API's reading from its first step (``ReadHold``; the SIGTERM's
+    ``signalled`` ends it, ``test_stop``); a stop that ends before any SIGTERM (here: the engine does not answer
+    and no process of the container is found) ends the hold too, or the dashboard would wait out MAX_HOLD_S."""
+    from sparkd.loop.httpserver import ReadHold
+
+    m = Manager([])
+    m.ping = lambda: False  # type: ignore[attr-defined]
+    sup, events = _sup(tmp_path, m)
+    hold = events.read_hold = ReadHold()  # type: ignore[attr-defined]
+    seen: list[bool] = []
+    real = sup._stop_without_docker
+
+    async def spy(*a: Any, **kw: Any) -> Any:
+        seen.append(hold.held)  # held during the stop's steps
+        return await real(*a, **kw)
+
+    sup._stop_without_docker = spy  # type: ignore[method-assign]
+    asyncio.run(sup.emergency_stop("rule low_available", "MemAvailable 4.00 GiB < 6.00 GiB for 4.00 s"))
+    assert seen == [True] and hold.holds == 1
+    assert not hold.held
+    assert "stop_not_executed" in _kinds(events), events

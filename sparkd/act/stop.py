@@ -382,6 +382,7 @@ async def _stop_and_confirm(
     hard_floor_bytes: int,
     read_mem_available: Callable[[], int | None],
     emit: Emit,
+    signalled: Callable[[], None] | None = None,
 ) -> None:
     """Steps 3–5: ``docker stop`` with the grace, killed at once below the hard floor, kill
     fallbacks, then the exit code and OOMKilled read back (``rep.confirmed``: it no longer runs).
@@ -394,6 +395,8 @@ async def _stop_and_confirm(
     deadline = time.monotonic() + grace_s + ENGINE_MARGIN_S
     stop_task = asyncio.create_task(asyncio.to_thread(docker.stop, cid, grace_s))
     stop_task.add_done_callback(unheard)  # a stop given up on still ends, unheard
+    if signalled is not None:
+        signalled()  # the task's first step (the thread's start) is ahead of anything the caller lets in now
     while not stop_task.done():
         done, _ = await asyncio.wait({stop_task}, timeout=0.25)
         if done:
@@ -579,6 +582,7 @@ async def run_stop(
     before_stop: Callable[[StopReport], Awaitable[None]] | None,
     cleanup_shm: CleanupShm | None,
     archive_after: bool = False,
+    signalled: Callable[[], None] | None = None,
 ) -> StopReport:
     """Steps 1–7 for ``target``; everything it needs is handed in (act never imports loop).
 
@@ -589,7 +593,9 @@ async def run_stop(
     container's processes while the engine hangs: its archive has nothing from the engine, and the
     archive's I/O under memory pressure must not delay the SIGTERM); ``before_stop(report)`` runs right before
     ``docker stop`` (the last /dev/shm witness scan of the running processes);
-    ``cleanup_shm(started_at, stopped_at)`` removes the run's dead /dev/shm entries (None: skipped).
+    ``cleanup_shm(started_at, stopped_at)`` removes the run's dead /dev/shm entries (None: skipped);
+    ``signalled()`` is called once the stop is handed to its worker thread (the SIGTERM goes out next), also when
+    a step before it failed (the caller's API reads again: ``loop.httpserver.ReadHold``).
     The caller holds the action lock and moves the lifecycle state. Errors of a step are collected
     in ``StopReport.errors``; nothing is raised for them.
     """
@@ -608,7 +614,7 @@ async def run_stop(
     if before_stop is not None:
         await before_stop(rep)
     t1 = time.monotonic()
-    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_mem_available, emit)
+    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_mem_available, emit, signalled)
     rep.durations_s["stop"] = time.monotonic() - t1
     t2 = time.monotonic()
     if cleanup_shm is not None:

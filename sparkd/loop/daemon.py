@@ -48,6 +48,7 @@ from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.httpserver import (
     HttpStats,
     RateLimitedLog,
+    ReadHold,
 )
 from sparkd.loop.readable import ReadableGate
 from sparkd.loop.reads import Reads
@@ -232,6 +233,8 @@ class Daemon:
         self._read_error_logged = False
         self.api_server: Any = None
         self.http_stats = HttpStats()
+        # the API reads no new request while an emergency stop gets its SIGTERM out (Supervisor.emergency_stop)
+        self.read_hold = ReadHold()
         self.http_log: RateLimitedLog | None = None
         self.api_socket: socket.socket | None = None
         self.kern_source_name = "off"

@@ -83,7 +83,7 @@ async def start_api(daemon: Daemon) -> None:
         log_config=None,  # uvicorn's records go to the root logger: sparkd's queue, not a handler writing from the loop
         access_log=False,
         lifespan="off",
-        http=guarded_protocol(cap, api.header_timeout_s, daemon.http_stats, limited),
+        http=guarded_protocol(cap, api.header_timeout_s, daemon.http_stats, limited, daemon.read_hold),
         h11_max_incomplete_event_size=api.max_header_bytes,
         timeout_keep_alive=5,
         backlog=ACCEPT_BACKLOG,

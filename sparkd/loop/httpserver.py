@@ -13,6 +13,10 @@ clients were never closed. Here:
   connection over it is closed at once, before it costs more than its socket), a deadline for
   the request head (idle and slow clients are closed after ``header_timeout_s``) and a cap on
   the head's size (``max_header_bytes``, h11 refuses a larger one with 400);
+* ``ReadHold``: while the guard stops the model in an emergency, the connections read no new request until the
+  stop's SIGTERM is out (the requests under way are answered). The event loop is the guard's too: 150 keep-alive
+  connections asking for the dashboard put every worker-thread step of the stop behind their page renders, and the
+  SIGTERM went out 6–10 s after the trip instead of 0.4 s (helper-33);
 * ``RateLimitedLog`` logs a repeated error (accept failures, EMFILE) once per interval with a
   count of what it held back; ``install_exception_handler`` puts it on the event loop.
 """
@@ -100,6 +104,66 @@ class OncePerInterval(logging.Filter):
         return True
 
 
+#: the longest the API's reading is held for one stop (s): the steps before its SIGTERM are each bounded (the stop
+#: intent's write, the engine's ping, the archive's ``ARCHIVE_WAIT_S`` of 10 s); past it the API reads again whatever
+#: the stop does, so a stop that hangs never takes the dashboard with it
+MAX_HOLD_S = 15.0
+
+
+class ReadHold:
+    """The API's connections read no new request while it is held (``hold`` … ``release``; at most ``MAX_HOLD_S``).
+
+    What a connection receives while held is kept, unparsed, and its reading paused; at ``release`` each such
+    connection is handed what it kept, at the loop's next turn (not inside the caller, a stop about to send its
+    SIGTERM), and reads again. Answers under way are written, and a request head kept waiting is not closed as
+    slow nor as an idle keep-alive. ``holds`` / ``held_requests`` count holds and connections that waited (status,
+    logs). Used on the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self.holds = 0
+        self.held_requests = 0  # connections that received data while held, over all holds
+        self._waiting: set[Any] = set()  # protocols with data kept
+        self._timer: asyncio.TimerHandle | None = None
+        self._since = 0.0
+
+    def hold(self, max_s: float = MAX_HOLD_S) -> None:
+        """Hold reading from now until ``release`` or ``max_s`` seconds. A hold already on is kept (its deadline
+        stands)."""
+        if self.held:
+            return
+        self.held, self._since = True, time.monotonic()
+        self.holds += 1
+        self._timer = asyncio.get_running_loop().call_later(max_s, self.release)
+
+    def release(self) -> None:
+        """Read again; each waiting connection gets what it kept at the loop's next turn. Idempotent."""
+        if not self.held:
+            return
+        self.held = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        waiting, self._waiting = self._waiting, set()
+        if waiting:
+            log.info(
+                "API reading held %.2f s for a stop of the model (%d connections waited)",
+                time.monotonic() - self._since,
+                len(waiting),
+            )
+        loop = asyncio.get_running_loop()
+        for proto in waiting:
+            loop.call_soon(proto.resume_held)
+
+    def keep(self, proto: Any) -> None:
+        if proto not in self._waiting:
+            self._waiting.add(proto)
+            self.held_requests += 1
+
+    def forget(self, proto: Any) -> None:
+        self._waiting.discard(proto)
+
+
 @dataclass
 class HttpStats:
     """Counters for status and /metrics: connections refused over the cap, closed for a slow head."""
@@ -122,12 +186,41 @@ def install_exception_handler(loop: asyncio.AbstractEventLoop, limited: RateLimi
     loop.set_exception_handler(handler)
 
 
-def guarded_protocol(cap: int, header_timeout_s: float, stats: HttpStats, limited: RateLimitedLog) -> type[H11Protocol]:
-    """uvicorn's ``H11Protocol`` with a connection cap at accept and a deadline for each request head."""
+def guarded_protocol(
+    cap: int,
+    header_timeout_s: float,
+    stats: HttpStats,
+    limited: RateLimitedLog,
+    hold: ReadHold | None = None,
+) -> type[H11Protocol]:
+    """uvicorn's ``H11Protocol`` with a connection cap at accept, a deadline for each request head and, with
+    ``hold``, no new request read while it is held (``ReadHold``)."""
+    gate = hold if hold is not None else ReadHold()
 
     class GuardedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
         _armed: Any = None
+        _kept: bytes = b""
+
+        def data_received(self, data: bytes) -> None:
+            if gate.held or self._kept:
+                self._kept += data  # one read of the socket at most: reading pauses here
+                self.transport.pause_reading()
+                self._unset_keepalive_if_required()  # a request waiting is not an idle keep-alive
+                gate.keep(self)
+                return
+            super().data_received(data)
+
+        def resume_held(self) -> None:
+            """``ReadHold.release``: what this connection received while held, parsed now; then it reads again
+            (unless uvicorn's own flow control holds it: a request body over its high-water mark)."""
+            data, self._kept = self._kept, b""
+            if self.transport.is_closing():
+                return
+            if data:
+                super().data_received(data)
+            if not self.transport.is_closing() and not (self.flow is not None and self.flow.read_paused):
+                self.transport.resume_reading()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= cap:
@@ -151,6 +244,9 @@ def guarded_protocol(cap: int, header_timeout_s: float, stats: HttpStats, limite
 
         def _head_late(self) -> None:
             self._deadline = None
+            if gate.held or self._kept:  # waiting on the hold, not slow: its head is read once it ends
+                self._deadline = self.loop.call_later(header_timeout_s, self._head_late)
+                return
             if self.cycle is self._armed and not self.transport.is_closing():
                 stats.head_timeouts += 1
                 limited.log(
@@ -166,6 +262,8 @@ def guarded_protocol(cap: int, header_timeout_s: float, stats: HttpStats, limite
                 self._arm()  # the next request head on this keep-alive connection has the same deadline
 
         def connection_lost(self, exc: Exception | None) -> None:
+            gate.forget(self)
+            self._kept = b""
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None

@@ -294,6 +294,12 @@ class RunBook(LaunchBook):
         if d.action == "relaunch":
             self.restarts.append(time.time())
 
+    def _signalled(self) -> None:
+        """``run_stop``'s ``signalled``: the SIGTERM goes out next, so the API reads again (``ReadHold``, held by
+        ``Supervisor.emergency_stop``; without a hold on, nothing happens)."""
+        if self.daemon is not None:
+            self.daemon.read_hold.release()
+
     async def _stop(
         self,
         reason: str,
@@ -362,6 +368,7 @@ class RunBook(LaunchBook):
                 archive_after=stopper is not None,  # nothing from the engine in it: the SIGTERM first
                 before_stop=before_stop,
                 cleanup_shm=cleanup_shm,
+                signalled=self._signalled,
             )
         finally:
             reader.close()

@@ -238,69 +238,79 @@ class Supervisor(RunBook):
         uptime = time.time() - self.container_started_at if self.container_started_at else None
         ready = self.ready_at is not None
         held = was_running and not self.lock.locked()
-        if held:
-            before = await self._hold_and_count(key, source, reason)
+        hold = self.daemon.read_hold if held and self.daemon is not None else None
+        if hold is not None:
+            # the API reads no new request until the SIGTERM is out (``_stop``'s ``signalled``), at most
+            # MAX_HOLD_S: every step before it waits on the event loop, which a flood of page requests held 6-10 s
+            hold.hold()
         try:
-            if not await self._engine_answers():
-                raise DockerUnavailable(_no_answer())
-            await self._request("stop", source=source, reason=reason)
-        except Conflict as e:
-            if self.action in HANDING_OVER:
-                # a relaunch or resize holds the lock until its new run is ready, minutes of start-up (when memory
-                # peaks): the stop cannot wait for it. It is handed over; that action stops the run at once and
-                # launches nothing more (``_take_emergency``)
-                self.emergency_inbox = (source, reason)
-                self._event(
-                    "stop_handed_over",
-                    f"{source}: {reason}; the {self.action} under way stops the model now and launches nothing more",
-                    severity="warning",
-                    details={"action": self.action},
-                )
-                return
-            if self.action == "stopping":
-                # a stop of the model is under way (a peer's, an operator's, another rule's): it covers this one.
-                # `stop_not_executed` reset the rules' cooldowns, so the rule tripped critically again every few
-                # samples through the grace, each trip broadcast to the peers again (helper-33)
-                self._event(
-                    "trip_during_stop",
-                    f"{source}: {reason}; not acted on: a stop of {self.name} is under way and covers it",
-                    details={"source": source, "covered_by": "the stop under way"},
-                )
-                return
-            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
             if held:
-                await self.unattended.release_hold(before)
-            return
-        except DockerUnavailable as e:
-            # the engine is down or hung: the model is stopped by its processes, as the engine would have
-            if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
-                self.emergency_inbox = (source, reason)
-            not_done = await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
-            if isinstance(not_done, str):
-                self._event(
-                    "stop_not_executed",
-                    f"{source}: {e.message}; {not_done}",
-                    severity="warning",
-                    # no id known: the next trip acts again (the engine may answer by then); else nothing runs
-                    details=None if self.container_id is None else {"nothing_running": True},
-                )
+                before = await self._hold_and_count(key, source, reason)
+            try:
+                if not await self._engine_answers():
+                    raise DockerUnavailable(_no_answer())
+                await self._request("stop", source=source, reason=reason)
+            except Conflict as e:
+                if self.action in HANDING_OVER:
+                    # a relaunch or resize holds the lock until its new run is ready, minutes of start-up (when memory
+                    # peaks): the stop cannot wait for it. It is handed over; that action stops the run at once and
+                    # launches nothing more (``_take_emergency``)
+                    self.emergency_inbox = (source, reason)
+                    self._event(
+                        "stop_handed_over",
+                        f"{source}: {reason}; the {self.action} under way stops the model now and launches "
+                        "nothing more",
+                        severity="warning",
+                        details={"action": self.action},
+                    )
+                    return
+                if self.action == "stopping":
+                    # a stop of the model is under way (a peer's, an operator's, another rule's): it covers this one.
+                    # `stop_not_executed` reset the rules' cooldowns, so the rule tripped critically again every few
+                    # samples through the grace, each trip broadcast to the peers again (helper-33)
+                    self._event(
+                        "trip_during_stop",
+                        f"{source}: {reason}; not acted on: a stop of {self.name} is under way and covers it",
+                        details={"source": source, "covered_by": "the stop under way"},
+                    )
+                    return
+                self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
                 if held:
                     await self.unattended.release_hold(before)
                 return
-        except SparkdError as e:
-            # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
-            # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
-            # low would flood the events and the chart, and feed nothing). Docker down or busy: retried.
-            nothing = {"nothing_running": True} if isinstance(e, Refused) else None
-            self._event("stop_not_executed", f"{source}: {e.message}", severity="warning", details=nothing)
-            if held:
-                await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
-            return
-        if was_running:
-            await self.unattended.emergency(key, reason)
-            if not self.lock.locked():
-                self.stay_stopped = False
-                await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
+            except DockerUnavailable as e:
+                # the engine is down or hung: the model is stopped by its processes, as the engine would have
+                if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
+                    self.emergency_inbox = (source, reason)
+                not_done = await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
+                if isinstance(not_done, str):
+                    self._event(
+                        "stop_not_executed",
+                        f"{source}: {e.message}; {not_done}",
+                        severity="warning",
+                        # no id known: the next trip acts again (the engine may answer by then); else nothing runs
+                        details=None if self.container_id is None else {"nothing_running": True},
+                    )
+                    if held:
+                        await self.unattended.release_hold(before)
+                    return
+            except SparkdError as e:
+                # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
+                # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
+                # low would flood the events and the chart, and feed nothing). Docker down or busy: retried.
+                nothing = {"nothing_running": True} if isinstance(e, Refused) else None
+                self._event("stop_not_executed", f"{source}: {e.message}", severity="warning", details=nothing)
+                if held:
+                    await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
+                return
+            if was_running:
+                await self.unattended.emergency(key, reason)
+                if not self.lock.locked():
+                    self.stay_stopped = False
+                    await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
+        finally:
+            if hold is not None:  # the stop ended before its SIGTERM, or the hold is already off
+                hold.release()
 
     def _refuse_if_busy(self) -> None:
         """Raises Conflict ("already <action>") while an action holds the lock: one action at a time."""
