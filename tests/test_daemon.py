@@ -55,6 +55,7 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
             check=True,
         ).stdout
         assert "MemAvailable" in human and "low_available              held 0/4 s (0 samples, at least 3)" in human
+        assert "exhaustion_dips            0/3 of the last 5 samples" in human
 
 
 def test_an_nvrm_line_in_kmsg_is_recorded_with_meminfo_context(tmp_path: Path) -> None:
@@ -472,6 +473,70 @@ def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_
     assert recovered["details"]["cooldown_reset"] is True and "no cooldown" in recovered["message"], recovered
     stops, (recovered,) = asyncio.run(go("stopped"))
     assert stops == [] and recovered["details"]["cooldown_reset"] is False, (stops, recovered)
+
+
+def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
+    tmp_path: Path,
+) -> None:
+    """helper-33 alternated MemAvailable between 0.5 GiB and 6.5 GiB at each sample for 30 samples: with the default
+    rules (consecutive counters) nothing tripped and nothing was said while the host spent half its samples half a
+    GiB from the freeze. ``exhaustion_dips`` (usable < 1 GiB on 3 of the last 5 samples) stops the model on the fifth
+    sample, even when the re-check before acting reads a good figure."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+    from sparkd.loop.status import ContainerStatus
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    low = "MemTotal: 16777216 kB\nMemFree: 262144 kB\nMemAvailable: 524288 kB\n"  # 0.5 GiB
+    high = "MemTotal: 16777216 kB\nMemFree: 4194304 kB\nMemAvailable: 6815744 kB\n"  # 6.5 GiB
+    (proc / "meminfo").write_text(high)
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "proc_root": str(proc),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+        }
+    )
+
+    class Serving(MonitorOnly):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        def lifecycle_state(self) -> str:
+            return "ready"
+
+        def status_json(self) -> ContainerStatus:
+            return ContainerStatus(mode="managed", state="ready")
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    async def go() -> tuple[list[str], int, list[dict[str, Any]]]:
+        actions = Serving()
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            for i in range(30):
+                (proc / "meminfo").write_text(low if i % 2 == 0 else high)
+                r = d._tick_once()
+                assert r is not None
+                if r.decisions:
+                    (proc / "meminfo").write_text(high)  # the re-check before acting reads a good figure
+                    await d._handle(r)
+                    return actions.stops, i, [e for e in d.recent_events if e["kind"] == "trip"]
+            return actions.stops, -1, []
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, at, trips = asyncio.run(go())
+    assert (stops, at) == (["exhaustion_dips"], 4), (stops, at)
+    assert trips[0]["severity"] == "critical" and "on 3 of the last 5 samples" in trips[0]["message"], trips
 
 
 def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:

@@ -301,8 +301,8 @@ def test_rules_without_a_loop_floor_are_never_convicted() -> None:
 def test_demote_copies() -> None:
     rules = default_rules(None)
     out = demote(rules, ["low_available"])
-    assert [r.action for r in out] == ["warn", "stop", "stop"]
-    assert [r.action for r in rules] == ["stop", "stop", "stop"]
+    assert [r.action for r in out] == ["warn", "stop", "stop", "stop"]
+    assert [r.action for r in rules] == ["stop", "stop", "stop", "stop"]
 
 
 def test_the_docs_example_config_fits_the_fixture_host() -> None:

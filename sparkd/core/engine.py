@@ -275,7 +275,7 @@ class RuleEngine:
         (CONTEXT.md "Relief"). Unknown names are ignored."""
         st = self.states.get(rule_name)
         if st is not None:
-            st.counter, st.started_mono = 0, None
+            st.counter, st.started_mono, st.recent = 0, None, 0
 
     def demote(self, rule_name: str, reason: str) -> None:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""
@@ -339,6 +339,7 @@ def _unresolved_json(spec: RuleSpec, why: str) -> dict[str, Any]:
         "floor_bytes": parse_size(spec.floor) if spec.floor else None,
         "within_s": spec.within_s,
         "window_s": spec.window_s,
+        "of_last": spec.of_last,
         "demoted": None,
         "counter": 0,
         "near_misses": 0,

@@ -9,6 +9,11 @@ held for ``for_s`` seconds (first counted sample to now) **and** over at least
 ``samples`` samples — so it means the same time at 1 s and at 0.25 s sampling,
 and a single excursion can never trip it however coarse the sampling.
 
+A rule with ``of_last`` (N) counts instead the samples that held among the last N, consecutive or
+not, and trips when they reach ``samples``: a signal flapping across its line at the sampling rate
+never trips a consecutive counter (helper-33). Its trip is not re-checked on a fresh sample
+(``still_holds``): one good reading is exactly what such a signal shows every other sample.
+
 Gated rules: a sample where ``when`` holds but no evidence does is a *near
 miss* — recorded with its values, not counted (operators' change log: an
 ungated MemFree rule stopped healthy servers).
@@ -141,6 +146,8 @@ class Rule:
     within_s: float | None = None
     window_s: float = 2.0
     for_s: float | None = None
+    #: a count rule's window: it trips on ``samples`` held samples among the last ``of_last`` (None: consecutive)
+    of_last: int | None = None
     #: ``inputs()`` as a tuple, computed once (``blind_reason`` reads it every tick)
     input_attrs: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -196,6 +203,7 @@ class Rule:
             "floor_bytes": self.floor_bytes,
             "within_s": self.within_s,
             "window_s": self.window_s,
+            "of_last": self.of_last,
         }
 
     def _size_limits(self) -> list[tuple[str, float]]:
@@ -244,6 +252,8 @@ class RuleSpec(Protocol):
     def window_s(self) -> float: ...
     @property
     def for_s(self) -> float | None: ...
+    @property
+    def of_last(self) -> int | None: ...
 
 
 def default_samples(c: RuleSpec) -> int:
@@ -274,6 +284,7 @@ def compile_rules(configs: Iterable[RuleSpec], mem_total_bytes: int | None) -> l
                 within_s=c.within_s,
                 window_s=c.window_s,
                 for_s=c.for_s,
+                of_last=c.of_last,
             )
         )
     return out
@@ -284,9 +295,11 @@ class RuleState:
     """Per-rule counters. ``started_mono``: monotonic time of the first counted sample.
 
     ``blind``: why the rule could not evaluate on the last sample (an input it needs was
-    not read), or ``None``."""
+    not read), or ``None``. ``recent``: a rule with ``of_last``: which of its last samples held
+    (bit 0 the newest); ``counter`` is then how many of them did."""
 
     counter: int = 0
+    recent: int = 0
     started_mono: float | None = None
     near_misses: int = 0
     trips: int = 0
@@ -447,7 +460,7 @@ def evaluate(
         st.blind = blind_reason(rule, sample)
         for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
             if c.holds(sample) is not True:
-                st.counter, st.started_mono = 0, None
+                _miss(rule, st)
                 break
         else:
             d = _held(rule, st, sample, now, cooldown_s, slope, horizon_s)
@@ -480,7 +493,7 @@ def _held(
         seen = [c for c in rule.evidence if c.holds(sample) is True]
         values.update({c.name: getattr(sample, c.attr) for c in rule.evidence})
         if not seen:
-            st.counter, st.started_mono = 0, None
+            _miss(rule, st)
             st.near_misses += 1
             needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
             now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.evidence)
@@ -493,24 +506,42 @@ def _held(
         parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
     if st.counter == 0:
         st.started_mono = now
-    st.counter += 1
+    if rule.of_last is not None:
+        st.recent = ((st.recent << 1) | 1) & ((1 << rule.of_last) - 1)
+        st.counter = st.recent.bit_count()
+    else:
+        st.counter += 1
     held_s = now - (st.started_mono if st.started_mono is not None else now)
     # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
     if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
         return None
-    if rule.for_s is None:
+    if rule.of_last is not None:
+        dur = f"on {st.counter} of the last {rule.of_last} samples ({held_s:.2f} s)"
+    elif rule.for_s is None:
         dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"
     else:
         dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
     reason = f"{rule.name}: {', '.join(parts)} {dur}"
     count = st.counter
-    st.counter, st.started_mono = 0, None
+    st.counter, st.started_mono, st.recent = 0, None, 0
     if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
         return Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
     st.trips += 1
     st.last_trip_mono = now
     st.last_reason = reason
     return Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now)
+
+
+def _miss(rule: Rule, st: RuleState) -> None:
+    """A sample on which ``rule`` does not count: a consecutive counter starts again; a rule with ``of_last`` shifts
+    the miss into its window (the samples that held stay counted until they leave it)."""
+    if rule.of_last is None:
+        st.counter, st.started_mono = 0, None
+        return
+    st.recent = (st.recent << 1) & ((1 << rule.of_last) - 1)
+    st.counter = st.recent.bit_count()
+    if st.counter == 0:
+        st.started_mono = None
 
 
 def still_holds(
@@ -520,7 +551,11 @@ def still_holds(
 
     For predictive rules the projection must still hold (issue: re-check before acting);
     a gated rule — predictive or not — also needs its evidence, as in ``evaluate``.
+    A rule with ``of_last`` is not re-checked (True): it trips on a pattern of samples, which one fresh
+    reading cannot take back (a flapping signal reads good every other sample).
     """
+    if rule.of_last is not None:
+        return True
     if not all(c.holds(sample) is True for c in rule.when):
         return False
     if rule.kind == "predictive" and not _projection(rule, sample, slope, now, horizon_s)[0]:
