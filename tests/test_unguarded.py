@@ -218,6 +218,8 @@ def test_a_trip_while_another_stop_is_under_way_is_covered_by_it_and_keeps_its_c
     asyncio.run(trip_during_a_stop())
     assert _kinds(events) == ["trip_during_stop"], events
     assert "covers it" in events[0]["message"] and events[0]["details"]["source"] == "rule low_available"
+    # the host's own emergency, though a peer's stop covers it: counted toward the breaker under the run's key
+    assert [k for _t, k in sup.unattended.state.breaker.emergencies] == [WATCHED]
 
 
 def test_an_emergency_stop_holds_the_apis_reading_and_lets_it_go_when_it_cannot_be_carried_out(tmp_path: Path) -> None:

@@ -273,6 +273,9 @@ class Supervisor(RunBook):
                         f"{source}: {reason}; not acted on: a stop of {self.name} is under way and covers it",
                         details={"source": source, "covered_by": "the stop under way"},
                     )
+                    if was_running:  # the host's own emergency all the same: counted toward the breaker (once per
+                        # launch), which a peer's or an operator's stop under way does not count
+                        await self.unattended.emergency(key, reason)
                     return
                 self._event("stop_not_executed", f"{source}: {e.message}", severity="warning")
                 if held:
