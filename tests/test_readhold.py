@@ -5,6 +5,7 @@ sockets, sparkd's protocol). The end to end case, a flood of dashboard requests 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -169,3 +170,27 @@ def test_hold_and_release_are_idempotent(twice: bool) -> None:
 
     gate = asyncio.run(go())
     assert not gate.held and gate.holds == 1
+
+
+def test_what_a_connection_sends_while_held_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a connection sends while held is kept in sparkd's memory, during the very stop that memory is short for:
+    reading pauses at the first read (one socket read at most is kept, however much the client sends), and a
+    connection whose kept bytes would pass ``KEEP_MAX_BYTES`` (uvicorn resumed its reading) is closed."""
+    from sparkd.loop import httpserver
+
+    async def body(gate: ReadHold, port: int, slow: asyncio.Event) -> None:
+        gate.hold()
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 9999999\r\n\r\n" + b"x" * 4_000_000)
+        await asyncio.sleep(0.5)
+        (proto,) = gate._waiting
+        assert 0 < len(proto._kept) <= 256 * 1024, len(proto._kept)  # one read, not the 4 MB sent
+        w.transport.abort()
+        monkeypatch.setattr(httpserver, "KEEP_MAX_BYTES", 16)
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        w2.write(GET)  # 29 bytes > 16: closed, nothing kept
+        assert await asyncio.wait_for(r2.read(), 2) == b""
+        assert gate._waiting == {proto}  # the closed one was not kept (the first waits: its close is unread)
+        gate.release()
+
+    _run(body)

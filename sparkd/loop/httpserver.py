@@ -108,6 +108,10 @@ class OncePerInterval(logging.Filter):
 #: intent's write, the engine's ping, the archive's ``ARCHIVE_WAIT_S`` of 10 s); past it the API reads again whatever
 #: the stop does, so a stop that hangs never takes the dashboard with it
 MAX_HOLD_S = 15.0
+#: the most a connection may send while held (bytes): a request head (``api.max_header_bytes``, 16 KiB by default)
+#: and a control request's body (``api.max_body_bytes``, 64 KiB) fit; a connection sending more is closed, so a
+#: flood cannot grow the guard's memory (OOMScoreAdjust -1000) during the very stop that memory is short for
+KEEP_MAX_BYTES = 128 * 1024
 
 
 class ReadHold:
@@ -204,7 +208,12 @@ def guarded_protocol(
 
         def data_received(self, data: bytes) -> None:
             if gate.held or self._kept:
-                self._kept += data  # one read of the socket at most: reading pauses here
+                if len(self._kept) + len(data) > KEEP_MAX_BYTES:
+                    gate.forget(self)
+                    self._kept = b""
+                    self.transport.abort()
+                    return
+                self._kept += data  # reading pauses here: one more read of the socket at most
                 self.transport.pause_reading()
                 self._unset_keepalive_if_required()  # a request waiting is not an idle keep-alive
                 gate.keep(self)
