@@ -5,7 +5,6 @@ sockets, sparkd's protocol). The end to end case, a flood of dashboard requests 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable
