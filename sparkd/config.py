@@ -36,10 +36,10 @@ class RuleConfig(BaseModel):
     ``within_s``, ``window_s``) on top of ``when``; ``within_s`` unset = the time a stop
     takes (``container.stop_timeout_s``, or measured stops). ``for_s`` makes the rule
     duration-based: it trips after ``for_s`` seconds *and* at least ``samples`` samples
-    (default 3); without it, after ``samples`` consecutive samples (default 5). ``of_last``
-    (N, a count rule only) makes it trip on ``samples`` of the last N samples, consecutive or
-    not: a signal that flaps across the line at the sampling rate resets a consecutive counter
-    at every good sample and is never stopped (helper-33: 0.5 ↔ 6.5 GiB for 30 samples).
+    (default 3); without it, after ``samples`` consecutive samples (default 5). ``in_last_s``
+    (W, a duration rule only) counts ``for_s`` in total within the last W seconds, consecutive or
+    not: a signal that flaps across the line at the sampling rate resets a consecutive counter at
+    every good sample and is never stopped (helper-33: 0.5 ↔ 6.5 GiB for 30 samples).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -54,7 +54,7 @@ class RuleConfig(BaseModel):
     floor: str | None = None
     within_s: float | None = Field(default=None, gt=0, le=600)
     window_s: float = Field(default=3.0, gt=0, le=600)
-    of_last: int | None = Field(default=None, ge=2, le=64)
+    in_last_s: float | None = Field(default=None, gt=0, le=600)
 
     @field_validator("when", "evidence")
     @classmethod
@@ -79,14 +79,14 @@ class RuleConfig(BaseModel):
     def _predictive(self) -> RuleConfig:
         if self.kind == "predictive" and self.floor is None:
             raise ValueError("a predictive rule needs 'floor' (e.g. floor = \"4GiB\")")
-        if self.of_last is not None:
-            if self.for_s is not None or self.kind == "predictive":
+        if self.in_last_s is not None:
+            if self.for_s is None or self.kind == "predictive":
                 raise ValueError(
-                    "of_last (samples of the last N) applies to a count rule only: leave out for_s, and kind "
-                    'must be "threshold"'
+                    "in_last_s (for_s held in total within the last in_last_s seconds) needs for_s, and kind must "
+                    'be "threshold"'
                 )
-            if (self.samples or 5) > self.of_last:
-                raise ValueError(f"samples ({self.samples or 5}) must be at most of_last ({self.of_last})")
+            if self.for_s > self.in_last_s:
+                raise ValueError(f"for_s ({self.for_s:g}) must be at most in_last_s ({self.in_last_s:g})")
         return self
 
 
@@ -131,11 +131,12 @@ DEFAULT_RULES: list[dict[str, Any]] = [
         "for_s": 0.5,
         "samples": 2,
     },
-    # usable memory at the hard floor's default (1 GiB) on 3 of the last 5 samples, consecutive or not. The rules
-    # above reset at each good sample: usable flapping 0.5 ↔ 6.5 GiB at the sampling rate was never stopped
-    # (helper-33). One dip alone never trips it (one-sample rules stopped healthy servers); at 0.5 GiB the host
-    # is one allocation from the freeze, where earlyoom acts on one reading.
-    {"name": "exhaustion_dips", "when": ["usable < 1GiB"], "samples": 3, "of_last": 5},
+    # usable memory below 3 GiB for 3 s in total within the last 10 s, consecutive or not. The rules above reset at
+    # each good sample: usable flapping 0.5 ↔ 6.5 GiB at the sampling rate was never stopped (helper-33). 3 GiB is
+    # the operators' own line for danger without other evidence (their MemFree rule counts below it with no driver
+    # error) and container.hard_floor's default; 3 s in total keeps a short excursion from tripping it at any
+    # sampling rate (one-sample rules stopped healthy servers), and a 1-in-3 duty cycle of dips still trips.
+    {"name": "repeated_dips", "when": ["usable < 3GiB"], "for_s": 3.0, "in_last_s": 10.0, "samples": 3},
 ]
 
 

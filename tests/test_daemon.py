@@ -55,7 +55,7 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
             check=True,
         ).stdout
         assert "MemAvailable" in human and "low_available              held 0/4 s (0 samples, at least 3)" in human
-        assert "exhaustion_dips            0/3 of the last 5 samples" in human
+        assert "repeated_dips              held 0/3 s in the last 10 s (0 samples, at least 3)" in human
 
 
 def test_an_nvrm_line_in_kmsg_is_recorded_with_meminfo_context(tmp_path: Path) -> None:
@@ -480,8 +480,8 @@ def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_b
 ) -> None:
     """helper-33 alternated MemAvailable between 0.5 GiB and 6.5 GiB at each sample for 30 samples: with the default
     rules (consecutive counters) nothing tripped and nothing was said while the host spent half its samples half a
-    GiB from the freeze. ``exhaustion_dips`` (usable < 1 GiB on 3 of the last 5 samples) stops the model on the fifth
-    sample, even when the re-check before acting reads a good figure."""
+    GiB from the freeze. ``repeated_dips`` (usable < 3 GiB for 3 s in total within the last 10 s) stops the model on
+    the seventh sample, even when the re-check before acting reads a good figure."""
     import asyncio
 
     from sparkd.config import load_settings
@@ -523,6 +523,7 @@ def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_b
         try:
             for i in range(30):
                 (proc / "meminfo").write_text(low if i % 2 == 0 else high)
+                d.guard.mono = lambda i=i: 1000.0 + i  # type: ignore[union-attr]  # one sample a second
                 r = d._tick_once()
                 assert r is not None
                 if r.decisions:
@@ -535,8 +536,8 @@ def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_b
             await d.shutdown("test")
 
     stops, at, trips = asyncio.run(go())
-    assert (stops, at) == (["exhaustion_dips"], 4), (stops, at)
-    assert trips[0]["severity"] == "critical" and "on 3 of the last 5 samples" in trips[0]["message"], trips
+    assert (stops, at) == (["repeated_dips"], 6), (stops, at)
+    assert trips[0]["severity"] == "critical" and "3.00 s in total within the last 10 s" in trips[0]["message"], trips
 
 
 def test_a_stopped_daemon_says_how_long_it_saw_nothing(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def test_while_held_no_new_request_is_read_on_open_or_new_connections_and_each_i
         w2.write(b"GET /y HTTP/1.1\r\nHost: t\r\n\r\n")
         assert await _answer(r1, 0.5) is None
         assert await _answer(r2, 0.1) is None
-        gate.release()
+        gate.release_any()
         assert await _answer(r1, 2) == b"/x"
         assert await _answer(r2, 2) == b"/y"
         w1.write(GET)  # and it reads as before
@@ -100,7 +100,7 @@ def test_a_request_under_way_when_the_hold_begins_is_answered_while_held() -> No
         slow.set()
         assert await _answer(r, 2) == b"/slow"
         assert gate.held
-        gate.release()
+        gate.release_any()
         w.close()
 
     _run(body)
@@ -125,7 +125,7 @@ def test_a_request_head_kept_waiting_by_the_hold_is_not_closed_as_slow() -> None
         gate.hold()
         w.write(GET)
         assert await _answer(r, 0.8) is None  # four head deadlines of 0.2 s
-        gate.release()
+        gate.release_any()
         assert await _answer(r, 2) == b"/x"
         w.close()
 
@@ -143,7 +143,7 @@ def test_a_connection_closed_by_its_client_while_held_is_let_go_at_the_release()
         assert len(gate._waiting) == 1
         w.close()
         await asyncio.sleep(0.1)
-        gate.release()
+        gate.release_any()
         await asyncio.sleep(0.2)
         assert not gate._waiting
         r2, w2 = await asyncio.open_connection("127.0.0.1", port)
@@ -163,8 +163,8 @@ def test_hold_and_release_are_idempotent(twice: bool) -> None:
             gate.hold(max_s=0.01)  # a hold already on keeps its deadline
             await asyncio.sleep(0.05)
             assert gate.held
-        gate.release()
-        gate.release()
+        gate.release_any()
+        gate.release_any()
         return gate
 
     gate = asyncio.run(go())
@@ -190,6 +190,70 @@ def test_what_a_connection_sends_while_held_is_bounded(monkeypatch: pytest.Monke
         w2.write(GET)  # 29 bytes > 16: closed, nothing kept
         assert await asyncio.wait_for(r2.read(), 2) == b""
         assert gate._waiting == {proto}  # the closed one was not kept (the first waits: its close is unread)
-        gate.release()
+        gate.release_any()
 
     _run(body)
+
+
+def test_a_hold_is_ended_by_its_owner_or_by_a_sigterm_not_by_another_stops_clean_up() -> None:
+    """Two emergency stops at once (a probe failure and a trip): the second finds the hold on and ends with
+    ``trip_during_stop``; its clean-up must not end the first's hold before the first's SIGTERM (helper-34)."""
+
+    async def go() -> list[bool]:
+        gate, seen = ReadHold(), []
+        first = gate.hold()
+        second = gate.hold()
+        assert first == 1 and second is None
+        gate.release(second)  # the second stop's clean-up: not its hold
+        seen.append(gate.held)
+        gate.release(0)  # an older hold's number: not the one on
+        seen.append(gate.held)
+        gate.release_any()  # the SIGTERM is out: whatever hold is on ends
+        seen.append(gate.held)
+        third = gate.hold()
+        gate.release(first)  # the first stop's late clean-up: the third hold stays
+        seen.append(gate.held)
+        gate.release(third)
+        seen.append(gate.held)
+        return seen
+
+    assert asyncio.run(go()) == [True, True, False, True, False]
+
+
+def test_connections_on_the_link_networks_sockets_are_never_held() -> None:
+    """Peers call on ``cluster.listen``'s sockets only: a peer's stop request kept by the hold waited past its
+    ``peer_timeout_s`` (3 s) and read as a critical ``peer_unreachable`` (helper-34). The daemon puts those sockets'
+    addresses in ``ReadHold.exempt``; the dashboard's socket is held as before."""
+    gate, stats = ReadHold(), HttpStats()
+
+    async def go() -> None:
+        socks = []
+        for _ in range(2):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)
+            socks.append(sock)
+        api_port, link_port = (s.getsockname()[1] for s in socks)
+        gate.exempt = {("127.0.0.1", link_port)}
+        proto = guarded_protocol(64, 5.0, stats, RateLimitedLog(logging.getLogger("t")), gate)
+        server = QuietServer(uvicorn.Config(_app(None), log_level="warning", lifespan="off", http=proto))
+        task = asyncio.create_task(server.serve(sockets=socks))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            gate.hold()
+            r1, w1 = await asyncio.open_connection("127.0.0.1", api_port)
+            r2, w2 = await asyncio.open_connection("127.0.0.1", link_port)
+            w1.write(GET)
+            w2.write(GET)
+            assert await _answer(r2, 2) == b"/x"  # the peer's, at once
+            assert await _answer(r1, 0.3) is None  # the dashboard's waits
+            gate.release_any()
+            assert await _answer(r1, 2) == b"/x"
+            for w in (w1, w2):
+                w.close()
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 5)
+
+    asyncio.run(go())

@@ -129,9 +129,9 @@ def test_seed_and_default_rules_compile() -> None:
         ("low_available", "threshold", 3, 4.0, False),
         ("low_free_with_evidence", "threshold", 3, 4.0, True),
         ("collapse_projected", "predictive", 2, 0.5, False),
-        ("exhaustion_dips", "threshold", 3, None, False),
+        ("repeated_dips", "threshold", 3, 3.0, False),
     ]
-    assert default[-1].of_last == 5 and all(r.of_last is None for r in default[:-1])
+    assert default[-1].in_last_s == 10.0 and all(r.in_last_s is None for r in default[:-1])
     # every default rule judges usable memory (MemAvailable - CmaFree)
     assert {c.attr for r in default for c in (*r.when, *r.evidence) if c.is_size} == {
         "mem_available_minus_cma",
@@ -452,78 +452,97 @@ def test_a_projection_horizon_is_printed_to_a_tenth_of_a_second() -> None:
     assert [_secs(v) for v in (24.0, 5.62621, 0.25, 120.0)] == ["24", "5.6", "0.2", "120"]
 
 
-# ----------------------------------------------------------------- samples of the last N (of_last)
+# ----------------------------------------------------------------- held in total within a window (in_last_s)
 
 FLAP = [0.5, 6.5] * 15  # usable flapping across every line at the sampling rate (helper-33): 30 samples
+DIPS = {"name": "dips", "when": ["usable < 3GiB"], "for_s": 3.0, "in_last_s": 10.0, "samples": 3}
 
 
-def test_memory_flapping_at_the_sampling_rate_never_trips_the_consecutive_rules_but_trips_exhaustion_dips() -> None:
-    """helper-33 alternated MemAvailable between 0.5 GiB (below the 1 GiB hard floor) and 6.5 GiB each sample for 30
-    samples: every consecutive counter reset at each good sample, and nothing was ever stopped. The default
-    ``exhaustion_dips`` (usable < 1 GiB on 3 of the last 5 samples) trips on the fifth sample."""
+def test_memory_flapping_at_the_sampling_rate_never_trips_the_consecutive_rules_but_trips_repeated_dips() -> None:
+    """helper-33 alternated MemAvailable between 0.5 GiB and 6.5 GiB each sample for 30 samples: every consecutive
+    counter reset at each good sample, and nothing was ever stopped. The default ``repeated_dips`` (usable < 3 GiB
+    for 3 s in total within the last 10 s) trips on the seventh sample: the low ones at 0, 2 and 4 s each held 1 s."""
     rules = compile_rules(DEFAULT, MEM_TOTAL)
     decisions, _, states = run(rules, [S(i, a, 0.3) for i, a in enumerate(FLAP)])
     trips = [(i, d.rule) for i, ds in enumerate(decisions) for d in ds if d.kind == "trip"]
-    assert trips[0] == (4, "exhaustion_dips"), trips
-    assert {r for _i, r in trips} == {"exhaustion_dips"}  # the consecutive rules never trip on it
-    d = decisions[4][0]
-    assert d.reason == "exhaustion_dips: usable 0.50 GiB < 1.00 GiB on 3 of the last 5 samples (4.00 s)", d.reason
-    assert d.counter == 3 and d.samples == 3
+    assert trips[0] == (6, "repeated_dips"), trips
+    assert {r for _i, r in trips} == {"repeated_dips"}  # the consecutive rules never trip on it
+    d = decisions[6][0]
+    assert d.reason == (
+        "repeated_dips: usable 0.50 GiB < 3.00 GiB for 3.00 s in total within the last 10 s over 4 samples "
+        "(rule: 3 s, at least 3)"
+    ), d.reason
     assert states["low_available"].trips == 0
 
 
 @pytest.mark.parametrize(
-    ("avail", "counters", "trip_at"),
+    ("interval", "avail", "trip_at"),
     [
-        ([0.5, 9, 9, 9, 9, 0.5, 9, 9, 9, 9], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], None),  # one dip in any 5: never
-        ([0.5, 9, 0.5, 9, 9, 9, 9, 0.5], [1, 1, 2, 2, 2, 1, 1, 1], None),  # two in 5, the first leaves the window
-        ([0.5, 9, 9, 0.5, 0.5], [1, 1, 1, 2, 3], 4),  # the oldest of the three at the window's far end
-        ([0.5, 9, 9, 9, 0.5, 0.5], [1, 1, 1, 1, 2, 2], None),  # one sample later it has left it
-        ([0.5, 0.5, 0.5, 0.5], [1, 2, 3, 1], 2),  # three in a row trip at once; the window starts empty after it
-        ([0.5, None, 0.5, None, 0.5], [1, 1, 2, 2, 3], 4),  # an unread sample does not count, and does not reset
+        (1.0, [2, 2, 2, 2], 3),  # consecutive: as a plain duration rule, 3 s after the first low sample
+        (0.25, [2] * 13, 12),  # the same 3 s at 4 Hz
+        (0.25, [9, 2, 2, 2, 9, 9, 9, 9], None),  # one 0.5 s excursion at 4 Hz (fast sampling near a line): never
+        (1.0, [2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 2, 9], None),  # one dip in 10 s, twice: never
+        (1.0, [2, 9, 9, 2, 9, 9, 2, 9, 9, 2], 9),  # a 1-in-3 duty cycle: 3 s in total at the fourth dip
+        (1.0, [2, 9, 9, 9, 9, 9, 9, 2, 9, 9, 9, 2, 9, 9, 2], None),  # dips 4 s apart: a window never holds 3 s
+        (1.0, [2, None, 2, None, 2, None, 2], 6),  # an unread sample does not count (its interval) nor reset
     ],
 )
-def test_samples_of_the_last_n_count_held_samples_in_a_sliding_window(
-    avail: list[float | None], counters: list[int], trip_at: int | None
+def test_a_windowed_rule_counts_the_time_held_in_total_within_its_window(
+    interval: float, avail: list[float | None], trip_at: int | None
 ) -> None:
-    rules = rules_of({"name": "dips", "when": ["usable < 1GiB"], "samples": 3, "of_last": 5})
-    decisions, got, _ = run(rules, [S(i, a, 50.0) for i, a in enumerate(avail)])
-    # the counter the status shows: held samples in the window; 0 right after a trip, then counting again
-    shown = [c["dips"] if not ds else 3 for c, ds in zip(got, decisions, strict=True)]
-    assert shown == counters
+    rules = rules_of(DIPS)
+    decisions, _, _ = run(rules, [S(i * interval, a, 50.0) for i, a in enumerate(avail)])
     tripped = [i for i, ds in enumerate(decisions) if ds]
     assert tripped == ([] if trip_at is None else [trip_at])
 
 
-def test_a_gated_rule_of_the_last_n_counts_a_near_miss_as_a_miss_without_clearing_its_window() -> None:
-    rules = rules_of(
-        {"name": "g", "when": ["usable < 1GiB"], "evidence": ["nvrm_recent > 0"], "samples": 2, "of_last": 4}
-    )
-    decisions, got, states = run(rules, [S(0, 0.5, 50, nvrm=1), S(1, 0.5, 50), S(2, 0.5, 50, nvrm=1)])
-    assert [c["g"] for c in got[:2]] == [1, 1]
+def test_a_windowed_rule_starts_from_nothing_after_its_trip_and_shows_its_total_while_counting() -> None:
+    engine = RuleEngine.of(rules_of(DIPS))
+    for i, a in enumerate([2, 9, 2, 9, 2]):
+        engine.step(S(i, a, 50.0))
+    (r,) = engine.rules_json()
+    assert (r["counter"], r["held_s"], r["in_last_s"]) == (3, 2.0, 10.0)
+    for i, a in enumerate([9, 2], start=5):
+        engine.step(S(i, a, 50.0))
+    assert engine.states["dips"].trips == 1
+    (r,) = engine.rules_json()
+    assert (r["counter"], r["held_s"]) == (0, None)  # the trip's window is forgotten
+    engine.step(S(7, 2, 50.0))
+    engine.step(S(8, 2, 50.0))
+    (r,) = engine.rules_json()
+    assert (r["counter"], r["held_s"]) == (2, 1.0)
+
+
+def test_a_gated_windowed_rule_counts_a_near_miss_as_not_held() -> None:
+    rules = rules_of({**DIPS, "evidence": ["nvrm_recent > 0"]})
+    samples = [S(0, 2, 50, nvrm=1), S(1, 2, 50), S(2, 2, 50, nvrm=1), S(3, 2, 50, nvrm=1), S(4, 2, 50, nvrm=1)]
+    decisions, _, states = run(rules, samples)
     assert [d.kind for d in decisions[1]] == ["near_miss"]
-    assert [d.kind for d in decisions[2]] == ["trip"]
-    assert states["g"].near_misses == 1
+    assert states["dips"].near_misses == 1
+    # held: 0→1 (1 s), 2→3, 3→4: 3 s at the fifth sample; the near miss's interval 1→2 does not count
+    assert [d.kind for d in decisions[4]] == ["trip"]
 
 
-def test_a_rule_of_the_last_n_is_not_taken_back_by_one_good_reading_at_the_re_check() -> None:
-    (rule,) = rules_of({"name": "dips", "when": ["usable < 1GiB"], "samples": 3, "of_last": 5})
-    (consecutive,) = rules_of({"name": "low", "when": ["usable < 1GiB"], "samples": 3})
+def test_a_windowed_rule_is_not_taken_back_by_one_good_reading_at_the_re_check_but_holds_now_reads_the_sample() -> None:
+    engine = RuleEngine.of(rules_of(DIPS, {"name": "low", "when": ["usable < 3GiB"], "samples": 3}))
     good = S(5, 6.5, 50)
-    assert still_holds(rule, good, None, 5.0) is True
-    assert still_holds(consecutive, good, None, 5.0) is False
+    assert engine.recheck("dips", good) is True
+    assert engine.recheck("low", good) is False
+    # the preflight before an operator's start asks what holds on this sample: a healthy host is not refused
+    assert engine.holds_now("dips", good) is False
+    assert engine.holds_now("dips", S(5, 2, 50)) is True
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"for_s": 4.0}, "applies to a count rule only"),
-        ({"kind": "predictive", "floor": "4GiB"}, "applies to a count rule only"),
-        ({"samples": 6}, "samples (6) must be at most of_last (5)"),
-        ({"of_last": 1}, "greater than or equal to 2"),
+        ({"for_s": None}, "needs for_s"),
+        ({"kind": "predictive", "floor": "4GiB"}, "needs for_s, and kind must be"),
+        ({"for_s": 12.0}, "for_s (12) must be at most in_last_s (10)"),
+        ({"in_last_s": 0}, "greater than 0"),
     ],
 )
-def test_of_last_is_refused_where_it_means_nothing(extra: dict[str, Any], message: str) -> None:
-    cfg = {"name": "dips", "when": ["usable < 1GiB"], "samples": 3, "of_last": 5, **extra}
+def test_in_last_s_is_refused_where_it_means_nothing(extra: dict[str, Any], message: str) -> None:
+    cfg = {**DIPS, **extra}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RuleConfig(**cfg)

@@ -244,3 +244,42 @@ def test_an_emergency_stop_holds_the_apis_reading_and_lets_it_go_when_it_cannot_
     assert seen == [True] and hold.holds == 1
     assert not hold.held
     assert "stop_not_executed" in _kinds(events), events
+
+
+def test_a_second_emergency_stop_covered_by_the_first_does_not_end_the_first_ones_api_hold(tmp_path: Path) -> None:
+    """A probe failure and a memory trip in one incident: stop B begins while stop A waits on the engine's ping, ends
+    with ``trip_during_stop``, and its clean-up released A's hold, so the flood of page requests held A's SIGTERM
+    back again (helper-34). A hold is ended by its owner or by a SIGTERM only."""
+    import time
+
+    from sparkd.loop.httpserver import ReadHold
+
+    m = Manager([])
+    m.ping = lambda: (time.sleep(0.3), True)[1]  # type: ignore[attr-defined]  # an engine slow to answer under pressure
+    sup, events = _sup(tmp_path, m)
+    hold = events.read_hold = ReadHold()  # type: ignore[attr-defined]
+    at_sigterm: list[tuple[str, bool]] = []
+
+    async def request(action: str, *, source: str, reason: str | None = None, force: bool = False) -> dict[str, Any]:
+        sup._refuse_if_busy()  # Conflict("already stopping") for the second stop
+        async with sup.lock:
+            sup.action = "stopping"
+            try:
+                await asyncio.sleep(0.5)  # the archive and the /dev/shm witness before the SIGTERM
+                at_sigterm.append((source, hold.held))
+                sup._signalled()  # run_stop's signalled: the SIGTERM goes out next
+            finally:
+                sup.action = None
+        return {}
+
+    sup._request = request  # type: ignore[assignment,method-assign]
+
+    async def incident() -> None:
+        a = asyncio.create_task(sup.emergency_stop("rule repeated_dips", "usable < 3 GiB"))
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(sup.emergency_stop("probe", "vLLM does not answer"))
+        await asyncio.gather(a, b)
+
+    asyncio.run(incident())
+    assert at_sigterm == [("rule repeated_dips", True)], at_sigterm
+    assert "trip_during_stop" in _kinds(events) and not hold.held and hold.holds == 1

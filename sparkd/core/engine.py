@@ -39,6 +39,7 @@ from sparkd.core.rules import (
     compile_rules,
     default_samples,
     evaluate,
+    forget_window,
     still_holds,
     usable_bytes,
 )
@@ -233,7 +234,8 @@ class RuleEngine:
         return rule is not None and still_holds(rule, sample, self.slope, sample.mono, self.horizon_s)
 
     def recheck(self, rule_name: str, sample: Sample) -> bool:
-        """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)?
+        """Does ``rule_name`` still hold on ``sample`` (a fresh read before acting)? A rule with ``in_last_s`` always
+        does (``core.rules``).
 
         Changes nothing: the sample is judged with a copy of the slope window that includes it,
         so the engine's state stays a function of the samples it stepped (which the daemon
@@ -241,6 +243,8 @@ class RuleEngine:
         rule = self.rule(rule_name)
         if rule is None:
             return False
+        if rule.in_last_s is not None:  # held in total within a window: the interval up to ``sample`` counts all the
+            return True  # same, and one good reading is what a flapping signal shows every other sample
         window = SlopeWindow(self.slope.max_window_s, self.slope.points.maxlen or len(self.slope.points) + 1)
         window.points.extend(self.slope.points)
         window.add(sample.mono, usable_bytes(sample))
@@ -275,7 +279,8 @@ class RuleEngine:
         (CONTEXT.md "Relief"). Unknown names are ignored."""
         st = self.states.get(rule_name)
         if st is not None:
-            st.counter, st.started_mono, st.recent = 0, None, 0
+            st.counter, st.started_mono = 0, None
+            forget_window(st)
 
     def demote(self, rule_name: str, reason: str) -> None:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""
@@ -314,7 +319,9 @@ class RuleEngine:
         for r in self.rules:
             st = self.states.get(r.name, RuleState())
             held = None
-            if st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
+            if r.in_last_s is not None:
+                held = st.held_total_s if st.counter > 0 else None
+            elif st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
                 held = max(0.0, self.last_mono - st.started_mono)
             out.append({**r.to_json(), "demoted": self.demoted.get(r.name), **st.to_json(), "held_s": held})
         for spec in self.specs:  # left out until MemTotal is read: listed, blind, never missing from the table
@@ -339,7 +346,7 @@ def _unresolved_json(spec: RuleSpec, why: str) -> dict[str, Any]:
         "floor_bytes": parse_size(spec.floor) if spec.floor else None,
         "within_s": spec.within_s,
         "window_s": spec.window_s,
-        "of_last": spec.of_last,
+        "in_last_s": spec.in_last_s,
         "demoted": None,
         "counter": 0,
         "near_misses": 0,

@@ -9,10 +9,13 @@ held for ``for_s`` seconds (first counted sample to now) **and** over at least
 ``samples`` samples — so it means the same time at 1 s and at 0.25 s sampling,
 and a single excursion can never trip it however coarse the sampling.
 
-A rule with ``of_last`` (N) counts instead the samples that held among the last N, consecutive or
-not, and trips when they reach ``samples``: a signal flapping across its line at the sampling rate
-never trips a consecutive counter (helper-33). Its trip is not re-checked on a fresh sample
-(``still_holds``): one good reading is exactly what such a signal shows every other sample.
+A duration rule with ``in_last_s`` (W) counts the time its condition held *in total* within the
+last W seconds, consecutive or not: each counted sample holds the interval to the next sample (so a
+run of consecutive samples measures as a plain duration rule does), and the rule trips on a counted
+sample once that total reaches ``for_s`` over at least ``samples`` counted samples in the window. A
+signal flapping across its line at the sampling rate never trips a consecutive rule (helper-33), and
+a single short excursion cannot trip this one at any sampling rate. Its trip is not re-checked on a
+fresh sample (``RuleEngine.recheck``): the interval up to that sample counts as held all the same.
 
 Gated rules: a sample where ``when`` holds but no evidence does is a *near
 miss* — recorded with its values, not counted (operators' change log: an
@@ -40,6 +43,7 @@ Shapes:
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -146,8 +150,8 @@ class Rule:
     within_s: float | None = None
     window_s: float = 2.0
     for_s: float | None = None
-    #: a count rule's window: it trips on ``samples`` held samples among the last ``of_last`` (None: consecutive)
-    of_last: int | None = None
+    #: a duration rule's window (s): ``for_s`` held in total within the last ``in_last_s`` (None: consecutive)
+    in_last_s: float | None = None
     #: ``inputs()`` as a tuple, computed once (``blind_reason`` reads it every tick)
     input_attrs: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -203,7 +207,7 @@ class Rule:
             "floor_bytes": self.floor_bytes,
             "within_s": self.within_s,
             "window_s": self.window_s,
-            "of_last": self.of_last,
+            "in_last_s": self.in_last_s,
         }
 
     def _size_limits(self) -> list[tuple[str, float]]:
@@ -253,7 +257,7 @@ class RuleSpec(Protocol):
     @property
     def for_s(self) -> float | None: ...
     @property
-    def of_last(self) -> int | None: ...
+    def in_last_s(self) -> float | None: ...
 
 
 def default_samples(c: RuleSpec) -> int:
@@ -284,7 +288,7 @@ def compile_rules(configs: Iterable[RuleSpec], mem_total_bytes: int | None) -> l
                 within_s=c.within_s,
                 window_s=c.window_s,
                 for_s=c.for_s,
-                of_last=c.of_last,
+                in_last_s=c.in_last_s,
             )
         )
     return out
@@ -295,17 +299,21 @@ class RuleState:
     """Per-rule counters. ``started_mono``: monotonic time of the first counted sample.
 
     ``blind``: why the rule could not evaluate on the last sample (an input it needs was
-    not read), or ``None``. ``recent``: a rule with ``of_last``: which of its last samples held
-    (bit 0 the newest); ``counter`` is then how many of them did."""
+    not read), or ``None``. A rule with ``in_last_s``: ``recent`` holds ``(start, seconds)`` of each
+    interval it held in its window, ``held_total_s`` their sum, ``prev_mono`` / ``prev_held`` the last
+    sample; ``counter`` is then the counted samples in the window."""
 
     counter: int = 0
-    recent: int = 0
     started_mono: float | None = None
     near_misses: int = 0
     trips: int = 0
     last_trip_mono: float | None = None
     last_reason: str | None = None
     blind: str | None = None
+    recent: collections.deque[tuple[float, float]] | None = None
+    held_total_s: float = 0.0
+    prev_mono: float | None = None
+    prev_held: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -460,7 +468,10 @@ def evaluate(
         st.blind = blind_reason(rule, sample)
         for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
             if c.holds(sample) is not True:
-                _miss(rule, st)
+                if rule.in_last_s is None:
+                    st.counter, st.started_mono = 0, None
+                else:
+                    _window(rule, st, now, held=False)
                 break
         else:
             d = _held(rule, st, sample, now, cooldown_s, slope, horizon_s)
@@ -493,7 +504,10 @@ def _held(
         seen = [c for c in rule.evidence if c.holds(sample) is True]
         values.update({c.name: getattr(sample, c.attr) for c in rule.evidence})
         if not seen:
-            _miss(rule, st)
+            if rule.in_last_s is None:
+                st.counter, st.started_mono = 0, None
+            else:
+                _window(rule, st, now, held=False)
             st.near_misses += 1
             needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
             now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.evidence)
@@ -504,26 +518,31 @@ def _held(
             st.last_reason = reason
             return Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values, now)
         parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
-    if st.counter == 0:
-        st.started_mono = now
-    if rule.of_last is not None:
-        st.recent = ((st.recent << 1) | 1) & ((1 << rule.of_last) - 1)
-        st.counter = st.recent.bit_count()
+    if rule.in_last_s is not None:
+        _window(rule, st, now, held=True)
+        held_s = st.held_total_s
     else:
+        if st.counter == 0:
+            st.started_mono = now
         st.counter += 1
-    held_s = now - (st.started_mono if st.started_mono is not None else now)
+        held_s = now - (st.started_mono if st.started_mono is not None else now)
     # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
     if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
         return None
-    if rule.of_last is not None:
-        dur = f"on {st.counter} of the last {rule.of_last} samples ({held_s:.2f} s)"
+    if rule.in_last_s is not None:
+        dur = (
+            f"for {held_s:.2f} s in total within the last {rule.in_last_s:g} s over {st.counter} samples "
+            f"(rule: {rule.for_s:g} s, at least {rule.samples})"
+        )
     elif rule.for_s is None:
         dur = f"for {st.counter}/{rule.samples} samples ({held_s:.2f} s)"
     else:
         dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
     reason = f"{rule.name}: {', '.join(parts)} {dur}"
     count = st.counter
-    st.counter, st.started_mono, st.recent = 0, None, 0
+    st.counter, st.started_mono = 0, None
+    if rule.in_last_s is not None:
+        forget_window(st)
     if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
         return Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
     st.trips += 1
@@ -532,16 +551,29 @@ def _held(
     return Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now)
 
 
-def _miss(rule: Rule, st: RuleState) -> None:
-    """A sample on which ``rule`` does not count: a consecutive counter starts again; a rule with ``of_last`` shifts
-    the miss into its window (the samples that held stay counted until they leave it)."""
-    if rule.of_last is None:
-        st.counter, st.started_mono = 0, None
-        return
-    st.recent = (st.recent << 1) & ((1 << rule.of_last) - 1)
-    st.counter = st.recent.bit_count()
-    if st.counter == 0:
-        st.started_mono = None
+def _window(rule: Rule, st: RuleState, now: float, *, held: bool) -> None:
+    """One sample at ``now`` into a windowed rule's state: the interval since the previous sample counts as held when
+    that sample was counted; intervals that began before ``now - in_last_s`` leave the window."""
+    assert rule.in_last_s is not None
+    recent = st.recent
+    if recent is None:
+        recent = st.recent = collections.deque()
+    if st.prev_held and st.prev_mono is not None and now > st.prev_mono:
+        recent.append((st.prev_mono, now - st.prev_mono))
+    edge = now - rule.in_last_s
+    while recent and recent[0][0] < edge:
+        recent.popleft()
+    st.prev_mono, st.prev_held = now, held
+    st.held_total_s = sum(d for _t, d in recent)
+    st.counter = len(recent) + held
+    st.started_mono = recent[0][0] if recent else (now if held else None)
+
+
+def forget_window(st: RuleState) -> None:
+    """A windowed rule starts again from nothing (after its trip, a relief, a reset)."""
+    if st.recent is not None:
+        st.recent.clear()
+    st.held_total_s, st.prev_held, st.counter, st.started_mono = 0.0, False, 0, None
 
 
 def still_holds(
@@ -551,11 +583,7 @@ def still_holds(
 
     For predictive rules the projection must still hold (issue: re-check before acting);
     a gated rule — predictive or not — also needs its evidence, as in ``evaluate``.
-    A rule with ``of_last`` is not re-checked (True): it trips on a pattern of samples, which one fresh
-    reading cannot take back (a flapping signal reads good every other sample).
     """
-    if rule.of_last is not None:
-        return True
     if not all(c.holds(sample) is True for c in rule.when):
         return False
     if rule.kind == "predictive" and not _projection(rule, sample, slope, now, horizon_s)[0]:

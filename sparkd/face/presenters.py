@@ -223,7 +223,7 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "samples": need,
                 "progress_pct": min(100.0, 100.0 * frac),
                 "held_s": r.held_s,
-                "of_last": r.of_last,
+                "in_last_s": r.in_last_s,
                 "near_misses": r.near_misses,
                 "trips": r.trips,
                 "when": list(r.when),

@@ -74,7 +74,9 @@ async def start_api(daemon: Daemon) -> None:
         hard,
         api.header_timeout_s,
     )
-    sockets = [sock, *daemon._link_sockets(port)]
+    links = daemon._link_sockets(port)
+    daemon.read_hold.exempt = {tuple(s.getsockname()[:2]) for s in links}  # peers' calls are never held
+    sockets = [sock, *links]
     cfg = uvicorn.Config(
         app,
         host=daemon.settings.api.host,

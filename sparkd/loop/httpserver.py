@@ -130,18 +130,30 @@ class ReadHold:
         self._waiting: set[Any] = set()  # protocols with data kept
         self._timer: asyncio.TimerHandle | None = None
         self._since = 0.0
+        # (host, port) of the sockets never held: the link network's (``cluster.listen``), where only peers call. A
+        # peer's stop request waited out the hold past its ``peer_timeout_s`` and read as a critical
+        # ``peer_unreachable`` (helper-34)
+        self.exempt: set[tuple[str, int]] = set()
 
-    def hold(self, max_s: float = MAX_HOLD_S) -> None:
-        """Hold reading from now until ``release`` or ``max_s`` seconds. A hold already on is kept (its deadline
-        stands)."""
+    def hold(self, max_s: float = MAX_HOLD_S) -> int | None:
+        """Hold reading from now until ``release`` or ``max_s`` seconds. Returns this hold's number, for its
+        owner's ``release``; None when a hold was already on (it is kept, with its deadline, and not this caller's
+        to end: one stop's end must not release another's hold before that one's SIGTERM)."""
         if self.held:
-            return
+            return None
         self.held, self._since = True, time.monotonic()
         self.holds += 1
-        self._timer = asyncio.get_running_loop().call_later(max_s, self.release)
+        self._timer = asyncio.get_running_loop().call_later(max_s, self.release_any)
+        return self.holds
 
-    def release(self) -> None:
-        """Read again; each waiting connection gets what it kept at the loop's next turn. Idempotent."""
+    def release(self, hold: int | None) -> None:
+        """Its owner's clean-up: end hold number ``hold`` if it is the one on (not a later hold; None: nothing)."""
+        if hold is not None and hold == self.holds:
+            self.release_any()
+
+    def release_any(self) -> None:
+        """Read again, whatever hold is on (a SIGTERM is out, or ``max_s`` passed); each waiting connection gets
+        what it kept at the loop's next turn. Idempotent."""
         if not self.held:
             return
         self.held = False
@@ -205,9 +217,10 @@ def guarded_protocol(
         _deadline: asyncio.TimerHandle | None = None
         _armed: Any = None
         _kept: bytes = b""
+        _exempt = False
 
         def data_received(self, data: bytes) -> None:
-            if gate.held or self._kept:
+            if (gate.held or self._kept) and not self._exempt:
                 if len(self._kept) + len(data) > KEEP_MAX_BYTES:
                     gate.forget(self)
                     self._kept = b""
@@ -243,6 +256,9 @@ def guarded_protocol(
                 transport.abort()
                 return
             super().connection_made(transport)
+            if gate.exempt:
+                name = transport.get_extra_info("sockname")
+                self._exempt = isinstance(name, tuple) and tuple(name[:2]) in gate.exempt
             self._arm()
 
         def _arm(self) -> None:

@@ -298,7 +298,7 @@ class RunBook(LaunchBook):
         """``run_stop``'s ``signalled``: the SIGTERM goes out next, so the API reads again (``ReadHold``, held by
         ``Supervisor.emergency_stop``; without a hold on, nothing happens)."""
         if self.daemon is not None:
-            self.daemon.read_hold.release()
+            self.daemon.read_hold.release_any()
 
     async def _stop(
         self,

@@ -291,7 +291,7 @@ class RuleStatus(_Model):
     duration_based: bool = False  # for_s set: trips after for_s seconds and at least ``samples`` samples
     within_s: float | None = None  # predictive: a fixed horizon, or None = the time a stop takes
     window_s: float | None = None  # predictive: the shortest fit window
-    of_last: int | None = None  # trips on ``samples`` of the last ``of_last`` samples (None: consecutive)
+    in_last_s: float | None = None  # for_s held in total within the last in_last_s seconds (None: consecutive)
     demoted: str | None = None  # why the loop guard demoted it to warn
     counter: int = 0
     held_s: float | None = None  # seconds the condition has held (first counted sample to the last); None at 0

@@ -238,11 +238,10 @@ class Supervisor(RunBook):
         uptime = time.time() - self.container_started_at if self.container_started_at else None
         ready = self.ready_at is not None
         held = was_running and not self.lock.locked()
-        hold = self.daemon.read_hold if held and self.daemon is not None else None
-        if hold is not None:
-            # the API reads no new request until the SIGTERM is out (``_stop``'s ``signalled``), at most
-            # MAX_HOLD_S: every step before it waits on the event loop, which a flood of page requests held 6-10 s
-            hold.hold()
+        gate = self.daemon.read_hold if held and self.daemon is not None else None
+        # the API reads no new request until the SIGTERM is out (``_stop``'s ``signalled``), at most MAX_HOLD_S:
+        # every step before it waits on the event loop, which a flood of page requests held 6-10 s
+        mine = gate.hold() if gate is not None else None
         try:
             if held:
                 before = await self._hold_and_count(key, source, reason)
@@ -312,8 +311,8 @@ class Supervisor(RunBook):
                     self.stay_stopped = False
                     await self.unattended.after_down(StopIntent.EMERGENCY, uptime_s=uptime, reached_ready=ready)
         finally:
-            if hold is not None:  # the stop ended before its SIGTERM, or the hold is already off
-                hold.release()
+            if gate is not None:  # the stop ended before its SIGTERM (its own hold only; off already: nothing)
+                gate.release(mine)
 
     def _refuse_if_busy(self) -> None:
         """Raises Conflict ("already <action>") while an action holds the lock: one action at a time."""

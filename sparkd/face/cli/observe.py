@@ -100,9 +100,8 @@ def _echo_snapshot(st: Status) -> None:
                 extra += f"  DEMOTED to warn: {r.demoted}"
             need = f"{r.counter}/{r.samples}"
             if r.for_s:  # a duration rule: how long it has held, of for_s ("16/3" read as overrun, note 10 C1)
-                need = f"held {r.held_s or 0:.0f}/{r.for_s:g} s ({r.counter} samples, at least {r.samples})"
-            elif r.of_last:
-                need = f"{r.counter}/{r.samples} of the last {r.of_last} samples"
+                within = f" in the last {r.in_last_s:g} s" if r.in_last_s else ""
+                need = f"held {r.held_s or 0:.0f}/{r.for_s:g} s{within} ({r.counter} samples, at least {r.samples})"
             if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
                 need = f"BLIND ({r.blind})"
             click.echo(f"  {r.name:<26} {need}  trips since start {r.trips}{extra}  [{r.action}: {rule_cond(r)}]")
