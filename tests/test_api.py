@@ -381,18 +381,18 @@ async def test_a_blind_guard_names_each_rule_that_cannot_evaluate(tmp_path: Path
     finally:
         await d.shutdown("test")
     why = "cannot evaluate: MemAvailable not read"
-    for rule in ("low_available", "low_free_with_evidence", "collapse_projected"):
+    for rule in ("low_available", "low_free_with_evidence", "collapse_projected", "repeated_dips"):
         assert f'sparkd_rule_blind{{reason="{why}",rule="{rule}"}} 1.0' in text
     assert status["blind"]["rules"] == {
-        r: why for r in ("low_available", "low_free_with_evidence", "collapse_projected")
+        r: why for r in ("low_available", "low_free_with_evidence", "collapse_projected", "repeated_dips")
     }
-    assert [r["blind"] for r in status["rules"]] == [why] * 3  # never a quiet 0/N
+    assert [r["blind"] for r in status["rules"]] == [why] * 4  # never a quiet 0/N
     sensor = status["blind"]["sensors"]["MemAvailable"]
     assert sensor.startswith("no MemAvailable line in ") and "needed by low_available" in sensor
     assert 'sparkd_input_blind{input="MemAvailable"' in text
     # the dashboard's rule cards say BLIND and why, with no counter
-    assert rules_html.count(">BLIND</span>") == 3
-    assert rules_html.count(f'<p class="reason small critical-text rule-blind">{why}</p>') == 3
+    assert rules_html.count(">BLIND</span>") == 4
+    assert rules_html.count(f'<p class="reason small critical-text rule-blind">{why}</p>') == 4
     assert '<span class="of">' not in rules_html
     # one event at start, not one per sample
     blind_events = [e for e in d.recent_events if e["kind"] == "sensor_blind"]
@@ -1166,6 +1166,7 @@ async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_the
         ("low_free_with_evidence", "MemFree", 2.0),
         ("low_free_with_evidence", "usable", 10.0),
         ("collapse_projected", "usable (projected)", 4.0),  # the floor, not the 16 GiB arming gate
+        ("repeated_dips", "usable", 3.0),
     }
     assert cfg["cma"] is cma
     usable = 10 * 2**30 if cma else 12 * 2**30

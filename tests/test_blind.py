@@ -63,9 +63,9 @@ def test_losing_and_regaining_memavailable_is_one_event_each(tmp_path: Path) -> 
         _without(proc, "MemAvailable")
         await _ticks(d, 5)
         st = d.status_json()
-        names = ("low_available", "low_free_with_evidence", "collapse_projected")
+        names = ("low_available", "low_free_with_evidence", "collapse_projected", "repeated_dips")
         assert st.blind.rules == dict.fromkeys(names, WHY)
-        assert [r.blind for r in st.rules] == [WHY] * 3  # never a quiet 0/N
+        assert [r.blind for r in st.rules] == [WHY] * 4  # never a quiet 0/N
         assert st.blind.sensors["MemAvailable"] == (
             f"no MemAvailable line in {proc}/meminfo; needed by {', '.join(names)}"
         )
@@ -137,7 +137,7 @@ def test_meminfo_failing_mid_run_makes_every_rule_blind_loudly_and_the_recovery_
     assert [(k, s) for k, s, _ in evs] == [("sensor_blind", "critical"), ("sensors_restored", "info")], evs
     why = f"cannot read {proc}/meminfo: Transport endpoint is not connected"
     assert why in evs[0][2] and "rule low_available cannot evaluate" in evs[0][2]
-    assert set(blind.blind.rules) == {"low_available", "low_free_with_evidence", "collapse_projected"}
+    assert set(blind.blind.rules) == {"low_available", "low_free_with_evidence", "collapse_projected", "repeated_dips"}
     assert all(r.blind == f"cannot evaluate: {why}" for r in blind.rules)
     assert blind.blind.sensors["MemAvailable"].startswith(why)
     assert statuses and statuses[0] is True  # the blind status is written at once

@@ -101,6 +101,7 @@ def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any
         "low_free_with_evidence: usable < 10.0 GiB",
         "low_free_with_evidence: MemFree < 2.0 GiB",
         "collapse_projected: usable (projected) < 4.0 GiB",
+        "repeated_dips: usable < 3.0 GiB",
     ):
         assert line in drawn, drawn
     # every time on the page is UTC, the sample's age line too (it said "local time" beside a UTC axis)

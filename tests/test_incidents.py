@@ -220,7 +220,12 @@ def test_vision_transient_without_driver_errors_is_suppressed() -> None:
     samples = [S(t, a, f, nvrm=0) for t, (a, f) in enumerate(zip(VISION_AVAIL, VISION_FREE, strict=True))]
     res = run(samples, DEFAULT_RULES)
     assert res.first_stop is None
-    assert res.max_counter == {"low_available": 0, "low_free_with_evidence": 0, "collapse_projected": 0}
+    assert res.max_counter == {
+        "low_available": 0,
+        "low_free_with_evidence": 0,
+        "collapse_projected": 0,
+        "repeated_dips": 0,
+    }
     assert res.near_misses["low_free_with_evidence"] == 8
     kinds = {(d.rule, d.kind) for d in res.decisions}
     assert kinds == {("low_free_with_evidence", "near_miss")}

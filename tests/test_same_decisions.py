@@ -131,9 +131,10 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     (run,) = data["runs"].values()
     replayed = sorted((d["rule"], d["ts"]) for d in run["decisions"] if d["kind"] == "trip")
 
-    # each rule tripped live: the fall (predictive, repeatedly: cooldown 0), the floor and the CMA phase
+    # each rule tripped live: the fall (predictive, repeatedly: cooldown 0), the floor and the CMA phase (usable
+    # 2.5 GiB for 5.5 s: repeated_dips too)
     rules = {r for r, _ in live}
-    assert rules == {"collapse_projected", "low_available", "low_free_with_evidence"}, live
+    assert rules == {"collapse_projected", "low_available", "low_free_with_evidence", "repeated_dips"}, live
     assert sum(1 for r, _ in live if r == "low_available") >= 2, live  # the floor phase and the CMA phase
     # the same decisions at the same samples (sample timestamps are the stored ones)
     assert replayed == live
@@ -143,7 +144,7 @@ def test_a_live_run_and_its_replay_trip_the_same_rules_at_the_same_samples(tmp_p
     # the CMA phase tripped on usable memory (MemAvailable stayed at 11 GiB there)
     floor_trips = [d for d in run["decisions"] if d["kind"] == "trip" and d["rule"] != "collapse_projected"]
     cma_trips = [d for d in floor_trips if d["mem_available"] > 10 * 2**30]
-    assert {d["rule"] for d in cma_trips} == {"low_available", "low_free_with_evidence"}, floor_trips
+    assert {d["rule"] for d in cma_trips} == {"low_available", "low_free_with_evidence", "repeated_dips"}, floor_trips
     assert all(d["usable"] < 3 * 2**30 for d in cma_trips)
 
 
