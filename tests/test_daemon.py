@@ -404,50 +404,56 @@ def test_a_stop_is_skipped_when_memory_recovered_before_acting(tmp_path: Path) -
     assert len(stops) == 1 and stops[0].startswith("low_available: MemAvailable 2.00 GiB < 6.00 GiB for 2/2")
 
 
+def _scripted(tmp_path: Path, meminfo: str, **overrides: Any) -> tuple[Path, Any]:
+    """A private ``proc_root`` whose ``meminfo`` a test rewrites, and in-process daemon settings reading it (no API,
+    no kernel log). Returns (proc dir, settings)."""
+    from sparkd.config import load_settings
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(meminfo)
+    base = {"state_dir": str(tmp_path), "proc_root": str(proc), "kernlog_source": "off", "api": {"enabled": False}}
+    return proc, load_settings(overrides={**base, **overrides})
+
+
+def _serving(state: str = "ready") -> Any:
+    """The container side as the daemon sees it with a model serving (or down, ``state``): state and mode only;
+    ``.stops`` lists the rules it was asked to stop for."""
+    from sparkd.loop.daemon import MonitorOnly
+    from sparkd.loop.status import ContainerStatus
+
+    class Serving(MonitorOnly):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        def lifecycle_state(self) -> str:
+            return state
+
+        def status_json(self) -> ContainerStatus:
+            return ContainerStatus(mode="managed", state=state)  # type: ignore[arg-type]
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+    return Serving()
+
+
 def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_a_cooldown(tmp_path: Path) -> None:
     """One good reading at the re-check cancelled the stop, and the trip's cooldown (60 s) then muted the rule
     while MemAvailable fell to a quarter of its line (helper-31). With the model running, the next trip stops it;
     with the model down, the cooldown stands (nothing to stop)."""
     import asyncio
 
-    from sparkd.config import load_settings
-    from sparkd.loop.daemon import Daemon, MonitorOnly
-    from sparkd.loop.status import ContainerStatus
+    from sparkd.loop.daemon import Daemon
 
-    proc = tmp_path / "proc"
-    proc.mkdir()
     low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
     high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
-    (proc / "meminfo").write_text(high)
-    settings = load_settings(
-        overrides={
-            "state_dir": str(tmp_path),
-            "proc_root": str(proc),
-            "kernlog_source": "off",
-            "api": {"enabled": False},
-            "cooldown_s": 60,
-            "rules": [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
-        }
-    )
-
-    class Serving(MonitorOnly):
-        """The container side as the daemon sees it with a model serving (or down): state and mode only."""
-
-        def __init__(self, state: str) -> None:
-            super().__init__()
-            self.state, self.stops = state, []  # type: list[str]
-
-        def lifecycle_state(self) -> str:
-            return self.state
-
-        def status_json(self) -> ContainerStatus:
-            return ContainerStatus(mode="managed", state=self.state)  # type: ignore[arg-type]
-
-        async def on_stop(self, decision: Any) -> None:
-            self.stops.append(decision.rule)
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    proc, settings = _scripted(tmp_path, high, cooldown_s=60, rules=rules)
 
     async def go(state: str) -> tuple[list[str], list[dict[str, Any]]]:
-        actions = Serving(state)
+        actions = _serving(state)
         d = Daemon(settings, actions=actions)
         await d.startup()
         try:
@@ -484,40 +490,14 @@ def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_b
     the seventh sample, even when the re-check before acting reads a good figure."""
     import asyncio
 
-    from sparkd.config import load_settings
-    from sparkd.loop.daemon import Daemon, MonitorOnly
-    from sparkd.loop.status import ContainerStatus
+    from sparkd.loop.daemon import Daemon
 
-    proc = tmp_path / "proc"
-    proc.mkdir()
     low = "MemTotal: 16777216 kB\nMemFree: 262144 kB\nMemAvailable: 524288 kB\n"  # 0.5 GiB
     high = "MemTotal: 16777216 kB\nMemFree: 4194304 kB\nMemAvailable: 6815744 kB\n"  # 6.5 GiB
-    (proc / "meminfo").write_text(high)
-    settings = load_settings(
-        overrides={
-            "state_dir": str(tmp_path),
-            "proc_root": str(proc),
-            "kernlog_source": "off",
-            "api": {"enabled": False},
-        }
-    )
-
-    class Serving(MonitorOnly):
-        def __init__(self) -> None:
-            super().__init__()
-            self.stops: list[str] = []
-
-        def lifecycle_state(self) -> str:
-            return "ready"
-
-        def status_json(self) -> ContainerStatus:
-            return ContainerStatus(mode="managed", state="ready")
-
-        async def on_stop(self, decision: Any) -> None:
-            self.stops.append(decision.rule)
+    proc, settings = _scripted(tmp_path, high)  # the default rules
 
     async def go() -> tuple[list[str], int, list[dict[str, Any]]]:
-        actions = Serving()
+        actions = _serving()
         d = Daemon(settings, actions=actions)
         await d.startup()
         try:
