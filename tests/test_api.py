@@ -1399,3 +1399,34 @@ def test_a_write_that_lands_during_an_empty_events_read_is_read_at_the_next_poll
     assert not seen.nothing_after(7)  # so the next poll reads again
     seen.answered(seen.key(7), [])
     assert seen.nothing_after(7)  # nothing since: skipped
+
+
+async def test_the_stop_and_restart_confirmations_say_the_configured_grace(tmp_path: Path) -> None:
+    """The confirmations said "gets 30 s to exit" whatever ``container.stop_timeout_s`` was (helper-35: 2 s)."""
+    d = await _daemon(tmp_path, actions=FakeActions(), container={"image": "x", "stop_timeout_s": 2.0})
+    try:
+        async with _client(d) as c:
+            page = (await c.get("/")).text
+    finally:
+        await d.shutdown("test")
+    assert "Stop the model container? It gets 2 s to exit, then it is killed" in page
+    assert "It drains, gets 2 s to exit, and relaunches" in page
+    assert "30 s to exit" not in page
+
+
+def test_a_hard_floor_kill_reads_once_in_the_stopped_card() -> None:
+    """``outcome`` already says "killed (hard floor)"; the card added " (hard floor)" again (helper-35)."""
+    from sparkd.face.web import templates
+
+    tpl = templates().env.get_template("partials/_stopped.html")
+    stopped = {
+        "outcome": "killed (hard floor)",
+        "hard_floor_kill": True,
+        "rule": "repeated_dips",
+        "kind": "rule",
+        "ts": 1_796_000_000.0,
+        "values": {},
+        "url": "/incidents/1",
+    }
+    html = tpl.render(stopped=stopped, btn={"start": True}, csrf="", logged_in=True)
+    assert "killed (hard floor)" in html and "(hard floor) (hard floor)" not in html

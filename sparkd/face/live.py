@@ -83,8 +83,11 @@ class LastStop:
         return self._value
 
 
-def live_parts(status: Status, last_stop: dict[str, Any] | None, logged_in: bool) -> dict[str, Any]:
-    """Data of every live part (pure; ``status`` from ``views.status_view``)."""
+def live_parts(
+    status: Status, last_stop: dict[str, Any] | None, logged_in: bool, grace_s: float | None = None
+) -> dict[str, Any]:
+    """Data of every live part (pure; ``status`` from ``views.status_view``; ``grace_s``: the stop's SIGTERM grace,
+    ``container.stop_timeout_s``, said in the stop and restart confirmations)."""
     raw = status.model_dump(mode="json")  # the headline, stopped card and buttons read its JSON form
     stopped = views.stopped_card(raw, last_stop)
     c = views.container_from_status(status)
@@ -94,7 +97,7 @@ def live_parts(status: Status, last_stop: dict[str, Any] | None, logged_in: bool
         "summary": views.summary_from_status(status),
         "rules": views.rules_from_status(status),
         "container": c,
-        "buttons": views.buttons_view(raw, logged_in),
+        "buttons": {**views.buttons_view(raw, logged_in), "grace_s": grace_s},
         "budget": views.budget_from_status(status),
     }
 
@@ -122,7 +125,7 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
         """What changed since the page's last update (see ``sparkd.face.live``)."""
         auth = _auth_ctx(request)
         status = views.status_view(daemon)
-        parts = live_parts(status, await last.get(), auth["logged_in"])
+        parts = live_parts(status, await last.get(), auth["logged_in"], daemon.settings.container.stop_timeout_s)
         known = dict(p.split(":", 1) for p in have.split(",") if ":" in p)
         env = templates().env
         ctx = {**auth, **page_context(parts)}

@@ -245,7 +245,9 @@ def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
         data = await view_data(daemon, (*PARTS, "chart"), reader=_is_reader(request))
         status = views.status_view(daemon)
         auth_ctx = _auth_ctx(request)
-        parts = live_parts(status, await app.state.last_stop.get(), auth_ctx["logged_in"])
+        parts = live_parts(
+            status, await app.state.last_stop.get(), auth_ctx["logged_in"], daemon.settings.container.stop_timeout_s
+        )
         shown = part_hashes(templates().env, {**auth_ctx, **page_context(parts)})
         hashes = ",".join(f"{k}:{v}" for k, v in shown.items())
         last_id = max((e.get("id") or 0 for e in data["events"]), default=0)
