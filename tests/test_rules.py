@@ -461,15 +461,16 @@ DIPS = {"name": "dips", "when": ["usable < 3GiB"], "for_s": 3.0, "in_last_s": 10
 def test_memory_flapping_at_the_sampling_rate_never_trips_the_consecutive_rules_but_trips_repeated_dips() -> None:
     """helper-33 alternated MemAvailable between 0.5 GiB and 6.5 GiB each sample for 30 samples: every consecutive
     counter reset at each good sample, and nothing was ever stopped. The default ``repeated_dips`` (usable < 3 GiB
-    for 3 s in total within the last 10 s) trips on the seventh sample: the low ones at 0, 2 and 4 s each held 1 s."""
+    for 3 s in total within the last 10 s) trips on the sixth sample: the low ones at 0, 2 and 4 s each held 1 s,
+    the third one's second ending there (a good sample, but the pattern is complete: no wait for the next dip)."""
     rules = compile_rules(DEFAULT, MEM_TOTAL)
     decisions, _, states = run(rules, [S(i, a, 0.3) for i, a in enumerate(FLAP)])
     trips = [(i, d.rule) for i, ds in enumerate(decisions) for d in ds if d.kind == "trip"]
-    assert trips[0] == (6, "repeated_dips"), trips
+    assert trips[0] == (5, "repeated_dips"), trips
     assert {r for _i, r in trips} == {"repeated_dips"}  # the consecutive rules never trip on it
-    d = decisions[6][0]
+    (d,) = [d for d in decisions[5] if d.kind == "trip"]
     assert d.reason == (
-        "repeated_dips: usable 0.50 GiB < 3.00 GiB for 3.00 s in total within the last 10 s over 4 samples "
+        "repeated_dips: usable < 3GiB (now usable 6.50 GiB) for 3.00 s in total within the last 10 s over 3 samples "
         "(rule: 3 s, at least 3)"
     ), d.reason
     assert states["low_available"].trips == 0
@@ -482,9 +483,9 @@ def test_memory_flapping_at_the_sampling_rate_never_trips_the_consecutive_rules_
         (0.25, [2] * 13, 12),  # the same 3 s at 4 Hz
         (0.25, [9, 2, 2, 2, 9, 9, 9, 9], None),  # one 0.5 s excursion at 4 Hz (fast sampling near a line): never
         (1.0, [2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 2, 9], None),  # one dip in 10 s, twice: never
-        (1.0, [2, 9, 9, 2, 9, 9, 2, 9, 9, 2], 9),  # a 1-in-3 duty cycle: 3 s in total at the fourth dip
+        (1.0, [2, 9, 9, 2, 9, 9, 2, 9, 9, 2], 7),  # a 1-in-3 duty cycle: 3 s in total a second after the third dip
         (1.0, [2, 9, 9, 9, 9, 9, 9, 2, 9, 9, 9, 2, 9, 9, 2], None),  # dips 4 s apart: a window never holds 3 s
-        (1.0, [2, None, 2, None, 2, None, 2], 6),  # an unread sample does not count (its interval) nor reset
+        (1.0, [2, None, 2, None, 2, None, 2], 5),  # an unread sample does not count (its interval) nor reset
     ],
 )
 def test_a_windowed_rule_counts_the_time_held_in_total_within_its_window(
@@ -502,13 +503,12 @@ def test_a_windowed_rule_starts_from_nothing_after_its_trip_and_shows_its_total_
         engine.step(S(i, a, 50.0))
     (r,) = engine.rules_json()
     assert (r["counter"], r["held_s"], r["in_last_s"]) == (3, 2.0, 10.0)
-    for i, a in enumerate([9, 2], start=5):
-        engine.step(S(i, a, 50.0))
+    engine.step(S(5, 9, 50.0))  # the third dip's second ends here: 3 s in total
     assert engine.states["dips"].trips == 1
     (r,) = engine.rules_json()
     assert (r["counter"], r["held_s"]) == (0, None)  # the trip's window is forgotten
+    engine.step(S(6, 2, 50.0))
     engine.step(S(7, 2, 50.0))
-    engine.step(S(8, 2, 50.0))
     (r,) = engine.rules_json()
     assert (r["counter"], r["held_s"]) == (2, 1.0)
 

@@ -11,8 +11,9 @@ and a single excursion can never trip it however coarse the sampling.
 
 A duration rule with ``in_last_s`` (W) counts the time its condition held *in total* within the
 last W seconds, consecutive or not: each counted sample holds the interval to the next sample (so a
-run of consecutive samples measures as a plain duration rule does), and the rule trips on a counted
-sample once that total reaches ``for_s`` over at least ``samples`` counted samples in the window. A
+run of consecutive samples measures as a plain duration rule does), and the rule trips on the sample at
+which that total reaches ``for_s`` over at least ``samples`` counted samples in the window, a good
+sample too (``_window_missed``: no wait for the next dip). A
 signal flapping across its line at the sampling rate never trips a consecutive rule (helper-33), and
 a single short excursion cannot trip this one at any sampling rate. Its trip is not re-checked on a
 fresh sample (``RuleEngine.recheck``): the interval up to that sample counts as held all the same.
@@ -470,8 +471,8 @@ def evaluate(
             if c.holds(sample) is not True:
                 if rule.in_last_s is None:
                     st.counter, st.started_mono = 0, None
-                else:
-                    _window(rule, st, now, held=False)
+                elif (d := _window_missed(rule, st, sample, now, cooldown_s)) is not None:
+                    out.append(d)
                 break
         else:
             d = _held(rule, st, sample, now, cooldown_s, slope, horizon_s)
@@ -506,8 +507,8 @@ def _held(
         if not seen:
             if rule.in_last_s is None:
                 st.counter, st.started_mono = 0, None
-            else:
-                _window(rule, st, now, held=False)
+            elif (d := _window_missed(rule, st, sample, now, cooldown_s)) is not None:
+                return d  # the window's total reached for_s with the interval up to this sample: that decides
             st.near_misses += 1
             needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
             now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.evidence)
@@ -526,6 +527,20 @@ def _held(
             st.started_mono = now
         st.counter += 1
         held_s = now - (st.started_mono if st.started_mono is not None else now)
+    return _judge(rule, st, now, held_s, parts, values, cooldown_s)
+
+
+def _judge(
+    rule: Rule,
+    st: RuleState,
+    now: float,
+    held_s: float,
+    parts: list[str],
+    values: dict[str, Any],
+    cooldown_s: float,
+) -> Decision | None:
+    """The rule's decision once its counter and held time are up to date: a trip (or a cooldown) when both are
+    reached, else None."""
     # a duration ends on the sample at for_s, however its time was measured (see WINDOW_EDGE_S)
     if st.counter < rule.samples or (rule.for_s is not None and held_s < rule.for_s - WINDOW_EDGE_S):
         return None
@@ -549,6 +564,19 @@ def _held(
     st.last_trip_mono = now
     st.last_reason = reason
     return Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now)
+
+
+def _window_missed(rule: Rule, st: RuleState, sample: Sample, now: float, cooldown_s: float) -> Decision | None:
+    """A windowed rule on a sample where it does not count. The interval up to this sample counts as held when the
+    previous one did, so the window's total may reach ``for_s`` here: the rule trips now, not at the next dip (a
+    flapping signal's good phase is no reason to wait; helper-35 measured one whole phase of delay)."""
+    _window(rule, st, now, held=False)
+    if st.counter < rule.samples:
+        return None
+    now_vals = ", ".join(f"{c.name} {_fmt(c, getattr(sample, c.attr))}" for c in rule.when)
+    parts = [f"{' and '.join(c.text for c in rule.when)} (now {now_vals})"]
+    values = {c.name: getattr(sample, c.attr) for c in rule.when}
+    return _judge(rule, st, now, st.held_total_s, parts, values, cooldown_s)
 
 
 def _window(rule: Rule, st: RuleState, now: float, *, held: bool) -> None:
