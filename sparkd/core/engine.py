@@ -39,7 +39,7 @@ from sparkd.core.rules import (
     compile_rules,
     default_samples,
     evaluate,
-    forget_window,
+    start_again,
     still_holds,
     usable_bytes,
 )
@@ -279,8 +279,7 @@ class RuleEngine:
         (CONTEXT.md "Relief"). Unknown names are ignored."""
         st = self.states.get(rule_name)
         if st is not None:
-            st.counter, st.started_mono = 0, None
-            forget_window(st)
+            start_again(st)
 
     def demote(self, rule_name: str, reason: str) -> None:
         """From now on ``rule_name`` warns instead of stopping (``floors.LoopGuard``'s verdict)."""

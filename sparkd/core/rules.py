@@ -13,7 +13,7 @@ A duration rule with ``in_last_s`` (W) counts the time its condition held *in to
 last W seconds, consecutive or not: each counted sample holds the interval to the next sample (so a
 run of consecutive samples measures as a plain duration rule does), and the rule trips on the sample at
 which that total reaches ``for_s`` over at least ``samples`` counted samples in the window, a good
-sample too (``_window_missed``: no wait for the next dip). A
+sample too (``_missed``: no wait for the next dip). A
 signal flapping across its line at the sampling rate never trips a consecutive rule (helper-33), and
 a single short excursion cannot trip this one at any sampling rate. Its trip is not re-checked on a
 fresh sample (``RuleEngine.recheck``): the interval up to that sample counts as held all the same.
@@ -469,9 +469,7 @@ def evaluate(
         st.blind = blind_reason(rule, sample)
         for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
             if c.holds(sample) is not True:
-                if rule.in_last_s is None:
-                    st.counter, st.started_mono = 0, None
-                elif (d := _window_missed(rule, st, sample, now, cooldown_s)) is not None:
+                if (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
                     out.append(d)
                 break
         else:
@@ -505,9 +503,7 @@ def _held(
         seen = [c for c in rule.evidence if c.holds(sample) is True]
         values.update({c.name: getattr(sample, c.attr) for c in rule.evidence})
         if not seen:
-            if rule.in_last_s is None:
-                st.counter, st.started_mono = 0, None
-            elif (d := _window_missed(rule, st, sample, now, cooldown_s)) is not None:
+            if (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
                 return d  # the window's total reached for_s with the interval up to this sample: that decides
             st.near_misses += 1
             needs = " or ".join(f"{c.name} {c.op} {_fmt(c, c.threshold)}" for c in rule.evidence)
@@ -555,9 +551,7 @@ def _judge(
         dur = f"for {held_s:.2f} s over {st.counter} samples (rule: {rule.for_s:g} s, at least {rule.samples})"
     reason = f"{rule.name}: {', '.join(parts)} {dur}"
     count = st.counter
-    st.counter, st.started_mono = 0, None
-    if rule.in_last_s is not None:
-        forget_window(st)
+    start_again(st)
     if cooldown_s and st.last_trip_mono is not None and now - st.last_trip_mono < cooldown_s:
         return Decision(rule.name, "cooldown", rule.action, reason + " [cooldown]", count, rule.samples, values, now)
     st.trips += 1
@@ -566,10 +560,14 @@ def _judge(
     return Decision(rule.name, "trip", rule.action, reason, count, rule.samples, values, now)
 
 
-def _window_missed(rule: Rule, st: RuleState, sample: Sample, now: float, cooldown_s: float) -> Decision | None:
-    """A windowed rule on a sample where it does not count. The interval up to this sample counts as held when the
-    previous one did, so the window's total may reach ``for_s`` here: the rule trips now, not at the next dip (a
-    flapping signal's good phase is no reason to wait; helper-35 measured one whole phase of delay)."""
+def _missed(rule: Rule, st: RuleState, sample: Sample, now: float, cooldown_s: float) -> Decision | None:
+    """``rule`` on a sample where it does not count. A consecutive rule starts again (None). A windowed rule keeps
+    its window, and the interval up to this sample counts as held when the previous one did, so the window's total
+    may reach ``for_s`` here: the rule trips now, not at the next dip (a flapping signal's good phase is no reason
+    to wait; helper-35 measured one whole phase of delay)."""
+    if rule.in_last_s is None:
+        st.counter, st.started_mono = 0, None
+        return None
     _window(rule, st, now, held=False)
     if st.counter < rule.samples:
         return None
@@ -597,8 +595,8 @@ def _window(rule: Rule, st: RuleState, now: float, *, held: bool) -> None:
     st.started_mono = recent[0][0] if recent else (now if held else None)
 
 
-def forget_window(st: RuleState) -> None:
-    """A windowed rule starts again from nothing (after its trip, a relief, a reset)."""
+def start_again(st: RuleState) -> None:
+    """A rule's counter starts again from nothing, a windowed rule's window too (after its trip, a relief)."""
     if st.recent is not None:
         st.recent.clear()
     st.held_total_s, st.prev_held, st.counter, st.started_mono = 0.0, False, 0, None

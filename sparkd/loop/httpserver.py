@@ -120,8 +120,8 @@ class ReadHold:
     What a connection receives while held is kept, unparsed, and its reading paused; at ``release`` each such
     connection is handed what it kept, at the loop's next turn (not inside the caller, a stop about to send its
     SIGTERM), and reads again. Answers under way are written, and a request head kept waiting is not closed as
-    slow nor as an idle keep-alive. ``holds`` / ``held_requests`` count holds and connections that waited (status,
-    logs). Used on the event loop's thread only."""
+    slow nor as an idle keep-alive. ``holds`` counts holds (each one's number) and ``held_requests`` the
+    connections that waited, over all holds. Used on the event loop's thread only."""
 
     def __init__(self) -> None:
         self.held = False
@@ -219,8 +219,13 @@ def guarded_protocol(
         _kept: bytes = b""
         _exempt = False
 
+        def _on_hold(self) -> bool:
+            """This connection waits on the hold: it is on, or what it kept is not handed back yet (never on the
+            link network's sockets, ``ReadHold.exempt``)."""
+            return (gate.held or bool(self._kept)) and not self._exempt
+
         def data_received(self, data: bytes) -> None:
-            if (gate.held or self._kept) and not self._exempt:
+            if self._on_hold():
                 if len(self._kept) + len(data) > KEEP_MAX_BYTES:
                     gate.forget(self)
                     self._kept = b""
@@ -269,7 +274,7 @@ def guarded_protocol(
 
         def _head_late(self) -> None:
             self._deadline = None
-            if gate.held or self._kept:  # waiting on the hold, not slow: its head is read once it ends
+            if self._on_hold():  # waiting on the hold, not slow: its head is read once it ends
                 self._deadline = self.loop.call_later(header_timeout_s, self._head_late)
                 return
             if self.cycle is self._armed and not self.transport.is_closing():
