@@ -321,7 +321,8 @@ def test_an_unheld_known_entry_changed_a_moment_ago_is_not_yet_a_leftover(made: 
 def test_only_entries_kept_as_too_new_are_looked_at_again() -> None:
     result = shm.CleanupResult(
         kept=[
-            shm.Kept("nccl-aaaaaa", shm.TOO_NEW.format(age=2.5)),
+            shm.Kept("nccl-aaaaaa", shm.TOO_NEW.format(age=2.5), too_new=True),
+            shm.Kept("nccl-dddddd", shm.TOO_NEW.format(age=2.5)),  # the words alone do not make it young
             shm.Kept("nccl-bbbbbb", "changed since the scan (mtime 1 -> 2)"),  # a race's reason, not an age
             shm.Kept("psm_cccc", "in use by pid 1 (python3)"),
         ]

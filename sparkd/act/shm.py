@@ -170,13 +170,13 @@ def plan_cleanup(
     threshold = None if container_started_at is None else container_started_at - clock_slack_s
     until = None if container_stopped_at is None else container_stopped_at + clock_slack_s
     for e in entries:
-        reason = _keep_reason(e, threshold, now, allow_unknown_age, ignored)
-        if reason is None and threshold is not None:
-            reason = _tie_reason(e, witness, until)
-        if reason is None:
+        keep = _keep_reason(e, threshold, now, allow_unknown_age, ignored)
+        if keep is None and threshold is not None and (reason := _tie_reason(e, witness, until)) is not None:
+            keep = Kept(e.name, reason)
+        if keep is None:
             remove.append(e)
         else:
-            kept.append(Kept(e.name, reason))
+            kept.append(keep)
     return CleanupPlan(tuple(remove), tuple(kept), container_started_at, now, ignored)
 
 
@@ -186,25 +186,26 @@ def _keep_reason(
     now: float,
     allow_unknown_age: bool,
     ignored: frozenset[int],
-) -> str | None:
+) -> Kept | None:
+    """Why ``e`` is kept whatever the witness says, or None."""
     if e.file_type != "file":
-        return f"not sparkd's to judge: a {e.file_type}, not a shared-memory file"
+        return Kept(e.name, f"not sparkd's to judge: a {e.file_type}, not a shared-memory file")
     if e.users:
-        return _in_use_reason(e.users)
+        return Kept(e.name, _in_use_reason(e.users))
     unreadable = [p for p in e.unreadable_pids if p not in ignored]
     if unreadable:
-        return _unreadable_reason(unreadable)
+        return Kept(e.name, _unreadable_reason(unreadable))
     if threshold is None:
         if not allow_unknown_age:
-            return f"age unknown (no container start given); last changed {_utc(e.changed_at)}"
+            return Kept(e.name, f"age unknown (no container start given); last changed {_utc(e.changed_at)}")
         if e.kind not in KNOWN_RUNTIME_KINDS:
-            return "not sparkd's to judge: name matches no known vLLM/NCCL/loky pattern"
+            return Kept(e.name, "not sparkd's to judge: name matches no known vLLM/NCCL/loky pattern")
         if now - e.changed_at < LEFTOVER_MIN_AGE_S:
-            return TOO_NEW.format(age=max(0.0, now - e.changed_at))
+            return Kept(e.name, TOO_NEW.format(age=max(0.0, now - e.changed_at)), too_new=True)
         return None
     if e.changed_at < threshold:
         age_s = max(0.0, now - e.changed_at)
-        return f"older than the container (created {_utc(e.changed_at)}, {age_s:.0f} s ago)"
+        return Kept(e.name, f"older than the container (created {_utc(e.changed_at)}, {age_s:.0f} s ago)")
     return None
 
 
@@ -365,9 +366,9 @@ def format_result(result: CleanupResult, *, limit: int = 20) -> str:
 
 
 def young_leftovers(result: CleanupResult) -> list[str]:
-    """Names ``result`` kept only because they changed within :data:`LEFTOVER_MIN_AGE_S` (looked at again later)."""
-    tail = TOO_NEW.split("}", 1)[1]  # " s ago: too new …": not "changed since the scan", a race's reason
-    return [k.name for k in result.kept if k.reason.startswith("changed ") and k.reason.endswith(tail)]
+    """Names ``result`` kept only because they changed within :data:`LEFTOVER_MIN_AGE_S` (looked at again later):
+    ``Kept.too_new``, set where that reason is given (a reason's text was matched before)."""
+    return [k.name for k in result.kept if k.too_new]
 
 
 def cleanup(

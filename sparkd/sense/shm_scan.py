@@ -141,8 +141,12 @@ class ShmEntry:
 
 @dataclass(frozen=True, slots=True)
 class Kept:
+    """An entry the cleanup keeps: its ``name``, ``reason`` (said in the archive's ``shm-cleanup.txt``), and
+    ``too_new``: kept only because it changed within ``act.shm.LEFTOVER_MIN_AGE_S`` (the preflight looks again)."""
+
     name: str
     reason: str
+    too_new: bool = False
 
 
 @dataclass(frozen=True, slots=True)
