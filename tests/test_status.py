@@ -455,3 +455,97 @@ def test_a_duration_rule_is_shown_by_how_long_it_held_not_as_an_overrun_counter(
     quiet = RuleStatus(name="n", samples=5, for_s=None, counter=1, **base)
     [card] = rules_from_status(Status.model_construct(rules=[quiet]))
     assert card["progress_pct"] == pytest.approx(20.0) and card["level"] == "warn"
+
+
+@pytest.mark.parametrize("auto_restart", [False, True])
+async def test_stay_stopped_says_whether_the_model_stays_down_after_an_emergency_stop(
+    tmp_path: Path, auto_restart: bool
+) -> None:
+    """``container.stay_stopped`` read false after an emergency stop while the stop intent kept the model down
+    (helper-35): the supervisor's own flag is cleared to give the relaunch decision its turn. It now says what an
+    operator asks: down, and nothing of sparkd's brings it back (the decision was ``hold``); with auto_restart the
+    decision schedules a relaunch, and it is false until that relaunch is cancelled."""
+    from sparkd.core.supervision import StopIntent
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "container": {"image": "x:1", "name": "s-stays", "auto_restart": auto_restart},
+        }
+    )
+    sup = Supervisor(settings)
+    sup.container_id, sup.state = "c" * 64, ContainerState.READY
+    assert sup.status_json().stay_stopped is False  # running
+    sup.state = ContainerState.STOPPED
+    assert sup.status_json().stay_stopped is False  # stopped, but no intent holds it and nobody said "stay"
+    d = await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)
+    try:
+        assert d.action == ("relaunch" if auto_restart else "hold")
+        assert sup.status_json().stay_stopped is (not auto_restart)
+        if auto_restart:
+            sup.unattended.cancel_relaunch("an operator's stop")  # nothing brings it back now
+            assert sup.status_json().stay_stopped is True
+        async with sup.lock:  # an action under way (a start by hand): not "stays stopped"
+            assert sup.status_json().stay_stopped is False
+        await sup.unattended.clear_intent("api:cli")  # what an operator's start does: the intent is gone
+        assert sup.status_json().stay_stopped is False
+        sup.stay_stopped = True  # a stop by hand (`sparkd stop`)
+        assert sup.status_json().stay_stopped is True
+    finally:
+        sup.unattended.cancel_relaunch("test end")
+
+
+@pytest.mark.parametrize(
+    ("kind", "details", "said"),
+    [
+        ("killed", {"outcome": "killed (hard floor)", "exit_code": 137}, ", killed (hard floor) (exit code 137) — "),
+        ("stopped", {"outcome": "exited", "exit_code": 0}, ", exited (exit code 0) — "),
+    ],
+)
+async def test_the_clis_stopped_by_line_says_how_the_stop_ended(
+    tmp_path: Path, kind: str, details: dict[str, Any], said: str
+) -> None:
+    """``stopped by: emergency (rule …)`` hid that the hard floor killed the model (helper-35): the events and the
+    dashboard's card said it. The line now ends with the stop's outcome, from the newest stop event when it is
+    this stop's (at or after the intent); an older stop's outcome is not claimed for it."""
+    import time
+
+    from click.testing import CliRunner
+
+    from sparkd.core.supervision import StopIntent
+    from sparkd.face.cli import main
+
+    snap = await _status_with_fake_actions(tmp_path)
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"image": "x:1", "name": "m"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state = "c" * 64, ContainerState.STOPPED
+    await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)  # hold
+    since = sup.unattended.state.intent.since  # type: ignore[union-attr]
+    snap = snap.model_copy(update={"ts": time.time(), "container": sup.status_json()})
+    store = Store.open(tmp_path / "state" / "sparkd.db")
+    store.write_batch([("status", snap.model_dump(mode="json"))])
+    store.add_event(kind=kind, message="the stop", details=details, ts=since + 2.5)
+    store.close()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
+    assert said in line and line.endswith("stays stopped until `sparkd start`"), line
+    store = Store.open(tmp_path / "state" / "sparkd.db")  # a newer intent than that stop: no outcome claimed
+    snap.container.supervision.intent.since = since + 60.0  # type: ignore[union-attr]
+    store.write_batch([("status", snap.model_dump(mode="json"))])
+    store.close()
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
+    assert "exit code" not in line and " UTC — stays stopped" in line, line
+
+
+def test_the_container_status_gives_the_ready_events_time_to_ready(tmp_path: Path) -> None:
+    """``time_to_ready_s`` is the ``ready`` event's figure: from the launch's start to /health ready (the dashboard's
+    restart confirmation says it; ready_at - started_at, Docker's start, read 0 s against the event's 1.5 s)."""
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"image": "x:1", "name": "s-ready"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state = "c" * 64, ContainerState.READY
+    assert sup.status_json().time_to_ready_s is None  # not ready yet
+    sup.launch_started_at, sup.container_started_at, sup.ready_at = 1000.0, 1001.1, 1001.5
+    assert sup.status_json().time_to_ready_s == pytest.approx(1.5)

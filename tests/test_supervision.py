@@ -369,3 +369,22 @@ def test_it_tells_an_incident_by_who_asked_for_the_stop(source: str, incident: b
     from sparkd.core.supervision import is_incident
 
     assert is_incident(source) is incident
+
+
+def test_a_rules_stop_intent_names_the_rule_once() -> None:
+    """The intent read "stop intent emergency (rule repeated_dips: repeated_dips: usable …)" (helper-35): a trip's
+    reason begins with the rule's name. Other sources' reasons are kept whole."""
+    from sparkd.core.supervision import IntentRecord, StopIntent, intent_text
+
+    reason = "repeated_dips: usable 0.50 GiB < 3.00 GiB held 3 s in the last 10 s"
+    assert intent_text(StopIntent.EMERGENCY, "rule repeated_dips", reason) == (
+        "stop intent emergency (rule repeated_dips: usable 0.50 GiB < 3.00 GiB held 3 s in the last 10 s)"
+    )
+    assert IntentRecord(StopIntent.EMERGENCY, 0.0, "rule repeated_dips", reason).describe() == intent_text(
+        StopIntent.EMERGENCY, "rule repeated_dips", reason
+    )
+    # another rule's name at the start of the reason, and an operator's reason, are not cut
+    assert intent_text(StopIntent.EMERGENCY, "rule low_available", reason).endswith(f"(rule low_available: {reason})")
+    assert intent_text(StopIntent.OPERATOR, "api:cli", "low_available: x") == (
+        "stop intent operator (api:cli: low_available: x)"
+    )

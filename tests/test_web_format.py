@@ -49,3 +49,26 @@ def test_the_headline_names_a_demoted_stop_rule_over_a_plain_warn_not_over_criti
         h = at(level)
         assert (h["level"], h["label"]) == ("warn", "low_available demoted to warn (cannot protect this host)"), h
     assert (at("critical")["level"], at("critical")["label"]) == ("critical", "critical")  # the nearer danger first
+
+
+def test_a_short_duration_keeps_its_tenths_and_the_restart_confirmation_says_the_ready_events_figure() -> None:
+    """The restart confirmation read "the last launch took 0 s to become ready" against the ``ready`` event's 1.5 s
+    (helper-35): the figure was cut to whole seconds, and measured from Docker's start of the container rather than
+    the launch's start. Below 10 s a duration keeps its tenths; the figure is ``container.time_to_ready_s``."""
+    from sparkd.face.presenters import buttons_view
+    from sparkd.face.web import _fmt_duration
+
+    assert [_fmt_duration(s) for s in (0.44, 1.5, 5.0, 9.96, 16.7, 90, 300, None)] == [
+        "0.4 s",
+        "1.5 s",
+        "5 s",
+        "10 s",
+        "16 s",
+        "90 s",
+        "5 min",
+        "–",
+    ]
+    c = {"mode": "managed", "state": "ready", "started_at": 100.9, "ready_at": 101.3, "time_to_ready_s": 1.5}
+    assert buttons_view({"container": c}, True)["last_ready_s"] == 1.5
+    old = {k: v for k, v in c.items() if k != "time_to_ready_s"}  # a snapshot written before the field
+    assert buttons_view({"container": old}, True)["last_ready_s"] == 101.3 - 100.9

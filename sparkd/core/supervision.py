@@ -351,6 +351,15 @@ def probe_outcome(policy: ProbePolicy, consecutive_failures: int, *, health_ok: 
 
 
 # ---------------------------------------------------------------------------------------------- intents
+def intent_text(intent: StopIntent, who: str, reason: str) -> str:
+    """``stop intent <intent> (<who>: <reason>)``. A rule's trip reason begins with the rule's name, and ``who`` is
+    ``rule <name>``: the name is said once ("rule repeated_dips: repeated_dips: usable …" before, helper-35)."""
+    name = who[len("rule ") :] if who.startswith("rule ") else None
+    if name and reason.startswith(f"{name}: "):
+        reason = reason[len(name) + 2 :]
+    return f"stop intent {intent.value} ({who}: {reason})"
+
+
 @dataclass(frozen=True)
 class IntentRecord:
     """The current stop intent with when (epoch s), who and why; persisted."""
@@ -360,6 +369,11 @@ class IntentRecord:
     who: str
     reason: str
     expired_alerted: bool = False
+
+    def describe(self) -> str:
+        """``stop intent emergency (rule low_available: usable 3.00 GiB < 6.00 GiB for 4 s)``: the events' and the
+        state reason's words for it (``intent_text``)."""
+        return intent_text(self.intent, self.who, self.reason)
 
     def to_json(self) -> dict[str, Any]:
         return {

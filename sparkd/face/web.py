@@ -88,6 +88,8 @@ def _fmt_datetime(ts: Any) -> str:
 def _fmt_duration(s: Any) -> str:
     if not isinstance(s, int | float):
         return "–"
+    if s < 10:  # "0 s" for a 0.9 s start-up; a whole figure stays "5 s"
+        return f"{round(s, 1):g} s"
     s = int(s)
     if s < 120:
         return f"{s} s"

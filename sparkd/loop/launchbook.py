@@ -161,7 +161,7 @@ class LaunchBook:
                     # and the plan it ran with, as a stop within one run of sparkd leaves it shown (/api/status had
                     # plan null after a restart of sparkd; the next start makes its plan from the revision)
                     self.plan_json = self.plan_json or stored_plan(rec.get("plan"))
-            why = f"stop intent {intent.intent.value} ({intent.who}: {intent.reason})" if intent else ended
+            why = intent.describe() if intent else ended
             self.state_reason = f"{why}; stays stopped until `sparkd start`"
             self._event(
                 "staying_stopped",
@@ -218,17 +218,24 @@ class LaunchBook:
         tripping = [r for r in g.rules if r.action == "stop" and g.engine.holds_now(r.name, g.last)]
         if not tripping:
             return
-        r = tripping[0]
+        last = g.last
+        held = "; ".join(f"{r.name} ({'; '.join(c.describe(last) for c in r.when)})" for r in tripping)
         why = (
-            f"stop rule {r.name} holds now ({'; '.join(c.describe(g.last) for c in r.when)}): "
+            f"stop rule{'s' if len(tripping) > 1 else ''} {held} hold{'' if len(tripping) > 1 else 's'} now: "
             "the guard would stop the model again"
         )
-        details = {"rules": [x.name for x in tripping], "sample_ts": g.last.ts}
+        details = {"rules": [x.name for x in tripping], "sample_ts": last.ts}
         if force:
             self._event("preflight_forced", f"launching anyway (forced by {source}): {why}", severity="warning")
             return
         self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
-        raise Refused(f"preflight failed: {why} (--force overrides)", detail=details)
+        # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so
+        raise Refused(
+            f"preflight failed: {why}. --force launches it anyway, and the guard stops it again as soon as "
+            f"{'these rules trip' if len(tripping) > 1 else 'this rule trips'} (within seconds while memory "
+            "stays this low)",
+            detail=details,
+        )
 
     async def _launch(self, source: str, *, force: bool = False) -> str:
         d = self.daemon

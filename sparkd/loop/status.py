@@ -189,12 +189,14 @@ class ContainerStatus(_Model):
     started_at: float | None = None
     uptime_s: float | None = None
     ready_at: float | None = None
+    # from the launch's start (container create) to /health ready, s: the ``ready`` event's figure
+    time_to_ready_s: float | None = None
     trough_bytes: int | None = None  # lowest MemAvailable seen during start-up
     revision: int | None = None
     plan: PlanFigures | None = None
     gmu: float | None = None
     memory_bytes: int | None = None  # docker --memory (= --memory-swap)
-    stay_stopped: bool = False
+    stay_stopped: bool = False  # down, and stays down until an operator starts it (``Supervisor._stays_stopped``)
     restarts_in_window: int = 0  # sparkd's auto-restarts and Docker's restarts seen, in container.restart_window_s
     restart_count: int = 0  # Docker's RestartCount as last inspected (its restart policy's restarts)
     restart_policy: str | None = None  # Docker's HostConfig.RestartPolicy.Name

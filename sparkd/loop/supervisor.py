@@ -466,6 +466,17 @@ class Supervisor(RunBook):
         """``status_json().state`` without building the status (the daemon's per-second snapshot key)."""
         return str(self._shown_state())
 
+    def _stays_stopped(self, state: S) -> bool:
+        """``ContainerStatus.stay_stopped``: the model is down and nothing of sparkd's will bring it back, so it stays
+        down until an operator starts it. True when it is not running, no action is under way, no relaunch is
+        scheduled, and either sparkd was told to keep it down (``stay_stopped``: a stop by hand, a removed container,
+        the restart cap) or a stop intent holds it (an emergency stop, an exit, a failed launch: the relaunch decision
+        was ``hold``). The flag alone read false after an emergency stop (it gives the relaunch decision its turn),
+        though the intent kept the model down (helper-35)."""
+        if state in RUNNING_STATES or self.lock.locked() or self.unattended.pending is not None:
+            return False
+        return self.stay_stopped or self.unattended.state.intent is not None
+
     def status_json(self) -> ContainerStatus:
         """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
 
@@ -492,12 +503,15 @@ class Supervisor(RunBook):
             if self.container_started_at and state in RUNNING_STATES
             else None,
             ready_at=self.ready_at,
+            time_to_ready_s=self.ready_at - self.launch_started_at
+            if self.ready_at is not None and self.launch_started_at is not None
+            else None,
             trough_bytes=self.trough_bytes,
             revision=self.revision,
             plan=plan,
             gmu=plan.gmu if plan else None,
             memory_bytes=self.mem_limit_bytes,
-            stay_stopped=self.stay_stopped,
+            stay_stopped=self._stays_stopped(state),
             restarts_in_window=self._restarts_in_window(),
             restart_count=self.restart_count,
             restart_policy=self.restart_policy,

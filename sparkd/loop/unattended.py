@@ -47,6 +47,7 @@ from sparkd.core.supervision import (
     heartbeat_due,
     heartbeat_message,
     intent_for,
+    intent_text,
     maintenance_expired,
     parse_schedule,
     probe_outcome,
@@ -227,7 +228,7 @@ class Unattended:
             await self.save()
         self.sup._event(
             "stop_intent",
-            f"stop intent {intent.value} ({who}: {reason})",
+            intent_text(intent, who, reason),
             details={"intent": intent.value, "who": who, "reason": reason},
         )
 

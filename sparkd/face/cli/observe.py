@@ -90,8 +90,9 @@ def _archive_of(settings: Settings, stop: dict[str, Any] | None) -> str | None:
     return str(settings.archives_path / name) if name else None
 
 
-def _echo_snapshot(st: Status) -> None:
-    """Rules, watermark warnings, driver memory, GPUs and the container of a stored status."""
+def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
+    """Rules, watermark warnings, driver memory, GPUs and the container of a stored status; ``last_stop``: the
+    newest stop event (``stopped``, ``killed``, ``stop_unconfirmed``), whose outcome the ``stopped by:`` line says."""
     if st.rules:
         click.echo("rules:")
         for r in st.rules:
@@ -155,7 +156,14 @@ def _echo_snapshot(st: Status) -> None:
             if sv.pending_relaunch
             else "stays stopped until `sparkd start`"
         )
-        click.echo(f"stopped by: {i.intent} ({i.who}) at {_ts(i.since)} UTC — {after}")
+        # how that stop ended, when the last stop event is this stop's: "killed (hard floor)" read only in the events
+        # and the dashboard's card (helper-35)
+        d = (last_stop or {}).get("details") or {}
+        how = ""
+        if d.get("outcome") and (last_stop or {}).get("ts", 0.0) >= i.since - 1.0:
+            code = d.get("exit_code")
+            how = f", {d['outcome']}" + (f" (exit code {code})" if code is not None else "")
+        click.echo(f"stopped by: {i.intent} ({i.who}) at {_ts(i.since)} UTC{how} — {after}")
     if sv is not None and sv.breaker.open:
         b = sv.breaker
         click.echo(
@@ -259,7 +267,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     if st is None:
         click.echo("no status snapshot yet")
     else:
-        _echo_snapshot(st)
+        _echo_snapshot(st, last_stop[0] if last_stop else None)
     if data["last_archive"]:
         click.echo(f"last stop's postmortem archive: {data['last_archive']}")
     if events:
