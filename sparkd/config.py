@@ -706,7 +706,10 @@ FIELD_DOCS: dict[str, str] = {
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
     "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
-    "container.startup_timeout_s": "A launch that is not /health-ready within this is failed (and rolled back).",
+    "container.startup_timeout_s": (
+        "A launch of sparkd's (managed mode) that is not /health-ready within this is failed (and rolled back); "
+        "a run that was ready, or a guarded container, is never stopped for its /health."
+    ),
     "container.health_interval_s": "Seconds between /health polls.",
     "container.auto_restart": "Relaunch after a stop (default: stay stopped until an operator acts).",
     "container.restart_cap": "At most this many automatic restarts per restart_window_s.",

@@ -1066,8 +1066,15 @@ class Supervisor(RunBook):
             self._last_probe = time.monotonic()
             result, why = await self.check_health()
             c = self.settings.container
-            expired = self.state is S.STARTING and time.time() - (self.launch_started_at or time.time()) > (
-                c.startup_timeout_s
+            # a failed launch is a launch of sparkd's that never became ready: not a run that was ready (its launch
+            # record says so) and fails /health when sparkd comes back beside it, nor a guarded container, which
+            # sparkd never starts (a wrong container.port): both were stopped at the first failing /health once
+            # they had run for startup_timeout_s (tests/test_startup_expiry.py)
+            expired = (
+                self.state is S.STARTING
+                and self.mode == "managed"
+                and self.ready_at is None
+                and time.time() - (self.launch_started_at or time.time()) > c.startup_timeout_s
             )
             if expired and result is not Probe.OK:
                 why = f"not ready within {c.startup_timeout_s:g} s ({why})"

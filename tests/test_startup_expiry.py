@@ -1,0 +1,115 @@
+"""A run whose /health does not answer is stopped as a failed launch (``container.startup_timeout_s``) only when it is
+a launch of sparkd's that never became ready. The deadline counted from the launch's start (or Docker's start of a
+run sparkd found running), so sparkd restarted beside a model that had run for hours stopped it at the first /health
+that failed, as "not ready within 1800 s": a model that had been ready (its launch record says so) at a busy moment,
+and in guard mode, whose container sparkd never starts, any model whose ``container.port`` answers nothing.
+
+Docker and the /health probe are stubs here (the edge: a probe failing on cue); the lifecycle is the real one
+(``Supervisor.reconcile`` → ``core.lifecycle.transition`` → effects)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkd.act.containerspec import ContainerState as DockerState
+from sparkd.config import load_settings
+from sparkd.core.lifecycle import ContainerState as S
+from sparkd.core.lifecycle import Probe
+from sparkd.loop.supervisor import Supervisor
+
+pytestmark = pytest.mark.anyio
+
+CID = "d" * 64
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+HOUR = 3600.0
+
+
+class Manager:
+    """``docker inspect``'s ``State`` of one running container, started ``age_s`` ago."""
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = started_at
+
+    def state(self, cid: str) -> DockerState:
+        return DockerState("running", True, None, False, self.started_at, None, 4242, None)
+
+
+def _sup(tmp_path: Path, mode: str, *, ran_for_s: float, ready_before: bool) -> tuple[Supervisor, list[str]]:
+    container: dict[str, Any] = {"image": "x:1", "name": "vllm", "startup_timeout_s": 600.0}
+    if mode == "guard":
+        container = {"guard": "vllm", "startup_timeout_s": 600.0}
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": container})
+    started = time.time() - ran_for_s
+    sup = Supervisor(settings, manager=Manager(started))  # type: ignore[arg-type]
+    stops: list[str] = []
+
+    async def stop_quietly(reason: str) -> None:
+        stops.append(reason)
+
+    async def failing() -> tuple[Probe, str | None]:
+        return Probe.FAILING, "connection refused"
+
+    sup._stop_quietly = stop_quietly  # type: ignore[method-assign]
+    sup.check_health = failing  # type: ignore[method-assign]
+    # a run taken as sparkd takes one it finds running (adopted): its start time seen, the state "starting"
+    sup.container_id, sup.state = CID, S.STARTING
+    sup.seen_started_at, sup.seen_restart_count = started, 0
+    sup.container_started_at = sup.launch_started_at = started
+    sup.first_sight = True
+    sup.ready_at = started + 120.0 if ready_before else None  # the launch record's ready_at
+    return sup, stops
+
+
+async def _probe(sup: Supervisor) -> None:
+    sup._last_probe = 0.0
+    await sup.reconcile(probe=True)
+    if sup._bg is not None:
+        await sup._bg
+
+
+@pytest.mark.parametrize("mode", ["managed", "guard"])
+async def test_a_model_that_was_ready_is_not_stopped_as_a_failed_launch_when_health_fails_at_adoption(
+    tmp_path: Path, mode: str
+) -> None:
+    sup, stops = _sup(tmp_path, mode, ran_for_s=2 * HOUR, ready_before=True)
+    await _probe(sup)
+    await _probe(sup)
+    assert stops == [] and sup.state is not S.FAILED, (stops, sup.state, sup.state_reason)
+    assert sup.health == "connection refused"  # said, not acted on
+
+
+async def test_guard_mode_never_stops_a_model_for_its_health(tmp_path: Path) -> None:
+    """sparkd does not start a guarded container, so a /health that never answers (a wrong container.port, a model
+    still loading) is not a launch of sparkd's that failed: it is said (``health``), never a stop."""
+    sup, stops = _sup(tmp_path, "guard", ran_for_s=2 * HOUR, ready_before=False)
+    await _probe(sup)
+    assert stops == [] and sup.state is S.STARTING and sup.health == "connection refused"
+
+
+async def test_a_managed_launch_that_never_became_ready_is_still_stopped_when_its_time_is_up(tmp_path: Path) -> None:
+    sup, stops = _sup(tmp_path, "managed", ran_for_s=2 * HOUR, ready_before=False)
+    await _probe(sup)
+    assert sup.state is S.FAILED and len(stops) == 1 and "not ready within 600 s" in stops[0], (sup.state, stops)
+    young, stops2 = _sup(tmp_path / "young", "managed", ran_for_s=60.0, ready_before=False)
+    await _probe(young)
+    assert young.state is S.STARTING and stops2 == []  # within its start-up time
+
+
+def test_the_stubs_take_the_path_the_daemon_takes(tmp_path: Path) -> None:
+    """The supervisor's own names the stubs replace exist (a rename would leave this file testing nothing)."""
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"image": "x:1", "name": "vllm"}})
+    sup = Supervisor(settings)
+    for name in ("_stop_quietly", "check_health", "reconcile", "_last_probe", "first_sight", "_bg", "ready_at"):
+        assert hasattr(sup, name), name
+    assert asyncio.iscoroutinefunction(Supervisor._stop_quietly) and asyncio.iscoroutinefunction(sup.check_health)
