@@ -15,9 +15,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sparkdapi import SparkdUnderTest
-from sparkdproc import db_query, wait_for
+from sparkdproc import db_query, free_port, wait_for
 
 from sparkd.act.containerspec import epoch_from_docker
 
@@ -288,3 +289,24 @@ def test_a_new_container_under_the_guarded_name_is_followed_and_stopped(
     (proc / "meminfo").write_text(LOW)
     assert wait_for(lambda: len(s.events("stopped")) == 2, 60), s.output()[-3000:]
     assert docker_client.api.inspect_container(new.id)["State"]["Running"] is False
+
+
+def test_a_guarded_model_whose_port_answers_nothing_is_never_stopped_for_its_health(
+    make: Any, launcher: Any, docker_client: Any
+) -> None:
+    """Guard mode with a wrong ``container.port``: /health answers nothing. sparkd never starts a guarded container,
+    so this is no failed launch of its own; it stopped the model once the run was older than
+    ``startup_timeout_s`` ("not ready within …", a critical stop of a healthy model). Now it is said (``health``)
+    and the model runs on. (The managed launch that never becomes ready is still stopped:
+    ``test_e2e_unattended.py``; the stubbed cases: ``test_startup_expiry.py``.)"""
+    fv = launcher(managed=False, startup_s=0.3)
+    dead = free_port()  # nothing listens there
+    c = {"image": None, "guard": fv.name, "port": dead, "startup_timeout_s": 5, "health_interval_s": 0.5}
+    s = make(container=c)
+    assert wait_for(lambda: (s.container().get("health") or "") not in ("", "ok"), 30), s.container()
+    time.sleep(8.0)  # past startup_timeout_s, several probes
+    c = s.container()
+    assert c["state"] == "starting" and c["state"] != "failed", c
+    assert s.events("stopping") == [] and s.events("stopped") == [], s.events("stopping")
+    assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is True
+    assert httpx.get(fv.url("/health"), timeout=5).status_code == 200  # the model itself was fine all along
