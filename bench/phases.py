@@ -45,6 +45,11 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("sparkd.loop.daemon", "Daemon", "_after_tick"),
     ("sparkd.loop.daemon_decide", None, "update_mode"),
     ("sparkd.loop.daemon", "Daemon", "_ping_watchdog"),
+    # the writer's batch (every store.WRITE_EVERY_S: ~0.2 calls per tick), in its thread
+    ("sparkd.store.store", "Writer", "_write_locked"),
+    ("sparkd.store.store", "Store", "write_batch"),
+    ("sparkd.store.keeper", "DbKeeper", "replaced"),
+    ("sparkd.store.store", "Writer", "dirs_changed"),
 )
 
 

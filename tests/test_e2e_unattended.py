@@ -373,7 +373,8 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     assert r.status_code == 422, r.text
     msg = r.json()["detail"]["message"]
     assert "stop rule low_available (MemAvailable 4.00 GiB < 6.00 GiB) holds now" in msg, msg
-    assert "--force launches it anyway, and the guard stops it again as soon as this rule trips" in msg, msg
+    forced = "A forced start (`sparkd start --force`, force=true in the API) launches it anyway, and the guard stops"
+    assert f"{forced} it again as soon as this rule trips" in msg, msg
     assert wait_for(lambda: len(s.events("preflight_failed")) == 1, 5)
     meminfo(12)
     after = [t for t in s.events("trip") if t["ts"] > stopped_at]

@@ -482,6 +482,10 @@ async def test_stay_stopped_says_whether_the_model_stays_down_after_an_emergency
     try:
         assert d.action == ("relaunch" if auto_restart else "hold")
         assert sup.status_json().stay_stopped is (not auto_restart)
+        for state in (ContainerState.UNKNOWN, ContainerState.RESTARTING):  # not known down (helper-36)
+            sup.state = state
+            assert sup.status_json().stay_stopped is False, state
+        sup.state = ContainerState.STOPPED
         if auto_restart:
             sup.unattended.cancel_relaunch("an operator's stop")  # nothing brings it back now
             assert sup.status_json().stay_stopped is True
@@ -549,3 +553,45 @@ def test_the_container_status_gives_the_ready_events_time_to_ready(tmp_path: Pat
     assert sup.status_json().time_to_ready_s is None  # not ready yet
     sup.launch_started_at, sup.container_started_at, sup.ready_at = 1000.0, 1001.1, 1001.5
     assert sup.status_json().time_to_ready_s == pytest.approx(1.5)
+
+
+async def test_the_clis_stopped_by_line_is_about_the_run_last_seen(tmp_path: Path) -> None:
+    """helper-36: guard mode never clears a stop intent, so a guarded model started by hand after its emergency stop,
+    then stopped again, showed the old intent with the old stop's "killed (hard floor)". An intent older than the run
+    last seen is not shown; a stop event after the run's start is this run's, even before its intent (an operator's
+    stop records its intent after its stop event, more than a second later on a loaded host)."""
+    import time
+
+    from click.testing import CliRunner
+
+    from sparkd.core.supervision import StopIntent
+    from sparkd.face.cli import main
+
+    base = await _status_with_fake_actions(tmp_path)
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"image": "x:1", "name": "m"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state = "c" * 64, ContainerState.STOPPED
+    await sup.unattended.set_intent(StopIntent.OPERATOR, "api:cli", "stop requested by api:cli")
+    since = sup.unattended.state.intent.since  # type: ignore[union-attr]
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    db = tmp_path / "state" / "sparkd.db"
+
+    def status_line(run_started_at: float, stop_ts: float) -> str | None:
+        sup.container_started_at = run_started_at
+        snap = base.model_copy(update={"ts": time.time(), "container": sup.status_json()})
+        store = Store.open(db)
+        store.write_batch([("status", snap.model_dump(mode="json"))])
+        store.add_event(kind="stopped", message="the stop", details={"outcome": "exited", "exit_code": 0}, ts=stop_ts)
+        store.close()
+        out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+        return next((ln for ln in out.splitlines() if ln.startswith("stopped by: ")), None)
+
+    # the operator's stop: its event 3 s before its intent, after the run's start: its outcome is said
+    line = status_line(run_started_at=since - 600.0, stop_ts=since - 3.0)
+    assert line is not None and ", exited (exit code 0) — stays stopped" in line, line
+    assert sup.status_json().stay_stopped is True
+    # the run last seen started after that intent (started by hand, then down again): neither the intent nor a stop
+    # before it is this run's
+    assert status_line(run_started_at=since + 60.0, stop_ts=since + 30.0) is None
+    assert sup.status_json().stay_stopped is False

@@ -351,13 +351,18 @@ def probe_outcome(policy: ProbePolicy, consecutive_failures: int, *, health_ok: 
 
 
 # ---------------------------------------------------------------------------------------------- intents
-def intent_text(intent: StopIntent, who: str, reason: str) -> str:
-    """``stop intent <intent> (<who>: <reason>)``. A rule's trip reason begins with the rule's name, and ``who`` is
-    ``rule <name>``: the name is said once ("rule repeated_dips: repeated_dips: usable …" before, helper-35)."""
+def who_and_reason(who: str, reason: str) -> str:
+    """``<who>: <reason>``. A rule's trip reason begins with the rule's name, and ``who`` is ``rule <name>``: the name
+    is said once ("rule repeated_dips: repeated_dips: usable …" before, helper-35)."""
     name = who[len("rule ") :] if who.startswith("rule ") else None
     if name and reason.startswith(f"{name}: "):
         reason = reason[len(name) + 2 :]
-    return f"stop intent {intent.value} ({who}: {reason})"
+    return f"{who}: {reason}"
+
+
+def intent_text(intent: StopIntent, who: str, reason: str) -> str:
+    """``stop intent <intent> (<who>: <reason>)`` (``who_and_reason``)."""
+    return f"stop intent {intent.value} ({who_and_reason(who, reason)})"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from sparkd.act.pagecache import evict
 from sparkd.act.stop import unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
-from sparkd.core.supervision import IntentRecord, StopIntent
+from sparkd.core.supervision import IntentRecord, StopIntent, who_and_reason
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
 from sparkd.loop.status import PlanFigures, diff_figures
@@ -231,7 +231,8 @@ class LaunchBook:
         self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
         # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so
         raise Refused(
-            f"preflight failed: {why}. --force launches it anyway, and the guard stops it again as soon as "
+            f"preflight failed: {why}. A forced start (`sparkd start --force`, force=true in the API) launches it "
+            "anyway, and the guard stops it again as soon as "
             f"{'these rules trip' if len(tripping) > 1 else 'this rule trips'} (within seconds while memory "
             "stays this low)",
             detail=details,
@@ -384,7 +385,7 @@ class LaunchBook:
             return await self._take_emergency()
         rec = self.unattended.state.intent
         if since is not None and rec is not None and rec.since >= since and rec.intent in EMERGENCY_INTENTS:
-            return False, f"not launched: stopped by {rec.who} meanwhile ({rec.reason})"
+            return False, f"not launched: stopped meanwhile ({who_and_reason(rec.who, rec.reason)})"
         try:
             await self._launch(source)
         except SparkdError as e:

@@ -39,6 +39,7 @@ from sparkd.act.stop import StopReport, fallback_grace_s, unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
+    DOWN_STATES,
     RUNNING_STATES,
     ContainerState,
     Effect,
@@ -49,7 +50,7 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
-from sparkd.core.supervision import IntentRecord, StopIntent
+from sparkd.core.supervision import IntentRecord, StopIntent, who_and_reason
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
@@ -473,9 +474,17 @@ class Supervisor(RunBook):
         the restart cap) or a stop intent holds it (an emergency stop, an exit, a failed launch: the relaunch decision
         was ``hold``). The flag alone read false after an emergency stop (it gives the relaunch decision its turn),
         though the intent kept the model down (helper-35)."""
-        if state in RUNNING_STATES or self.lock.locked() or self.unattended.pending is not None:
+        if state not in DOWN_STATES and state is not S.NONE:  # running, restarting, or not known (engine down)
             return False
-        return self.stay_stopped or self.unattended.state.intent is not None
+        if self.lock.locked() or self.unattended.pending is not None:
+            return False
+        if self.stay_stopped:
+            return True
+        # an intent older than the last run seen is about an earlier incident (a guarded model started by hand after
+        # its emergency stop, then crashed or stopped by hand: the intent is never cleared in guard mode; helper-36)
+        intent = self.unattended.state.intent
+        started = self.container_started_at
+        return intent is not None and (started is None or intent.since >= started)
 
     def status_json(self) -> ContainerStatus:
         """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).
@@ -1012,7 +1021,8 @@ class Supervisor(RunBook):
         Docker may still be within the grace, or the stop never reached it): counted toward the breaker,
         stopped through the normal procedure, and the model stays stopped until `sparkd start`, as when
         sparkd finds it already down. A run started after the intent (by hand) is not stopped."""
-        reason = f"finishing the {rec.intent.value} stop begun before sparkd's last exit ({rec.who}: {rec.reason})"
+        said = who_and_reason(rec.who, rec.reason)
+        reason = f"finishing the {rec.intent.value} stop begun before sparkd's last exit ({said})"
         self._event("stop_resumed", reason, severity="warning", details={"intent": rec.intent.value, "who": rec.who})
         await self.unattended.emergency(self.breaker_key(), reason)
         try:

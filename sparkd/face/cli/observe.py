@@ -149,20 +149,31 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             "processes (its archive without the container's log); start, restart and resize wait for the engine"
         )
     sv = c.supervision
-    if sv is not None and sv.intent is not None and c.state.value in ("stopped", "exited", "failed", "none"):
+    # an intent older than the run last seen is an earlier incident's (a guarded model started by hand after its stop
+    # keeps the intent: guard mode never clears it), not why this run is down (helper-36)
+    run_at = c.started_at
+    if (
+        sv is not None
+        and sv.intent is not None
+        and c.state.value in ("stopped", "exited", "failed", "none")
+        and (run_at is None or sv.intent.since >= run_at)
+    ):
         i = sv.intent
         after = (
             f"relaunch scheduled at {_ts(sv.pending_relaunch.get('at'))} UTC"
             if sv.pending_relaunch
             else "stays stopped until `sparkd start`"
         )
-        # how that stop ended, when the last stop event is this stop's: "killed (hard floor)" read only in the events
-        # and the dashboard's card (helper-35)
-        d = (last_stop or {}).get("details") or {}
+        # how that stop ended: "killed (hard floor)" read only in the events and the dashboard's card (helper-35).
+        # The newest stop event is this run's when it came after the run's start (an operator's stop records its
+        # intent after its stop event, so the intent's time cannot tell)
+        stop = last_stop or {}
+        d = stop.get("details") or {}
         how = ""
-        if d.get("outcome") and (last_stop or {}).get("ts", 0.0) >= i.since - 1.0:
+        if d.get("outcome") and stop.get("ts", 0.0) >= (run_at if run_at is not None else i.since - 1.0):
             code = d.get("exit_code")
             how = f", {d['outcome']}" + (f" (exit code {code})" if code is not None else "")
+            how += " (not confirmed by Docker)" if stop.get("kind") == "stop_unconfirmed" else ""
         click.echo(f"stopped by: {i.intent} ({i.who}) at {_ts(i.since)} UTC{how} — {after}")
     if sv is not None and sv.breaker.open:
         b = sv.breaker
