@@ -19,6 +19,7 @@ from sparkd.core.lifecycle import (
     ObsClass,
     Observation,
     Probe,
+    Step,
     classify,
     main,
     mermaid,
@@ -245,3 +246,15 @@ def test_a_restart_loop_starting_its_next_run_stays_restarting_but_a_start_by_ha
     step = transition(S.RESTARTING, by_hand)
     assert step.state is S.STARTING
     assert [e.event for e in step.effects if e.kind is EffectKind.EMIT] == ["restarted_outside"]
+
+
+def test_a_run_that_was_ready_and_fails_health_when_sparkd_comes_back_is_unhealthy_not_starting() -> None:
+    """Adopted after a restart of sparkd, a model that was ready (its launch record) and fails /health read "starting
+    … adopted" for as long as that lasted (helper-37). It is unhealthy; a run that was never ready stays starting."""
+    failing = replace(EXAMPLES[K.FAILING], was_ready=True, detail="HTTP 500")
+    assert transition(S.STARTING, failing) == Step(S.UNHEALTHY, "/health: HTTP 500")
+    assert transition(S.STARTING, replace(failing, was_ready=False)).state is S.STARTING
+    assert transition(S.READY, failing).state is S.UNHEALTHY  # as before
+    # the start-up timeout is the supervisor's to judge (it leaves startup_expired false for such a run): if set,
+    # a starting run still fails as before
+    assert transition(S.STARTING, replace(failing, startup_expired=True)).state is S.FAILED

@@ -87,6 +87,9 @@ async def test_a_model_that_was_ready_is_not_stopped_as_a_failed_launch_when_hea
     await _probe(sup)
     assert stops == [] and sup.state is not S.FAILED, (stops, sup.state, sup.state_reason)
     assert sup.health == "connection refused"  # said, not acted on
+    # and it reads as what it is: a model that was ready and fails /health (it read "starting … adopted" for as long
+    # as that lasted, and the completion probe, which runs on a ready or unhealthy model only, never ran; helper-37)
+    assert sup.state is S.UNHEALTHY and sup.state_reason == "/health: connection refused", sup.state_reason
 
 
 async def test_guard_mode_never_stops_a_model_for_its_health(tmp_path: Path) -> None:
@@ -95,6 +98,11 @@ async def test_guard_mode_never_stops_a_model_for_its_health(tmp_path: Path) -> 
     sup, stops = _sup(tmp_path, "guard", ran_for_s=2 * HOUR, ready_before=False)
     await _probe(sup)
     assert stops == [] and sup.state is S.STARTING and sup.health == "connection refused"
+    # nor does it keep the guard sampling fast past a start-up's time (4 Hz for 8 min in helper-37's walk-through)
+    assert sup.fast_reason() is None
+    young, _ = _sup(tmp_path / "young", "guard", ran_for_s=60.0, ready_before=False)
+    await _probe(young)
+    assert young.state is S.STARTING and young.fast_reason() == "container vllm starting"
 
 
 async def test_a_managed_launch_that_never_became_ready_is_still_stopped_when_its_time_is_up(tmp_path: Path) -> None:

@@ -79,6 +79,8 @@ class Observation:
     ``seen_restart_count`` (the start time and restart count sparkd recorded last; None: never
     seen), ``restart_warned`` (the restart-policy warning was given for this container),
     ``guarded`` (guard mode: sparkd never starts it, so a start outside sparkd is how it runs, not a warning),
+    ``was_ready`` (this run was /health-ready before: its launch record says so, when sparkd comes back beside it; a
+    failing /health is then ``unhealthy``, not a start-up that has not finished),
     ``name``, ``detail`` (the probe's error or stall description, for messages).
     """
 
@@ -100,6 +102,7 @@ class Observation:
     seen_restart_count: int | None = None
     restart_warned: bool = False
     guarded: bool = False
+    was_ready: bool = False
     name: str = "container"
     detail: str | None = None
 
@@ -251,7 +254,9 @@ def _running(state: ContainerState, k: ObsClass, obs: Observation) -> Step:
         if state is S.STARTING:  # /health answers: ready first, the stall counts from there
             return Step(S.READY, "/health ready", (Effect(EffectKind.MARK_READY),))
         return Step(S.UNHEALTHY, obs.detail or "no token progress") if state is not S.UNHEALTHY else Step(state)
-    if k is K.FAILING and state is S.READY:
+    if k is K.FAILING and (state is S.READY or (state is S.STARTING and obs.was_ready)):
+        # a run adopted as "starting" that was ready before sparkd came back: read "starting … adopted" for as long
+        # as /health failed, and the completion probe (ready or unhealthy only) never ran again (helper-37)
         return Step(S.UNHEALTHY, f"/health: {obs.detail}")
     if state in (S.NONE, S.UNKNOWN):
         return Step(S.STARTING, "adopted")
