@@ -310,3 +310,34 @@ def test_a_guarded_model_whose_port_answers_nothing_is_never_stopped_for_its_hea
     assert s.events("stopping") == [] and s.events("stopped") == [], s.events("stopping")
     assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is True
     assert httpx.get(fv.url("/health"), timeout=5).status_code == 200  # the model itself was fine all along
+
+
+def test_a_guarded_model_stopped_by_hand_after_its_guard_stop_is_not_called_a_guard_stop(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """helper-37: a guarded model stopped by the guard, started by hand, then stopped with `docker stop`: a critical
+    "exited unexpectedly" alert, summary.txt "requested by: sparkd", the dashboard "STOPPED by the guard" with the
+    earlier incident's card, and `sparkd status` that earlier stop's intent. Each now says what happened."""
+    import tarfile
+
+    fv, s, proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=0.5)
+    s.wait_state("ready", 60)
+    (proc / "meminfo").write_text(LOW)
+    s.wait_event("stopped", 60)
+    (proc / "meminfo").write_text(HIGH)
+    s.wait_state("stopped", 10)
+    assert s.api("GET", "/ui/live.json").json()["label"] == "stopped by the guard"  # the guard's stop: said
+    _start_by_hand_and_time_until_running(s, docker_client, fv.id)
+    s.wait_state("ready", 30)
+    docker_client.containers.get(fv.id).stop(timeout=10)  # the operator's, outside sparkd: exit code 0
+    ev = s.wait_event("exited", 30)
+    assert ev["severity"] == "warning" and "a clean exit" in ev["message"], ev
+    with tarfile.open(s.tmp / "archives" / ev["details"]["archive"]) as tf:
+        summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
+    assert "requested by: nobody (not a stop of sparkd's)" in summary, summary
+    live = s.api("GET", "/ui/live.json").json()
+    assert live["label"] != "stopped by the guard", live["label"]
+    c = s.container()
+    assert c["state"] == "exited" and c["stay_stopped"] is False, c
+    out = s.cli("status").stdout
+    assert "stopped by: emergency" not in out, out  # the earlier run's intent is not this run's

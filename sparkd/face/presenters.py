@@ -308,6 +308,11 @@ def stopped_card(status: dict[str, Any], last_stop: dict[str, Any] | None) -> di
         return None
     if c.get("state") in RUNNING_STATES:
         return None
+    # a stop before the run last seen started is an earlier run's: a model started by hand after a guard stop, then
+    # stopped with `docker stop`, read "STOPPED by the guard" with the old incident's card (helper-37)
+    run_at = c.get("started_at")
+    if isinstance(run_at, int | float) and isinstance(last_stop.get("ts"), int | float) and last_stop["ts"] < run_at:
+        return None
     return {**last_stop, "state": c.get("state"), "logged_in": None}
 
 

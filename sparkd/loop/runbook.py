@@ -259,12 +259,17 @@ class RunBook(LaunchBook):
             )
         await self._finish_launch("oom_killed" if oom else "exited")
         if self.container_id:
-            rep = StopReport(f"container exited unexpectedly: {how}", "sparkd")
+            # nobody of sparkd's asked for it: "requested by: sparkd" in summary.txt read as a guard stop (helper-37).
+            # Exit code 0 is a clean exit (the server ended, or `docker stop` outside sparkd: its SIGTERM): a warning,
+            # not the critical alert of a crash
+            clean = obs.exit_code == 0 and not obs.oom_killed and oom is None
+            rep = StopReport(f"container exited unexpectedly: {how}", "nobody (not a stop of sparkd's)")
             name = await write_postmortem(self, rep, self.container_id)
+            also = " (a clean exit: the server ended, or it was stopped outside sparkd)" if clean else ""
             self._event(
                 "exited",
-                f"{self.name} exited unexpectedly ({how}); archive {name or 'none'}",
-                severity="critical",
+                f"{self.name} exited unexpectedly ({how}){also}; archive {name or 'none'}",
+                severity="warning" if clean else "critical",
                 details={
                     "exit_code": obs.exit_code,
                     "oom_killed": obs.oom_killed,
