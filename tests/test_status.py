@@ -595,3 +595,33 @@ async def test_the_clis_stopped_by_line_is_about_the_run_last_seen(tmp_path: Pat
     # before it is this run's
     assert status_line(run_started_at=since + 60.0, stop_ts=since + 30.0) is None
     assert sup.status_json().stay_stopped is False
+
+
+async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp_path: Path) -> None:
+    """Guard mode: sparkd never starts the container and refuses `sparkd start`, yet the line said "stays stopped
+    until `sparkd start`" (helper-37)."""
+    import time
+
+    from click.testing import CliRunner
+
+    from sparkd.core.supervision import StopIntent
+    from sparkd.face.cli import main
+
+    snap = await _status_with_fake_actions(tmp_path)
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"guard": "vllm-prod"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state, sup.name = "c" * 64, ContainerState.STOPPED, "vllm-prod"
+    await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)
+    snap = snap.model_copy(update={"ts": time.time(), "container": sup.status_json()})
+    assert snap.container.mode == "guard"
+    store = Store.open(tmp_path / "state" / "sparkd.db")
+    store.write_batch([("status", snap.model_dump(mode="json"))])
+    store.close()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
+    assert line.endswith(
+        "stays stopped until you start it (`docker start vllm-prod`: guard mode, sparkd does not start it)"
+    )
+    assert "sparkd start" not in line

@@ -229,12 +229,14 @@ class LaunchBook:
             self._event("preflight_forced", f"launching anyway (forced by {source}): {why}", severity="warning")
             return
         self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
-        # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so
+        # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so;
+        # helper-37: at 5 GiB the model came up healthy below the line, and the loop guard demoted the rule instead
+        rules = "these rules trip" if len(tripping) > 1 else "this rule trips"
         raise Refused(
             f"preflight failed: {why}. A forced start (`sparkd start --force`, force=true in the API) launches it "
-            "anyway, and the guard stops it again as soon as "
-            f"{'these rules trip' if len(tripping) > 1 else 'this rule trips'} (within seconds while memory "
-            "stays this low)",
+            f"anyway, and the guard stops it again as soon as {rules} (within seconds while memory stays this "
+            "low), unless the model comes up healthy below a rule's line: then the loop guard demotes that rule "
+            "to warn (a `watermark` event) and the model runs on without it",
             detail=details,
         )
 

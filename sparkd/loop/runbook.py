@@ -164,7 +164,8 @@ class RunBook(LaunchBook):
         assert self.container_id is not None
         self._event(
             "container_gone",
-            f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; staying stopped until `sparkd start`",
+            f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; "
+            + ("staying stopped until `sparkd start`" if self.mode == "managed" else "guarding it again once it runs"),
             severity="warning",
         )
         self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None

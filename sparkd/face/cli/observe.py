@@ -162,7 +162,10 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         after = (
             f"relaunch scheduled at {_ts(sv.pending_relaunch.get('at'))} UTC"
             if sv.pending_relaunch
+            # guard mode: sparkd never starts the container, and refuses `sparkd start` (helper-37)
             else "stays stopped until `sparkd start`"
+            if c.mode == "managed"
+            else f"stays stopped until you start it (`docker start {c.name}`: guard mode, sparkd does not start it)"
         )
         # how that stop ended: "killed (hard floor)" read only in the events and the dashboard's card (helper-35).
         # The newest stop event is this run's when it came after the run's start (an operator's stop records its
