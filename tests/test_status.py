@@ -552,6 +552,7 @@ def test_the_container_status_gives_the_ready_events_time_to_ready(tmp_path: Pat
     sup.container_id, sup.state = "c" * 64, ContainerState.READY
     assert sup.status_json().time_to_ready_s is None  # not ready yet
     sup.launch_started_at, sup.container_started_at, sup.ready_at = 1000.0, 1001.1, 1001.5
+    sup.ready_timed = True  # a launch of sparkd's (``_mark_ready``)
     assert sup.status_json().time_to_ready_s == pytest.approx(1.5)
 
 
@@ -625,3 +626,25 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
         "stays stopped until you start it (`docker start vllm-prod`: guard mode, sparkd does not start it)"
     )
     assert "sparkd start" not in line
+
+
+def test_a_run_first_seen_running_has_no_time_to_ready(tmp_path: Path) -> None:
+    """A guarded model adopted after a restart of sparkd read "/health ready after 209.4 s" (its first answer after
+    the adoption, counted from Docker's start; helper-37). Its start-up is not timed: the status says null, the
+    restart confirmation says nothing of it; a launch record's figure is kept."""
+    import time
+
+    from sparkd.face.presenters import buttons_view
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "vllm"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state, sup.first_sight = "c" * 64, ContainerState.STARTING, True
+    sup.launch_started_at = sup.container_started_at = time.time() - 209.0
+    sup._mark_ready()
+    st = sup.status_json()
+    assert st.ready_at is not None and st.time_to_ready_s is None
+    assert buttons_view({"container": st.model_dump(mode="json")}, True)["last_ready_s"] is None
+    sup.first_sight = False  # a launch of sparkd's: timed
+    sup.ready_at = None
+    sup._mark_ready()
+    assert sup.status_json().time_to_ready_s == pytest.approx(209.0, abs=1.0)

@@ -367,8 +367,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
 def _ready_s(c: dict[str, Any]) -> float | None:
     """The last launch's time to ready, s: the ``ready`` event's figure (``time_to_ready_s``, from the launch's start);
     from Docker's start of the container for a snapshot without it (it read "0 s" against the event's 1.5 s)."""
-    if isinstance(t := c.get("time_to_ready_s"), int | float):
-        return float(t)
+    if "time_to_ready_s" in c:  # null: not timed (a run first seen running), so not said
+        t = c["time_to_ready_s"]
+        return float(t) if isinstance(t, int | float) else None
     ready, started = c.get("ready_at"), c.get("started_at")
     if isinstance(ready, int | float) and isinstance(started, int | float):
         return float(ready - started)

@@ -97,6 +97,7 @@ class RunBook(LaunchBook):
                 self.plan_json = stored_plan(rec.get("plan"))
                 self.launch_started_at = rec.get("started_at") or self.launch_started_at
                 self.ready_at, self.trough_bytes = rec.get("ready_at"), rec.get("trough_bytes")
+                self.ready_timed = self.ready_at is not None
         if revision not in (None, str(self.revision)) and self.mode == "managed":
             self._event(
                 "adopted_other_revision",
@@ -176,11 +177,13 @@ class RunBook(LaunchBook):
             return  # readiness of an adopted launch was recorded when it happened
         now = time.time()
         self.ready_at = now
-        t_ready = now - (self.launch_started_at or now)
+        # a run first seen running: its /health answered after its adoption, which times nothing of its start-up
+        self.ready_timed = not self.first_sight
+        t_ready = now - (self.launch_started_at or now) if self.ready_timed else None
+        after = f"after {t_ready:.1f} s" if t_ready is not None else "(first seen running: its start-up not timed)"
         self._event(
             "ready",
-            f"{self.name} /health ready after {t_ready:.1f} s; start-up trough "
-            f"MemAvailable {fmt_gib(self.trough_bytes)}",
+            f"{self.name} /health ready {after}; start-up trough MemAvailable {fmt_gib(self.trough_bytes)}",
             # adopted: a run first seen running (sparkd restarted beside it, guard mode): the loop guard does not
             # take this moment's MemAvailable as the model's healthy figure (helper-32)
             details={"time_to_ready_s": t_ready, "trough_bytes": self.trough_bytes, "adopted": self.first_sight},

@@ -135,6 +135,9 @@ class Supervisor(RunBook):
         self.state_reason: str | None = None
         self.health: str | None = None
         self.ready_at: float | None = None
+        # ready_at - launch_started_at is a start-up's time (a launch of sparkd's, or an adopted run's launch record);
+        # not for a run first seen running whose /health first answered after its adoption (helper-37: "209.4 s")
+        self.ready_timed = False
         self.trough_bytes: int | None = None
         self.plan_json: dict[str, Any] | None = None
         self.stay_stopped = False
@@ -521,7 +524,7 @@ class Supervisor(RunBook):
             else None,
             ready_at=self.ready_at,
             time_to_ready_s=self.ready_at - self.launch_started_at
-            if self.ready_at is not None and self.launch_started_at is not None
+            if self.ready_timed and self.ready_at is not None and self.launch_started_at is not None
             else None,
             trough_bytes=self.trough_bytes,
             revision=self.revision,
