@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -648,3 +649,27 @@ def test_a_run_first_seen_running_has_no_time_to_ready(tmp_path: Path) -> None:
     sup.ready_at = None
     sup._mark_ready()
     assert sup.status_json().time_to_ready_s == pytest.approx(209.0, abs=1.0)
+
+
+async def test_the_container_card_shows_the_intent_of_the_run_last_seen_only(tmp_path: Path) -> None:
+    """The dashboard's container card showed "stop intent emergency [rule collapse_projected]" on a guarded model that
+    ran again, started by hand after that stop (guard mode never clears the intent; helper-37)."""
+    from sparkd.core.supervision import IntentRecord, StopIntent
+
+    base = await _status_with_fake_actions(tmp_path)
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"guard": "vllm"}})
+    sup = Supervisor(settings)
+    sup.container_id, sup.state, sup.container_started_at = "c" * 64, ContainerState.STOPPED, time.time() - 600.0
+    await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)
+    sup.unattended.state.intent = IntentRecord(  # the trip's, a minute ago
+        StopIntent.EMERGENCY, time.time() - 60.0, "rule collapse_projected", "collapse_projected: usable falling"
+    )
+
+    def card() -> dict[str, Any]:
+        return views.container_from_status(base.model_copy(update={"container": sup.status_json()}))
+
+    assert (card()["intent"], card()["intent_who"]) == ("emergency", "rule collapse_projected")  # why it is down
+    sup.state, sup.container_started_at = ContainerState.READY, time.time() - 5.0  # started again by hand
+    assert card()["intent"] is None and card()["intent_who"] is None
+    sup.state = ContainerState.EXITED  # then `docker stop`: that stop is not the old intent's either
+    assert card()["intent"] is None and sup.status_json().down_because() is None

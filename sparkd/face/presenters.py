@@ -265,6 +265,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
         level = "critical"
     elif c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
+    down = c.down_because()  # why this run is down; not an earlier incident's intent on a model started again by hand
     return {
         "monitor_only": monitor_only,
         "reason": c.reason,
@@ -278,8 +279,8 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "memory_gib": gib(c.memory_bytes),
         # the supervisor's action in progress ("starting", "stopping", …); ``busy`` alone is only a flag
         "busy": c.action or ("busy" if c.busy else None),
-        "intent": c.supervision.intent.intent if c.supervision and c.supervision.intent else None,
-        "intent_who": c.supervision.intent.who if c.supervision and c.supervision.intent else None,
+        "intent": down.intent if down else None,  # (helper-37)
+        "intent_who": down.who if down else None,
         "breaker_open": bool(c.supervision and c.supervision.breaker.open),
         "breaker_count": c.supervision.breaker.count if c.supervision else None,
         "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sparkd.core.choices import ContainerMode, RuleAction, RuleKind, SamplingMode, Severity
 from sparkd.core.lifecycle import ContainerState
+from sparkd.core.supervision import intent_is_this_runs
 
 if TYPE_CHECKING:
     import asyncio
@@ -206,6 +207,16 @@ class ContainerStatus(_Model):
     kills_total: int = 0
     supervision: SupervisionStatus | None = None  # managed or guard mode; None in monitor-only
     unguarded: UnguardedContainer | None = None  # managed mode: a same-name container sparkd will not stop
+
+    def down_because(self) -> IntentStatus | None:
+        """The stop intent that says why this run is down, or None: the model is down (stopped, exited, failed, or
+        none) and the intent is not older than the run last seen (``started_at``). Guard mode never clears an
+        intent, so a guarded model started by hand after its emergency stop showed that stop's intent while it ran,
+        and again once it was stopped by hand (helper-36, helper-37). `sparkd status` and the dashboard read this."""
+        intent = self.supervision.intent if self.supervision is not None else None
+        if intent is None or self.state.value not in ("stopped", "exited", "failed", "none"):
+            return None
+        return intent if intent_is_this_runs(intent.since, self.started_at) else None
 
 
 # --------------------------------------------------------------------------- the guard

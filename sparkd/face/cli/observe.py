@@ -149,16 +149,9 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             "processes (its archive without the container's log); start, restart and resize wait for the engine"
         )
     sv = c.supervision
-    # an intent older than the run last seen is an earlier incident's (a guarded model started by hand after its stop
-    # keeps the intent: guard mode never clears it), not why this run is down (helper-36)
     run_at = c.started_at
-    if (
-        sv is not None
-        and sv.intent is not None
-        and c.state.value in ("stopped", "exited", "failed", "none")
-        and (run_at is None or sv.intent.since >= run_at)
-    ):
-        i = sv.intent
+    i = c.down_because()  # not an earlier incident's intent (helper-36)
+    if sv is not None and i is not None:
         after = (
             f"relaunch scheduled at {_ts(sv.pending_relaunch.get('at'))} UTC"
             if sv.pending_relaunch
