@@ -334,7 +334,11 @@ def test_a_guarded_model_stopped_by_hand_after_its_guard_stop_is_not_called_a_gu
     assert ev["severity"] == "warning" and "a clean exit" in ev["message"], ev
     with tarfile.open(s.tmp / "archives" / ev["details"]["archive"]) as tf:
         summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
-    assert "requested by: nobody (not a stop of sparkd's)" in summary, summary
+    assert "requested by: nobody: the container exited on its own, or was stopped outside sparkd" in summary, summary
+    from sparkd.act.archive import is_incident_archive, list_archives
+
+    bundle = next(a for a in list_archives(s.tmp / "archives") if a.path.name == ev["details"]["archive"])
+    assert is_incident_archive(bundle)  # an exit's postmortem is kept as an incident's, not pruned as routine
     live = s.api("GET", "/ui/live.json").json()
     assert live["label"] != "stopped by the guard", live["label"]
     c = s.container()

@@ -355,7 +355,9 @@ def test_it_names_the_intent_of_a_stop_by_who_asked(source: str, intent: StopInt
         ("peer:spark-b", True),
         ("sparkd (failed launch)", True),
         ("sparkd (GPU lost)", True),
-        ("sparkd", True),  # a rollback from a resize that did not reach ready
+        ("sparkd", True),  # a rollback from a resize that did not reach ready; an exit's postmortem before 0.2
+        # an exit nobody of sparkd's asked for (RunBook.handle_exit's postmortem; it read "sparkd": helper-37)
+        ("nobody: the container exited on its own, or was stopped outside sparkd", True),
         ("alertmanager", True),  # face.alertmanager: an alert's stop (an operator's intent, an incident's archive)
         ("maintenance by api:token", False),
         ("api:token", False),

@@ -59,6 +59,11 @@ def intent_for(source: str) -> StopIntent:
     return StopIntent.OPERATOR
 
 
+EXITED_SOURCE = "nobody: the container exited on its own, or was stopped outside sparkd"
+"""``requested by:`` of the postmortem of an exit nobody of sparkd's asked for (``RunBook.handle_exit``). It read
+"sparkd", as a stop of the guard's would (helper-37); it is an incident all the same (``is_incident``)."""
+
+
 def is_incident(source: str) -> bool:
     """Whether a stop requested by ``source`` is an incident, whose postmortem an operator reads afterwards: one
     sparkd or an alert decided (a rule, the probe, a peer's trip, an Alertmanager alert, a failed launch, a lost
@@ -66,7 +71,7 @@ def is_incident(source: str) -> bool:
     (``daemon``). Archive pruning removes the routine ones first (``act.archive.prune_archives``)."""
     if intent_for(source) in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY, StopIntent.FAILED_LAUNCH):
         return True
-    return source in ("sparkd", "alertmanager") or source.startswith("sparkd (")
+    return source in ("sparkd", "alertmanager", EXITED_SOURCE) or source.startswith("sparkd (")
 
 
 # ---------------------------------------------------------------------------------------------- back-off

@@ -16,7 +16,7 @@ from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
-from sparkd.core.supervision import StopIntent
+from sparkd.core.supervision import EXITED_SOURCE, StopIntent
 from sparkd.errors import DockerUnavailable, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.sense import procfs
@@ -267,7 +267,7 @@ class RunBook(LaunchBook):
             # Exit code 0 is a clean exit (the server ended, or `docker stop` outside sparkd: its SIGTERM): a warning,
             # not the critical alert of a crash
             clean = obs.exit_code == 0 and not obs.oom_killed and oom is None
-            rep = StopReport(f"container exited unexpectedly: {how}", "nobody (not a stop of sparkd's)")
+            rep = StopReport(f"container exited unexpectedly: {how}", EXITED_SOURCE)
             name = await write_postmortem(self, rep, self.container_id)
             also = " (a clean exit: the server ended, or it was stopped outside sparkd)" if clean else ""
             self._event(
