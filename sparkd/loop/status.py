@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from sparkd.core.choices import ContainerMode, RuleAction, RuleKind, SamplingMode, Severity
-from sparkd.core.lifecycle import ContainerState
+from sparkd.core.lifecycle import DOWN_STATES, ContainerState
 from sparkd.core.supervision import intent_is_this_runs
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class ContainerStatus(_Model):
         intent, so a guarded model started by hand after its emergency stop showed that stop's intent while it ran,
         and again once it was stopped by hand (helper-36, helper-37). `sparkd status` and the dashboard read this."""
         intent = self.supervision.intent if self.supervision is not None else None
-        if intent is None or self.state.value not in ("stopped", "exited", "failed", "none"):
+        if intent is None or (self.state not in DOWN_STATES and self.state is not ContainerState.NONE):
             return None
         return intent if intent_is_this_runs(intent.since, self.started_at) else None
 
