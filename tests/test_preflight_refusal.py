@@ -18,6 +18,11 @@ from sparkd.loop.guard import Guard
 from sparkd.loop.supervisor import Supervisor
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
 class Daemon(list[dict[str, Any]]):
     """The supervisor's daemon as far as the preflight reads it: its ``guard``, and ``event`` kept in order."""
 
@@ -32,7 +37,9 @@ class Daemon(list[dict[str, Any]]):
         self.append({"kind": kind, "message": message, **kw})
 
 
-def _supervisor(tmp_path: Path, usable_gib: float) -> tuple[Supervisor, Daemon]:
+def _supervisor(
+    tmp_path: Path, usable_gib: float, image: str | None = "sparkd-test-vllm:latest"
+) -> tuple[Supervisor, Daemon]:
     proc = tmp_path / "proc"
     proc.mkdir(parents=True)
     line = f"MemAvailable:   {int(usable_gib * 2**20):>12} kB"
@@ -47,7 +54,7 @@ def _supervisor(tmp_path: Path, usable_gib: float) -> tuple[Supervisor, Daemon]:
         overrides={
             "state_dir": str(tmp_path / "state"),
             "proc_root": str(proc),
-            "container": {"image": "sparkd-test-vllm:latest", "name": "vllm"},
+            "container": {"image": image, "name": "vllm"} if image else {"guard": "vllm"},
         }
     )
     guard = Guard(settings)
@@ -84,3 +91,25 @@ def test_a_start_below_one_stop_line_names_it_alone_and_a_start_above_every_line
     up._refuse_below_a_stop_line("api:cli", force=False)  # nothing holds: no refusal, no event
     sup._refuse_below_a_stop_line("sparkd (auto-relaunch)", force=False)  # automatic launches are not refused here
     assert quiet == [] and len(daemon) == 1
+
+
+@pytest.mark.anyio
+async def test_a_guard_mode_start_is_refused_and_says_which_stop_rules_hold(tmp_path: Path) -> None:
+    """Guard mode (no ``container.image``): sparkd never starts the model, and its refusal said nothing of memory
+    while three rules held (helper-37); the operator then runs ``docker start`` into the shortage."""
+    sup, daemon = _supervisor(tmp_path, 2.0, image=None)
+    assert sup.mode == "guard"
+    with pytest.raises(Refused) as e:
+        await sup.request("start", source="api:cli")
+    msg = e.value.message
+    assert "start it yourself (docker start vllm)" in msg, msg
+    held = "low_available (usable 2.00 GiB < 6.00 GiB); repeated_dips (usable 2.00 GiB < 3.00 GiB)"
+    assert f"Mind memory first: stop rules {held} hold now: the guard would stop the model again" in msg, msg
+    assert daemon == []  # a refusal, nothing recorded: nothing was launched or forced
+    up, _ = _supervisor(tmp_path / "up", 40.0, image=None)
+    with pytest.raises(Refused) as e:
+        await up.request("start", source="api:cli")
+    assert "Mind memory" not in e.value.message and "docker start vllm" in e.value.message
+    with pytest.raises(Refused) as e:  # a restart runs no start-up into the shortage: not said
+        await sup.request("restart", source="api:cli")
+    assert "Mind memory" not in e.value.message and "docker restart vllm" in e.value.message

@@ -627,6 +627,46 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
         "stays stopped until you start it (`docker start vllm-prod`: guard mode, sparkd does not start it)"
     )
     assert "sparkd start" not in line
+    # which mode sparkd is in was said nowhere (helper-37)
+    assert "mode: guard: started outside sparkd (docker start); sparkd stops it on a trip and never starts it" in out
+
+
+async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_button_is_off_in_guard_mode(
+    tmp_path: Path,
+) -> None:
+    """Guard mode: the dashboard showed Start, Restart and Resize disabled without a word, and said nowhere that
+    sparkd does not launch this container (helper-37). The card's rows and the buttons' titles, rendered by the
+    real templates from a real supervisor's status."""
+    from sparkd.face.live import live_parts, page_context
+    from sparkd.face.web import templates
+
+    base = await _status_with_fake_actions(tmp_path)
+
+    def rendered(sup: Supervisor) -> str:
+        ctx = page_context(live_parts(base.model_copy(update={"container": sup.status_json()}), None, True, 30.0))
+        env = templates().env
+        return "".join(
+            env.get_template(f"partials/_{name}.html").render(**ctx, csrf="x", logged_in=True)
+            for name in ("container", "buttons")
+        )
+
+    guard = Supervisor(load_settings(overrides={"state_dir": str(tmp_path / "g"), "container": {"guard": "vllm"}}))
+    guard.container_id, guard.state = "c" * 64, ContainerState.STOPPED
+    html = rendered(guard)
+    assert "<th>mode</th><td>guard: started outside sparkd (docker start); sparkd stops it on a trip" in html
+    assert 'disabled title="guard mode: sparkd does not start it; start it yourself (docker start vllm)"' in html
+    assert 'data-resize-why="guard mode: sparkd did not launch it, so it has no plan to resize"' in html
+    guard.state = ContainerState.READY
+    html = rendered(guard)
+    assert 'disabled title="guard mode: sparkd does not restart it; restart it yourself (docker restart vllm)"' in html
+    assert 'disabled title="already running (ready)"' in html  # Start
+    managed = Supervisor(
+        load_settings(overrides={"state_dir": str(tmp_path / "m"), "container": {"image": "img:1", "name": "vllm"}})
+    )
+    managed.container_id, managed.state = "c" * 64, ContainerState.STOPPED
+    html = rendered(managed)
+    assert "<th>mode</th><td>managed: sparkd launches, restarts and resizes it" in html
+    assert "guard mode" not in html and 'data-resize-why=""' in html
 
 
 def test_a_run_first_seen_running_has_no_time_to_ready(tmp_path: Path) -> None:

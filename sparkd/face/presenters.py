@@ -250,6 +250,12 @@ def rule_cond(r: Any) -> str:
     return " and ".join(r.when)
 
 
+#: What each container mode means for the operator, on the container card and in ``sparkd status``.
+MODE_TEXT = {
+    "managed": "managed: sparkd launches, restarts and resizes it, and stops it on a trip",
+    "guard": "guard: started outside sparkd (docker start); sparkd stops it on a trip and never starts it",
+}
+
 #: Container states that are trouble (critical) rather than merely not ready (warn).
 CRITICAL_STATES = frozenset({ContainerState.EXITED, ContainerState.FAILED, ContainerState.UNKNOWN})
 
@@ -268,6 +274,8 @@ def container_from_status(status: Status) -> dict[str, Any]:
     down = c.down_because()  # why this run is down; not an earlier incident's intent on a model started again by hand
     return {
         "monitor_only": monitor_only,
+        # which of the two container modes (helper-37: neither the dashboard nor `sparkd status` said it)
+        "mode_text": MODE_TEXT.get(c.mode),
         "reason": c.reason,
         "state": c.state.value,
         "health": c.health,
@@ -390,15 +398,27 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         why = f"{busy} in progress"
     running = state in RUNNING_STATES
     can = why is None
+    managed = c.get("mode") == "managed"
+    name = c.get("name")
+
+    def guarded(verb: str) -> str | None:  # guard mode: the buttons were disabled without a word (helper-37)
+        return (
+            None
+            if managed or why
+            else f"guard mode: sparkd does not {verb} it; {verb} it yourself (docker {verb} {name})"
+        )
+
     return {
         "why": why,
         "state": state,
-        "managed": c.get("mode") == "managed",
-        "start": can and not running and c.get("mode") == "managed",
+        "managed": managed,
+        "start": can and not running and managed,
         "stop": can and running,
-        "restart": can and running and c.get("mode") == "managed",
-        "resize": can and c.get("mode") == "managed",
-        "start_why": None if can and not running else (why or f"already running ({state})"),
+        "restart": can and running and managed,
+        "resize": can and managed,
+        "start_why": (why or f"already running ({state})") if not can or running else guarded("start"),
+        "restart_why": (why or f"not running ({state or 'none'})") if not can or not running else guarded("restart"),
+        "resize_why": why or (None if managed else "guard mode: sparkd did not launch it, so it has no plan to resize"),
         "stop_why": None if can and running else (why or f"not running ({state or 'none'})"),
         "last_ready_s": _ready_s(c),
         "rearm": can and bool(((c.get("supervision") or {}).get("breaker") or {}).get("open")),

@@ -197,6 +197,23 @@ class LaunchBook:
         )
         return self.revision
 
+    def _stop_rules_holding(self) -> tuple[list[str], str, float] | None:
+        """The stop rules that would trip on the last sample (``RuleEngine.holds_now``: every ``when``
+        condition, the evidence, a predictive rule's projection) and what to say of them ("stop rules
+        low_available (usable 2.00 GiB < 6.00 GiB); repeated_dips (…) hold now"): ``(names, text, sample_ts)``;
+        None when none holds or no sample was taken yet."""
+        g = self.daemon.guard if self.daemon else None
+        if g is None or g.last is None:
+            return None
+        last = g.last
+        tripping = [r for r in g.rules if r.action == "stop" and g.engine.holds_now(r.name, last)]
+        if not tripping:
+            return None
+        held = "; ".join(f"{r.name} ({'; '.join(c.describe(last) for c in r.when)})" for r in tripping)
+        many = len(tripping) > 1
+        text = f"stop rule{'s' if many else ''} {held} hold{'' if many else 's'} now"
+        return [r.name for r in tripping], text, last.ts
+
     def _refuse_below_a_stop_line(self, source: str, force: bool) -> None:
         """An operator's start (``api:``/``web:``: the API, the CLI, the dashboard) while a stop rule would trip
         on the last sample (``RuleEngine.holds_now``: every ``when`` condition, the evidence, a predictive
@@ -212,26 +229,19 @@ class LaunchBook:
         """
         if not source.startswith(("api:", "web:")):
             return
-        g = self.daemon.guard if self.daemon else None
-        if g is None or g.last is None:
+        holding = self._stop_rules_holding()
+        if holding is None:
             return
-        tripping = [r for r in g.rules if r.action == "stop" and g.engine.holds_now(r.name, g.last)]
-        if not tripping:
-            return
-        last = g.last
-        held = "; ".join(f"{r.name} ({'; '.join(c.describe(last) for c in r.when)})" for r in tripping)
-        why = (
-            f"stop rule{'s' if len(tripping) > 1 else ''} {held} hold{'' if len(tripping) > 1 else 's'} now: "
-            "the guard would stop the model again"
-        )
-        details = {"rules": [x.name for x in tripping], "sample_ts": last.ts}
+        names, held, sample_ts = holding
+        why = f"{held}: the guard would stop the model again"
+        details = {"rules": names, "sample_ts": sample_ts}
         if force:
             self._event("preflight_forced", f"launching anyway (forced by {source}): {why}", severity="warning")
             return
         self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
         # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so;
         # helper-37: at 5 GiB the model came up healthy below the line, and the loop guard demoted the rule instead
-        rules = "these rules trip" if len(tripping) > 1 else "this rule trips"
+        rules = "these rules trip" if len(names) > 1 else "this rule trips"
         raise Refused(
             f"preflight failed: {why}. A forced start (`sparkd start --force`, force=true in the API) launches it "
             f"anyway, and the guard stops it again as soon as {rules} (within seconds while memory stays this "

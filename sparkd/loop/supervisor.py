@@ -562,9 +562,12 @@ class Supervisor(RunBook):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
         if action != "stop" and self.mode != "managed":
             # before anything is done: a restart refused after its stop left the model down (note 11)
+            # helper-37: a guard-mode start was refused without a word about memory while three rules held
+            holding = self._stop_rules_holding() if action == "start" else None
+            mind = f". Mind memory first: {holding[1]}: the guard would stop the model again" if holding else ""
             raise Refused(
                 f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "
-                "sparkd can stop it"
+                f"sparkd can stop it{mind}"
             )
         self._refuse_if_busy()
         began = time.monotonic()
