@@ -356,11 +356,13 @@ def probe_outcome(policy: ProbePolicy, consecutive_failures: int, *, health_ok: 
 
 
 # ---------------------------------------------------------------------------------------------- intents
-def intent_is_this_runs(since: float, run_started_at: float | None) -> bool:
-    """Whether a stop intent recorded at ``since`` (epoch s) can say why the run that started at ``run_started_at``
-    (Docker's start, epoch s; None: not known) is down: not when the run started after it (a guarded model started
-    by hand after its emergency stop: guard mode never clears the intent; helper-36, helper-37)."""
-    return run_started_at is None or since >= run_started_at
+def of_this_run(at: float, run_started_at: float | None) -> bool:
+    """Whether something recorded at ``at`` (epoch s: a stop intent, a stop event) can say why the run that started
+    at ``run_started_at`` (Docker's start, epoch s; None: not known) is down: not when the run started after it (a
+    guarded model started by hand after its emergency stop: guard mode never clears the intent; helper-36,
+    helper-37). Read by ``Supervisor._stays_stopped``, ``ContainerStatus.down_because`` (the CLI, the container
+    card), ``sparkd status``'s stop outcome and the dashboard's stopped card."""
+    return run_started_at is None or at >= run_started_at
 
 
 def who_and_reason(who: str, reason: str) -> str:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sparkd.core.choices import RuleAction
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.rules import stop_lines
+from sparkd.core.supervision import of_this_run
 from sparkd.loop.status import GpuStatus, Status
 from sparkd.units import GiB
 
@@ -319,8 +320,8 @@ def stopped_card(status: dict[str, Any], last_stop: dict[str, Any] | None) -> di
         return None
     # a stop before the run last seen started is an earlier run's: a model started by hand after a guard stop, then
     # stopped with `docker stop`, read "STOPPED by the guard" with the old incident's card (helper-37)
-    run_at = c.get("started_at")
-    if isinstance(run_at, int | float) and isinstance(last_stop.get("ts"), int | float) and last_stop["ts"] < run_at:
+    run_at, ts = c.get("started_at"), last_stop.get("ts")
+    if isinstance(run_at, int | float) and isinstance(ts, int | float) and not of_this_run(ts, run_at):
         return None
     return {**last_stop, "state": c.get("state"), "logged_in": None}
 

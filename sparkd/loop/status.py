@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 
 from sparkd.core.choices import ContainerMode, RuleAction, RuleKind, SamplingMode, Severity
 from sparkd.core.lifecycle import DOWN_STATES, ContainerState
-from sparkd.core.supervision import intent_is_this_runs
+from sparkd.core.supervision import of_this_run
 
 if TYPE_CHECKING:
     import asyncio
@@ -216,7 +216,7 @@ class ContainerStatus(_Model):
         intent = self.supervision.intent if self.supervision is not None else None
         if intent is None or (self.state not in DOWN_STATES and self.state is not ContainerState.NONE):
             return None
-        return intent if intent_is_this_runs(intent.since, self.started_at) else None
+        return intent if of_this_run(intent.since, self.started_at) else None
 
 
 # --------------------------------------------------------------------------- the guard

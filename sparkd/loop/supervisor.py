@@ -50,7 +50,7 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
-from sparkd.core.supervision import IntentRecord, StopIntent, intent_is_this_runs, who_and_reason
+from sparkd.core.supervision import IntentRecord, StopIntent, of_this_run, who_and_reason
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
@@ -494,7 +494,7 @@ class Supervisor(RunBook):
         # an intent older than the last run seen is about an earlier incident (a guarded model started by hand after
         # its emergency stop, then crashed or stopped by hand: the intent is never cleared in guard mode; helper-36)
         intent = self.unattended.state.intent
-        return intent is not None and intent_is_this_runs(intent.since, self.container_started_at)
+        return intent is not None and of_this_run(intent.since, self.container_started_at)
 
     def status_json(self) -> ContainerStatus:
         """The container side of ``Status`` (``sparkd.loop.status.ContainerStatus``).

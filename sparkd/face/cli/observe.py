@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from sparkd.config import Settings
+from sparkd.core.supervision import of_this_run
 from sparkd.errors import SparkdError, StoreError
 from sparkd.face.cli.base import (
     CLOCK_SLACK_S,
@@ -168,7 +169,7 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         stop = last_stop or {}
         d = stop.get("details") or {}
         how = ""
-        if d.get("outcome") and stop.get("ts", 0.0) >= (run_at if run_at is not None else i.since - 1.0):
+        if d.get("outcome") and of_this_run(stop.get("ts", 0.0), run_at if run_at is not None else i.since - 1.0):
             code = d.get("exit_code")
             how = f", {d['outcome']}" + (f" (exit code {code})" if code is not None else "")
             how += " (not confirmed by Docker)" if stop.get("kind") == "stop_unconfirmed" else ""
