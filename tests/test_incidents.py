@@ -88,7 +88,7 @@ def test_startup_collapse_default_rules_at_250ms_stop_above_8gib() -> None:
     assert stop.synthetic  # an interpolated point: labelled as such
     assert stop.reason == (
         "collapse_projected: usable 12.26 GiB < 16.00 GiB, falling 6.59 GiB/s "
-        "(robust fit over 2 s), projected to cross 4.00 GiB in 1.3 s <= 3 s (a stop takes up to 30 s) "
+        "(robust fit over 2 s), projected to cross 4.00 GiB in 1.3 s (it looks 3 s ahead; a stop takes up to 30 s) "
         "for 0.50 s over 3 samples (rule: 0.5 s, at least 2)"
     )
     assert stop.recheck is True  # the next sample (4.0 s, 10.61 GiB) confirms it
@@ -312,7 +312,7 @@ def test_collapse_7_1_to_5_7_in_9s_at_1s_stops() -> None:
     assert (stop.rule, stop.t, stop.counter) == ("collapse_projected", 9, 2)
     assert stop.reason == (
         "collapse_projected: usable 5.70 GiB < 16.00 GiB, falling 0.16 GiB/s (robust fit over 8 s), "
-        "projected to cross 4.00 GiB in 10.9 s <= 12 s (a stop takes up to 30 s) "
+        "projected to cross 4.00 GiB in 10.9 s (it looks 12 s ahead; a stop takes up to 30 s) "
         "for 1.00 s over 2 samples (rule: 0.5 s, at least 2)"
     )
     # below 6 GiB from t=8 (5.86 GiB); 4 s later, the 5th consecutive sample, low_available trips too

@@ -5,6 +5,7 @@ Pure: every sample is built here; no clock, no I/O.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -353,6 +354,27 @@ COLLAPSE = {
 }
 
 
+def test_a_projection_from_below_its_floor_says_already_below_not_in_0_0_s() -> None:
+    """helper-37 read "projected to cross 4.00 GiB in 0.0 s" on a trip whose usable memory was under the floor
+    already; the reason says so instead, and what the projection looked ahead is no longer written "<= 3 s" beside
+    "a stop takes up to 30 s" as if the two were one limit."""
+    rules = rules_of(COLLAPSE)
+    samples = [S(i * 0.25, 3.9 - 0.5 * i * 0.25, 50.0) for i in range(12)]  # 3.9 GiB, falling 0.5 GiB/s
+    decisions, _, _ = run(rules, samples)
+    (d,) = next(ds for ds in decisions if ds)
+    assert d.kind == "trip" and d.values["eta_s"] < 0, d
+    assert "falling 0.50 GiB/s (robust fit over 2 s), already below the projection's floor 4.00 GiB" in d.reason
+    assert "in 0.0 s" not in d.reason and "projected to cross" not in d.reason, d.reason
+    # without within_s the horizon is the stop's own time: said beside what the fit looks ahead
+    no_within = rules_of({**COLLAPSE, "within_s": None})
+    falling = [S(i * 0.25, 15 - 2 * i * 0.25, 50.0) for i in range(40)]
+    decisions, _, _ = run(no_within, falling)
+    (d,) = next(ds for ds in decisions if ds)
+    assert re.search(
+        r"projected to cross 4\.00 GiB in \d+\.\d s \(it looks [\d.]+ s ahead; a stop takes up to 30 s\)", d.reason
+    ), d.reason
+
+
 def test_predictive_fires_on_a_fast_collapse() -> None:
     rules = rules_of(COLLAPSE)
     # -2 GiB/s from 15 GiB at 0.25 s: 4 points after 0.75 s; ETA to 4 GiB = (13.5-4)/2 = 4.75 s > 3 s,
@@ -366,7 +388,7 @@ def test_predictive_fires_on_a_fast_collapse() -> None:
     assert d.kind == "trip"
     assert d.reason == (
         "collapse_projected: MemAvailable 9.50 GiB < 16.00 GiB, falling 2.00 GiB/s "
-        "(robust fit over 2 s), projected to cross 4.00 GiB in 2.8 s <= 3 s for 2/2 samples (0.25 s)"
+        "(robust fit over 2 s), projected to cross 4.00 GiB in 2.8 s (it looks 3 s ahead) for 2/2 samples (0.25 s)"
     )
     assert d.values["slope_bytes_per_s"] == pytest.approx(-2 * GiB, rel=1e-6)
     assert d.values["eta_s"] == pytest.approx(2.75, abs=0.01)

@@ -397,13 +397,17 @@ def _projection(
     named = any(c.attr in ("mem_available", "mem_available_minus_cma") for c in rule.when)
     cma = sample.cma_free is not None and sample.cma_total
     label = "usable (MemAvailable-CmaFree)" if cma else "MemAvailable"
-    text = (
-        ("" if named else f"{label} {fmt_gib(avail)} ") + f"falling {(-slope) / GiB:.2f} GiB/s "
-        f"(robust fit over {w:g} s), projected to cross {fmt_gib(rule.floor_bytes)} "
-        f"in {max(eta, 0):.1f} s <= {_secs(h)} s"
+    # helper-37 read "projected to cross 4.00 GiB in 0.0 s" when usable was below it already, and "<= 5.6 s (a stop
+    # takes up to 30 s)" as a contradiction: the first is the projection's reach (the fit's points), not the stop's
+    stop = "" if rule.within_s is not None else f"; a stop takes up to {horizon_s:g} s"
+    crossing = (
+        f"projected to cross {fmt_gib(rule.floor_bytes)} in {eta:.1f} s (it looks {_secs(h)} s ahead{stop})"
+        if eta > 0
+        else f"already below the projection's floor {fmt_gib(rule.floor_bytes)}"
     )
-    if rule.within_s is None:
-        text += f" (a stop takes up to {horizon_s:g} s)"
+    text = (
+        "" if named else f"{label} {fmt_gib(avail)} "
+    ) + f"falling {(-slope) / GiB:.2f} GiB/s (robust fit over {w:g} s), {crossing}"
     return True, text, {"slope_bytes_per_s": slope, "eta_s": eta, "fit_window_s": w}
 
 
