@@ -345,3 +345,34 @@ def test_a_guarded_model_stopped_by_hand_after_its_guard_stop_is_not_called_a_gu
     assert c["state"] == "exited" and c["stay_stopped"] is False, c
     out = s.cli("status").stdout
     assert "stopped by: emergency" not in out, out  # the earlier run's intent is not this run's
+
+
+def test_a_ready_managed_model_whose_health_fails_after_a_restart_of_sparkd_is_unhealthy_not_stopped(
+    sparkd_factory: Any, docker_client: Any
+) -> None:
+    """Managed mode: a model sparkd launched and saw ready, sparkd restarted (an upgrade) at a moment the model's
+    /health failed (busy, a hiccup). The adopted run was ``starting``, its launch's start older than
+    ``startup_timeout_s``, so the first failing probe stopped a model that had served for hours as "not ready
+    within …" (note 16; the stubbed cases: ``test_startup_expiry.py``). It is ``unhealthy`` now (its launch record
+    says it was ready), and ``ready`` again once /health answers; nothing stops it for its /health alone."""
+    s = sparkd_factory(
+        container={"startup_timeout_s": 5, "health_interval_s": 0.3},
+        # the completion probe of an unhealthy model stops it after 5 failures (a dead engine: test_e2e_unattended);
+        # spaced out here so that this test sees the start-up's expiry alone
+        sections={"supervision": {"probe_interval_s": 60}},
+    ).start()
+    c = s.wait_state("ready", 60)
+    time.sleep(max(0.0, c["started_at"] + 6.0 - time.time()))  # the launch is older than startup_timeout_s
+    assert s.stop() == 0  # a normal stop of sparkd leaves the model serving
+    s.vllm("POST", "/serve?mode=unhealthy")
+    restarted_at = time.time()
+    s.start()
+    assert wait_for(lambda: s.container()["state"] == "unhealthy", 30), (s.container(), s.output()[-3000:])
+    time.sleep(4.0)  # several failing probes, each past startup_timeout_s from the launch's start
+    after = [e for k in ("stopping", "stopped", "launch_failed") for e in s.events(k) if e["ts"] >= restarted_at]
+    assert after == [], after
+    c2 = s.container()
+    assert c2["state"] == "unhealthy" and c2["container_id"] == c["container_id"], c2
+    assert docker_client.api.inspect_container(c["container_id"])["State"]["Running"] is True
+    s.vllm("POST", "/serve?mode=normal")
+    assert s.wait_state("ready", 30)["container_id"] == c["container_id"]
