@@ -243,6 +243,27 @@ def test_a_token_file_that_blocks_never_blocks_the_caller_and_a_new_token_is_rea
     assert tf.wait(5) and tf.get() == "new"
 
 
+def test_a_token_file_read_while_it_is_rewritten_in_place_gives_the_new_token_not_none(tmp_path: Path) -> None:
+    """A rotation by ``echo new > token`` truncates the file, then writes it: a read between the two got "no token",
+    and every call to and from that peer failed its authentication for ``TOKEN_REFRESH_S`` (a trip's broadcast among
+    them). A file read empty is read again ``EMPTY_REREADS`` times, ``EMPTY_REREAD_S`` apart; one that stays empty is
+    still no token."""
+    from sparkd.loop import cluster as cluster_mod
+
+    plain = tmp_path / "t"
+    plain.write_text("")  # truncated: the new token is not written yet
+    tf = cluster_mod.TokenFile(plain)  # its read starts now
+    time.sleep(cluster_mod.EMPTY_REREAD_S / 2)  # the first read has seen the file empty
+    plain.write_text("new\n")
+    assert tf.wait(5) and tf.get() == "new"
+    empty = tmp_path / "e"
+    empty.write_text("\n")
+    t0 = time.monotonic()
+    te = cluster_mod.TokenFile(empty)
+    assert te.wait(5) and te.get() is None
+    assert time.monotonic() - t0 >= cluster_mod.EMPTY_REREADS * cluster_mod.EMPTY_REREAD_S * 0.9  # read again
+
+
 def test_a_coordinated_launch_starts_the_worker_first(pair: Any) -> None:
     worker, head = pair
     worker.start()

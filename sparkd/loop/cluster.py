@@ -65,14 +65,19 @@ class PeerResult:
 
 #: How often a peer's token file is read again (s): a rotated token takes effect within this.
 TOKEN_REFRESH_S = 5.0
+#: A token file read empty is read again this many times, this far apart (s): an operator's rotation that rewrites
+#: it in place (``echo new > file``: truncate, then write) read as "no token", and every call to and from that peer
+#: failed its authentication until the next read, TOKEN_REFRESH_S later (a trip's broadcast among them).
+EMPTY_REREADS, EMPTY_REREAD_S = 3, 0.1
 
 
 class TokenFile:
     """A token file read in a worker thread, never on the event loop. The loop runs the guard's ticks, the stop and
     the API: a token file on a hung mount (or a FIFO) froze all of them at a trip's broadcast, and any local GET of
     ``/api/cluster`` froze the guard for as long (helper-33). ``get()`` answers at once with the value last read
-    (None before the first read ends, or when unreadable or empty) and starts a new read when the last is older
-    than ``TOKEN_REFRESH_S``; at most one read per file is under way (a read that hangs holds one thread only)."""
+    (None before the first read ends, or when unreadable or empty: read empty, it is read ``EMPTY_REREADS`` more
+    times first) and starts a new read when the last is older than ``TOKEN_REFRESH_S``; at most one read per file
+    is under way (a read that hangs holds one thread only)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -93,10 +98,17 @@ class TokenFile:
 
     def _read(self) -> None:
         try:
-            try:
-                text: str | None = self.path.read_text().strip() or None
-            except (OSError, UnicodeDecodeError):
-                text = None
+            text: str | None = None
+            for attempt in range(EMPTY_REREADS + 1):
+                try:
+                    text = self.path.read_text().strip() or None
+                except (OSError, UnicodeDecodeError):
+                    text = None
+                    break
+                if text is not None:
+                    break
+                if attempt < EMPTY_REREADS:  # read empty: a rotation in progress (truncated, not written yet)?
+                    time.sleep(EMPTY_REREAD_S)
             self.value, self.read_at = text, time.monotonic()
         finally:
             self._idle.set()
