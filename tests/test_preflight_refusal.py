@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from sparkd.config import load_settings
+from sparkd.core.lifecycle import ContainerState
 from sparkd.errors import Refused
 from sparkd.loop.guard import Guard
 from sparkd.loop.supervisor import Supervisor
@@ -113,3 +114,8 @@ async def test_a_guard_mode_start_is_refused_and_says_which_stop_rules_hold(tmp_
     with pytest.raises(Refused) as e:  # a restart runs no start-up into the shortage: not said
         await sup.request("restart", source="api:cli")
     assert "Mind memory" not in e.value.message and "docker restart vllm" in e.value.message
+    # running already: "Mind memory first … would stop the model again" was false of a model that is up (helper-38)
+    sup.container_id, sup.state = "c" * 64, ContainerState.READY
+    with pytest.raises(Refused) as e:
+        await sup.request("start", source="api:cli")
+    assert "Mind memory" not in e.value.message and "docker start vllm" in e.value.message

@@ -363,7 +363,7 @@ def test_a_projection_from_below_its_floor_says_already_below_not_in_0_0_s() -> 
     decisions, _, _ = run(rules, samples)
     (d,) = next(ds for ds in decisions if ds)
     assert d.kind == "trip" and d.values["eta_s"] < 0, d
-    assert "falling 0.50 GiB/s (robust fit over 2 s), already below the projection's floor 4.00 GiB" in d.reason
+    assert "falling 0.50 GiB/s (robust fit over 2 s), at or below the projection's floor 4.00 GiB already" in d.reason
     assert "in 0.0 s" not in d.reason and "projected to cross" not in d.reason, d.reason
     # without within_s the horizon is the stop's own time: said beside what the fit looks ahead
     no_within = rules_of({**COLLAPSE, "within_s": None})

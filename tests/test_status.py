@@ -628,7 +628,10 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
     )
     assert "sparkd start" not in line
     # which mode sparkd is in was said nowhere (helper-37)
-    assert "mode: guard: started outside sparkd (docker start); sparkd stops it on a trip and never starts it" in out
+    assert (
+        "mode: guard: started outside sparkd (docker start); sparkd stops it on a trip or a failed completion probe "
+        "and never starts it"
+    ) in out
 
 
 async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_button_is_off_in_guard_mode(
@@ -642,12 +645,13 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
 
     base = await _status_with_fake_actions(tmp_path)
 
-    def rendered(sup: Supervisor) -> str:
-        ctx = page_context(live_parts(base.model_copy(update={"container": sup.status_json()}), None, True, 30.0))
+    def rendered(sup: Supervisor, last_stop: dict[str, Any] | None = None, *, dry_run: bool = False) -> str:
+        st = base.model_copy(update={"container": sup.status_json(), "dry_run": dry_run})
+        ctx = page_context(live_parts(st, last_stop, True, 30.0))
         env = templates().env
         return "".join(
             env.get_template(f"partials/_{name}.html").render(**ctx, csrf="x", logged_in=True)
-            for name in ("container", "buttons")
+            for name in ("container", "buttons", "stopped")
         )
 
     guard = Supervisor(load_settings(overrides={"state_dir": str(tmp_path / "g"), "container": {"guard": "vllm"}}))
@@ -656,6 +660,15 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
     assert "<th>mode</th><td>guard: started outside sparkd (docker start); sparkd stops it on a trip" in html
     assert 'disabled title="guard mode: sparkd does not start it; start it yourself (docker start vllm)"' in html
     assert 'data-resize-why="guard mode: sparkd did not launch it, so it has no plan to resize"' in html
+    # the stopped card's "Start again" said title="None" in guard mode (helper-38)
+    trip = {"by_guard": True, "kind": "stopped", "rule": "low_available", "ts": time.time(), "values": {}, "url": "/"}
+    html = rendered(guard, trip)
+    assert "Start again: guard mode: sparkd does not start it; start it yourself (docker start vllm)." in html
+    assert 'title="None"' not in html
+    # a dry run records a trip and stops nothing: the mode does not say "stops it on a trip" then (helper-38)
+    html = rendered(guard, dry_run=True)
+    assert "guard, dry run: started outside sparkd (docker start); a trip is recorded, not acted on" in html
+    assert "stops it on a trip" not in html
     guard.state = ContainerState.READY
     html = rendered(guard)
     assert 'disabled title="guard mode: sparkd does not restart it; restart it yourself (docker restart vllm)"' in html

@@ -29,6 +29,13 @@ def test_trip_rows_are_labelled_for_people() -> None:
         "projected time to the floor",
         "fit window",
     ]
+    # below the floor already: the stopped card read "projected time to the floor -0.2 s" beside the reason's words
+    assert [_fmt_tripval(v, "eta_s") for v in (-0.2, 0.0, 0.04, 2.46)] == [
+        "at or below the floor already",
+        "at or below the floor already",
+        "at or below the floor already",
+        "2.5 s",
+    ]
 
 
 def test_the_headline_names_a_demoted_stop_rule_over_a_plain_warn_not_over_critical() -> None:

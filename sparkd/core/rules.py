@@ -368,6 +368,10 @@ def usable_bytes(sample: Sample) -> int | None:
     return sample.mem_available_minus_cma
 
 
+#: A projected crossing nearer than this (s) is said as "at or below the floor already" (it printed "in 0.0 s").
+ETA_SAID_S = 0.05
+
+
 def _projection(
     rule: Rule, sample: Sample, window: SlopeWindow | None, now: float, horizon_s: float
 ) -> tuple[bool, str, dict[str, Any]]:
@@ -402,8 +406,8 @@ def _projection(
     stop = "" if rule.within_s is not None else f"; a stop takes up to {horizon_s:g} s"
     crossing = (
         f"projected to cross {fmt_gib(rule.floor_bytes)} in {eta:.1f} s (it looks {_secs(h)} s ahead{stop})"
-        if eta > 0
-        else f"already below the projection's floor {fmt_gib(rule.floor_bytes)}"
+        if eta >= ETA_SAID_S
+        else f"at or below the projection's floor {fmt_gib(rule.floor_bytes)} already"
     )
     text = (
         "" if named else f"{label} {fmt_gib(avail)} "

@@ -251,11 +251,26 @@ def rule_cond(r: Any) -> str:
     return " and ".join(r.when)
 
 
-#: What each container mode means for the operator, on the container card and in ``sparkd status``.
+#: What each container mode means for the operator, on the container card and in ``sparkd status`` (``mode_text``).
+#: A dry run records a rule's trip without acting on it (``loop.daemon_decide``); the completion probe's emergency
+#: stop is not a rule's and still stops the model (``loop.unattended``).
 MODE_TEXT = {
-    "managed": "managed: sparkd launches, restarts and resizes it, and stops it on a trip",
-    "guard": "guard: started outside sparkd (docker start); sparkd stops it on a trip and never starts it",
+    "managed": "managed: sparkd launches, restarts and resizes it, and stops it on a trip or a failed completion probe",
+    "guard": "guard: started outside sparkd (docker start); sparkd stops it on a trip or a failed completion probe "
+    "and never starts it",
 }
+DRY_RUN_MODE_TEXT = {
+    "managed": "managed, dry run: sparkd launches, restarts and resizes it; a trip is recorded, not acted on (a "
+    "failed completion probe still stops it)",
+    "guard": "guard, dry run: started outside sparkd (docker start); a trip is recorded, not acted on (a failed "
+    "completion probe still stops it); sparkd never starts it",
+}
+
+
+def mode_text(mode: str, dry_run: bool) -> str | None:
+    """What ``mode`` means (``MODE_TEXT``, ``DRY_RUN_MODE_TEXT`` in a dry run); None in monitor-only mode."""
+    return (DRY_RUN_MODE_TEXT if dry_run else MODE_TEXT).get(mode)
+
 
 #: Container states that are trouble (critical) rather than merely not ready (warn).
 CRITICAL_STATES = frozenset({ContainerState.EXITED, ContainerState.FAILED, ContainerState.UNKNOWN})
@@ -276,7 +291,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     return {
         "monitor_only": monitor_only,
         # which of the two container modes (helper-37: neither the dashboard nor `sparkd status` said it)
-        "mode_text": MODE_TEXT.get(c.mode),
+        "mode_text": mode_text(c.mode, status.dry_run),
         "reason": c.reason,
         "state": c.state.value,
         "health": c.health,

@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import ValidationError
 
 from sparkd import __version__
+from sparkd.core.rules import ETA_SAID_S
 from sparkd.errors import SparkdError
 from sparkd.face import presenters as views
 from sparkd.face.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, Auth
@@ -124,6 +125,8 @@ def _fmt_tripval(v: Any, key: str = "") -> str:
         return _fmt_datetime(v)
     if key.endswith("_bytes_per_s"):
         return f"{v / GiB:+.2f} GiB/s"
+    if key == "eta_s" and v < ETA_SAID_S:  # "-0.2 s" beside the reason's "at or below the floor already"
+        return "at or below the floor already"
     if key.endswith("_s"):
         return f"{v:.1f} s"
     if key in _SIZE_KEYS or key.endswith("_bytes") or abs(v) >= 2**20:

@@ -563,7 +563,7 @@ class Supervisor(RunBook):
         if action != "stop" and self.mode != "managed":
             # before anything is done: a restart refused after its stop left the model down (note 11)
             # helper-37: a guard-mode start was refused without a word about memory while three rules held
-            holding = self._stop_rules_holding() if action == "start" else None
+            holding = self._stop_rules_holding() if action == "start" and not self.running() else None
             mind = f". Mind memory first: {holding[1]}: the guard would stop the model again" if holding else ""
             raise Refused(
                 f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "

@@ -29,7 +29,7 @@ from sparkd.face.cli.base import (
     _ts,
     main,
 )
-from sparkd.face.presenters import MODE_TEXT, rule_cond
+from sparkd.face.presenters import mode_text, rule_cond
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
@@ -144,8 +144,9 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
-    if c.mode in MODE_TEXT:  # which mode: it was said nowhere (helper-37)
-        click.echo(f"mode: {MODE_TEXT[c.mode]}")
+    mode = mode_text(c.mode, st.dry_run)
+    if mode:  # which mode: it was said nowhere (helper-37)
+        click.echo(f"mode: {mode}")
     if c.mode != "monitor-only" and c.engine == "down":
         click.echo(
             f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a stop acts on the model's "
