@@ -84,7 +84,7 @@ def test_answers_health_but_no_progress_is_unhealthy(make: Any) -> None:
     st = s.wait_state("unhealthy", 20)
     assert "no token progress" in st["state_reason"] and "3 waiting" in st["state_reason"]
     s.vllm("POST", "/stall?on=0")
-    assert s.wait_state("ready", 20)["state_reason"] == "progress resumed"
+    assert s.wait_state("ready", 20)["state_reason"] == "recovered: /health answers and tokens progress"
 
 
 def test_below_the_hard_floor_during_the_grace_period_it_kills_at_once(make: Any) -> None:

@@ -209,7 +209,7 @@ def test_gone_forgets_and_startup_timeout_stops() -> None:
 
 def test_first_ready_marks_the_launch_ready_and_a_recovery_says_progress_resumed() -> None:
     assert [e.kind for e in transition(S.STARTING, EXAMPLES[K.HEALTHY]).effects] == [EffectKind.MARK_READY]
-    assert transition(S.UNHEALTHY, EXAMPLES[K.HEALTHY]).reason == "progress resumed"
+    assert transition(S.UNHEALTHY, EXAMPLES[K.HEALTHY]).reason == "recovered: /health answers and tokens progress"
 
 
 def test_the_committed_diagram_is_the_generated_one() -> None:

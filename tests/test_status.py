@@ -205,6 +205,23 @@ async def test_a_stopped_model_is_not_critical_for_a_stop_that_cannot_come(tmp_p
     assert views.headline(running.model_dump(mode="json"), None)["label"] == "critical"
 
 
+async def test_an_unhealthy_model_is_never_ok_in_the_headline(tmp_path: Path) -> None:
+    """/health failing (state ``unhealthy``): the container card said so, while the header's pill and the tab's
+    title read "ok" (helper-39). Host memory calm: the headline is "warn", "model unhealthy"; ready again, "ok"."""
+    actions = FakeActions()
+    d = await _daemon(tmp_path, actions=actions)
+    try:
+        ready = d.status_json()
+        actions.state = ContainerState.UNHEALTHY
+        unhealthy = d.status_json()
+    finally:
+        await d.shutdown("test")
+    h = views.headline(ready.model_dump(mode="json"), None)
+    assert (h["level"], h["label"]) == ("ok", "ok"), h  # the same calm host, model ready
+    h = views.headline(unhealthy.model_dump(mode="json"), None)
+    assert (h["level"], h["label"]) == ("warn", "model unhealthy"), h
+
+
 # --------------------------------------------------------------------------- one resize-diff shape
 def test_it_diffs_figures_in_one_shape() -> None:
     old = make_plan(_worked_example()).to_json()

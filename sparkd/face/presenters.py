@@ -347,8 +347,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
     nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
     (a stop acts on the processes, without an archive: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted,
-    or when the container failed or exited; ``warn`` ("not guarded") when no rule would stop (``unarmed``);
-    ``unknown`` before the first sample.
+    or when the container failed, exited or is unhealthy; ``warn`` ("not guarded") when no rule would stop
+    (``unarmed``); ``unknown`` before the first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
@@ -371,6 +371,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "warn", f"{', '.join(demoted)} demoted to warn (cannot protect this host)"
     elif c.get("state") in ("exited", "failed") and _LEVEL_RANK.get(level, 0) < 1:
         level, label = "warn", f"container {c.get('state')}"
+    elif c.get("state") == "unhealthy" and _LEVEL_RANK.get(level, 0) < 1:
+        # /health failing or no token progress: the pill and the tab's title read "ok" beside it (helper-39)
+        level, label = "warn", "model unhealthy"
     elif c.get("mode") != "monitor-only" and c.get("state") in ("stopped", "exited", "failed"):
         label = f"model {c['state']}"  # the level is the host's (core.headroom, can_stop=False): say why it is calm
     return {
