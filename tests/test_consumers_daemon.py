@@ -182,6 +182,25 @@ def _watch(scanner: Any, avail: list[int]) -> tuple[ConsumerWatch, list[tuple[st
     return w, events
 
 
+async def test_a_fall_no_process_grew_for_names_its_part_outside_every_rss_in_the_shares_too() -> None:
+    """A 10 GiB fall that no process's RSS explains (GPU allocations on a Spark): the reason said "outside any
+    process's RSS +9.50 GiB", while ``fall_shares_bytes`` (the stopped card's and the incident page's "who grew")
+    read "container 0.00 GiB · host 0.50 GiB · system 0.00 GiB" (helper-39)."""
+    from sparkd.face.web import _fmt_tripval
+
+    scans = [_scan(0, 80 * GiB, 1 * GiB), _scan(10, 80 * GiB, int(1.5 * GiB))]
+    w, _ = _watch(ScriptedScanner(scans), [30 * GiB, 20 * GiB])
+    await w.scan()
+    shares = await w.at_trip()
+    assert shares is not None
+    assert shares.shares_bytes == {"container": 0, "host": GiB // 2, "system": 0, "outside_rss": int(9.5 * GiB)}
+    assert "outside any process's RSS +9.50 GiB" in shares.text
+    assert _fmt_tripval(shares.shares_bytes, "fall_shares_bytes") == (
+        "container 0.00 GiB · host 0.50 GiB · system 0.00 GiB · "
+        "outside any process's RSS (GPU/driver, kernel, page cache) 9.50 GiB"
+    )
+
+
 async def test_a_trip_says_how_much_of_the_fall_came_from_the_container_and_from_others() -> None:
     scans = [_scan(0, 80 * GiB, 1 * GiB), _scan(10, 80 * GiB, 1 * GiB), _scan(20, 82 * GiB, 6 * GiB)]
     # MemAvailable at each scan: the highest (30 GiB, the second scan) is "before the fall"
@@ -214,7 +233,8 @@ async def test_a_trip_whose_scan_hangs_uses_the_last_periodic_scan(monkeypatch: 
     scanner.block.set()  # let the stuck thread finish
     assert shares is not None and not shares.fresh
     assert shares.after.summary.at == 10  # the last periodic scan
-    assert shares.shares_bytes == {"container": 1 * GiB, "host": 2 * GiB, "system": 0}
+    # MemAvailable 30 → 25 GiB, 3 GiB of it in RSS: the other 2 GiB outside every RSS
+    assert shares.shares_bytes == {"container": 1 * GiB, "host": 2 * GiB, "system": 0, "outside_rss": 2 * GiB}
 
 
 async def test_a_scan_is_stored_when_a_group_total_moved_a_gib_or_store_every_s_passed() -> None:

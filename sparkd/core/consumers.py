@@ -173,6 +173,20 @@ def fall_shares(before: ConsumerSummary | None, after: ConsumerSummary) -> dict[
 
 #: A fall's part outside every process's RSS is named from this size on (below: scan-to-scan noise).
 OUTSIDE_RSS_MIN_BYTES = 256 * 1024 * 1024
+#: Its key beside the groups' in a trip's ``fall_shares_bytes`` (present from OUTSIDE_RSS_MIN_BYTES on).
+OUTSIDE_RSS_KEY = "outside_rss"
+
+
+def outside_rss(
+    shares: dict[str, int], mem_available_before_bytes: int | None, mem_available_after_bytes: int | None
+) -> int | None:
+    """The part of a fall of MemAvailable (before − after, bytes) that no process's RSS explains (``shares``:
+    ``fall_shares``): on a Spark mostly GPU (driver) allocations, else kernel memory or page cache. None when either
+    MemAvailable is unknown or the part is under ``OUTSIDE_RSS_MIN_BYTES`` (scan-to-scan noise)."""
+    if mem_available_before_bytes is None or mem_available_after_bytes is None:
+        return None
+    outside = (mem_available_before_bytes - mem_available_after_bytes) - sum(shares.values())
+    return outside if outside >= OUTSIDE_RSS_MIN_BYTES else None
 
 
 def _signed_gib(n_bytes: int) -> str:
@@ -206,10 +220,8 @@ def fall_text(
     text = (
         f"{head}: container {_signed_gib(shares['container'])}, {host}, system services {_signed_gib(shares['system'])}"
     )
-    if mem_available_before_bytes is not None and mem_available_after_bytes is not None:
-        # what no process's RSS explains: on a Spark mostly GPU (driver) allocations, else kernel memory or
-        # page cache. Without it a 16 GiB fall read "container +0.00 · host +0.19" (nothing grew)
-        outside = (mem_available_before_bytes - mem_available_after_bytes) - sum(shares.values())
-        if outside >= OUTSIDE_RSS_MIN_BYTES:
-            text += f", outside any process's RSS {_signed_gib(outside)} (GPU/driver allocations, kernel, page cache)"
+    # what no process's RSS explains. Without it a 16 GiB fall read "container +0.00 · host +0.19" (nothing grew)
+    outside = outside_rss(shares, mem_available_before_bytes, mem_available_after_bytes)
+    if outside is not None:
+        text += f", outside any process's RSS {_signed_gib(outside)} (GPU/driver allocations, kernel, page cache)"
     return text

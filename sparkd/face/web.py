@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from pydantic import ValidationError
 
 from sparkd import __version__
+from sparkd.core.consumers import OUTSIDE_RSS_KEY
 from sparkd.core.rules import ETA_SAID_S
 from sparkd.errors import SparkdError
 from sparkd.face import presenters as views
@@ -113,12 +114,16 @@ def _fmt_size(n: Any) -> str:
 _SIZE_KEYS = frozenset({"MemAvailable", "MemFree", "Cached", "AnonPages", "Slab", "MemAvailable-CmaFree"})
 
 
+#: Parts of a mapping recorded at a trip said in words (``fall_shares_bytes``' part outside every RSS).
+_PART_LABELS = {OUTSIDE_RSS_KEY: "outside any process's RSS (GPU/driver, kernel, page cache)"}
+
+
 def _fmt_tripval(v: Any, key: str = "") -> str:
     """A value recorded at a trip, by its key: sizes in GiB, slopes in GiB/s, times in s, epoch
     timestamps (``*_ts``) as UTC times, and a mapping of sizes (``fall_shares_bytes``) as
     ``part size · part size``."""
     if isinstance(v, dict):
-        return " · ".join(f"{k} {_fmt_tripval(x, key)}" for k, x in v.items()) or "–"
+        return " · ".join(f"{_PART_LABELS.get(k, k)} {_fmt_tripval(x, key)}" for k, x in v.items()) or "–"
     if not isinstance(v, int | float) or isinstance(v, bool):
         return "n/a" if v is None else str(v)
     if key.endswith("_ts"):
