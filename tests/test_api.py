@@ -1414,6 +1414,34 @@ async def test_the_stop_and_restart_confirmations_say_the_configured_grace(tmp_p
     assert "30 s to exit" not in page
 
 
+async def test_in_guard_mode_the_page_shows_no_resize_form_with_the_configs_defaults(tmp_path: Path) -> None:
+    """Guard mode: the resize form showed max_model_len 262144 and max_num_seqs 4 (the config's defaults) for a
+    container started with 32768, only its button disabled (helper-39). The page says why there is nothing to
+    resize instead; a managed page keeps the form. A real supervisor in guard mode on a container that is absent."""
+    from sparkd.loop.supervisor import Supervisor
+
+    guard = {"guard": "sparkd-test-absent-guarded"}
+    sup = Supervisor(load_settings(overrides={"state_dir": str(tmp_path / "state"), "container": guard}))
+    d = await _daemon(tmp_path, actions=sup, container=guard)
+    try:
+        assert d.status_json().container.mode == "guard"
+        async with _client(d) as c:
+            await _login(c, d)
+            page = (await c.get("/")).text
+    finally:
+        await d.shutdown("test")
+    assert 'id="resize-guard"' in page and "Guard mode: sparkd did not launch this container" in page
+    assert 'id="resize-form"' not in page and "262144" not in page
+    m = await _daemon(tmp_path / "m", actions=FakeActions())
+    try:
+        async with _client(m) as c:
+            await _login(c, m)
+            page = (await c.get("/")).text
+    finally:
+        await m.shutdown("test")
+    assert 'id="resize-form"' in page and 'id="resize-guard"' not in page
+
+
 def test_a_hard_floor_kill_reads_once_in_the_stopped_card() -> None:
     """``outcome`` already says "killed (hard floor)"; the card added " (hard floor)" again (helper-35)."""
     from sparkd.face.web import templates

@@ -303,6 +303,8 @@ def test_a_guarded_model_whose_port_answers_nothing_is_never_stopped_for_its_hea
     dead = free_port()  # nothing listens there
     c = {"image": None, "guard": fv.name, "port": dead, "startup_timeout_s": 5, "health_interval_s": 0.5}
     s = make(container=c)
+    # guard mode has no launch record, ever: its adoption says "guarding it", not "no launch record" (helper-39)
+    assert "guarding it (guard mode, started outside sparkd)" in s.wait_event("adopted", 20)["message"]
     assert wait_for(lambda: (s.container().get("health") or "") not in ("", "ok"), 30), s.container()
     time.sleep(8.0)  # past startup_timeout_s, several probes
     c = s.container()
@@ -335,6 +337,7 @@ def test_a_guarded_model_stopped_by_hand_after_its_guard_stop_is_not_called_a_gu
     with tarfile.open(s.tmp / "archives" / ev["details"]["archive"]) as tf:
         summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
     assert "requested by: nobody: the container exited on its own, or was stopped outside sparkd" in summary, summary
+    assert "launch id:    none (guard mode: not launched by sparkd)" in summary, summary  # not "None" (helper-39)
     from sparkd.act.archive import is_incident_archive, list_archives
 
     bundle = next(a for a in list_archives(s.tmp / "archives") if a.path.name == ev["details"]["archive"])

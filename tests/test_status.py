@@ -205,6 +205,29 @@ async def test_a_stopped_model_is_not_critical_for_a_stop_that_cannot_come(tmp_p
     assert views.headline(running.model_dump(mode="json"), None)["label"] == "critical"
 
 
+async def test_a_guarded_run_that_never_answered_is_no_failed_launch_and_its_hold_says_guard_mode(
+    tmp_path: Path,
+) -> None:
+    """Guard mode launches nothing: a guarded model stopped before it answered /health counted as a failed launch
+    (status "failed_launches: 1" beside "No launches recorded"), and the decision read "container.auto_restart is
+    off", as if turning it on would relaunch it (helper-39). The same end in managed mode still counts."""
+    from sparkd.core.supervision import StopIntent
+
+    guard = Supervisor(load_settings(overrides={"state_dir": str(tmp_path / "g"), "container": {"guard": "vllm"}}))
+    for _ in range(3):
+        d = await guard.unattended.after_down(StopIntent.EMERGENCY, uptime_s=2.0, reached_ready=False)
+    assert (d.action, d.alert) == ("hold", False)
+    assert d.reason == "intent emergency: guard mode, sparkd never starts the container", d.reason
+    backoff = guard.status_json().supervision.backoff  # type: ignore[union-attr]
+    assert backoff == {"failures": 0, "failed_launches": 0}, backoff
+    managed = Supervisor(
+        load_settings(overrides={"state_dir": str(tmp_path / "m"), "container": {"image": "x:1", "name": "vllm"}})
+    )
+    d = await managed.unattended.after_down(StopIntent.EMERGENCY, uptime_s=2.0, reached_ready=False)
+    assert managed.status_json().supervision.backoff["failed_launches"] == 1  # type: ignore[union-attr]
+    assert "auto_restart is off" in d.reason
+
+
 async def test_an_unhealthy_model_is_never_ok_in_the_headline(tmp_path: Path) -> None:
     """/health failing (state ``unhealthy``): the container card said so, while the header's pill and the tab's
     title read "ok" (helper-39). Host memory calm: the headline is "warn", "model unhealthy"; ready again, "ok"."""
@@ -677,6 +700,8 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
     assert "<th>mode</th><td>guard: started outside sparkd (docker start); sparkd stops it on a trip" in html
     assert 'disabled title="guard mode: sparkd does not start it; start it yourself (docker start vllm)"' in html
     assert 'data-resize-why="guard mode: sparkd did not launch it, so it has no plan to resize"' in html
+    assert "<th>breaker</th><td>– (guard mode: sparkd never relaunches it)</td>" in html  # helper-39
+    assert 'title="guard mode: sparkd never relaunches it, there is no breaker to re-arm"' in html
     # the stopped card's "Start again" said title="None" in guard mode (helper-38)
     trip = {"by_guard": True, "kind": "stopped", "rule": "low_available", "ts": time.time(), "values": {}, "url": "/"}
     html = rendered(guard, trip)
@@ -697,6 +722,7 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
     html = rendered(managed)
     assert "<th>mode</th><td>managed: sparkd launches, restarts and resizes it" in html
     assert "guard mode" not in html and 'data-resize-why=""' in html
+    assert "<th>breaker</th><td>closed (0/3 emergencies)</td>" in html
 
 
 def test_a_run_first_seen_running_has_no_time_to_ready(tmp_path: Path) -> None:

@@ -81,9 +81,17 @@ def test_it_counts_failed_launches_until_one_reaches_ready() -> None:
 
 
 def R(
-    intent: StopIntent | None, *, failures: int = 1, failed: int = 0, breaker: bool = False, auto: bool = True
+    intent: StopIntent | None,
+    *,
+    failures: int = 1,
+    failed: int = 0,
+    breaker: bool = False,
+    auto: bool = True,
+    guarded: bool = False,
 ) -> Any:
-    return decide_relaunch(P, BackoffState(failures, failed), intent=intent, breaker_open=breaker, auto_restart=auto)
+    return decide_relaunch(
+        P, BackoffState(failures, failed), intent=intent, breaker_open=breaker, auto_restart=auto, guarded=guarded
+    )
 
 
 @pytest.mark.parametrize(
@@ -100,6 +108,9 @@ def R(
         ({"intent": StopIntent.EMERGENCY, "failures": 3}, "relaunch", 120, False, "intent emergency"),
         # the operator's hold beats everything, even an open breaker
         ({"intent": StopIntent.OPERATOR, "breaker": True}, "hold", 0, False, "intent operator"),
+        # guard mode: not "container.auto_restart is off", as if turning it on would relaunch it (helper-39)
+        ({"intent": StopIntent.EMERGENCY, "auto": False, "guarded": True}, "hold", 0, False, "guard mode, sparkd"),
+        ({"intent": StopIntent.EXITED, "failed": 5, "guarded": True}, "hold", 0, False, "never starts the container"),
     ],
 )
 def test_it_decides_relaunch_and_names_the_intent(

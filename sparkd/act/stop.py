@@ -51,6 +51,7 @@ class Supervisor(Protocol):
     settings: Any  # sparkd.config.Settings
     manager: Any  # sparkd.act.docker.ContainerManager
     name: str
+    mode: str  # "managed" | "guard"
     image: str | None
     container_id: str | None
     container_started_at: float | None
@@ -89,6 +90,15 @@ class StopReport:
         return dict(self.__dict__)
 
 
+def _launch_text(sup: Supervisor) -> str:
+    """The run's launch id, or why there is none ("None" in guard mode read as a value lost; helper-39)."""
+    if sup.launch_id:
+        return str(sup.launch_id)
+    if sup.mode != "managed":
+        return "none (guard mode: not launched by sparkd)"
+    return "none (not launched by sparkd, or its launch record was lost)"
+
+
 def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]) -> str:
     d = sup.daemon
     last = d.guard.last if d and d.guard else None
@@ -103,7 +113,7 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
         lines += [
             f"container:    {inspect.get('Name', '').lstrip('/')} {cid[:12]}",
             f"image:        {inspect.get('Config', {}).get('Image')}",
-            f"launch id:    {sup.launch_id}",
+            f"launch id:    {_launch_text(sup)}",
             f"started at:   {inspect.get('State', {}).get('StartedAt')}",
         ]
     else:  # no inspect (the engine did not answer): what sparkd last saw of the run
@@ -111,7 +121,7 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
         lines += [
             f"container:    {sup.name} {cid[:12]} (as sparkd last saw it: no docker inspect)",
             f"image:        {sup.image or 'not known'}",
-            f"launch id:    {sup.launch_id}",
+            f"launch id:    {_launch_text(sup)}",
             "started at:   " + (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)) if started else "not known"),
         ]
     if last is not None:

@@ -238,16 +238,20 @@ def decide_relaunch(
     intent: StopIntent | None,
     breaker_open: bool,
     auto_restart: bool,
+    guarded: bool = False,
 ) -> Relaunch:
     """Whether and when to relaunch after the model went down with ``intent``.
 
-    Order: operator/maintenance/peer intents hold; an open breaker holds; ``auto_restart`` off holds;
+    Order: operator/maintenance/peer intents hold; ``guarded`` (guard mode: sparkd never starts the container)
+    holds; an open breaker holds; ``auto_restart`` off holds;
     ``max_failed_launches`` consecutive failed launches hold with an alert; otherwise relaunch after
     ``backoff_delay_s(policy, st.failures)``.
     """
     name = intent.value if intent else "none"
     if intent in (StopIntent.OPERATOR, StopIntent.MAINTENANCE, StopIntent.PEER_EMERGENCY):
         return Relaunch("hold", 0.0, intent, f"intent {name}: held until released")
+    if guarded:  # "container.auto_restart is off" read as if turning it on would relaunch it (helper-39)
+        return Relaunch("hold", 0.0, intent, f"intent {name}: guard mode, sparkd never starts the container")
     if breaker_open:
         return Relaunch("hold", 0.0, intent, f"intent {name}: circuit breaker open, `sparkd rearm` to relaunch")
     if not auto_restart:

@@ -305,6 +305,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "busy": c.action or ("busy" if c.busy else None),
         "intent": down.intent if down else None,  # (helper-37)
         "intent_who": down.who if down else None,
+        # the breaker holds automatic relaunches, which guard mode never makes: "closed (1/3 emergencies)" beside
+        # three stops read as a count that was wrong (helper-39)
+        "breaker_applies": c.mode == "managed",
         "breaker_open": bool(c.supervision and c.supervision.breaker.open),
         "breaker_count": c.supervision.breaker.count if c.supervision else None,
         "breaker_threshold": c.supervision.breaker.threshold if c.supervision else None,
@@ -431,6 +434,7 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         "why": why,
         "state": state,
         "managed": managed,
+        "guard": c.get("mode") == "guard",
         "start": can and not running and managed,
         "stop": can and running,
         "restart": can and running and managed,
@@ -440,7 +444,7 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         "resize_why": why or (None if managed else "guard mode: sparkd did not launch it, so it has no plan to resize"),
         "stop_why": None if can and running else (why or f"not running ({state or 'none'})"),
         "last_ready_s": _ready_s(c),
-        "rearm": can and bool(((c.get("supervision") or {}).get("breaker") or {}).get("open")),
+        "rearm": can and managed and bool(((c.get("supervision") or {}).get("breaker") or {}).get("open")),
     }
 
 

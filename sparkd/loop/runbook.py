@@ -78,7 +78,14 @@ class RunBook(LaunchBook):
         self._event(
             "adopted",
             f"adopted running container {self.name} ({cid[:12]})"
-            + (f", launch {self.launch_id}" if self.launch_id else " (not launched by sparkd: no launch record)"),
+            + (
+                f", launch {self.launch_id}"
+                if self.launch_id
+                # guard mode: there is never a launch record; "no launch record" read as something missing (helper-39)
+                else ": guarding it (guard mode, started outside sparkd)"
+                if self.mode != "managed"
+                else " (not launched by sparkd: no launch record)"
+            ),
             details={
                 "container_id": cid,
                 "image": self.image,

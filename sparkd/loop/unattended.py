@@ -308,7 +308,10 @@ class Unattended:
     # ------------------------------------------------------------------ relaunch
     async def after_down(self, intent: StopIntent, *, uptime_s: float | None, reached_ready: bool) -> Relaunch:
         """Record the unplanned end, decide, emit ``relaunch_decision`` naming the intent, and schedule."""
-        if intent in (StopIntent.EMERGENCY, StopIntent.EXITED, StopIntent.FAILED_LAUNCH):
+        guarded = self.sup.mode != "managed"
+        # guard mode launches nothing: a guarded run that never answered /health is no failed launch of sparkd's
+        # (status read "failed_launches: 1" beside "No launches recorded", helper-39)
+        if intent in (StopIntent.EMERGENCY, StopIntent.EXITED, StopIntent.FAILED_LAUNCH) and not guarded:
             self.state.backoff = after_end(
                 self.backoff, self.state.backoff, uptime_s=uptime_s, reached_ready=reached_ready
             )
@@ -320,7 +323,8 @@ class Unattended:
             self.state.backoff,
             intent=intent,
             breaker_open=self.state.breaker.is_open,
-            auto_restart=self.sup.settings.container.auto_restart and self.sup.mode == "managed",
+            auto_restart=self.sup.settings.container.auto_restart and not guarded,
+            guarded=guarded,
         )
         self.last_decision = {
             "ts": time.time(),
