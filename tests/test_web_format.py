@@ -79,3 +79,16 @@ def test_a_short_duration_keeps_its_tenths_and_the_restart_confirmation_says_the
     assert buttons_view({"container": c}, True)["last_ready_s"] == 1.5
     old = {k: v for k, v in c.items() if k != "time_to_ready_s"}  # a snapshot written before the field
     assert buttons_view({"container": old}, True)["last_ready_s"] == 101.3 - 100.9
+
+
+def test_the_tab_title_says_below_a_line_not_a_negative_distance_to_it() -> None:
+    """A dry run below low_available's line: the tab read "sparkd · critical · -4.0 GiB to low_available"
+    (helper-39)."""
+    from sparkd.face.live import title_of
+
+    def h(headroom_gib: float) -> dict[str, object]:
+        ns = {"headroom_bytes": int(headroom_gib * GiB), "rule": "low_available"}
+        return {"label": "critical", "nearest": ns, "stopped": False}
+
+    assert title_of(h(-4.0)) == "sparkd · critical · 4.0 GiB below low_available"
+    assert title_of(h(2.5)) == "sparkd · critical · 2.5 GiB to low_available"

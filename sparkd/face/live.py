@@ -216,4 +216,9 @@ def title_of(h: dict[str, Any]) -> str:
         return "sparkd · STOPPED by the guard"
     if not ns:
         return f"sparkd · {h['label']}"
-    return f"sparkd · {h['label']} · {ns['headroom_bytes'] / 2**30:.1f} GiB to {ns['rule']}"
+    gib = ns["headroom_bytes"] / 2**30
+    if (
+        gib < 0
+    ):  # below the line (a dry run, a demoted rule, a stop under way): "-4.0 GiB to" read as a typo (helper-39)
+        return f"sparkd · {h['label']} · {-gib:.1f} GiB below {ns['rule']}"
+    return f"sparkd · {h['label']} · {gib:.1f} GiB to {ns['rule']}"
