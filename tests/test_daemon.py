@@ -58,6 +58,22 @@ def test_it_samples_this_host_into_sqlite_and_status_reports_it(tmp_path: Path) 
         assert "repeated_dips              held 0/3 s in the last 10 s (0 samples, at least 3)" in human
 
 
+def test_a_dry_run_says_so_when_it_starts(tmp_path: Path) -> None:
+    """`sparkd run --dry-run`: neither the start-up event nor the log said "dry run" (helper-39), though every trip
+    is then recorded and nothing stopped. A normal start says nothing of it."""
+
+    def started(where: Path, args: tuple[str, ...]) -> str:
+        where.mkdir()
+        db = where / "sparkd.db"
+        with sparkd_run(where, config=f"interval_s = {INTERVAL}\nfast_interval_s = {INTERVAL}\n", args=args):
+            rows = wait_for(lambda: db_query(db, "SELECT message FROM events WHERE kind = 'daemon_started'"), 20.0)
+        assert rows, "no daemon_started event"
+        return str(rows[-1][0])
+
+    assert "DRY RUN: stop rules are recorded, not acted on" in started(tmp_path / "dry", ("--no-api", "--dry-run"))
+    assert "DRY RUN" not in started(tmp_path / "plain", ("--no-api",))
+
+
 def test_an_nvrm_line_in_kmsg_is_recorded_with_meminfo_context(tmp_path: Path) -> None:
     need(os.access("/dev/kmsg", os.W_OK), "/dev/kmsg is not writable (needs root)")
     db = tmp_path / "sparkd.db"

@@ -472,7 +472,9 @@ class Daemon:
             self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
         self.event(
             "daemon_started",
-            f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})",
+            f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})"
+            # a dry run was said nowhere at start (helper-39): trips are recorded, nothing is stopped
+            + ("; DRY RUN: stop rules are recorded, not acted on" if s.dry_run else ""),
             details={"dry_run": s.dry_run, "event_loop": type(loop).__module__.split(".")[0]},
         )
         self.ready = True
