@@ -385,8 +385,11 @@ def test_memory_held_low_after_the_guard_stopped_the_model_trips_once_per_cooldo
     # failed stops, paged by a "critical trip" with nothing to stop); the first, the real stop, stays critical
     assert all(t["severity"] == "warning" and t["details"]["model_state"] == "stopped" for t in after), after
     assert all("the model is stopped: nothing to stop unless Docker says otherwise" in t["message"] for t in after)
+    # and they are one alert for notify, whatever their figures: not a page a cooldown (helper-39)
+    assert {t["details"]["collapse_as"] for t in after} == {"low_available holds while the model is stopped"}
     first = [t for t in s.events("trip") if t["ts"] <= stopped_at]
     assert first and first[0]["severity"] == "critical" and "model_state" not in first[0]["details"]
+    assert "collapse_as" not in first[0]["details"]
     assert s.events("watermark") == []  # the loop guard was fed none of them: the rule still stops
     assert next(r for r in s.status()["rules"] if r["name"] == "low_available")["demoted"] is None
     assert wait_for(lambda: s.status()["nearest_stop"]["headroom_bytes"] > 0, 10)  # the guard saw it recover

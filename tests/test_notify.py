@@ -275,6 +275,28 @@ def test_rate_limit_per_kind_counts_and_mentions_suppressed(receiver: Receiver) 
     assert n.stats.suppressed == 3
 
 
+def test_trips_while_the_model_is_down_collapse_whatever_their_figures(receiver: Receiver) -> None:
+    """A rule that keeps holding after the guard stopped the model trips once per cooldown (60 s), each trip's
+    message with its own figures: the identical-alert collapse (same kind and message) never held them, and an
+    operator was paged about once a minute for as long as memory stayed short (helper-39's run). A trip's
+    ``collapse_as`` (set by the guard for those trips only) makes them one alert per collapse window; a trip of
+    a running model is never collapsed by it."""
+    now = [1000.0]
+    n = Notifier(NotifySettings(webhook_url=receiver.url, min_interval_s=0), clock=lambda: now[0])
+    down = {"rule": "low_available", "collapse_as": "low_available holds while the model is stopped"}
+    for t, gib in ((0, 2.1), (60, 2.0), (120, 1.9)):
+        now[0] = 1000.0 + t
+        n.submit(ev(kind="trip", severity="warning", message=f"low_available: MemAvailable {gib} GiB", details=down))
+    now[0] = 1000.0 + 180  # a trip of the model running again: its own alert
+    n.submit(ev(kind="trip", message="low_available: MemAvailable 1.8 GiB", details={"rule": "low_available"}))
+    n.close(5)
+    assert [b["message"] for b in receiver.bodies] == [
+        "low_available: MemAvailable 2.1 GiB",
+        "low_available: MemAvailable 1.8 GiB",
+    ]
+    assert n.stats.collapsed == 2
+
+
 def test_failure_reports_notify_failed_once_and_never_recurses(tmp_path: Path) -> None:
     """The daemon passes its event() as on_failure; event() feeds notify_hooks → submit."""
     events: list[dict[str, Any]] = []

@@ -29,7 +29,9 @@ Channels (``settings.notify``, ``config.NotifySettings``):
 Collapse: identical alerts (same kind and message) collapse to one per ``collapse_s`` (default 900 s,
 ``supervision.alert_collapse_s``), timed from the last *successful* delivery; a copy arriving while one
 is in flight is collapsed too, a failed send is not counted as sent. Collapsed copies count as
-suppressed and are reported with the next send.
+suppressed and are reported with the next send. An event whose ``details`` carry ``collapse_as`` is
+identical to the others of its kind with the same ``collapse_as``, whatever its message (a rule that
+keeps tripping while the model is down: its figures change at every trip, the alert does not).
 
 Rate limit: at most one notification per kind every ``min_interval_s``
 seconds (both channels together). Events inside the interval are *suppressed*
@@ -251,7 +253,9 @@ class Notifier:
                 self.stats.dropped += 1
                 return
             now = self.clock()
-            key = (kind, str(event.get("message", "")))
+            details = event.get("details")
+            same = details.get("collapse_as") if isinstance(details, dict) else None
+            key = (kind, str(same if same else event.get("message", "")))
             with self._lock:
                 if not self.collapse.admit(key, now):  # an identical alert was delivered or is in flight
                     self.stats.suppressed += 1

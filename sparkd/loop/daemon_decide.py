@@ -201,6 +201,9 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             **({"stop_lines": stop_lines(tripped.to_json())} if tripped is not None else {}),
             **({"fall_shares_bytes": shares.shares_bytes} if shares else {}),
             **({"demoted": verdict.reason} if verdict is not None else {}),
+            # a rule that holds while the model is down trips once per cooldown, each trip's figures its own: its
+            # notifications collapse to one per notify's collapse window, not one a minute (act.notify)
+            **({"collapse_as": f"{d.rule} holds while the model is {state}"} if idle else {}),
         },
     )
     if d.action != "stop":
