@@ -248,9 +248,8 @@ def _running(state: ContainerState, k: ObsClass, obs: Observation) -> Step:
         if state is S.READY:
             return Step(state)
         if state is S.UNHEALTHY:
-            return Step(
-                S.READY, "recovered: /health answers and tokens progress"
-            )  # after a failing /health too (helper-39)
+            # after a failing /health too, not only a stall: "progress resumed" said only the latter (helper-39)
+            return Step(S.READY, "recovered: /health answers and tokens progress")
         return Step(S.READY, "/health ready", (Effect(EffectKind.MARK_READY),))
     if k is K.STALLED:
         if state is S.STARTING:  # /health answers: ready first, the stall counts from there

@@ -217,8 +217,7 @@ def title_of(h: dict[str, Any]) -> str:
     if not ns:
         return f"sparkd · {h['label']}"
     gib = ns["headroom_bytes"] / 2**30
-    if (
-        gib < 0
-    ):  # below the line (a dry run, a demoted rule, a stop under way): "-4.0 GiB to" read as a typo (helper-39)
+    # below the line (a dry run, a demoted rule, a stop under way): "-4.0 GiB to" read as a typo (helper-39)
+    if gib < 0:
         return f"sparkd · {h['label']} · {-gib:.1f} GiB below {ns['rule']}"
     return f"sparkd · {h['label']} · {gib:.1f} GiB to {ns['rule']}"

@@ -323,7 +323,7 @@ class Unattended:
             self.state.backoff,
             intent=intent,
             breaker_open=self.state.breaker.is_open,
-            auto_restart=self.sup.settings.container.auto_restart and not guarded,
+            auto_restart=self.sup.settings.container.auto_restart,
             guarded=guarded,
         )
         self.last_decision = {
