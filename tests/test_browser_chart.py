@@ -4,11 +4,13 @@ memory (MemAvailable − CmaFree, the default rules' field) is a line of its own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,9 +28,10 @@ MEMINFO = (
 )
 
 
-@pytest.fixture(scope="module")
-def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("cma")
+@contextlib.contextmanager
+def _sparkd(tmp: Path, config: str = "") -> Iterator[tuple[str, Path]]:
+    """A real ``sparkd run`` (monitor-only, 4 Hz) over a /proc in ``tmp`` that starts as MEMINFO, with ``config``
+    (TOML; empty: the default rules). Yields (base URL, the /proc directory)."""
     proc = tmp / "proc"
     proc.mkdir()
     (proc / "meminfo").write_text(MEMINFO)
@@ -44,7 +47,7 @@ def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     }
     env.pop("SPARKD_CONFIG", None)
     cfg = tmp / "sparkd.toml"
-    cfg.write_text("")  # the default rules
+    cfg.write_text(config)
     log = open(tmp / "sparkd.out", "w")  # noqa: SIM115 — closed after the process
     p = subprocess.Popen(
         [sys.executable, "-c", "from sparkd.face.cli import main; main()", "--config", str(cfg), "run"],
@@ -66,7 +69,7 @@ def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 log.flush()
                 raise AssertionError(f"sparkd did not come up: {(tmp / 'sparkd.out').read_text()[-2000:]}")
             time.sleep(0.1)
-        yield base
+        yield base, proc
     finally:
         p.terminate()
         try:
@@ -74,6 +77,12 @@ def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             p.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def cma_sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _sparkd(tmp_path_factory.mktemp("cma")) as (base, _):
+        yield base
 
 
 def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any, cma_sparkd: str) -> None:  # noqa: F811
@@ -110,3 +119,43 @@ def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any
     page.screenshot(path=str(ARTIFACTS / "chart-cma-default-rules.png"))
     assert not errors, errors
     ctx.close()
+
+
+def test_a_trip_that_asked_for_no_stop_is_a_thin_dashed_mark_and_one_that_did_a_thick_one(
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """An operator read 15-30 thick red marks on the chart for one stop: a rule that holds after the guard stopped
+    the model trips once per ``cooldown_s`` with nothing to stop (helper-39). A trip that asked for no stop (a warn
+    rule's, one with the model down: severity warning) is drawn thin and dashed; one that asked for a stop thick.
+    Here a real monitor-only daemon (whose stop rules' trips are "would stop", critical) trips a warn rule and a
+    stop rule; the chart's marks come from the daemon's events, and the style is the one the chart draws with."""
+    config = """
+cooldown_s = 600
+[[rules]]
+name = "early_warning"
+when = ["MemAvailable < 11GiB"]
+action = "warn"
+samples = 1
+[[rules]]
+name = "low_available"
+when = ["MemAvailable < 6GiB"]
+samples = 1
+"""
+    with _sparkd(tmp_path, config) as (base, proc):
+        (proc / "meminfo").write_text(MEMINFO.replace("MemAvailable: 12582912 kB", "MemAvailable: 4194304 kB"))
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(f"{base}/")
+        trips = "window.sparkdChart.markers().filter((m) => m.kind === 'trip')"
+        until(page, f"window.sparkdChart && {trips}.length >= 2", 20)
+        styles = page.evaluate(f"{trips}.map((m) => [m.message.split(':')[0], m.severity, window.sparkdMarkStyle(m)])")
+        by_rule = {rule: (sev, style) for rule, sev, style in styles}
+        assert by_rule["low_available"] == ("critical", {"width": 3, "dash": []}), styles
+        assert by_rule["early_warning"] == ("warning", {"width": 1.5, "dash": [3, 3]}), styles
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(".chart-card").screenshot(path=str(ARTIFACTS / "chart-trip-marks.png"))
+        assert not errors, errors
+        ctx.close()

@@ -497,6 +497,76 @@ def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_
     assert stops == [] and recovered["details"]["cooldown_reset"] is False, (stops, recovered)
 
 
+def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: Path) -> None:
+    """A rule that holds after the guard stopped the model trips once per ``cooldown_s`` with nothing to stop; an
+    operator read "trips since start 32" and 15-30 thick red chart marks for one stop (helper-39). The rule's
+    card, ``sparkd status`` and the exporter say how many of its trips had the model down, and a chart mark of such
+    a trip carries the warning severity the charts draw thin and dashed. Real daemon, scripted /proc, the real
+    templates, CLI text and exporter."""
+    import asyncio
+
+    from prometheus_client.exposition import generate_latest
+
+    from sparkd.face.cli.observe import _echo_snapshot
+    from sparkd.face.exporter import build_registry
+    from sparkd.face.live import live_parts, mark_of, page_context
+    from sparkd.face.web import templates
+    from sparkd.loop.daemon import Daemon
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 1}]
+    proc, settings = _scripted(tmp_path, high, cooldown_s=0, rules=rules, recheck=False)
+
+    def card(d: Any) -> str:
+        ctx = page_context(live_parts(d.status_json(), None, True, 30.0))
+        return templates().env.get_template("partials/_rules.html").render(**ctx, csrf="x", logged_in=True)
+
+    async def go() -> tuple[list[str], str, str, Any, str, list[dict[str, Any]]]:
+        actions = _serving("ready")
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            (proc / "meminfo").write_text(low)
+            r = d._tick_once()
+            assert r is not None and [x.kind for x in r.decisions] == ["trip"]
+            await d._handle(r)  # the model runs: this trip stops it
+            before = card(d)
+            actions.lifecycle_state = lambda: "stopped"  # as the guard's stop leaves it
+            for _ in range(2):  # memory stays short without the model: two more trips, nothing to stop
+                r = d._tick_once()
+                assert r is not None and [x.kind for x in r.decisions] == ["trip"]
+                await d._handle(r)
+            metrics = generate_latest(build_registry(d)).decode()
+            assert d.store is not None and d.writer is not None
+            await asyncio.to_thread(d.writer.flush)
+            trips = d.store.events(kinds=["trip"])  # as the charts read them
+            return actions.stops, before, card(d), d.status_json(), metrics, trips
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+            (proc / "meminfo").write_text(high)
+
+    stops, before, after, status, metrics, trips = asyncio.run(go())
+    assert len(stops) >= 1 and len(trips) == 3, (stops, trips)
+    [rule] = status.rules
+    assert (rule.trips, rule.idle_trips) == (3, 2), rule
+    assert "(2 with the model down: nothing to stop)" in after and "with the model down" not in before, after
+    assert 'critical-text">3 <span class="idle-trips' in after  # one of them acted: still red
+    import click.testing
+
+    @click.command()
+    def echo() -> None:
+        _echo_snapshot(status)
+
+    out = click.testing.CliRunner().invoke(echo).output
+    assert "trips since start 3 (2 with the model down: nothing to stop)" in out, out
+    assert 'sparkd_rule_idle_trips_total{rule="low_available"} 2.0' in metrics, metrics
+    assert 'sparkd_rule_trips_total{rule="low_available"} 3.0' in metrics, metrics
+    # the marks: the trip that acted is critical (thick), the two with the model down warning (thin, dashed)
+    assert [mark_of(t)["severity"] for t in sorted(trips, key=lambda t: t["id"])] == ["critical", "warning", "warning"]
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:

@@ -226,6 +226,15 @@ class RuleEngine:
             if rule_name is None or name == rule_name:
                 st.last_trip_mono = None
 
+    def note_idle_trip(self, rule_name: str) -> None:
+        """Count a trip of ``rule_name`` that had nothing to stop (the model was down as the daemon last saw it:
+        ``loop.daemon_decide.IDLE_STATES``) among its ``trips``: ``idle_trips``, so that "trips since start" can
+        tell the trips that acted from those a host short of memory without its model repeats once per
+        ``cooldown_s``. An unknown rule name changes nothing."""
+        st = self.states.get(rule_name)
+        if st is not None:
+            st.idle_trips += 1
+
     def holds_now(self, rule_name: str, sample: Sample) -> bool:
         """Would ``rule_name`` trip on ``sample`` were its counter full: its ``when``, evidence and (predictive)
         projection, on the engine's own slope window, which holds ``sample`` when it is the last one stepped
@@ -350,6 +359,7 @@ def _unresolved_json(spec: RuleSpec, why: str) -> dict[str, Any]:
         "counter": 0,
         "near_misses": 0,
         "trips": 0,
+        "idle_trips": 0,
         "last_reason": None,
         "blind": why,
         "held_s": None,

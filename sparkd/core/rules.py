@@ -300,7 +300,8 @@ class RuleState:
     """Per-rule counters. ``started_mono``: monotonic time of the first counted sample.
 
     ``blind``: why the rule could not evaluate on the last sample (an input it needs was
-    not read), or ``None``. A rule with ``in_last_s``: ``recent`` holds ``(start, seconds)`` of each
+    not read), or ``None``. ``idle_trips``: of ``trips``, those with the model down (``RuleEngine.note_idle_trip``).
+    A rule with ``in_last_s``: ``recent`` holds ``(start, seconds)`` of each
     interval it held in its window, ``held_total_s`` their sum, ``prev_mono`` / ``prev_held`` the last
     sample; ``counter`` is then the counted samples in the window."""
 
@@ -308,6 +309,7 @@ class RuleState:
     started_mono: float | None = None
     near_misses: int = 0
     trips: int = 0
+    idle_trips: int = 0
     last_trip_mono: float | None = None
     last_reason: str | None = None
     blind: str | None = None
@@ -321,6 +323,7 @@ class RuleState:
             "counter": self.counter,
             "near_misses": self.near_misses,
             "trips": self.trips,
+            "idle_trips": self.idle_trips,
             "last_reason": self.last_reason,
             "blind": self.blind,
         }

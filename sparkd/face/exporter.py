@@ -140,6 +140,11 @@ class SparkdCollector(Collector):
         )
         need = GaugeMetricFamily("sparkd_rule_samples_required", "Samples a rule needs to trip", labels=["rule"])
         trips = CounterMetricFamily("sparkd_rule_trips", "Rule trips since sparkd started", labels=["rule"])
+        idle = CounterMetricFamily(
+            "sparkd_rule_idle_trips",
+            "Of sparkd_rule_trips, trips with the model down as sparkd saw it (nothing to stop)",
+            labels=["rule"],
+        )
         near = CounterMetricFamily(
             "sparkd_rule_near_misses", "Samples a rule's condition held but its evidence gate did not", labels=["rule"]
         )
@@ -147,8 +152,9 @@ class SparkdCollector(Collector):
             counter.add_metric([r.name], float(r.counter))
             need.add_metric([r.name], float(r.samples))
             trips.add_metric([r.name], float(r.trips))
+            idle.add_metric([r.name], float(r.idle_trips))
             near.add_metric([r.name], float(r.near_misses))
-        yield from (counter, need, trips, near)
+        yield from (counter, need, trips, idle, near)
         blind = GaugeMetricFamily(
             "sparkd_rule_blind",
             "1 when the rule cannot evaluate because an input it needs was not read (reason says which)",

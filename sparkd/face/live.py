@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 
 LIVE_PARTS = ("headline", "stopped", "summary", "rules", "container", "buttons", "budget")
 MARKER_KINDS = ("trip", "stopping", "stopped", "killed", "hard_floor_kill", "launched", "ready", "oom_kill", "resize")
+
+
+def mark_of(event: dict[str, Any]) -> dict[str, Any]:
+    """What a chart mark carries of its event (``dashboard.js``, ``incident.js``): id, ts (UTC epoch s), kind,
+    message, and severity, by which a trip that asked for no stop (a warn rule, a demotion, the model already
+    down: ``loop.daemon_decide.decide``, severity warning) is drawn thin, not as a stop's thick mark."""
+    return {k: event[k] for k in ("id", "ts", "kind", "message", "severity")}
+
+
 CHART_LIVE_FIELDS = ("mem_available", "mem_free", "cached", "anon_pages", "slab", "mem_available_minus_cma")
 CHART_LIVE_COLUMNS = (
     "mem_available_avg",
@@ -153,9 +162,7 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
             if events:
                 out["event_rows"] = env.get_template("partials/_event_rows.html").render(events=events)
                 out["markers"] = [
-                    {k: e[k] for k in ("id", "ts", "kind", "message")}
-                    for e in events
-                    if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
+                    mark_of(e) for e in events if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
                 ]
                 out["last_event_id"] = events[0]["id"]
         return JSONResponse(out, headers={"Cache-Control": "no-store"})

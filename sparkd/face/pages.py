@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from sparkd.errors import InvalidInput
 from sparkd.face import incidents as inc
 from sparkd.face import presenters as views
-from sparkd.face.live import CHART_LIVE_FIELDS, MARKER_KINDS
+from sparkd.face.live import CHART_LIVE_FIELDS, MARKER_KINDS, mark_of
 
 if TYPE_CHECKING:
     from sparkd.loop.status import DaemonView
@@ -47,10 +47,7 @@ def _incident_data(daemon: DaemonView, incident_id: int, reader: bool) -> dict[s
     data = inc.incident(store, incident_id, daemon.settings.archives_path, with_logs=reader)
     w = data["window"]
     samples = views.samples_columns(store, w["since"], w["until"], 1.0, list(CHART_LIVE_FIELDS))
-    marks = [
-        {k: e[k] for k in ("id", "ts", "kind", "message")}
-        for e in store.events(since=w["since"], until=w["until"], kinds=MARKER_KINDS, limit=500)
-    ]
+    marks = [mark_of(e) for e in store.events(since=w["since"], until=w["until"], kinds=MARKER_KINDS, limit=500)]
     # the text alternative of the chart: MemAvailable and MemFree, one row per 5 s around the trip
     table = [
         {"ts": t, "mem_available": a, "mem_free": f}

@@ -227,6 +227,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "in_last_s": r.in_last_s,
                 "near_misses": r.near_misses,
                 "trips": r.trips,
+                "idle_trips": r.idle_trips,
+                "idle_trips_text": idle_trips_text(r.idle_trips),
                 "when": list(r.when),
                 "cond": rule_cond(r),
                 "evidence": list(r.evidence),
@@ -237,6 +239,12 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def idle_trips_text(idle_trips: int) -> str:
+    """Of a rule's trips since start, those with the model down, in words ("" for none): a rule that holds after
+    the guard stopped the model trips once per ``cooldown_s`` with nothing to stop (``loop.daemon_decide``)."""
+    return f"{idle_trips} with the model down: nothing to stop" if idle_trips else ""
 
 
 def rule_cond(r: Any) -> str:

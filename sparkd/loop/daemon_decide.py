@@ -186,6 +186,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     idle = d.action == "stop" and not monitor_only and state in IDLE_STATES
     if idle:
         reason = f"{reason}; the model is {state}: nothing to stop unless Docker says otherwise"
+        if daemon.guard is not None:  # "trips since start" tells these from the trips that acted
+            daemon.guard.engine.note_idle_trip(d.rule)
     daemon.event(
         "trip",
         reason,

@@ -310,6 +310,7 @@ class RuleStatus(_Model):
     held_s: float | None = None  # seconds the condition has held (first counted sample to the last); None at 0
     near_misses: int = 0
     trips: int = 0  # since sparkd started
+    idle_trips: int = 0  # of those, trips with the model down as sparkd saw it: nothing to stop
     last_reason: str | None = None
     blind: str | None = None  # why the rule cannot evaluate (an input it needs was not read), else None
 

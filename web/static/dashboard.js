@@ -74,7 +74,6 @@
 
   function draw(u) {
     const ctx = u.ctx;
-    const dpr = window.devicePixelRatio || 1;
     const { left, top, width, height: h } = u.bbox;
     ctx.save();
     ctx.beginPath();
@@ -100,12 +99,7 @@
     for (const m of sorted) {
       const x = u.valToPos(m.ts, "x", true);
       if (x < left || x > left + width) continue;
-      ctx.strokeStyle = MARK_COLORS[m.kind] || "#f0616d";
-      ctx.lineWidth = (m.kind === "trip" ? 3 : 1) * dpr;
-      ctx.beginPath();
-      ctx.moveTo(x, top);
-      ctx.lineTo(x, top + h);
-      ctx.stroke();
+      window.sparkdMark(ctx, u.bbox, x, m, MARK_COLORS[m.kind] || "#f0616d");
     }
     ctx.restore();
   }

@@ -40,12 +40,7 @@
     }
     for (const m of marks) {
       const x = u.valToPos(m.ts, "x", true);
-      ctx.strokeStyle = COLORS[m.kind] || "#ff9f43";
-      ctx.lineWidth = (m.kind === "trip" ? 3 : 1) * (window.devicePixelRatio || 1);
-      ctx.beginPath();
-      ctx.moveTo(x, top);
-      ctx.lineTo(x, top + height);
-      ctx.stroke();
+      window.sparkdMark(ctx, u.bbox, x, m, COLORS[m.kind] || "#ff9f43");
     }
     ctx.restore();
   }

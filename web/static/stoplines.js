@@ -1,8 +1,28 @@
 /* A stop line on a uPlot chart (the dashboard's and the incident page's): a dashed horizontal line
  * across the plot at the threshold, and its label above it (none when `text` is null: a line that
- * shares its label with one already drawn). Call from a draw hook, canvas already clipped. */
+ * shares its label with one already drawn). An event mark: a vertical line; a trip that asked for a
+ * stop (severity critical) thick, a trip that stopped nothing (a warn rule, a demotion, the model
+ * already down: severity warning) thin and dashed, every other kind thin. Call from a draw hook,
+ * canvas already clipped. */
 (function () {
   "use strict";
+  window.sparkdMarkStyle = function (m) {
+    // {width in css px, dash pattern in css px}
+    if (m.kind !== "trip") return { width: 1, dash: [] };
+    return m.severity === "warning" ? { width: 1.5, dash: [3, 3] } : { width: 3, dash: [] };
+  };
+  window.sparkdMark = function (ctx, bbox, x, m, color) {
+    const dpr = window.devicePixelRatio || 1;
+    const style = window.sparkdMarkStyle(m);
+    ctx.strokeStyle = color;
+    ctx.lineWidth = style.width * dpr;
+    ctx.setLineDash(style.dash.map((d) => d * dpr));
+    ctx.beginPath();
+    ctx.moveTo(x, bbox.top);
+    ctx.lineTo(x, bbox.top + bbox.height);
+    ctx.stroke();
+    ctx.setLineDash([]);
+  };
   window.sparkdStopLine = function (ctx, bbox, y, text) {
     const dpr = window.devicePixelRatio || 1;
     ctx.strokeStyle = "rgba(240,97,109,0.85)";

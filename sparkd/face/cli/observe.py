@@ -29,7 +29,7 @@ from sparkd.face.cli.base import (
     _ts,
     main,
 )
-from sparkd.face.presenters import mode_text, rule_cond
+from sparkd.face.presenters import idle_trips_text, mode_text, rule_cond
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
@@ -106,7 +106,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
                 need = f"held {r.held_s or 0:.0f}/{r.for_s:g} s{within} ({r.counter} samples, at least {r.samples})"
             if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
                 need = f"BLIND ({r.blind})"
-            click.echo(f"  {r.name:<26} {need}  trips since start {r.trips}{extra}  [{r.action}: {rule_cond(r)}]")
+            trips = f"{r.trips} ({idle})" if (idle := idle_trips_text(r.idle_trips)) else f"{r.trips}"
+            click.echo(f"  {r.name:<26} {need}  trips since start {trips}{extra}  [{r.action}: {rule_cond(r)}]")
     for name, blind_why in st.blind.sensors.items():
         click.echo(f"BLIND: {name}: {blind_why}")
     if st.kernel_log.lost:
