@@ -567,6 +567,82 @@ def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: 
     assert [mark_of(t)["severity"] for t in sorted(trips, key=lambda t: t["id"])] == ["critical", "warning", "warning"]
 
 
+def test_a_rule_that_holds_right_after_its_trip_is_no_quiet_zero_and_a_start_says_it_would_be_stopped(
+    tmp_path: Path,
+) -> None:
+    """A trip starts its rule's count again: the card read a green 0/2 right after the trip while memory stayed below
+    the line (helper-39), and a guard-mode Start said nothing of the rules that would stop the model again (note
+    17). The rule's status says it holds; its card and ``sparkd status`` say "holds now; counting again"; the Start
+    buttons' titles name it (guard mode and managed). One good sample clears all of it. Real daemon, scripted
+    /proc, the real templates and CLI text."""
+    import asyncio
+
+    import click.testing
+
+    from sparkd.face.cli.observe import _echo_snapshot
+    from sparkd.face.live import live_parts, page_context
+    from sparkd.face.web import templates
+    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.status import ContainerStatus
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    proc, settings = _scripted(tmp_path, high, rules=rules, recheck=False)
+
+    def page(st: Any, mode: str) -> str:
+        st = st.model_copy(update={"container": ContainerStatus(mode=mode, state="stopped", name="vllm")})  # type: ignore[arg-type]
+        ctx = page_context(live_parts(st, None, True, 30.0))
+        env = templates().env
+        return "".join(
+            env.get_template(f"partials/_{n}.html").render(**ctx, csrf="x", logged_in=True)
+            for n in ("rules", "buttons")
+        )
+
+    def cli(st: Any) -> str:
+        @click.command()
+        def echo() -> None:
+            _echo_snapshot(st)
+
+        return click.testing.CliRunner().invoke(echo).output
+
+    async def go() -> tuple[Any, Any]:
+        actions = _serving("ready")
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            (proc / "meminfo").write_text(low)
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            assert actions.stops == ["low_available"]
+            after_trip = d.status_json()
+            (proc / "meminfo").write_text(high)
+            assert d._tick_once() is not None
+            return after_trip, d.status_json()
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    after_trip, recovered = asyncio.run(go())
+    [rule] = after_trip.rules
+    assert (rule.counter, rule.holds) == (0, True), rule
+    html = page(after_trip, "guard")
+    assert 'class="rule critical"' in html and "holds now; counting again" in html, html
+    said = "Mind memory first: stop rule low_available holds now: the guard would stop it again"
+    assert f'title="guard mode: sparkd does not start it; start it yourself (docker start vllm). {said}"' in html
+    html = page(after_trip, "managed")
+    assert 'title="stop rule low_available holds now: a start is refused unless forced' in html, html
+    assert "low_available" in cli(after_trip) and "0/2 (holds now; counting again)" in cli(after_trip)
+    # memory back: no rule holds, and nothing says so
+    [rule] = recovered.rules
+    assert (rule.counter, rule.holds) == (0, False), rule
+    html = page(recovered, "guard") + page(recovered, "managed")
+    assert "holds now" not in html and 'class="rule ok"' in html, html
+    assert "holds now" not in cli(recovered)
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:

@@ -304,6 +304,27 @@ def test_near_miss_breaks_a_streak() -> None:
     assert states["low_free_with_evidence"].trips == 1
 
 
+def test_holds_says_whether_every_condition_and_the_evidence_held_on_the_last_sample_whatever_the_counter() -> None:
+    """``RuleState.holds``: the card's "holds now; counting again" after a trip (which starts the counter again),
+    never for a near miss (its evidence did not hold) nor a sample above the line."""
+    rules = compile_rules(DEFAULT, MEM_TOTAL)
+    engine = RuleEngine.of(rules)
+    gated = engine.states["low_free_with_evidence"]
+    holds = []
+    for i, (free, nvrm) in enumerate([(1.3, 1), (1.3, 1), (1.3, 1), (1.3, 1), (1.3, 1), (1.3, 0), (4.0, 1)]):
+        kinds = [d.kind for d in engine.step(S(i, 7.0, free, nvrm=nvrm)) if d.rule == "low_free_with_evidence"]
+        holds.append((gated.counter, gated.holds, kinds))
+    assert holds == [
+        (1, True, []),
+        (2, True, []),
+        (3, True, []),
+        (4, True, []),
+        (0, True, ["trip"]),  # the trip starts the count again; the rule still holds
+        (0, False, ["near_miss"]),  # no evidence: it does not hold
+        (0, False, []),  # MemFree above its line
+    ], holds
+
+
 # ----------------------------------------------------------------- predictive
 
 

@@ -360,6 +360,7 @@ def _unresolved_json(spec: RuleSpec, why: str) -> dict[str, Any]:
         "near_misses": 0,
         "trips": 0,
         "idle_trips": 0,
+        "holds": False,
         "last_reason": None,
         "blind": why,
         "held_s": None,

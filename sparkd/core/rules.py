@@ -301,6 +301,8 @@ class RuleState:
 
     ``blind``: why the rule could not evaluate on the last sample (an input it needs was
     not read), or ``None``. ``idle_trips``: of ``trips``, those with the model down (``RuleEngine.note_idle_trip``).
+    ``holds``: the rule's conditions (its projection, its evidence) held on the last sample, whatever its counter
+    (0 right after a trip, which starts it again).
     A rule with ``in_last_s``: ``recent`` holds ``(start, seconds)`` of each
     interval it held in its window, ``held_total_s`` their sum, ``prev_mono`` / ``prev_held`` the last
     sample; ``counter`` is then the counted samples in the window."""
@@ -310,6 +312,7 @@ class RuleState:
     near_misses: int = 0
     trips: int = 0
     idle_trips: int = 0
+    holds: bool = False
     last_trip_mono: float | None = None
     last_reason: str | None = None
     blind: str | None = None
@@ -324,6 +327,7 @@ class RuleState:
             "near_misses": self.near_misses,
             "trips": self.trips,
             "idle_trips": self.idle_trips,
+            "holds": self.holds,
             "last_reason": self.last_reason,
             "blind": self.blind,
         }
@@ -478,6 +482,7 @@ def evaluate(
         if st is None:  # (not setdefault: that builds a RuleState every tick, issue 18)
             st = states[rule.name] = RuleState()
         st.blind = blind_reason(rule, sample)
+        st.holds = False  # until _held finds every condition and the evidence hold
         for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
             if c.holds(sample) is not True:
                 if (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
@@ -526,6 +531,7 @@ def _held(
             st.last_reason = reason
             return Decision(rule.name, "near_miss", rule.action, reason, 0, rule.samples, values, now)
         parts.append("evidence: " + " or ".join(c.describe(sample) for c in seen))
+    st.holds = True
     if rule.in_last_s is not None:
         _window(rule, st, now, held=True)
         held_s = st.held_total_s

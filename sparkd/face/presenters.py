@@ -213,6 +213,9 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
         if r.for_s:  # a duration rule trips on both: held for_s and at least `samples` samples; the one behind binds
             frac = min(frac, (r.held_s or 0.0) / r.for_s)
         level = "ok" if counter == 0 else ("critical" if frac * 2 >= 1 else "warn")
+        again = r.holds and counter == 0  # a trip started its count again: never a green 0/N (helper-39)
+        if again:
+            level = "critical" if r.action == "stop" else "warn"
         if r.blind:  # an input it needs was not read: never a quiet 0/N
             level = "critical"
         out.append(
@@ -229,6 +232,7 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
                 "trips": r.trips,
                 "idle_trips": r.idle_trips,
                 "idle_trips_text": idle_trips_text(r.idle_trips),
+                "holds_again": HOLDS_AGAIN_TEXT if again else None,
                 "when": list(r.when),
                 "cond": rule_cond(r),
                 "evidence": list(r.evidence),
@@ -239,6 +243,11 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+#: A rule whose conditions held on the last sample with its counter at 0: a trip (or a relief) started its count
+#: again, and it is counting toward the next (``RuleStatus.holds``); the card and ``sparkd status`` said a quiet 0/N.
+HOLDS_AGAIN_TEXT = "holds now; counting again"
 
 
 def idle_trips_text(idle_trips: int) -> str:
@@ -430,13 +439,18 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
     can = why is None
     managed = c.get("mode") == "managed"
     name = c.get("name")
+    # stop rules whose conditions held on the last sample: a start would be stopped again (the preflight refuses
+    # an operator's start in managed mode, ``LaunchBook``); the guard-mode Start said nothing of it (note 17)
+    holding = [r.get("name") for r in status.get("rules") or [] if r.get("holds") and r.get("action") == "stop"]
+    many = len(holding) > 1
+    holds = f"stop rule{'s' if many else ''} {', '.join(map(str, holding))} hold{'' if many else 's'} now"
 
     def guarded(verb: str) -> str | None:  # guard mode: the buttons were disabled without a word (helper-37)
-        return (
-            None
-            if managed or why
-            else f"guard mode: sparkd does not {verb} it; {verb} it yourself (docker {verb} {name})"
-        )
+        mind = holding and verb == "start" and not running
+        if managed or why:
+            return f"{holds}: a start is refused unless forced (the guard would stop it again)" if mind else None
+        said = f"guard mode: sparkd does not {verb} it; {verb} it yourself (docker {verb} {name})"
+        return f"{said}. Mind memory first: {holds}: the guard would stop it again" if mind else said
 
     return {
         "why": why,

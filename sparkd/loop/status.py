@@ -311,6 +311,7 @@ class RuleStatus(_Model):
     near_misses: int = 0
     trips: int = 0  # since sparkd started
     idle_trips: int = 0  # of those, trips with the model down as sparkd saw it: nothing to stop
+    holds: bool = False  # its conditions (evidence, projection) held on the last sample, whatever its counter
     last_reason: str | None = None
     blind: str | None = None  # why the rule cannot evaluate (an input it needs was not read), else None
 

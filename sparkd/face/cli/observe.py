@@ -29,7 +29,7 @@ from sparkd.face.cli.base import (
     _ts,
     main,
 )
-from sparkd.face.presenters import idle_trips_text, mode_text, rule_cond
+from sparkd.face.presenters import HOLDS_AGAIN_TEXT, idle_trips_text, mode_text, rule_cond
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
@@ -104,6 +104,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             if r.for_s:  # a duration rule: how long it has held, of for_s ("16/3" read as overrun, note 10 C1)
                 within = f" in the last {r.in_last_s:g} s" if r.in_last_s else ""
                 need = f"held {r.held_s or 0:.0f}/{r.for_s:g} s{within} ({r.counter} samples, at least {r.samples})"
+            if r.holds and r.counter == 0:  # a trip started its count again: not a quiet 0/N
+                need += f" ({HOLDS_AGAIN_TEXT})"
             if r.blind:  # a rule whose input is missing is never shown as a quiet 0/N
                 need = f"BLIND ({r.blind})"
             trips = f"{r.trips} ({idle})" if (idle := idle_trips_text(r.idle_trips)) else f"{r.trips}"
