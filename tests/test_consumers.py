@@ -131,3 +131,17 @@ def test_a_fall_no_process_rss_explains_is_named() -> None:
         before, after, mem_available_before_bytes=40 * GiB, mem_available_after_bytes=40 * GiB - 256 * MiB
     )
     assert small.endswith("system services +0.00 GiB"), small  # 64 MiB outside: noise, not named
+
+
+def test_a_trip_with_memory_as_low_as_at_the_scan_before_names_no_fall() -> None:
+    """A rule that holds with the model down trips again once per cooldown with memory as low as before: "who grew
+    since … MemAvailable 2.00 GiB → 2.00 GiB: container +0.00 GiB, …" named a fall there was not (helper-39)."""
+    from sparkd.core.consumers import fall_text
+
+    before = summarize([ProcessMem(2, "cc1", 1 * GiB, "host")], at=0)
+    after = summarize([ProcessMem(2, "cc1", GiB + 10 * MiB, "host")], at=60)
+    text = fall_text(before, after, mem_available_before_bytes=2 * GiB, mem_available_after_bytes=2 * GiB - 100 * MiB)
+    assert text.startswith(
+        "no fall since 00:00:00 UTC (MemAvailable 2.00 GiB → 1.90 GiB): it was this low already; "
+    ), text
+    assert text.endswith(f"now: {after.text()}") and "+0.00" not in text, text

@@ -171,7 +171,8 @@ def fall_shares(before: ConsumerSummary | None, after: ConsumerSummary) -> dict[
     return {g: after.totals.get(g, 0) - before.totals.get(g, 0) for g in GROUPS}
 
 
-#: A fall's part outside every process's RSS is named from this size on (below: scan-to-scan noise).
+#: A fall's part outside every process's RSS is named from this size on, and a fall of MemAvailable is one from this
+#: size on (below: scan-to-scan noise).
 OUTSIDE_RSS_MIN_BYTES = 256 * 1024 * 1024
 #: Its key beside the groups' in a trip's ``fall_shares_bytes`` (present from OUTSIDE_RSS_MIN_BYTES on).
 OUTSIDE_RSS_KEY = "outside_rss"
@@ -204,12 +205,24 @@ def fall_text(
 
     ``"since 21:14:03 UTC MemAvailable 40.00 GiB → 5.90 GiB: container +0.50 GiB, host co-tenants
     +0.50 GiB (python 0.50 GiB), system services +0.00 GiB"``. Without a ``before`` scan it
-    says so and gives the groups' current totals (``after.text()``).
+    says so and gives the groups' current totals (``after.text()``); so it does when MemAvailable fell by less
+    than ``OUTSIDE_RSS_MIN_BYTES`` since (a rule that holds with the model down trips again with memory as low as
+    at its last trip: "who grew … MemAvailable 2.00 GiB → 2.00 GiB: container +0.00 GiB" named a fall there was
+    not, helper-39).
     """
     if before is None:
         return f"no scan before the fall; now: {after.text()}"
-    shares = fall_shares(before, after)
     when = datetime.fromtimestamp(before.at, UTC).strftime("%H:%M:%S UTC")
+    if (
+        mem_available_before_bytes is not None
+        and mem_available_after_bytes is not None
+        and mem_available_before_bytes - mem_available_after_bytes < OUTSIDE_RSS_MIN_BYTES
+    ):
+        return (
+            f"no fall since {when} (MemAvailable {fmt_gib(mem_available_before_bytes)} → "
+            f"{fmt_gib(mem_available_after_bytes)}): it was this low already; now: {after.text()}"
+        )
+    shares = fall_shares(before, after)
     head = f"since {when}"
     if mem_available_before_bytes is not None and mem_available_after_bytes is not None:
         head += f" MemAvailable {fmt_gib(mem_available_before_bytes)} → {fmt_gib(mem_available_after_bytes)}"
