@@ -407,6 +407,21 @@ def test_replay_records_every_sample_and_first_trip() -> None:
     assert data["max_counter"] == {"low_available": 5, "low_available_and_free": 0}
 
 
+def test_the_table_shows_a_duration_rule_by_how_long_it_held_not_as_an_overrun_counter() -> None:
+    """``sparkd replay``'s "counting" column showed a duration rule (``for_s``) as count/samples: the seed rules'
+    ``low_available`` (4 s, at least 3 samples) read "4/3" and "5/3" before its trip, as ``sparkd status`` did
+    before note 10. It shows how long the rule held, of ``for_s``, and the samples."""
+    from sparkd.ops.replay.report import render
+
+    samples = [low(t, 5.0) for t in range(6)]
+    res = replay(samples, SEED_RULES, mem_total_bytes=MEM_TOTAL, cooldown_s=60)
+    text = render(res, Trace(samples=samples, source="test"), title="seed", show_all=True)
+    assert [s.held_s.get("low_available") for s in res.steps] == [0.0, 1.0, 2.0, 3.0, None, 0.0]
+    assert "low_available held 3.0/4 s (4 samples)" in text, text
+    assert not re.search(r"low_available [45]/3", text), text
+    assert json.loads(json.dumps(res.steps[3].to_json()))["held_s"] == {"low_available": 3.0}
+
+
 def test_replay_rechecks_a_stop_on_the_next_sample() -> None:
     samples = [low(t, 5.0) for t in range(5)] + [low(5, 6.5)]
     res = replay(samples, SEED_RULES, fast_interval_s=0.25, cooldown_s=60)

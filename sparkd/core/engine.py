@@ -319,6 +319,15 @@ class RuleEngine:
     def counting(self) -> bool:
         return any(st.counter > 0 for st in self.states.values())
 
+    def held_s(self, rule: Rule, st: RuleState) -> float | None:
+        """How long ``rule``'s condition has held (s): a windowed rule's total within its window, else from its first
+        counted sample to the last sample stepped; None at counter 0. A duration rule (``for_s``) is measured by it."""
+        if rule.in_last_s is not None:
+            return st.held_total_s if st.counter > 0 else None
+        if st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
+            return max(0.0, self.last_mono - st.started_mono)
+        return None
+
     def rules_json(self) -> list[dict[str, Any]]:
         """Each rule as configured, with its counters, whether it was demoted, and why it is blind; ``held_s``: how
         long its condition has held (s, first counted sample to the last sample stepped; None at counter 0), which
@@ -326,11 +335,7 @@ class RuleEngine:
         out = []
         for r in self.rules:
             st = self.states.get(r.name, RuleState())
-            held = None
-            if r.in_last_s is not None:
-                held = st.held_total_s if st.counter > 0 else None
-            elif st.counter > 0 and st.started_mono is not None and self.last_mono is not None:
-                held = max(0.0, self.last_mono - st.started_mono)
+            held = self.held_s(r, st)
             out.append({**r.to_json(), "demoted": self.demoted.get(r.name), **st.to_json(), "held_s": held})
         for spec in self.specs:  # left out until MemTotal is read: listed, blind, never missing from the table
             if spec.name in self.unresolved:

@@ -19,6 +19,15 @@ def _needs(r: Rule) -> str:
     return f"{r.name} ({r.samples} samples, {r.action})"
 
 
+def _counting(r: Rule, counter: int, held_s: float | None) -> str:
+    """A counting rule in the table: ``low_available 2/3``; a duration rule by how long it held, of ``for_s``
+    (``low_for held 2.5/4 s (3 samples)``; "5/3" read as an overrun, as ``sparkd status`` said before note 10)."""
+    if r.for_s is None:
+        return f"{r.name} {counter}/{r.samples}"
+    within = f" in the last {r.in_last_s:g} s" if r.in_last_s else ""
+    return f"{r.name} held {held_s or 0:.1f}/{r.for_s:g} s{within} ({counter} sample{'' if counter == 1 else 's'})"
+
+
 def render(result: ReplayResult, trace: Trace, *, title: str, show_all: bool = False) -> str:
     """The readable table and summary printed by ``sparkd replay``."""
     lines = [f"rules: {title} — " + ", ".join(f"{_needs(r)}" for r in result.rules)]
@@ -36,7 +45,7 @@ def render(result: ReplayResult, trace: Trace, *, title: str, show_all: bool = F
             continue
         mark = "*" if st.synthetic else " "
         counting = ", ".join(
-            f"{k} {v}/{next(r.samples for r in result.rules if r.name == k)}" for k, v in active.items()
+            _counting(next(r for r in result.rules if r.name == k), v, st.held_s.get(k)) for k, v in active.items()
         )
         label = f"  [{st.label}]" if st.label else ""
         rows.append(

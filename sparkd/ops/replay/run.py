@@ -64,6 +64,7 @@ class ReplayStep:
     counters: dict[str, int]
     decisions: list[ReplayDecision] = field(default_factory=list)
     usable: int | None = None
+    held_s: dict[str, float] = field(default_factory=dict)  # duration rules (for_s) counting: how long they held
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -210,8 +211,11 @@ def replay(
         decisions = engine.step(s)
         step = _record(s, trace.synthetic[i], trace.labels[i], decisions, first, max_counter, pending)
         for r in rules:
-            step.counters[r.name] = engine.states[r.name].counter
-            max_counter[r.name] = max(max_counter[r.name], engine.states[r.name].counter)
+            st = engine.states[r.name]
+            step.counters[r.name] = st.counter
+            max_counter[r.name] = max(max_counter[r.name], st.counter)
+            if r.for_s is not None and (held := engine.held_s(r, st)) is not None:
+                step.held_s[r.name] = held
         steps.append(step)
     return ReplayResult(
         rules=rules,
