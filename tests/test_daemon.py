@@ -643,6 +643,58 @@ def test_a_rule_that_holds_right_after_its_trip_is_no_quiet_zero_and_a_start_say
     assert "holds now" not in cli(recovered)
 
 
+@pytest.mark.parametrize("fault", ["unreadable", "no MemAvailable"])
+def test_a_re_check_that_cannot_read_memory_stops_the_model_it_does_not_skip_the_stop(
+    tmp_path: Path, fault: str
+) -> None:
+    """The re-check before a stop reads /proc/meminfo once more. When that read failed (ENOTCONN: a FUSE /proc, a
+    flaky mount) the decider crashed and the daemon exited without stopping the model; when it lacked MemAvailable
+    the trip read "recovered before stop (MemAvailable n/a)" and the stop waited another for_s (helper-40). A
+    re-check that cannot read what the rule needs confirms no recovery: the trip acts, and says so."""
+    import asyncio
+    import errno
+
+    from sparkd.loop.daemon import Daemon
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 1}]
+    proc, settings = _scripted(tmp_path, high, rules=rules)
+    assert settings.recheck
+
+    async def go() -> tuple[list[str], list[dict[str, Any]]]:
+        actions = _serving("ready")
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            (proc / "meminfo").write_text(low)
+            r = d._tick_once()
+            assert r is not None and [x.kind for x in r.decisions] == ["trip"]
+            assert d.guard is not None
+            reader = d.guard.proc
+            real = reader._meminfo_bytes
+
+            def read() -> bytes:  # the next read, the re-check's
+                reader._meminfo_bytes = real  # type: ignore[method-assign]
+                if fault == "unreadable":
+                    raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+                return b"MemTotal: 16777216 kB\nMemFree: 1048576 kB\n"
+
+            reader._meminfo_bytes = read  # type: ignore[method-assign]
+            await d._handle(r)
+            return actions.stops, list(d.recent_events)
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, events = asyncio.run(go())
+    assert stops == ["low_available"], [(e["kind"], e["message"][:80]) for e in events]
+    [said] = [e for e in events if e["kind"] == "recheck_unread"]
+    why = "could not read memory ([Errno 107]" if fault == "unreadable" else "did not read MemAvailable: acting"
+    assert said["message"].startswith(f"low_available: the re-check before the stop {why}"), said
+    assert not [e for e in events if e["kind"] in ("recovered_before_stop", "daemon_crashed")]
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkd.core.lifecycle import ACTIVE_STATES, DOWN_STATES, ContainerState
-from sparkd.core.rules import Decision, Rule, stop_lines
+from sparkd.core.rules import Decision, Rule, blind_reason, stop_lines
 from sparkd.core.sample import Sample
 from sparkd.loop import daemon_view as _daemon_view
 from sparkd.loop.guard import TickResult
@@ -218,8 +218,23 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
         daemon.event("dry_run", f"dry run: would stop ({d.reason})", severity="warning", details={"rule": d.rule})
         return False
     if daemon.settings.recheck and daemon.guard:
-        fresh = daemon.guard.read_sample()
-        if tripped is not None and not daemon.guard.engine.recheck(d.rule, fresh):
+        fresh: Sample | None = None
+        unread = None  # a re-check that cannot read what the rule needs confirms no recovery: the trip acts
+        try:
+            fresh = daemon.guard.read_sample()
+        except (OSError, ValueError) as e:  # /proc/meminfo unreadable now: the stop was skipped by a crash (helper-40)
+            unread = f"could not read memory ({e})"
+        # MemAvailable missing from one read read as "recovered (MemAvailable n/a)" and waited a for_s (helper-40)
+        if fresh is not None and tripped is not None and (blind := blind_reason(tripped, fresh)) is not None:
+            unread = "did not read " + blind.removeprefix("cannot evaluate: ").removesuffix(" not read")
+        if unread is not None:
+            daemon.event(
+                "recheck_unread",
+                f"{d.rule}: the re-check before the stop {unread}: acting on the trip",
+                severity="warning",
+                details={"rule": d.rule},
+            )
+        elif fresh is not None and tripped is not None and not daemon.guard.engine.recheck(d.rule, fresh):
             # the trip stopped nothing: its rule keeps counting with no cooldown while the model runs. One good
             # reading at the re-check muted the rule for cooldown_s (60 s) while MemAvailable fell to a quarter
             # of its line (helper-31). With the model down there is nothing to stop, and the cooldown stands
