@@ -154,6 +154,9 @@ class ApiSettings(BaseModel):
     header_timeout_s: float = Field(default=10.0, gt=0, le=300)
     max_body_bytes: int = Field(default=65536, ge=1024, le=16 * 2**20)
     max_header_bytes: int = Field(default=16384, ge=4096, le=2**20)
+    # An API that cannot be served at start (its port held, a cluster.listen address not up yet, the token file
+    # not writable): the guard runs without it and tries again this often (s), never exits over it (helper-40).
+    retry_s: float = Field(default=30.0, gt=0, le=3600)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -684,6 +687,9 @@ FIELD_DOCS: dict[str, str] = {
     "(slow or idle clients: slowloris).",
     "api.max_body_bytes": "Largest request body; a larger one is refused (413) before it is read.",
     "api.max_header_bytes": "Largest request head (request line + headers); a larger one is refused (400).",
+    "api.retry_s": "An API that cannot be served at start (its port held by another program, a cluster.listen "
+    "address not up yet, a token file not writable): the guard runs without it, says so (api_unavailable) and "
+    "tries again this often (s).",
     "container.image": "Image to launch (vLLM OpenAI server). Unset: monitor-only unless container.guard.",
     "container.name": "Name of the container sparkd launches.",
     "container.guard": "A container you launch yourself, guarded (stopped on a trip) but not launched.",

@@ -165,6 +165,39 @@ def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
         srv.close()
 
 
+def test_a_sampling_interval_longer_than_half_the_watchdog_still_pings_it_in_time(tmp_path: Path) -> None:
+    """``interval_s`` may be up to 60 s; the pings came once per tick, so at ``interval_s = 40`` the shipped unit's
+    ``WatchdogSec=30`` killed the daemon before its second sample (helper-40). Here interval 2.5 s under a 2 s
+    watchdog: pings at least every second, samples still every 2.5 s."""
+    sock_path = str(tmp_path / "notify.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(sock_path)
+    srv.settimeout(0.2)
+    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000"}
+    got: list[tuple[float, str]] = []
+
+    def drain(until: float) -> None:
+        while time.monotonic() < until:
+            with contextlib.suppress(TimeoutError):
+                got.append((time.monotonic(), srv.recv(4096).decode()))
+
+    try:
+        with sparkd_run(tmp_path, config="interval_s = 2.5\nfast_interval_s = 2.5\n", env=env):
+            deadline = time.monotonic() + 30.0
+            while not any(m == "READY=1" for _, m in got) and time.monotonic() < deadline:
+                drain(time.monotonic() + 0.2)
+            ready_at = next(t for t, m in got if m == "READY=1")
+            drain(ready_at + 7.0)
+    finally:
+        srv.close()
+    pings = [t for t, m in got if m == "WATCHDOG=1" and t > ready_at]
+    gaps = [b - a for a, b in itertools.pairwise([ready_at, *pings])]
+    assert len(pings) >= 6 and max(gaps) < 1.5, gaps  # every WATCHDOG_USEC / 2 = 1 s; systemd kills at 2 s
+    # the samples every 2.5 s, the wakes between them none: the start-up's, then 2 or 3 in the 7 s after READY
+    [(taken,)] = db_query(tmp_path / "sparkd.db", "SELECT samples FROM daemon_runs")
+    assert 3 <= taken <= 5, taken
+
+
 def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "sparkd.db"
     with sparkd_run(tmp_path, config="interval_s = 0.2\nfast_interval_s = 0.2\n") as first:
@@ -301,24 +334,6 @@ def test_the_state_dir_name_held_by_another_user_does_not_keep_the_guard_from_st
     finally:
         mine.release()
     StateLock.acquire(state).release()  # released with its holder
-
-
-def test_an_api_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen(1)
-        port = busy.getsockname()[1]
-        (tmp_path / "sparkd.toml").write_text(
-            f'state_dir = "{tmp_path}"\nlog_dir = "{tmp_path}"\n[api]\nport = {port}\n'
-        )
-        r = subprocess.run(
-            [sys.executable, "-m", "sparkd.face.cli", "--config", str(tmp_path / "sparkd.toml"), "run"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    assert r.returncode == 1
-    assert f"the API cannot listen on 127.0.0.1:{port}" in r.stderr and "SPARKD_API__PORT" in r.stderr
 
 
 def test_a_proc_root_without_meminfo_is_refused_at_start(tmp_path: Path) -> None:
@@ -695,6 +710,32 @@ def test_a_re_check_that_cannot_read_memory_stops_the_model_it_does_not_skip_the
     assert not [e for e in events if e["kind"] in ("recovered_before_stop", "daemon_crashed")]
 
 
+def test_a_start_up_that_fails_past_the_config_checks_is_a_recorded_crash_not_a_silent_exit(tmp_path: Path) -> None:
+    """A fault in the start-up (a PSI file the tick could not parse, helper-40) ended the process with a traceback
+    and no event: every restart under systemd died the same way, and the database said nothing. It is a critical
+    ``daemon_crashed`` ("failed at start-up"), stored, as a crash of the loop is."""
+    import asyncio
+
+    from sparkd.loop.daemon import Daemon
+
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    _, settings = _scripted(tmp_path, high)
+    actions = _serving("ready")
+
+    async def boom(daemon: Any) -> None:
+        raise RuntimeError("the supervisor could not attach")
+
+    actions.start = boom
+    d = Daemon(settings, actions=actions)
+    with pytest.raises(RuntimeError, match="could not attach"):
+        asyncio.run(d.serve())
+    rows = db_query(tmp_path / "sparkd.db", "SELECT severity, message FROM events WHERE kind = 'daemon_crashed'")
+    assert rows and rows[0][0] == "critical", rows
+    assert rows[0][1].startswith("the guard failed at start-up and sparkd stops: RuntimeError: the supervisor"), rows
+    [(reason,)] = db_query(tmp_path / "sparkd.db", "SELECT exit_reason FROM daemon_runs")
+    assert reason.startswith("crash: RuntimeError"), reason
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:
@@ -795,8 +836,6 @@ def test_sparkd_run_without_peers_imports_no_http_client(tmp_path: Path) -> None
     peers, and SQLAlchemy's ORM (~6 MiB) never (issue 18): a plain `sparkd run`, API on, after READY=1 and
     a few ticks."""
     import json
-
-    from sparkdproc import db_query
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

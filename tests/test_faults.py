@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import need
-from sparkdproc import db_query, free_port, sparkd_run, wait_for
+from sparkdproc import db_query, free_port, rewrite_in_place, sparkd_run, wait_for
 
 INTERVAL_S = 0.2
 HEALTHY = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
@@ -962,3 +964,74 @@ def test_an_operators_command_at_the_connection_cap_says_so_not_that_no_daemon_a
         assert "no daemon answers" not in err, err
         st = wait_for(lambda: g.status(), 5.0)
         assert st["http"]["refused"] >= 1, st["http"]
+
+
+# ------------------------------------------------------------------------------- helper-40's faults
+def test_a_sighup_is_said_and_ignored_the_guard_goes_on(tmp_path: Path) -> None:
+    """SIGHUP (a closed terminal of a foreground ``sparkd run``; ``kill -HUP``, ``systemctl reload`` habits) ended the
+    daemon at once with no event, and systemd's ``Restart=on-failure`` counts SIGHUP as a clean exit: the guard stayed
+    down (helper-40). It is said and ignored; the guard samples on and still stops."""
+    t0 = time.time()
+    with guarded(tmp_path) as g:
+        g.p.send_signal(signal.SIGHUP)
+        said = wait_for(lambda: g.events("signal_ignored"), 10.0, 0.1)
+        assert said and "SIGHUP ignored: sparkd does not reload its configuration" in said[0]["message"], said
+        assert g.p.poll() is None
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+
+
+def test_a_pressure_file_with_a_number_that_is_not_one_blinds_psi_and_the_guard_goes_on(tmp_path: Path) -> None:
+    """``some avg10=.`` passed the fast parser's ``[0-9.]+`` and ``float()`` raised in the tick: ``daemon_crashed``,
+    and every restart died in its start-up with no event (helper-40). It reads as PSI not read; the guard goes on."""
+    good = "some avg10=0.00 avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=1\n"
+    (tmp_path / "proc" / "pressure").mkdir(parents=True)
+    (tmp_path / "proc" / "pressure" / "memory").write_text(good)
+    t0 = time.time()
+    with guarded(tmp_path) as g:
+        assert wait_for(lambda: g.status()["sample"]["psi_some_avg10"] == 0.0, 10.0, 0.1)
+        rewrite_in_place(g.proc / "pressure" / "memory", good.replace("some avg10=0.00", "some avg10=."))
+        assert wait_for(lambda: g.status()["sample"]["psi_some_avg10"] is None, 10.0, 0.1)
+        assert g.p.poll() is None and not g.events("daemon_crashed")
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+
+
+def test_an_api_port_another_program_holds_is_said_the_guard_runs_and_the_api_comes_when_it_is_free(
+    tmp_path: Path,
+) -> None:
+    """sparkd exited (rc 1) when its API port was held by another program or a ``cluster.listen`` address was not
+    up yet, and under systemd restarted every 5 s without ever guarding (helper-40). It guards without the API, says
+    so (critical ``api_unavailable``), and serves the API once the port is free (``api.retry_s``)."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(HEALTHY)
+    state = tmp_path / "state"
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    cfg = (
+        f'interval_s = {INTERVAL_S}\nfast_interval_s = {INTERVAL_S}\nkernlog_source = "off"\nproc_root = "{proc}"\n'
+        f"[api]\nport = {port}\nretry_s = 1\n"
+        '[[rules]]\nname = "low_available"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 2\n'
+    )
+    try:
+        with sparkd_run(tmp_path, config=cfg, args=(), state_dir=state) as p:
+            db = state / "sparkd.db"
+            said = wait_for(
+                lambda: db_query(db, "SELECT message, severity FROM events WHERE kind = 'api_unavailable'"), 30
+            )
+            assert said and said[0][1] == "critical", said
+            assert f"the API cannot listen on 127.0.0.1:{port}: Address already in use" in said[0][0], said
+            assert "SPARKD_API__PORT" in said[0][0] and "tries again every 1 s" in said[0][0], said
+            # the guard runs meanwhile: it samples and decides a stop
+            (proc / "meminfo").write_text(LOW)
+            assert wait_for(lambda: db_query(db, "SELECT 1 FROM events WHERE kind = 'stop_not_executed'"), 15)
+            (proc / "meminfo").write_text(HEALTHY)
+            assert p.poll() is None
+            busy.close()
+            assert wait_for(lambda: db_query(db, "SELECT message FROM events WHERE kind = 'api_available'"), 15)
+            assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    finally:
+        busy.close()

@@ -35,7 +35,7 @@ from sparkd.core.leak import LeakTracker
 from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.core.stalls import LATE_FACTOR, StallWindow
-from sparkd.errors import ConfigError, Refused
+from sparkd.errors import ConfigError, Refused, StoreError
 from sparkd.loop import daemon_db as _daemon_db
 from sparkd.loop import daemon_decide as _daemon_decide
 from sparkd.loop import daemon_http as _daemon_http
@@ -223,6 +223,7 @@ class Daemon:
         self._tick_fut: asyncio.Future[Any] | None = None
         self._next_at = 0.0
         self._last_watchdog = 0.0
+        self._early_wake = False  # the tick scheduled is a wake for the watchdog only (_schedule_tick)
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
         # decisions that may act (trips, nvrm_action = stop), handed over by ticks to the decider task
@@ -458,15 +459,8 @@ class Daemon:
         # is adopted (``forget_start_reading``)
         _daemon_view.run_floor_checks(self, healthy=True, at_start=True)
         _daemon_view.report_rules_that_never_fire(self)
-        if self.serve_api:
-            try:
-                await self._start_api()
-            except ConfigError as e:  # the token file cannot be made (state dir full): guard without the API
-                self.event(
-                    "api_unavailable",
-                    f"API not served: {e.message}; the guard runs without it (fix and restart sparkd)",
-                    severity="critical",
-                )
+        if self.serve_api:  # or said, and tried again: the guard never waits on the API
+            await _daemon_http.serve_api_or_say(self)
         await self.actions.start(self)
         if self.consumers is not None:  # after the supervisor has attached: the first scan knows the container
             self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
@@ -557,13 +551,24 @@ class Daemon:
         if self.mono() - read_at >= self.settings.gpu_interval_s:
             self.gpu_wanted.set()
 
-    def _ping_watchdog(self) -> None:
+    def _ping_watchdog(self, *, now_too: bool = False) -> None:
+        """``WATCHDOG=1`` when ``WATCHDOG_USEC / 2`` has passed since the last (``now_too``: in any case)."""
         if self._watchdog_s is None:
             return
         now = self.mono()
-        if now - self._last_watchdog >= self._watchdog_s:
+        if now_too or now - self._last_watchdog >= self._watchdog_s:
             self._last_watchdog = now
             self.notifier.notify("WATCHDOG=1")
+
+    def _schedule_tick(self, loop: asyncio.AbstractEventLoop, delay_s: float) -> None:
+        """The next tick (``_on_tick``) in ``delay_s``. A delay longer than the watchdog's half period (``interval_s``
+        ≥ ``WatchdogSec / 2``: the config allows 60 s) wakes the tick chain early only to ping it: the pings came
+        once per tick, and at ``interval_s = 40`` the shipped unit's 30 s watchdog killed the daemon before its
+        second sample (helper-40). A wedged event loop still goes unpinged."""
+        w = self._watchdog_s
+        ping_in = 0.0 if w is None else max(0.0, self._last_watchdog + w - self.mono())
+        self._early_wake = w is not None and delay_s > ping_in
+        self._tick_handle = loop.call_later(ping_in if self._early_wake else delay_s, self._on_tick)
 
     def _test_stall(self) -> None:
         # test-only hook (issue: "stall the guard loop"): blocks the loop while the file exists
@@ -592,7 +597,7 @@ class Daemon:
                 raise self._decider_error
             fut: asyncio.Future[tuple[TickResult, list[tuple[Decision, Sample | None]]] | None]
             fut = self._tick_fut = loop.create_future()
-            self._tick_handle = loop.call_later(max(0.0, self._next_at - self.mono()), self._on_tick)
+            self._schedule_tick(loop, max(0.0, self._next_at - self.mono()))
             try:
                 acting = await fut
             finally:
@@ -654,6 +659,10 @@ class Daemon:
         if fut is None or fut.done():
             return
         try:
+            if self._early_wake and (left_s := self._next_at - self.mono()) > 0.001:  # a wake for the watchdog only
+                self._ping_watchdog(now_too=True)
+                self._schedule_tick(fut.get_loop(), left_s)
+                return
             if self.stall_file:
                 self._test_stall()
             result = self._tick_once()
@@ -666,7 +675,7 @@ class Daemon:
                 return
             delay_s = self._after_tick(result)
             # the loop main_loop runs on (asyncio.get_running_loop() costs a getpid() system call)
-            self._tick_handle = fut.get_loop().call_later(delay_s, self._on_tick)
+            self._schedule_tick(fut.get_loop(), delay_s)
         except BaseException as e:  # never a silent end of the ticks: main_loop raises it
             fut.set_exception(e)
 
@@ -774,21 +783,46 @@ class Daemon:
             reason["why"] = signal.Signals(signum).name
             self.request_exit()
 
+        def _hup() -> None:  # its default action ended the guard at once, unsaid, and systemd's on-failure counts
+            # SIGHUP as a clean exit: no restart (helper-40; a closed terminal of a foreground `sparkd run` sends it)
+            self.event(
+                "signal_ignored",
+                "SIGHUP ignored: sparkd does not reload its configuration and goes on guarding; to apply a changed "
+                "configuration, restart it (systemctl restart sparkd)",
+                severity="warning",
+                details={"signal": "SIGHUP"},
+            )
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _sig, sig)
-        await self.startup()
+        loop.add_signal_handler(signal.SIGHUP, _hup)
+        try:
+            await self.startup()
+        except Exception as e:  # a start-up that fails past the config checks: said, as a crash of the loop is
+            if isinstance(e, ConfigError | StoreError):
+                raise  # a configuration or database refusal: its own clear message, exit code 2
+            reason["why"] = self._crashed(e, "start-up")
+            with contextlib.suppress(Exception):
+                await self.shutdown(reason["why"])
+            raise
         try:
             await self.main_loop()
         except Exception as e:  # the guard itself failed: say so loudly, never as a clean stop by a signal
-            err = f"{type(e).__name__}: {_one_line(e)}"
-            reason["why"] = f"crash: {err}"
-            log.critical("the guard loop failed, sparkd stops (systemd restarts it): %s", err, exc_info=True)
-            self.event(
-                "daemon_crashed",
-                f"the guard failed and sparkd stops: {err}; nothing is guarded until it is started again",
-                severity="critical",
-                details={"error": err, "where": _where(e)},
-            )
+            reason["why"] = self._crashed(e, "loop")
             raise
         finally:
             await self.shutdown(reason["why"])
+
+    def _crashed(self, e: BaseException, where: str) -> str:
+        """Say that the guard failed (``daemon_crashed``, critical; the log): never a clean stop by a signal.
+        Returns the exit reason ("crash: …")."""
+        err = f"{type(e).__name__}: {_one_line(e)}"
+        log.critical("the guard %s failed, sparkd stops (systemd restarts it): %s", where, err, exc_info=True)
+        self.event(
+            "daemon_crashed",
+            f"the guard {'failed' if where == 'loop' else 'failed at start-up'} and sparkd stops: {err}; nothing is "
+            "guarded until it is started again",
+            severity="critical",
+            details={"error": err, "where": _where(e)},
+        )
+        return f"crash: {err}"

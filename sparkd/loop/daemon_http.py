@@ -13,6 +13,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
+from sparkd.errors import ConfigError
 from sparkd.loop.httpserver import (
     ACCEPT_BACKLOG,
     HttpStats,
@@ -61,7 +62,9 @@ async def start_api(daemon: Daemon) -> None:
     daemon.http_log = limited
     install_exception_handler(asyncio.get_running_loop(), limited)
     for name in ("uvicorn.error", "asyncio"):
-        logging.getLogger(name).addFilter(OncePerInterval())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OncePerInterval) for f in logger.filters):  # a retry adds none
+            logger.addFilter(OncePerInterval())
     shown = f"[{host}]" if ":" in host else host
     log.info(
         "dashboard and API at http://%s:%d/ (log in with the token in %s); at most %d connections (descriptor "
@@ -74,7 +77,12 @@ async def start_api(daemon: Daemon) -> None:
         hard,
         api.header_timeout_s,
     )
-    links = daemon._link_sockets(port)
+    try:
+        links = daemon._link_sockets(port)
+    except OSError:
+        sock.close()  # not left bound: the next try binds it again
+        daemon.api_socket = None
+        raise
     daemon.read_hold.exempt = {tuple(s.getsockname()[:2]) for s in links}  # peers' calls are never held
     sockets = [sock, *links]
     cfg = uvicorn.Config(
@@ -123,3 +131,42 @@ def link_sockets(daemon: Daemon, port: int) -> list[socket.socket]:
         s.listen(ACCEPT_BACKLOG)
         out.append(s)
     return out
+
+
+async def serve_api_or_say(daemon: Daemon) -> None:
+    """Serve the API, or say why not and guard without it: a port another program holds, a ``cluster.listen``
+    address not up yet (a link without carrier at boot), a token file that cannot be made. sparkd exited over the
+    first two, and under systemd restarted every 5 s without ever guarding (helper-40). A critical
+    ``api_unavailable`` event; then a try every ``api.retry_s`` until it is served (``api_available``)."""
+    try:
+        await daemon._start_api()
+        return
+    except (ConfigError, OSError) as e:
+        why = e.message if isinstance(e, ConfigError) else str(e)
+    retry_s = daemon.settings.api.retry_s
+    log.critical("API not served: %s; the guard runs without it", why)
+    daemon.event(
+        "api_unavailable",
+        f"API not served: {why}; the guard runs without it, and sparkd tries again every {retry_s:g} s",
+        severity="critical",
+        details={"error": why},
+    )
+
+    async def again() -> None:
+        tries = 1
+        while not daemon.should_exit.is_set():
+            await asyncio.sleep(retry_s)
+            tries += 1
+            try:
+                await daemon._start_api()
+            except (ConfigError, OSError) as e:
+                log.debug("API still not served (try %d): %s", tries, e)
+                continue
+            daemon.event(
+                "api_available",
+                f"API served at http://{daemon.settings.api.host}:{daemon.settings.api.port}/ after {tries} tries",
+                details={"tries": tries},
+            )
+            return
+
+    daemon._tasks.append(asyncio.create_task(again(), name="sparkd-api-retry"))

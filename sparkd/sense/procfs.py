@@ -120,9 +120,10 @@ def parse_psi(text: str) -> Psi | None:
 
 # The layout every kernel since 4.20 writes (kernel/sched/psi.c, psi_show): one match instead of
 # splitting into dicts each tick (issue 18). Anything else goes through the tolerant ``parse_psi``.
+_PSI_NUM = rb"(\d+(?:\.\d+)?)"  # a number float() takes: "avg10=." passed [0-9.]+ and crashed the tick (helper-40)
 _PSI_RE = re.compile(
-    rb"some avg10=([0-9.]+) avg60=([0-9.]+) avg300=([0-9.]+) total=([0-9]+)\n"
-    rb"(?:full avg10=([0-9.]+) avg60=([0-9.]+) avg300=([0-9.]+) total=([0-9]+)\n)?\Z"
+    rb"some avg10=%s avg60=%s avg300=%s total=(\d+)\n(?:full avg10=%s avg60=%s avg300=%s total=(\d+)\n)?\Z"
+    % ((_PSI_NUM,) * 6)
 )
 
 
