@@ -736,6 +736,65 @@ def test_a_start_up_that_fails_past_the_config_checks_is_a_recorded_crash_not_a_
     assert reason.startswith("crash: RuntimeError"), reason
 
 
+def test_a_kernel_log_reader_that_raises_blinds_the_kernel_log_not_the_memory_rules(tmp_path: Path) -> None:
+    """The tick polled the kernel log outside its OSError handling: a reader that raised (EIO) made every tick read as
+    "cannot read memory state", the rules stopped and nothing was marked blind; a 1.9 GiB reading went unseen for
+    10 s (helper-40). The reader's error says it (the kernel log's blind reason); memory is read and the rule trips;
+    the next good poll clears it."""
+    import asyncio
+    import errno
+
+    from sparkd.loop.daemon import Daemon
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    proc, settings = _scripted(tmp_path, high, rules=rules, recheck=False)
+
+    class Failing:
+        name = "journal"
+        error: str | None = None
+        broken = True
+
+        def poll(self) -> list[str]:
+            if self.broken:
+                raise OSError(errno.EIO, "Input/output error")
+            return []
+
+        def fileno(self) -> None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    async def go() -> tuple[list[str], list[str | None]]:
+        actions = _serving("ready")
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            assert d.guard is not None
+            src = d.guard.kern_source = Failing()
+            (proc / "meminfo").write_text(low)
+            errors = []
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None, "the tick read no memory"
+                errors.append(src.error)
+                await d._handle(r)
+            src.broken = False
+            assert d._tick_once() is not None
+            errors.append(src.error)
+            return actions.stops, errors
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, errors = asyncio.run(go())
+    assert stops == ["low_available"], stops
+    said = "reading the kernel log failed: OSError: [Errno 5] Input/output error"
+    assert errors == [said, said, None], errors
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:

@@ -297,6 +297,27 @@ def test_trips_while_the_model_is_down_collapse_whatever_their_figures(receiver:
     assert n.stats.collapsed == 2
 
 
+def test_a_warning_of_a_kind_never_holds_back_a_critical_one_by_the_rate_limit(receiver: Receiver) -> None:
+    """A trip with the model down (warning: nothing to stop) was notified, and the critical trip of a model started
+    by hand 2 s later fell to the per-kind rate limit (``min_interval_s``, 30 s): only counted on a next ``trip``
+    notification that may never come (helper-40). A critical event is rate-limited only by critical ones of its
+    kind."""
+    now = [1000.0]
+    n = Notifier(NotifySettings(webhook_url=receiver.url, min_interval_s=30), clock=lambda: now[0])
+    down = {"rule": "low_available", "collapse_as": "low_available holds while the model is stopped"}
+    n.submit(ev(kind="trip", severity="warning", message="low_available: 5.1 GiB; the model is stopped", details=down))
+    now[0] += 2
+    n.submit(ev(kind="trip", severity="critical", message="low_available: 4.2 GiB (started by hand)"))
+    now[0] += 2
+    n.submit(ev(kind="trip", severity="critical", message="low_available: 4.0 GiB"))  # critical within 30 s: held
+    n.close(5)
+    assert [b["message"] for b in receiver.bodies] == [
+        "low_available: 5.1 GiB; the model is stopped",
+        "low_available: 4.2 GiB (started by hand)",
+    ]
+    assert n.stats.suppressed_by_kind == {"trip/critical": 1}
+
+
 def test_failure_reports_notify_failed_once_and_never_recurses(tmp_path: Path) -> None:
     """The daemon passes its event() as on_failure; event() feeds notify_hooks → submit."""
     events: list[dict[str, Any]] = []

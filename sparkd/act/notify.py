@@ -34,7 +34,8 @@ identical to the others of its kind with the same ``collapse_as``, whatever its 
 keeps tripping while the model is down: its figures change at every trip, the alert does not).
 
 Rate limit: at most one notification per kind every ``min_interval_s``
-seconds (both channels together). Events inside the interval are *suppressed*
+seconds (both channels together); a critical event counts apart from the lesser ones of its kind (a warning
+never holds back a critical one). Events inside the interval are *suppressed*
 and counted; the next notification of that kind carries ``suppressed`` (the
 count) and says so in its message.
 
@@ -262,14 +263,17 @@ class Notifier:
                     self.stats.collapsed += 1
                     return
                 collapsed = self.collapse.pending(key)
-                last = self._last_sent.get(kind)
+                # a critical event has a rate of its own: a warning of its kind (a trip with the model down, nothing
+                # to stop) held back the critical trip of a model started by hand 2 s later (helper-40)
+                rate = f"{kind}/critical" if event.get("severity") == "critical" else kind
+                last = self._last_sent.get(rate)
                 if last is not None and now - last < self.settings.min_interval_s:
                     self.collapse.done(key, now, ok=False)
                     self.stats.suppressed += 1
-                    self.stats.suppressed_by_kind[kind] = self.stats.suppressed_by_kind.get(kind, 0) + 1
+                    self.stats.suppressed_by_kind[rate] = self.stats.suppressed_by_kind.get(rate, 0) + 1
                     return
-                self._last_sent[kind] = now
-                pending = self.stats.suppressed_by_kind.pop(kind, 0)
+                self._last_sent[rate] = now
+                pending = self.stats.suppressed_by_kind.pop(rate, 0)
             try:
                 self._queue.put_nowait(_Item(dict(event), pending + collapsed, collapsed))
                 self.stats.submitted += 1

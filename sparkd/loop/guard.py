@@ -88,6 +88,7 @@ class Guard:
         # why the last tick could not read /proc/meminfo (every rule is blind then), else None
         self.read_error: str | None = None
         self._held_kernel: list[KernRecord] = []  # records polled on a tick whose read failed
+        self._kern_poll_error: str | None = None  # what _poll_source set as the reader's error
         self.nvrm_lines_total = 0
         self.psi_missing: str | None = None
         self.shm_missing: str | None = None
@@ -155,7 +156,7 @@ class Guard:
             return []  # nothing new and no line in the burst window: counting 0 lines changes nothing
         out = []
         now_m, now_w = self.mono(), self.wall()  # windows run on the monotonic clock; wall time labels them
-        lines = self.kern_source.poll() if polled else []
+        lines = self._poll_source(self.kern_source) if polled else []
         self.kern_lines_total += len(lines)
         n = 0
         for line in lines:
@@ -170,6 +171,23 @@ class Guard:
         # the whole poll counts at once: a threshold crossing is one burst however the lines were split
         self._burst = self.bursts.add(n, now_m)
         return out
+
+    def _poll_source(self, src: Any) -> list[str]:
+        """``src.poll()``; a reader that raises (an OSError a reader does not expect) blinds the kernel log, said as
+        its ``error``, and this poll reads nothing: it was raised out of the tick, which then read no memory either
+        (the rules stopped, "cannot read memory state", nothing blind: helper-40). Cleared by the next good poll."""
+        try:
+            lines: list[str] = src.poll()
+        except (OSError, ValueError) as e:
+            said = f"reading the kernel log failed: {type(e).__name__}: {e}"
+            if self._kern_poll_error != said:
+                log.error("%s (the guard goes on without it; tried again each tick)", said)
+            self._kern_poll_error = src.error = said
+            return []
+        if self._kern_poll_error is not None and src.error == self._kern_poll_error:
+            src.error = None
+        self._kern_poll_error = None
+        return lines
 
     # the engine's state, under the names the daemon and the tests read
     @property
