@@ -553,6 +553,7 @@ def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: 
                 assert r is not None and [x.kind for x in r.decisions] == ["trip"]
                 await d._handle(r)
             metrics = generate_latest(build_registry(d)).decode()
+            await asyncio.wait_for(d._db_opened.wait(), 30)  # the first open runs beside the start-up
             assert d.store is not None and d.writer is not None
             await asyncio.to_thread(d.writer.flush)
             trips = d.store.events(kinds=["trip"])  # as the charts read them
@@ -723,6 +724,7 @@ def test_a_start_up_that_fails_past_the_config_checks_is_a_recorded_crash_not_a_
     actions = _serving("ready")
 
     async def boom(daemon: Any) -> None:
+        await asyncio.wait_for(daemon._db_opened.wait(), 30)  # the first open runs beside the start-up
         raise RuntimeError("the supervisor could not attach")
 
     actions.start = boom
@@ -793,6 +795,66 @@ def test_a_kernel_log_reader_that_raises_blinds_the_kernel_log_not_the_memory_ru
     assert stops == ["low_available"], stops
     said = "reading the kernel log failed: OSError: [Errno 5] Input/output error"
     assert errors == [said, said, None], errors
+
+
+def test_a_driver_error_flood_is_counted_line_for_line_but_recorded_as_a_few_events(tmp_path: Path) -> None:
+    """2,000 NV_ERR_NO_MEMORY lines a tick made 20,000 events in 10 s: the writer's queue overflowed (records
+    dropped, critical), the 100 recent events held nothing else, and ``nvrm_action = stop`` queued a stop decision
+    per line (helper-40). Per kind and window the first 20 lines are events, the flood is said once
+    (``kernel_flood``), every line is counted (``kernel_counts``, the burst), one stop decision per tick."""
+    import asyncio
+
+    from sparkd.loop import daemon_decide
+    from sparkd.loop.daemon import Daemon
+    from sparkd.loop.daemon_decide import KERNEL_EVENTS_PER_WINDOW
+    from tests.conftest import fixture
+
+    line = fixture("kernlog", "dmesg-nvrm-oom.txt").read_text().splitlines()[1].split("] ", 1)[1]
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    _, settings = _scripted(tmp_path, high, nvrm_action="stop", nvrm_window_s=60)
+
+    class Flood:
+        name = "kmsg"
+        error: str | None = None
+        seq = 1000
+
+        def poll(self) -> list[str]:
+            out = []
+            for _ in range(2000):
+                self.seq += 1
+                out.append(f"3,{self.seq},{self.seq * 10},-;{line}")
+            return out
+
+        def fileno(self) -> None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    async def go() -> tuple[list[int], int]:
+        d = Daemon(settings, actions=_serving("ready"))
+        await d.startup()
+        try:
+            assert d.guard is not None and d.writer is not None
+            await asyncio.wait_for(d._db_opened.wait(), 30)  # the first open runs beside the start-up
+            d.guard.kern_source = Flood()
+            stops = []
+            for _ in range(5):
+                r = d._tick_once()
+                assert r is not None
+                stops.append(len(daemon_decide.handle_sync(d, r)))
+            await asyncio.to_thread(d.writer.flush)
+            return stops, d.writer.dropped
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, dropped = asyncio.run(go())
+    assert stops == [1, 1, 1, 1, 1] and dropped == 0, (stops, dropped)
+    db = tmp_path / "sparkd.db"
+    kinds = dict(db_query(db, "SELECT kind, count(*) FROM events GROUP BY kind"))
+    assert kinds["nvrm_no_memory"] == KERNEL_EVENTS_PER_WINDOW and kinds["kernel_flood"] == 1, kinds
+    assert db_query(db, "SELECT sum(count) FROM kernel_counts WHERE kind = 'nvrm_no_memory'") == [(10_000,)]
 
 
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(

@@ -268,6 +268,7 @@ class Daemon:
         self.gpu_read_at: float | None = None
         self.gpu_wanted = asyncio.Event()
         self._cooldown_logged: dict[str, float] = {}
+        self._kernel_window: dict[str, tuple[float, int]] = {}  # kind → (window start, lines): daemon_decide
         self._lock: StateLock | None = None
         self.consumers: ConsumerWatch | None = None  # built in startup when consumers.enabled
         self.relief = ReliefRunner(

@@ -54,11 +54,8 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
     if alert is not None:
         daemon.event("leak_trend", alert.reason, severity="warning", details=alert.details(), launch_id=alert.launch_id)
     acting: list[tuple[Decision, Sample | None]] = []
-    for rec in result.kernel:
-        daemon._record_kernel(rec, sample)
-        if rec.kind == "nvrm_no_memory" and daemon.settings.nvrm_action == "stop":
-            d = Decision("nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1)
-            acting.append((d, None))
+    if result.kernel:
+        _kernel_records(daemon, result.kernel, sample, acting)
     if result.nvrm_burst is not None:
         daemon.event(
             "nvrm_burst",
@@ -119,10 +116,63 @@ def _rule(daemon: Daemon, name: str) -> Rule | None:
     return daemon.guard.rule(name) if daemon.guard else None
 
 
-def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
+#: Driver lines (``nvrm*``) recorded one event each per ``nvrm_window_s`` and kind; the rest of a flood is counted
+#: (``kcount``, ``nvrm_recent``, the burst event) and said once per window: 20,000 events in 10 s filled the
+#: writer's queue and the 100 recent events the dashboard shows, hiding every other event (helper-40).
+KERNEL_EVENTS_PER_WINDOW = 20
+
+
+def _kernel_flood(daemon: Daemon, rec: KernRecord) -> bool:
+    """True when ``rec`` is past its kind's events in this window (counted, not an event of its own); says so once
+    per window (``kernel_flood``)."""
+    if not rec.kind.startswith("nvrm"):
+        return False  # OOM kills and the rest: rare, each one matters
+    now, window = daemon.mono(), daemon.settings.nvrm_window_s
+    start, n = daemon._kernel_window.get(rec.kind, (now, 0))
+    if now - start >= window:
+        start, n = now, 0
+    n += 1
+    daemon._kernel_window[rec.kind] = (start, n)
+    if n == KERNEL_EVENTS_PER_WINDOW + 1:
+        daemon.event(
+            "kernel_flood",
+            f"more than {KERNEL_EVENTS_PER_WINDOW} {rec.kind} kernel-log lines within {window:g} s: the rest of this "
+            "window's are counted (nvrm_recent, the per-minute counts), not recorded one by one",
+            severity="warning",
+            details={"kind": rec.kind, "window_s": window},
+        )
+    return n > KERNEL_EVENTS_PER_WINDOW
+
+
+def _kernel_records(
+    daemon: Daemon, records: list[KernRecord], sample: Sample, acting: list[tuple[Decision, Sample | None]]
+) -> None:
+    """A tick's kernel-log records: one event each (a flood's beyond ``KERNEL_EVENTS_PER_WINDOW`` counted), one
+    per-minute count per kind (a flood of 2,000 lines a tick put 2,000 records in the writer's queue and dropped
+    records, helper-40), and with ``nvrm_action = stop`` one stop decision for the tick's driver errors."""
     assert daemon.writer is not None
+    counts: dict[str, int] = {}
+    stop: Decision | None = None
+    for rec in records:
+        counts[rec.kind] = counts.get(rec.kind, 0) + 1
+        daemon._record_kernel(rec, sample)
+        if stop is None and rec.kind == "nvrm_no_memory" and daemon.settings.nvrm_action == "stop":
+            stop = Decision(
+                "nvrm_action", "trip", "stop", f"nvrm_action = stop: driver error {rec.message[:160]}", 1, 1
+            )
     minute = sample.ts - sample.ts % 60
-    daemon.writer.submit("kcount", (minute, rec.kind, 1))
+    for kind, n in counts.items():
+        daemon.writer.submit("kcount", (minute, kind, n))
+    if stop is not None:
+        acting.append((stop, None))
+
+
+def record_kernel(daemon: Daemon, rec: KernRecord, sample: Any) -> None:
+    """One kernel-log record: its event (unless past a flood's events in this window) and the supervisor's
+    attribution (an OOM kill of the container's process). Its per-minute count is ``_kernel_records``'."""
+    if _kernel_flood(daemon, rec):
+        daemon.actions.on_kernel_record(rec)
+        return
     severity = {"nvrm_no_memory": "warning", "oom_kill": "critical", "oom_killed": "critical"}.get(rec.kind, "info")
     details = {"line": rec.raw, "context": sample.context(), **rec.details}
     for key in ("pid", "comm", "container_id"):
