@@ -270,6 +270,8 @@ class NotifySettings(BaseModel):
             "stop_unconfirmed",  # it replaced a false "stopped": never quieter than what it replaced
             "stop_without_docker",
             "guarded_container_changed",
+            "guard_target_missing",  # guard mode: no container by container.guard's name, nothing guarded
+            "guard_target_found",
             "archive_delayed",  # the state dir's storage slow or hung: the stop did not wait for its archive
             "supervision_state_slow",
             "supervision_state_not_saved",

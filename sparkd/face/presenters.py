@@ -284,6 +284,12 @@ DRY_RUN_MODE_TEXT = {
 }
 
 
+def guard_missing_text(name: str | None) -> str:
+    """Guard mode with no container by the guarded name (``ContainerStatus.guard_missing_since``): the headline, the
+    container card and ``sparkd status`` say it in these words."""
+    return f"guard mode: no container named {name or '?'} — nothing guarded"
+
+
 def mode_text(mode: str, dry_run: bool) -> str | None:
     """What ``mode`` means (``MODE_TEXT``, ``DRY_RUN_MODE_TEXT`` in a dry run); None in monitor-only mode."""
     return (DRY_RUN_MODE_TEXT if dry_run else MODE_TEXT).get(mode)
@@ -297,10 +303,11 @@ def container_from_status(status: Status) -> dict[str, Any]:
     """The container card: monitor-only, or state/health/uptime/image/GMU/--memory."""
     c = status.container
     monitor_only = c.mode == "monitor-only"
+    missing = c.mode == "guard" and c.guard_missing_since is not None  # nothing guarded: no container by that name
     level = "ok"
     if monitor_only:
         level = "warn"
-    elif c.state in CRITICAL_STATES:
+    elif c.state in CRITICAL_STATES or missing:
         level = "critical"
     elif c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
@@ -331,6 +338,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "level": "critical" if (c.supervision and c.supervision.breaker.open) or c.unguarded else level,
         # a same-name container sparkd will not stop (managed mode, started by hand)
         "unguarded": c.unguarded.model_dump(mode="json") if c.unguarded else None,
+        # guard mode: no container by the guarded name exists (`docker ps -a` lists none): nothing guarded
+        "guard_missing": guard_missing_text(c.name) if missing else None,
+        "guard_missing_since": c.guard_missing_since if missing else None,
         # the Docker engine does not answer: a trip stops the model by its processes; start, stop and resize wait
         "engine_down": not monitor_only and c.engine == "down",
         "engine_error": c.engine_error,
@@ -367,8 +377,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
     nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
     (a stop acts on the processes, without an archive: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted,
-    or when the container failed, exited or is unhealthy; ``warn`` ("not guarded") when no rule would stop
-    (``unarmed``); ``unknown`` before the first sample.
+    or when the container failed, exited or is unhealthy, or in guard mode no container by the guarded name exists
+    (``guard_missing_text``); ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before
+    the first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
@@ -385,6 +396,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
+    elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
+        # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard)
+        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), guard_missing_text(c.get("name"))
     elif demoted and _LEVEL_RANK.get(level, 0) < 2:  # a stop rule switched off by the loop guard: never "ok",
         # and named over a plain "warn" (near another line): the generic label hid it while memory sat below the
         # demoted rule's line (helper-31)

@@ -207,6 +207,9 @@ class ContainerStatus(_Model):
     kills_total: int = 0
     supervision: SupervisionStatus | None = None  # managed or guard mode; None in monitor-only
     unguarded: UnguardedContainer | None = None  # managed mode: a same-name container sparkd will not stop
+    # guard mode: since when no container by ``name`` exists (``docker ps -a`` lists none) and none is watched:
+    # nothing is guarded (a typo in container.guard, compose's <project>-<service>-1 naming). None: found, or not asked
+    guard_missing_since: float | None = None
 
     def down_because(self) -> IntentStatus | None:
         """The stop intent that says why this run is down, or None: the model is down (stopped, exited, failed, or

@@ -176,6 +176,10 @@ class Supervisor(RunBook):
         self.interrupted_stop: IntentRecord | None = None  # set by _remember_last_stop, finished by _attach
         self.emergency_inbox: tuple[str, str] | None = None  # (source, reason) handed to a relaunch or resize
         self._unguarded_checked = -UNGUARDED_CHECK_S
+        # guard mode: since when no container by ``container.guard``'s name (or id) exists and none is watched
+        # (``_note_guard_target``); None: one was found, or Docker was not asked yet
+        self.guard_missing_since: float | None = None
+        self._guard_target_seen = False  # a container by that name was found since sparkd started
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
@@ -540,6 +544,7 @@ class Supervisor(RunBook):
             kills_total=self.kills_total,
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
             unguarded=self.unguarded,
+            guard_missing_since=self.guard_missing_since if self.mode == "guard" else None,
         )
 
     # ------------------------------------------------------------------ control
@@ -976,6 +981,7 @@ class Supervisor(RunBook):
             info = await asyncio.to_thread(self.manager.adopt)
         elif self.settings.container.guard:
             info = await asyncio.to_thread(self.manager.guard, self.settings.container.guard)
+            self._note_guard_target(info is not None)
             if info is not None and info.status not in ("running", "restarting", "paused"):
                 info = None
         if unless_busy and self.lock.locked():
@@ -1007,6 +1013,47 @@ class Supervisor(RunBook):
         if rec is not None and self.running() and (self.container_started_at or 0.0) < rec.since:
             # the run sparkd was stopping in an emergency when it went away (crash, kill -9): the decision stands
             self._bg = asyncio.create_task(self._finish_interrupted_stop(rec))
+
+    def _note_guard_target(self, found: bool) -> None:
+        """Guard mode, after each ``docker inspect`` of the guarded name: no container by that name or id exists
+        (``docker ps -a`` lists none) while none is watched, so a trip has nothing to stop. A typo in
+        ``container.guard``, or docker compose's ``<project>-<service>-1`` naming, guarded nothing without a word:
+        state ``none``, the headline "ok", each trip "nothing to stop". Said once per change: ``guard_target_missing``
+        (critical when no container by that name was seen since sparkd started: the host runs unguarded; a warning
+        when the one seen was removed, ``docker rm``, ``--rm``, ``compose down``, as ``container_gone`` says),
+        ``guard_target_found`` when one appears. A container that exists but is stopped or exited is no fault (it is
+        guarded again once it runs), nor is a renamed one still watched by its id."""
+        name = self.settings.container.guard or ""
+        if found:
+            self._guard_target_seen = True
+            if self.guard_missing_since is not None:
+                self.guard_missing_since = None
+                self._event(
+                    "guard_target_found",
+                    f"a container named {name!r} exists now: guarding it (stopped on a trip while it runs)",
+                    details={"name": name},
+                )
+            return
+        if self.container_id is not None or self.guard_missing_since is not None:
+            return
+        self.guard_missing_since = time.time()
+        if self._guard_target_seen:
+            message = (
+                f"no container named {name!r} exists any more (`docker ps -a` lists none by that name or id): it was "
+                "removed; nothing is guarded until a container by that name runs"
+            )
+        else:
+            message = (
+                f"guard mode: no container named {name!r} (`docker ps -a` lists none by that name or id): nothing is "
+                "guarded, and a trip has nothing to stop. Fix container.guard to the name `docker ps -a` shows "
+                "(docker compose names it <project>-<service>-1), or start the container by that name"
+            )
+        self._event(
+            "guard_target_missing",
+            message,
+            severity="warning" if self._guard_target_seen else "critical",
+            details={"name": name, "removed": self._guard_target_seen},
+        )
 
     async def _follow_guarded_name(self, was_active: bool) -> None:
         """Guard mode: watch the running container that has the guarded name now, when it is not the one watched

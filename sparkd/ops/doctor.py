@@ -99,6 +99,19 @@ def docker_ping_sdk() -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def docker_container_status(name: str, docker_url: str | None = None) -> str | None:
+    """Docker's status of the container ``name`` (a name or an id, as ``container.guard`` takes it): ``running``,
+    ``exited``...; None when no container by that name exists (``docker ps -a`` lists none). Raises when the engine
+    does not answer (``DockerUnavailable``)."""
+    from sparkd.act.docker import ContainerManager  # lazily: doctor must run where the SDK is missing
+    from sparkd.errors import NotFound
+
+    try:
+        return ContainerManager(docker_url, api_timeout_s=5.0).get(name).status
+    except NotFound:
+        return None
+
+
 def systemd_is_pid1(run_root: Path = Path("/run")) -> bool:
     """sd_booted(3): systemd runs as PID 1 iff ``/run/systemd/system`` exists."""
     return (run_root / "systemd" / "system").is_dir()
@@ -131,6 +144,9 @@ class DoctorContext:
     db_file: Path | None = None  # None: no database check (tests of other checks)
     archives_dir: Path | None = None  # where the postmortem archives are (settings.archives_path)
     rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
+    guard_name: str | None = None  # container.guard in guard mode (no container.image): the container it names
+    # the guarded container's status, None when none by that name exists; raises when Docker does not answer
+    container_status: Callable[[str], str | None] = docker_container_status
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
 
@@ -140,6 +156,7 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
     for fn in (
         check_gpu,
         check_docker,
+        check_guard_target,
         check_nvidia_runtime,
         check_cgroup,
         check_swap,
@@ -203,6 +220,31 @@ def check_docker(ctx: DoctorContext) -> list[Check]:
         return [Check("OK", "Docker", f"reachable, {detail}")]
     action = "systemctl start docker; sparkd can only watch memory, not stop the container"
     return [Check("FAIL", "Docker", f"not reachable: {detail}", action)]
+
+
+def check_guard_target(ctx: DoctorContext) -> list[Check]:
+    """Guard mode: a container by ``container.guard``'s name exists (any state: a stopped one is guarded again once it
+    runs). WARN when none does: sparkd guards nothing (a typo, or docker compose's ``<project>-<service>-1``
+    naming). Nothing is said when Docker does not answer (the Docker check says that)."""
+    name = ctx.guard_name
+    if not name:
+        return []
+    try:
+        status = ctx.container_status(name)
+    except Exception:
+        return []
+    if status is None:
+        return [
+            Check(
+                "WARN",
+                "Guarded container",
+                f"container.guard = {name!r} matches no container (`docker ps -a` lists none by that name or id): "
+                "sparkd guards nothing",
+                "set container.guard to the name `docker ps -a --format '{{.Names}}'` shows (docker compose names it "
+                "<project>-<service>-1), or start the container by that name",
+            )
+        ]
+    return [Check("OK", "Guarded container", f"{name}: {status}")]
 
 
 def check_nvidia_runtime(ctx: DoctorContext) -> list[Check]:

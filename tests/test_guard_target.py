@@ -1,0 +1,201 @@
+"""Guard mode with a ``container.guard`` that names no container (a typo, or docker compose's ``<project>-<service>-1``
+naming): sparkd guarded nothing and said nothing. ``/api/status`` read state ``none`` with no event, the headline and
+the tab's title "ok", ``sparkd status`` "sparkd stops it on a trip", and each trip only "nothing to stop".
+
+A real ``Supervisor`` (its real step, ``_attach``, status and presenters, the real templates and CLI) with the Docker
+manager stubbed at the edge: ``docker inspect`` of the guarded name answers "no such container" on cue. The real
+engine's lookup is ``ContainerManager.guard`` → ``get`` (NotFound), as ``test_api``'s absent guarded container uses."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from sparkd.act.containerspec import ContainerInfo
+from sparkd.config import load_settings
+from sparkd.core.lifecycle import ContainerState
+from sparkd.errors import DockerUnavailable, NotFound
+from sparkd.face import presenters as views
+from sparkd.face.cli import main
+from sparkd.face.live import live_parts, page_context
+from sparkd.face.web import templates
+from sparkd.loop.daemon import Daemon
+from sparkd.loop.status import Status
+from sparkd.loop.supervisor import Supervisor
+from sparkd.ops.doctor import DoctorContext, check_guard_target, format_report
+from sparkd.store.store import Store
+
+pytestmark = pytest.mark.anyio
+
+NAME = "h40-vllm-typo"
+CID = "e" * 64
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _info(status: str) -> ContainerInfo:
+    return ContainerInfo(CID, NAME, "vllm/vllm-openai:v1", status, {}, False, None, None, None, time.time(), None)
+
+
+class Manager:
+    """The engine answers; ``docker inspect NAME`` finds ``self.found`` (None: no such container)."""
+
+    def __init__(self) -> None:
+        self.found: ContainerInfo | None = None
+        self.guard_calls = 0
+
+    def ping(self) -> bool:
+        return True
+
+    def guard(self, name: str) -> ContainerInfo | None:
+        assert name == NAME
+        self.guard_calls += 1
+        return self.found
+
+    def adopt(self) -> ContainerInfo | None:  # managed mode: none of sparkd's runs
+        return None
+
+    def get(self, name: str) -> ContainerInfo:
+        raise NotFound(f"no container {name}")
+
+    def running_managed(self) -> list[tuple[str, str, str]]:
+        return []
+
+
+class Events(list[dict[str, Any]]):
+    """What the supervisor hands its daemon (``Daemon.event``), kept in order."""
+
+    def __bool__(self) -> bool:  # the supervisor says events only with a daemon
+        return True
+
+    def event(self, kind: str, message: str, **kw: Any) -> None:
+        self.append({"kind": kind, "message": message, **kw})
+
+
+def _sup(tmp_path: Path, container: dict[str, Any]) -> tuple[Supervisor, Manager, Events]:
+    m = Manager()
+    sup = Supervisor(load_settings(overrides={"state_dir": str(tmp_path), "container": container}), manager=m)  # type: ignore[arg-type]
+    events = Events()
+    sup.daemon = events  # type: ignore[assignment]
+    return sup, m, events
+
+
+async def _base(tmp_path: Path) -> Status:
+    """A host's status (a real daemon sampling this machine's /proc), monitor-only; the container side is put in."""
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off"})
+    d = Daemon(settings, serve_api=False)
+    await d.startup()
+    try:
+        for _ in range(2):
+            result = d._tick_once()
+            assert result is not None
+            await d._handle(result)
+        return d.status_json()
+    finally:
+        await d.shutdown("test")
+
+
+def _calm(st: Status) -> Status:
+    """The headline as on a host far above every stop line (this machine's memory may be anything)."""
+    ns = st.nearest_stop
+    return st if ns is None else st.model_copy(update={"nearest_stop": ns.model_copy(update={"level": "ok"})})
+
+
+def _card(st: Status) -> str:
+    ctx = page_context(live_parts(st, None, True, 30.0))
+    return templates().env.get_template("partials/_container.html").render(**ctx, csrf="x", logged_in=True)
+
+
+async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its_appearance_too(
+    tmp_path: Path,
+) -> None:
+    sup, m, events = _sup(tmp_path / "sup", {"guard": NAME})
+    await sup._step()
+    await sup._step()
+    assert m.guard_calls >= 2
+    missing = [e for e in events if e["kind"] == "guard_target_missing"]
+    assert len(missing) == 1, events  # once, not at every step
+    assert missing[0]["severity"] == "critical"  # sent by notify.severities' default ["critical"]
+    assert f"no container named {NAME!r}" in missing[0]["message"] and "docker ps -a" in missing[0]["message"]
+    assert "nothing is guarded" in missing[0]["message"]
+    cs = sup.status_json()
+    assert cs.state is ContainerState.NONE and cs.guard_missing_since is not None
+
+    base = _calm(await _base(tmp_path))
+    st = base.model_copy(update={"container": cs, "ts": time.time()})
+    h = views.headline(st.model_dump(mode="json"), None)
+    assert h["level"] == "warn" and h["label"] == f"guard mode: no container named {NAME} — nothing guarded", h
+    assert views.container_from_status(st)["level"] == "critical"
+    html = _card(st)
+    assert "<strong>Nothing guarded.</strong> No container is named" in html and NAME in html
+
+    # `sparkd status` from the stored snapshot, as an operator runs it
+    store = Store.open(tmp_path / "state" / "sparkd.db")
+    store.write_batch([("status", st.model_dump(mode="json"))])
+    store.close()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    assert "NOTHING GUARDED since " in out and f"no container named {NAME} (`docker ps -a`" in out, out
+
+    # the container appears (created, not started): said, and no longer a fault
+    m.found = _info("exited")
+    await sup._step()
+    assert [e["kind"] for e in events if e["kind"].startswith("guard_target")] == [
+        "guard_target_missing",
+        "guard_target_found",
+    ]
+    assert sup.status_json().guard_missing_since is None
+    st = base.model_copy(update={"container": sup.status_json()})
+    assert "nothing guarded" not in views.headline(st.model_dump(mode="json"), None)["label"]
+    assert "Nothing guarded" not in _card(st)
+
+    # removed again (docker rm, --rm, compose down): said once more, a warning (container_gone says the removal)
+    m.found = None
+    await sup._step()
+    again = [e for e in events if e["kind"] == "guard_target_missing"]
+    assert len(again) == 2 and again[1]["severity"] == "warning" and "removed" in again[1]["message"]
+
+
+async def test_a_guarded_container_that_exists_stopped_and_managed_mode_before_its_launch_are_no_fault(
+    tmp_path: Path,
+) -> None:
+    sup, m, events = _sup(tmp_path / "g", {"guard": NAME})
+    m.found = _info("exited")  # guard mode: a container stopped by hand is normal
+    await sup._step()
+    assert not [e for e in events if e["kind"].startswith("guard_target")] and sup.guard_missing_since is None
+    # a renamed container still watched by its id: the name matches nothing, and it is still guarded
+    sup.container_id, sup.state = CID, ContainerState.READY
+    m.found = None
+    sup._note_guard_target(False)
+    assert sup.guard_missing_since is None
+    managed, _, mevents = _sup(tmp_path / "m", {"image": "img:1", "name": NAME, "autostart": False})
+    await managed._step()
+    assert managed.status_json().guard_missing_since is None and not [
+        e for e in mevents if e["kind"].startswith("guard_target")
+    ]
+
+
+def test_doctor_warns_when_the_guard_name_matches_no_container_and_only_when_docker_answers() -> None:
+    def lookup(status: str | None) -> Any:
+        return lambda name: status
+
+    [c] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup(None)))
+    assert c.status == "WARN" and c.title == "Guarded container" and "matches no container" in c.detail
+    assert "docker ps -a" in c.detail and "<project>-<service>-1" in c.action
+    assert "→ set container.guard" in format_report([c])
+    [ok] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup("exited")))
+    assert ok.status == "OK" and ok.detail == f"{NAME}: exited"
+
+    def down(name: str) -> str | None:
+        raise DockerUnavailable("no engine")
+
+    assert check_guard_target(DoctorContext(guard_name=NAME, container_status=down)) == []
+    assert check_guard_target(DoctorContext(guard_name=None, container_status=lookup(None))) == []
