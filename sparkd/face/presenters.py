@@ -290,6 +290,12 @@ def guard_missing_text(name: str | None) -> str:
     return f"guard mode: no container named {name or '?'} — nothing guarded"
 
 
+def start_error_text(mode: str | None) -> str:
+    """The supervisor's first steps failed (``ContainerStatus.start_error``): the headline and the card say it so."""
+    held = "no launch until they succeed" if mode == "managed" else "the container is guarded as ever"
+    return f"sparkd's start-up steps failed (retrying): {held}"
+
+
 def mode_text(mode: str, dry_run: bool) -> str | None:
     """What ``mode`` means (``MODE_TEXT``, ``DRY_RUN_MODE_TEXT`` in a dry run); None in monitor-only mode."""
     return (DRY_RUN_MODE_TEXT if dry_run else MODE_TEXT).get(mode)
@@ -309,7 +315,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
         level = "warn"
     elif c.state in CRITICAL_STATES or missing:
         level = "critical"
-    elif c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
+    elif c.start_error or c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
     down = c.down_because()  # why this run is down; not an earlier incident's intent on a model started again by hand
     return {
@@ -341,6 +347,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
         # guard mode: no container by the guarded name exists (`docker ps -a` lists none): nothing guarded
         "guard_missing": guard_missing_text(c.name) if missing else None,
         "guard_missing_since": c.guard_missing_since if missing else None,
+        # the supervisor's first steps failed (the revision, how the last launch ended): why, while retried
+        "start_error": c.start_error,
+        "start_error_text": start_error_text(c.mode) if c.start_error else None,
         # the Docker engine does not answer: a trip stops the model by its processes; start, stop and resize wait
         "engine_down": not monitor_only and c.engine == "down",
         "engine_error": c.engine_error,
@@ -378,8 +387,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
     (a stop acts on the processes, without an archive: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted,
     or when the container failed, exited or is unhealthy, or in guard mode no container by the guarded name exists
-    (``guard_missing_text``); ``warn`` ("not guarded") when no rule would stop (``unarmed``); ``unknown`` before
-    the first sample.
+    (``guard_missing_text``), or the supervisor's first steps failed (``start_error_text``); ``warn`` ("not
+    guarded") when no rule would stop (``unarmed``); ``unknown`` before the first sample.
     """
     ns = status.get("nearest_stop")
     s = status.get("sample") or {}
@@ -399,6 +408,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
         # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard)
         level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), guard_missing_text(c.get("name"))
+    elif c.get("start_error") and c.get("mode") != "monitor-only":
+        # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
+        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), start_error_text(c.get("mode"))
     elif demoted and _LEVEL_RANK.get(level, 0) < 2:  # a stop rule switched off by the loop guard: never "ok",
         # and named over a plain "warn" (near another line): the generic label hid it while memory sat below the
         # demoted rule's line (helper-31)

@@ -210,6 +210,9 @@ class ContainerStatus(_Model):
     # guard mode: since when no container by ``name`` exists (``docker ps -a`` lists none) and none is watched:
     # nothing is guarded (a typo in container.guard, compose's <project>-<service>-1 naming). None: found, or not asked
     guard_missing_since: float | None = None
+    # the supervisor's first steps (the budget revision, how the last launch ended) failed, and are tried again: why.
+    # Managed mode launches nothing at start meanwhile
+    start_error: str | None = None
 
     def down_because(self) -> IntentStatus | None:
         """The stop intent that says why this run is down, or None: the model is down (stopped, exited, failed, or

@@ -83,6 +83,10 @@ SHM_WITNESS_INTERVAL_S = 30.0
 UNGUARDED_CHECK_S = 10.0
 # How long the supervisor waits for the database's first open before it decides how the last launch ended.
 DB_DECIDE_WAIT_S = 30.0
+# The first steps (``Supervisor._first_steps``: the revision, how the last launch ended) that failed are tried again
+# after this long, doubled at each failure up to ``FIRST_STEPS_RETRY_MAX_S`` (a locked database is tried again
+# within seconds; one that stays broken is not asked every second, each call waiting out SQLite's busy timeout).
+FIRST_STEPS_RETRY_MAX_S = 60.0
 # Actions that hold the lock until their new run is ready: an emergency stop is handed over to them.
 HANDING_OVER = ("relaunching", "resizing")
 # An emergency stop pings the Docker engine first and waits this long at most (s). A hung engine (dockerd
@@ -179,6 +183,10 @@ class Supervisor(RunBook):
         # guard mode: since when no container by ``container.guard``'s name (or id) exists and none is watched
         # (``_note_guard_target``); None: one was found, or Docker was not asked yet
         self.guard_missing_since: float | None = None
+        # the first steps (``_first_steps``) done; until then no start-up launch and no scheduled relaunch (they
+        # decide on the revision and on how the last launch ended), while Docker is watched and trips stop the model
+        self.first_steps_done = False
+        self.start_error: str | None = None  # why the first steps failed, while they are tried again
         self._guard_target_seen = False  # a container by that name was found since sparkd started
 
     # ------------------------------------------------------------------ Actions protocol
@@ -545,6 +553,7 @@ class Supervisor(RunBook):
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
             unguarded=self.unguarded,
             guard_missing_since=self.guard_missing_since if self.mode == "guard" else None,
+            start_error=self.start_error,
         )
 
     # ------------------------------------------------------------------ control
@@ -758,11 +767,17 @@ class Supervisor(RunBook):
 
     async def _loop(self) -> None:
         pause_s = min(self.settings.container.health_interval_s, RECONCILE_MAX_S)
-        await self._first_steps()
+        retry_s, retry_at = pause_s, 0.0
         while True:
             try:
+                # inside the loop's try: a database error in the first steps ("database is locked" at the revision's
+                # write) ended the supervisor's task without a word; Docker was never asked again
+                due = not self.first_steps_done and time.monotonic() >= retry_at
+                if due and not await self._try_first_steps():
+                    retry_at, retry_s = time.monotonic() + retry_s, min(retry_s * 2, FIRST_STEPS_RETRY_MAX_S)
                 await self._step()
-                await self.unattended.periodic()
+                if self.first_steps_done:  # a scheduled relaunch decides on the revision and the last launch
+                    await self.unattended.periodic()
             except asyncio.CancelledError:
                 raise
             except DockerUnavailable as e:
@@ -770,6 +785,42 @@ class Supervisor(RunBook):
             except Exception:
                 log.exception("supervisor step failed")
             await asyncio.sleep(pause_s)
+
+    async def _try_first_steps(self) -> bool:
+        """``_first_steps``, its failure said once (``supervisor_start_failed``, critical in managed mode: nothing is
+        launched at start until they succeed; ``status.container.start_error``) and its success after one
+        (``supervisor_start_recovered``). True when done."""
+        try:
+            await self._first_steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("the supervisor's first steps failed")
+            why = f"{type(e).__name__}: {e}"
+            if self.start_error is None:
+                held = (
+                    "no launch at start and no scheduled relaunch until they succeed"
+                    if self.mode == "managed"
+                    else "guarding the container as ever"
+                )
+                self._event(
+                    "supervisor_start_failed",
+                    f"the supervisor's first steps (the budget revision, how the last launch ended) failed: {why}; "
+                    f"Docker is watched and a trip stops the model; {held}; tried again with back-off",
+                    severity="critical" if self.mode == "managed" else "warning",
+                    details={"error": why},
+                )
+            self.start_error = why
+            return False
+        self.first_steps_done = True
+        if self.start_error is not None:
+            self._event(
+                "supervisor_start_recovered",
+                f"the supervisor's first steps succeeded after failing ({self.start_error})",
+                details={"error": self.start_error},
+            )
+            self.start_error = None
+        return True
 
     def _engine_down(self, why: str) -> None:
         self.engine_error = why
@@ -820,7 +871,7 @@ class Supervisor(RunBook):
             if self.mode == "guard":
                 await self._attach()
                 return
-            if self.autostart_pending and not self.stay_stopped and not self.lock.locked():
+            if self.autostart_pending and self.first_steps_done and not self.stay_stopped and not self.lock.locked():
                 self.autostart_pending = False
                 try:
                     await self.request("start", source="sparkd start-up")

@@ -156,6 +156,12 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             "lists none by that name or id), so a trip has nothing to stop; set container.guard to the name "
             "`docker ps -a` shows, or start the container by that name"
         )
+    if c.mode != "monitor-only" and c.start_error:
+        held = "nothing is launched at start until they succeed" if c.mode == "managed" else "guarding it as ever"
+        click.echo(
+            f"START-UP STEPS FAILED: {c.start_error} — the budget revision and how the last launch ended could not "
+            f"be read or written; tried again with back-off; Docker is watched and a trip stops the model; {held}"
+        )
     if c.mode != "monitor-only" and c.engine == "down":
         click.echo(
             f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a stop acts on the model's "
