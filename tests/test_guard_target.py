@@ -136,6 +136,11 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     html = _card(st)
     assert "<strong>Nothing guarded.</strong> No container is named" in html and NAME in html
 
+    # the engine down: what was last seen of the name is not told as news; the engine's trouble is
+    down = st.model_copy(update={"container": cs.model_copy(update={"engine": "down"})})
+    assert views.headline(down.model_dump(mode="json"), None)["label"] == views.ENGINE_DOWN_LABEL
+    assert "Nothing guarded" not in _card(down)
+
     # `sparkd status` from the stored snapshot, as an operator runs it
     store = Store.open(tmp_path / "state" / "sparkd.db")
     store.write_batch([("status", st.model_dump(mode="json"))])

@@ -309,7 +309,8 @@ def container_from_status(status: Status) -> dict[str, Any]:
     """The container card: monitor-only, or state/health/uptime/image/GMU/--memory."""
     c = status.container
     monitor_only = c.mode == "monitor-only"
-    missing = c.mode == "guard" and c.guard_missing_since is not None  # nothing guarded: no container by that name
+    # nothing guarded: no container by that name (as last seen: while the engine is down, that is said instead)
+    missing = c.mode == "guard" and c.guard_missing_since is not None and c.engine != "down"
     level = "ok"
     if monitor_only:
         level = "warn"

@@ -150,7 +150,7 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
     mode = mode_text(c.mode, st.dry_run)
     if mode:  # which mode: it was said nowhere (helper-37)
         click.echo(f"mode: {mode}")
-    if c.mode == "guard" and c.guard_missing_since is not None:
+    if c.mode == "guard" and c.guard_missing_since is not None and c.engine != "down":
         click.echo(
             f"NOTHING GUARDED since {_ts(c.guard_missing_since)} UTC: no container named {c.name} (`docker ps -a` "
             "lists none by that name or id), so a trip has nothing to stop; set container.guard to the name "
