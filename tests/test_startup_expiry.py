@@ -114,6 +114,24 @@ async def test_a_managed_launch_that_never_became_ready_is_still_stopped_when_it
     assert young.state is S.STARTING and stops2 == []  # within its start-up time
 
 
+async def test_a_wall_clock_step_during_a_start_up_neither_fails_the_launch_nor_ends_fast_sampling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start-up's age was read on the wall clock: NTP's first sync after boot (a step of 30 min forward) aged a
+    model loading for 60 s past its 600 s: fast sampling ended and the next failing /health marked it failed with a
+    stop (helper-40). Its age runs on the monotonic clock from the launch's start."""
+    import sparkd.loop.supervisor as supervisor_module
+
+    sup, stops = _sup(tmp_path, "managed", ran_for_s=60.0, ready_before=False)
+    await _probe(sup)
+    assert sup.fast_reason() == "container vllm starting"
+    real = time.time
+    monkeypatch.setattr(supervisor_module.time, "time", lambda: real() + 1800.0)
+    await _probe(sup)
+    assert sup.state is S.STARTING and stops == [], (sup.state, stops)
+    assert sup.fast_reason() == "container vllm starting"
+
+
 def test_the_stubs_take_the_path_the_daemon_takes(tmp_path: Path) -> None:
     """The supervisor's own names the stubs replace exist (a rename would leave this file testing nothing)."""
     settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"image": "x:1", "name": "vllm"}})

@@ -186,6 +186,7 @@ class Supervisor(RunBook):
         # the first steps (``_first_steps``) done; until then no start-up launch and no scheduled relaunch (they
         # decide on the revision and on how the last launch ended), while Docker is watched and trips stop the model
         self.first_steps_done = False
+        self._launch_anchor: tuple[float, float] | None = None  # (launch_started_at, its monotonic time): _launch_age_s
         self.start_error: str | None = None  # why the first steps failed, while they are tried again
         self._guard_target_seen = False  # a container by that name was found since sparkd started
 
@@ -477,10 +478,23 @@ class Supervisor(RunBook):
         guard sampled at 4 Hz for as long as it ran (4.2 % of a core over 8 min, helper-37)."""
         if self.state is not S.STARTING:
             return None
-        began = self.launch_started_at
-        if began is not None and time.time() - began > self.settings.container.startup_timeout_s:
+        age_s = self._launch_age_s()
+        if age_s is not None and age_s > self.settings.container.startup_timeout_s:
             return None
         return f"container {self.name} starting"
+
+    def _launch_age_s(self) -> float | None:
+        """Seconds since the launch's start (``launch_started_at``, wall time from Docker or the launch record), on
+        the monotonic clock from the first time it is asked (each tick while starting): a wall-clock step (NTP's
+        first sync after boot) aged a loading model by the step, ended its fast sampling and marked it failed
+        with a stop (helper-40). None without a launch."""
+        began = self.launch_started_at
+        if began is None:
+            return None
+        anchor = self._launch_anchor
+        if anchor is None or anchor[0] != began:  # a new launch: its age now, by the wall clock, once
+            anchor = self._launch_anchor = (began, time.monotonic() - max(0.0, time.time() - began))
+        return time.monotonic() - anchor[1]
 
     def _shown_state(self) -> ContainerState:
         """The state status shows: ``unknown`` while the Docker engine does not answer."""
@@ -1196,7 +1210,7 @@ class Supervisor(RunBook):
                 self.state is S.STARTING
                 and self.mode == "managed"
                 and self.ready_at is None
-                and time.time() - (self.launch_started_at or time.time()) > c.startup_timeout_s
+                and (self._launch_age_s() or 0.0) > c.startup_timeout_s
             )
             if expired and result is not Probe.OK:
                 why = f"not ready within {c.startup_timeout_s:g} s ({why})"
