@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -101,3 +102,31 @@ def sparkd_run(
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+class NotifySocket:
+    """A systemd ``NOTIFY_SOCKET`` of the test's own (``path``): ``got`` holds each datagram a daemon sent, with its
+    monotonic arrival time, as ``drain`` reads them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.srv.bind(self.path)
+        self.srv.settimeout(0.2)
+        self.got: list[tuple[float, str]] = []
+
+    def drain(self, until: float) -> None:
+        """Read datagrams until the monotonic time ``until``."""
+        while time.monotonic() < until:
+            with contextlib.suppress(TimeoutError):
+                self.got.append((time.monotonic(), self.srv.recv(4096).decode()))
+
+    def wait_ready(self, timeout_s: float = 30.0) -> float:
+        """Read until ``READY=1`` (start-up: a fresh clone compiles its .pyc files first); its arrival time."""
+        deadline = time.monotonic() + timeout_s
+        while not any(m == "READY=1" for _, m in self.got) and time.monotonic() < deadline:
+            self.drain(time.monotonic() + 0.2)
+        return next(t for t, m in self.got if m == "READY=1")
+
+    def close(self) -> None:
+        self.srv.close()

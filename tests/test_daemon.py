@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import need
-from sparkdproc import db_query, sparkd_run, wait_for
+from sparkdproc import NotifySocket, db_query, sparkd_run, wait_for
 
 from sparkd.errors import StoreError
 from sparkd.sense import procfs
@@ -125,25 +124,13 @@ def test_sigterm_flushes_every_sample_taken(tmp_path: Path) -> None:
 
 
 def test_the_notify_protocol_ready_status_and_watchdog(tmp_path: Path) -> None:
-    sock_path = str(tmp_path / "notify.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    srv.bind(sock_path)
-    srv.settimeout(0.2)
+    srv = NotifySocket(tmp_path / "notify.sock")
+    got, drain = srv.got, srv.drain
     stall = tmp_path / "stall"
-    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "1000000", "SPARKD_TEST_HOOK_STALL_FILE": str(stall)}
-    got: list[tuple[float, str]] = []
-
-    def drain(until: float) -> None:
-        while time.monotonic() < until:
-            with contextlib.suppress(TimeoutError):
-                got.append((time.monotonic(), srv.recv(4096).decode()))
-
+    env = {"NOTIFY_SOCKET": srv.path, "WATCHDOG_USEC": "1000000", "SPARKD_TEST_HOOK_STALL_FILE": str(stall)}
     try:
         with sparkd_run(tmp_path, config="interval_s = 0.1\nfast_interval_s = 0.1\n", env=env):
-            deadline = time.monotonic() + 30.0  # start-up (a fresh clone compiles its .pyc files first)
-            while not any(m == "READY=1" for _, m in got) and time.monotonic() < deadline:
-                drain(time.monotonic() + 0.2)
-            ready_at = next(t for t, m in got if m == "READY=1")
+            ready_at = srv.wait_ready()
             drain(ready_at + 3.6)
             msgs = [m for _, m in got]
             assert any(m.startswith("STATUS=MemAvailable") for m in msgs)
@@ -169,28 +156,15 @@ def test_a_sampling_interval_longer_than_half_the_watchdog_still_pings_it_in_tim
     """``interval_s`` may be up to 60 s; the pings came once per tick, so at ``interval_s = 40`` the shipped unit's
     ``WatchdogSec=30`` killed the daemon before its second sample (helper-40). Here interval 2.5 s under a 2 s
     watchdog: pings at least every second, samples still every 2.5 s."""
-    sock_path = str(tmp_path / "notify.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    srv.bind(sock_path)
-    srv.settimeout(0.2)
-    env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000"}
-    got: list[tuple[float, str]] = []
-
-    def drain(until: float) -> None:
-        while time.monotonic() < until:
-            with contextlib.suppress(TimeoutError):
-                got.append((time.monotonic(), srv.recv(4096).decode()))
-
+    srv = NotifySocket(tmp_path / "notify.sock")
+    env = {"NOTIFY_SOCKET": srv.path, "WATCHDOG_USEC": "2000000"}
     try:
         with sparkd_run(tmp_path, config="interval_s = 2.5\nfast_interval_s = 2.5\n", env=env):
-            deadline = time.monotonic() + 30.0
-            while not any(m == "READY=1" for _, m in got) and time.monotonic() < deadline:
-                drain(time.monotonic() + 0.2)
-            ready_at = next(t for t, m in got if m == "READY=1")
-            drain(ready_at + 7.0)
+            ready_at = srv.wait_ready()
+            srv.drain(ready_at + 7.0)
     finally:
         srv.close()
-    pings = [t for t, m in got if m == "WATCHDOG=1" and t > ready_at]
+    pings = [t for t, m in srv.got if m == "WATCHDOG=1" and t > ready_at]
     gaps = [b - a for a, b in itertools.pairwise([ready_at, *pings])]
     assert len(pings) >= 6 and max(gaps) < 1.5, gaps  # every WATCHDOG_USEC / 2 = 1 s; systemd kills at 2 s
     # the samples every 2.5 s, the wakes between them none: the start-up's, then 2 or 3 in the 7 s after READY

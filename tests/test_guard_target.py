@@ -13,21 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from test_status import status_cli_output
 
 from sparkd.act.containerspec import ContainerInfo
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState
 from sparkd.errors import DockerUnavailable, NotFound
 from sparkd.face import presenters as views
-from sparkd.face.cli import main
 from sparkd.face.live import live_parts, page_context
 from sparkd.face.web import templates
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.status import Status
 from sparkd.loop.supervisor import Supervisor
 from sparkd.ops.doctor import DoctorContext, check_guard_target, format_report
-from sparkd.store.store import Store
 
 pytestmark = pytest.mark.anyio
 
@@ -142,12 +140,7 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     assert "Nothing guarded" not in _card(down)
 
     # `sparkd status` from the stored snapshot, as an operator runs it
-    store = Store.open(tmp_path / "state" / "sparkd.db")
-    store.write_batch([("status", st.model_dump(mode="json"))])
-    store.close()
-    cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
-    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    out = status_cli_output(tmp_path, st)
     assert "NOTHING GUARDED since " in out and f"no container named {NAME} (`docker ps -a`" in out, out
 
     # the container appears (created, not started): said, and no longer a fault

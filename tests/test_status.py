@@ -168,6 +168,23 @@ async def _status_with_fake_actions(tmp_path: Path) -> Status:
         await d.shutdown("test")
 
 
+def status_cli_output(tmp_path: Path, snap: Status, *events: dict[str, Any]) -> str:
+    """``sparkd status``'s output as an operator runs it, from ``snap`` stored (and ``events``, ``Store.add_event``'s
+    arguments, added) in the database of the state directory ``tmp_path / "state"``."""
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    store = Store.open(tmp_path / "state" / "sparkd.db")
+    store.write_batch([("status", snap.model_dump(mode="json"))])
+    for e in events:
+        store.add_event(**e)
+    store.close()
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    return CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+
+
 @pytest.mark.parametrize("state", list(ContainerState))
 async def test_it_gives_every_state_a_level_on_the_container_card(tmp_path: Path, state: ContainerState) -> None:
     st = await _status_with_fake_actions(tmp_path)
@@ -411,20 +428,11 @@ async def test_the_cli_counts_the_containers_uptime_on_from_the_snapshots_time(t
     "up 12 s" three times over 15 s (note 11). It adds the snapshot's age."""
     import time
 
-    from click.testing import CliRunner
-
-    from sparkd.face.cli import main
-
     snap = await _status_with_fake_actions(tmp_path)
     snap = snap.model_copy(
         update={"ts": time.time() - 600.0, "container": snap.container.model_copy(update={"uptime_s": 60.0})}
     )
-    store = Store.open(tmp_path / "state" / "sparkd.db")
-    store.write_batch([("status", snap.model_dump(mode="json"))])
-    store.close()
-    cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
-    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    out = status_cli_output(tmp_path, snap)
     line = next(ln for ln in out.splitlines() if ln.startswith("container:"))
     assert ", up 11 min" in line, line  # 60 s at the snapshot + its 600 s of age
 
@@ -555,10 +563,7 @@ async def test_the_clis_stopped_by_line_says_how_the_stop_ended(
     this stop's (at or after the intent); an older stop's outcome is not claimed for it."""
     import time
 
-    from click.testing import CliRunner
-
     from sparkd.core.supervision import StopIntent
-    from sparkd.face.cli import main
 
     snap = await _status_with_fake_actions(tmp_path)
     settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"image": "x:1", "name": "m"}})
@@ -567,20 +572,12 @@ async def test_the_clis_stopped_by_line_says_how_the_stop_ended(
     await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)  # hold
     since = sup.unattended.state.intent.since  # type: ignore[union-attr]
     snap = snap.model_copy(update={"ts": time.time(), "container": sup.status_json()})
-    store = Store.open(tmp_path / "state" / "sparkd.db")
-    store.write_batch([("status", snap.model_dump(mode="json"))])
-    store.add_event(kind=kind, message="the stop", details=details, ts=since + 2.5)
-    store.close()
-    cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
-    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    stop = {"kind": kind, "message": "the stop", "details": details, "ts": since + 2.5}
+    out = status_cli_output(tmp_path, snap, stop)
     line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
     assert said in line and line.endswith("stays stopped until `sparkd start`"), line
-    store = Store.open(tmp_path / "state" / "sparkd.db")  # a newer intent than that stop: no outcome claimed
-    snap.container.supervision.intent.since = since + 60.0  # type: ignore[union-attr]
-    store.write_batch([("status", snap.model_dump(mode="json"))])
-    store.close()
-    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    snap.container.supervision.intent.since = since + 60.0  # type: ignore[union-attr]  # a newer intent: no outcome
+    out = status_cli_output(tmp_path, snap)
     line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
     assert "exit code" not in line and " UTC — stays stopped" in line, line
 
@@ -644,10 +641,7 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
     until `sparkd start`" (helper-37)."""
     import time
 
-    from click.testing import CliRunner
-
     from sparkd.core.supervision import StopIntent
-    from sparkd.face.cli import main
 
     snap = await _status_with_fake_actions(tmp_path)
     settings = load_settings(overrides={"state_dir": str(tmp_path / "sup"), "container": {"guard": "vllm-prod"}})
@@ -656,12 +650,7 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
     await sup.unattended.after_down(StopIntent.EMERGENCY, uptime_s=600.0, reached_ready=True)
     snap = snap.model_copy(update={"ts": time.time(), "container": sup.status_json()})
     assert snap.container.mode == "guard"
-    store = Store.open(tmp_path / "state" / "sparkd.db")
-    store.write_batch([("status", snap.model_dump(mode="json"))])
-    store.close()
-    cfg = tmp_path / "sparkd.toml"
-    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
-    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    out = status_cli_output(tmp_path, snap)
     line = next(ln for ln in out.splitlines() if ln.startswith("stopped by: "))
     assert line.endswith(
         "stays stopped until you start it (`docker start vllm-prod`: guard mode, sparkd does not start it)"
