@@ -444,6 +444,19 @@ def _serving(state: str = "ready") -> Any:
     return Serving()
 
 
+async def _started_then_tripped(settings: Any, actions: Any, meminfo: Path, low: str) -> tuple[Any, Any]:
+    """A daemon started over a scripted /proc whose ``meminfo`` is then made ``low``: its next tick trips the one rule.
+    Returns (daemon, that tick's result); the caller shuts the daemon down."""
+    from sparkd.loop.daemon import Daemon
+
+    d = Daemon(settings, actions=actions)
+    await d.startup()
+    meminfo.write_text(low)
+    r = d._tick_once()
+    assert r is not None and [x.kind for x in r.decisions] == ["trip"], r
+    return d, r
+
+
 def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_a_cooldown(tmp_path: Path) -> None:
     """One good reading at the re-check cancelled the stop, and the trip's cooldown (60 s) then muted the rule
     while MemAvailable fell to a quarter of its line (helper-31). With the model running, the next trip stops it;
@@ -500,7 +513,6 @@ def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: 
     from sparkd.face.exporter import build_registry
     from sparkd.face.live import live_parts, mark_of, page_context
     from sparkd.face.web import templates
-    from sparkd.loop.daemon import Daemon
 
     low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
     high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
@@ -513,12 +525,8 @@ def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: 
 
     async def go() -> tuple[list[str], str, str, Any, str, list[dict[str, Any]]]:
         actions = _serving("ready")
-        d = Daemon(settings, actions=actions)
-        await d.startup()
+        d, r = await _started_then_tripped(settings, actions, proc / "meminfo", low)
         try:
-            (proc / "meminfo").write_text(low)
-            r = d._tick_once()
-            assert r is not None and [x.kind for x in r.decisions] == ["trip"]
             await d._handle(r)  # the model runs: this trip stops it
             before = card(d)
             actions.lifecycle_state = lambda: "stopped"  # as the guard's stop leaves it
@@ -644,8 +652,6 @@ def test_a_re_check_that_cannot_read_memory_stops_the_model_it_does_not_skip_the
     import asyncio
     import errno
 
-    from sparkd.loop.daemon import Daemon
-
     low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
     high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
     rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 1}]
@@ -654,12 +660,8 @@ def test_a_re_check_that_cannot_read_memory_stops_the_model_it_does_not_skip_the
 
     async def go() -> tuple[list[str], list[dict[str, Any]]]:
         actions = _serving("ready")
-        d = Daemon(settings, actions=actions)
-        await d.startup()
+        d, r = await _started_then_tripped(settings, actions, proc / "meminfo", low)
         try:
-            (proc / "meminfo").write_text(low)
-            r = d._tick_once()
-            assert r is not None and [x.kind for x in r.decisions] == ["trip"]
             assert d.guard is not None
             reader = d.guard.proc
             real = reader._meminfo_bytes
