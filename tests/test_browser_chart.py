@@ -143,14 +143,18 @@ when = ["MemAvailable < 6GiB"]
 samples = 1
 """
     with _sparkd(tmp_path, config) as (base, proc):
-        (proc / "meminfo").write_text(MEMINFO.replace("MemAvailable: 12582912 kB", "MemAvailable: 4194304 kB"))
         ctx = browser.new_context(viewport={"width": 1280, "height": 800})
         page = ctx.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(f"{base}/")
         trips = "window.sparkdChart.markers().filter((m) => m.kind === 'trip')"
-        until(page, f"window.sparkdChart && {trips}.length >= 2", 20)
+        # the warn rule first, the stop rule 6 s later: two marks apart on the chart (a screenshot to look at)
+        (proc / "meminfo").write_text(MEMINFO.replace("MemAvailable: 12582912 kB", "MemAvailable: 8388608 kB"))
+        until(page, f"window.sparkdChart && {trips}.length >= 1", 20)
+        time.sleep(6)
+        (proc / "meminfo").write_text(MEMINFO.replace("MemAvailable: 12582912 kB", "MemAvailable: 4194304 kB"))
+        until(page, f"{trips}.length >= 2", 20)
         styles = page.evaluate(f"{trips}.map((m) => [m.message.split(':')[0], m.severity, window.sparkdMarkStyle(m)])")
         by_rule = {rule: (sev, style) for rule, sev, style in styles}
         assert by_rule["low_available"] == ("critical", {"width": 3, "dash": []}), styles
