@@ -1106,6 +1106,44 @@ def test_sparkd_status_after_a_wall_clock_step_back_reads_the_real_latest_and_a_
     assert st["daemon_running"] is False
 
 
+def test_a_switch_to_fast_sampling_after_a_long_interval_is_no_gap_and_a_real_gap_still_is(tmp_path: Path) -> None:
+    """With ``interval_s`` of 2 s or more, the tick where memory fell (and sampling switched to the fast 0.25 s) judged
+    the wait it had just done by the new interval: "no sample for 40.0 s (interval 0.25 s): the guard was not
+    running", a critical ``guard_gap`` exactly when a rule started counting (helper-42). The wait is judged by the
+    interval it was scheduled at; a real hole after the switch still is a gap."""
+    import asyncio
+
+    from sparkd.loop.daemon import Daemon
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 3}]
+    proc, settings = _scripted(tmp_path, high, rules=rules, interval_s=40.0, fast_interval_s=0.25)
+    now = [1000.0]
+
+    async def go() -> list[dict[str, Any]]:
+        d = Daemon(settings, actions=_serving("ready"))
+        await d.startup()
+        d.mono = lambda: now[0]  # type: ignore[method-assign]
+        try:
+            r = d._tick_once()
+            assert d._after_tick(r) == pytest.approx(40.0, abs=0.5)  # the slow interval
+            now[0] += 40.0
+            (proc / "meminfo").write_text(low)
+            r = d._tick_once()
+            assert d._after_tick(r) <= 0.25 and d.mode == "fast"  # memory fell: fast now, after a 40 s wait
+            gaps_at_switch = [e for e in d.recent_events if e["kind"] == "guard_gap"]
+            now[0] += 5.0  # then a real 5 s hole at the fast interval
+            d._after_tick(d._tick_once())
+            return gaps_at_switch + [e for e in d.recent_events if e["kind"] == "guard_gap"]
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    gaps = asyncio.run(go())
+    assert [g["message"][:48] for g in gaps] == ["no sample for 5.0 s (interval 0.25 s): the guard"], gaps
+
+
 @pytest.mark.parametrize("cooldown_s", [60.0, 0.2])
 def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
     tmp_path: Path, cooldown_s: float, monkeypatch: pytest.MonkeyPatch

@@ -224,6 +224,7 @@ class Daemon:
         self._next_at = 0.0
         self._last_watchdog = 0.0
         self._early_wake = False  # the tick scheduled is a wake for the watchdog only (_schedule_tick)
+        self._interval_in_effect: float | None = None  # the interval the next tick was scheduled at (_after_tick)
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []
         # decisions that may act (trips, nvrm_action = stop), handed over by ticks to the decider task
@@ -685,14 +686,17 @@ class Daemon:
         _daemon_decide.update_mode(self, result)  # (not through _update_mode: a frame less per tick, issue 18)
         self._ping_watchdog()
         interval = self.current_interval()
+        # the gap is judged by the interval this tick was scheduled at: a switch to fast sampling (0.25 s) read a
+        # 40 s interval's wait as "no sample for 40.0 s (interval 0.25 s)", a critical guard_gap (helper-42)
+        waited, self._interval_in_effect = self._interval_in_effect or interval, interval
         self._next_at += interval
         now = self.mono()
         last, self._last_tick_at = self._last_tick_at, now
         # the time since the previous tick: the whole hole in the samples (from the time this tick was
         # due, it read one interval short: 9.4 s for a 10 s SIGSTOP at 1 Hz)
         gap_s = now - last if last is not None else 0.0
-        if gap_s > LATE_FACTOR * interval and not self._note_gap(gap_s, interval):
-            self._note_stall(now, gap_s, interval)  # a short stall: many of them are reported together
+        if gap_s > LATE_FACTOR * waited and not self._note_gap(gap_s, waited):
+            self._note_stall(now, gap_s, waited)  # a short stall: many of them are reported together
         if self._next_at < now + interval / 2:
             # fell behind (a stall, a suspend, a slow tick): the next sample one interval on, never a catch-up
             # tick at once (two samples 0.00 s apart counted "2/2 samples" after a SIGSTOP: no debounce)
