@@ -127,7 +127,11 @@ def _started(state: Path, proc: Path, port: int, p: subprocess.Popen[str]) -> Gu
 
 
 def cli(g: Guarded, *args: str) -> subprocess.CompletedProcess[str]:
-    cfg = g.state.parent / "sparkd.toml"
+    return cli_run(g.state.parent / "sparkd.toml", *args)
+
+
+def cli_run(cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sparkd --config CFG ARGS…`` as an operator runs it (no SPARKD_ variables of the test's environment)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKD_")}
     return subprocess.run(
         [sys.executable, "-m", "sparkd.face.cli", "--config", str(cfg), *args],
@@ -1030,6 +1034,16 @@ def test_an_api_port_another_program_holds_is_said_the_guard_runs_and_the_api_co
             assert wait_for(lambda: db_query(db, "SELECT 1 FROM events WHERE kind = 'stop_not_executed'"), 15)
             (proc / "meminfo").write_text(HEALTHY)
             assert p.poll() is None
+            # `sparkd status` says the API is not served; `sparkd stop` sends its token to nothing but the daemon
+            # (it went to whatever held the port, and exited 0 on an answer of 200: helper-42)
+            said = "API: NOT SERVED: the API cannot listen on"
+            status = wait_for(lambda: said in (out := cli_run(tmp_path / "sparkd.toml", "status").stdout) and out, 10)
+            assert status, cli_run(tmp_path / "sparkd.toml", "status").stdout
+            stop = cli_run(tmp_path / "sparkd.toml", "stop")
+            assert stop.returncode == 3 and f"does not serve its API on port {port}" in stop.stderr, stop
+            busy.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                busy.accept()  # nothing connected to the program holding the port
             busy.close()
             assert wait_for(lambda: db_query(db, "SELECT message FROM events WHERE kind = 'api_available'"), 15)
             assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200

@@ -224,6 +224,7 @@ class Daemon:
         self._next_at = 0.0
         self._last_watchdog = 0.0
         self._early_wake = False  # the tick scheduled is a wake for the watchdog only (_schedule_tick)
+        self.api_error: str | None = None  # why the API is not served, while it is tried again (daemon_http)
         self._interval_in_effect: float | None = None  # the interval the next tick was scheduled at (_after_tick)
         self._watchdog_s = self._watchdog_interval()
         self._tasks: list[asyncio.Task[Any]] = []

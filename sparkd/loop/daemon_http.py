@@ -144,7 +144,7 @@ async def serve_api_or_say(daemon: Daemon) -> None:
     except (ConfigError, OSError) as e:
         why = e.message if isinstance(e, ConfigError) else str(e)
     retry_s = daemon.settings.api.retry_s
-    log.critical("API not served: %s; the guard runs without it", why)
+    daemon.api_error = why
     daemon.event(
         "api_unavailable",
         f"API not served: {why}; the guard runs without it, and sparkd tries again every {retry_s:g} s",
@@ -161,7 +161,9 @@ async def serve_api_or_say(daemon: Daemon) -> None:
                 await daemon._start_api()
             except (ConfigError, OSError) as e:
                 log.debug("API still not served (try %d): %s", tries, e)
+                daemon.api_error = e.message if isinstance(e, ConfigError) else str(e)
                 continue
+            daemon.api_error = None
             daemon.event(
                 "api_available",
                 f"API served at http://{daemon.settings.api.host}:{daemon.settings.api.port}/ after {tries} tries",

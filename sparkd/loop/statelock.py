@@ -122,3 +122,10 @@ def _holder(name: str) -> tuple[int | None, int | None]:
         pid, uid, _gid = _UCRED.unpack(c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         return pid, uid
     return None, None
+
+
+def daemon_pid(state_dir: Path) -> int | None:
+    """The pid of the sparkd of this user that holds ``state_dir`` (its socket name, ``SO_PEERCRED``), or None when
+    none runs: the CLI sends its API token only to the socket that process listens on (``face.cli.control``)."""
+    pid, uid = _holder(socket_name(state_dir))
+    return pid if uid == os.geteuid() else None

@@ -517,6 +517,9 @@ class Status(_Model):
     writer: WriterStatus
     database: DatabaseStatus | None = None  # None only from fakes that predate it
     http: HttpStatus | None = None
+    # why the API is not served (``api_unavailable``: its port held, a cluster.listen address not up), tried again
+    # every api.retry_s; None when it is served or off. `sparkd status` says it (the dashboard cannot)
+    api_error: str | None = None
     tick_s_p50: float | None
     leak: LeakStatus
     watermark: WatermarkStatus

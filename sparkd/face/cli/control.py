@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -36,6 +37,7 @@ def _api(
         sys.exit(3)
     host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
     url = f"http://{host}:{settings.api.port}{path}"
+    _check_listener(settings, url)
     try:
         r = httpx.request(
             method,
@@ -66,6 +68,35 @@ def _api(
         sys.exit(1)
     result: dict[str, Any] = data
     return result
+
+
+def _check_listener(settings: Settings, url: str) -> None:
+    """Exit 3 unless the sparkd that holds the state directory listens on the API's port: the token went to whatever
+    held the port (a daemon that could not bind it guards without its API), and ``sparkd stop`` printed nothing and
+    exited 0 against a program that answered 200, or waited ~31 min against one that never answered (helper-42).
+    Where the daemon's sockets cannot be read (another user's process), nothing is checked."""
+    import psutil
+
+    from sparkd.loop.statelock import daemon_pid
+
+    pid = daemon_pid(Path(settings.state_dir))
+    if pid is None:
+        click.echo(
+            f"sparkd: no sparkd runs with state directory {settings.state_dir} (nothing sent to {url})", err=True
+        )
+        sys.exit(3)
+    try:
+        ports = {c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        return
+    if settings.api.port not in ports:
+        click.echo(
+            f"sparkd: sparkd (pid {pid}) does not serve its API on port {settings.api.port}: something else holds the "
+            "port, or the API is off (--no-api); its token was not sent. The guard runs without the API and tries "
+            "again every api.retry_s: `sparkd status` says why (API: not served)",
+            err=True,
+        )
+        sys.exit(3)
 
 
 def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False) -> None:

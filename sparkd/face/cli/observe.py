@@ -116,6 +116,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
+    if st.api_error:  # the dashboard cannot say it: the API is what is missing
+        click.echo(f"API: NOT SERVED: {st.api_error} (the guard runs without it; tried again every api.retry_s)")
     leak = st.leak
     if leak.baseline_bytes is not None:
         click.echo(
