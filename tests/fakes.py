@@ -57,6 +57,9 @@ class FakeActions:
     def fast_reason(self) -> str | None:
         return None
 
+    async def look_now(self) -> None:
+        self.calls.append(("look_now", ""))
+
     async def close(self) -> None:
         return None
 

@@ -833,6 +833,68 @@ def test_a_driver_error_flood_is_counted_line_for_line_but_recorded_as_a_few_eve
     assert db_query(db, "SELECT sum(count) FROM kernel_counts WHERE kind = 'nvrm_no_memory'") == [(10_000,)]
 
 
+def test_a_trip_right_after_a_start_by_hand_looks_at_docker_and_is_a_stop_not_a_nothing_to_stop_trip(
+    tmp_path: Path,
+) -> None:
+    """Memory held low, the guarded model stopped; ``docker start`` by hand, and the trip came before sparkd's next
+    look at Docker: recorded as a warning "the model is stopped: nothing to stop" (collapsed in notify, a thin chart
+    mark) while its stop stopped that model (helper-42). A trip that finds the model down looks at Docker first
+    (``Actions.look_now``). Here the container side sees the start only when asked to look."""
+    import asyncio
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 1}]
+    proc, settings = _scripted(tmp_path, high, rules=rules, recheck=False)
+    actions = _serving("ready")
+    seen = ["stopped"]  # as sparkd last saw it
+
+    async def look_now() -> None:
+        seen[0] = "starting"  # Docker says: started by hand a moment ago
+
+    actions.lifecycle_state = lambda: seen[0]
+    actions.look_now = look_now
+
+    async def go() -> list[dict[str, Any]]:
+        d, r = await _started_then_tripped(settings, actions, proc / "meminfo", low)
+        try:
+            await d._handle(r)
+            return [e for e in d.recent_events if e["kind"] == "trip"]
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    [trip] = asyncio.run(go())
+    assert actions.stops == ["low_available"]
+    assert trip["severity"] == "critical" and "model_state" not in trip["details"], trip
+    assert "collapse_as" not in trip["details"] and "nothing to stop" not in trip["message"], trip
+
+
+def test_the_supervisors_look_now_sees_a_container_started_by_hand_before_its_next_step(tmp_path: Path) -> None:
+    """``Supervisor.look_now``: the watched container, stopped as sparkd last saw it, runs again (``docker start``):
+    one look (a ``docker inspect``, the real ``reconcile``) and the supervisor's state says it. Docker is a stub."""
+    import asyncio
+
+    from sparkd.act.containerspec import ContainerState as DockerState
+    from sparkd.config import load_settings
+    from sparkd.core.lifecycle import ContainerState
+    from sparkd.loop.supervisor import Supervisor
+
+    started = time.time()
+
+    class Manager:
+        def state(self, cid: str) -> DockerState:
+            return DockerState("running", True, None, False, started, None, 4242, None)
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "vllm"}})
+    sup = Supervisor(settings, manager=Manager())  # type: ignore[arg-type]
+    sup.container_id, sup.state = "c" * 64, ContainerState.STOPPED
+    sup.seen_started_at, sup.seen_restart_count = started - 600.0, 0
+    assert sup.lifecycle_state() == "stopped"
+    asyncio.run(sup.look_now())
+    assert sup.lifecycle_state() in ("starting", "ready"), (sup.state, sup.state_reason)
+
+
 def test_memory_flapping_across_the_hard_floor_at_the_sampling_rate_is_stopped_by_the_default_rules(
     tmp_path: Path,
 ) -> None:

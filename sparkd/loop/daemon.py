@@ -96,6 +96,11 @@ class Actions(Protocol):
 
     async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult: ...
 
+    async def look_now(self) -> None:
+        """Look at Docker now, before ``lifecycle_state`` is read again (a trip that finds the model down: was it
+        started by hand a moment ago?). Never raises for Docker's trouble; the caller bounds its time."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -165,6 +170,9 @@ class MonitorOnly:
 
     async def resize(self, changes: dict[str, Any], *, dry_run: bool, source: str) -> ResizeResult:
         raise Refused(f"monitor-only: {self.why}; nothing to resize")
+
+    async def look_now(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -7,6 +7,8 @@ start-up, the main loop and the shutdown in one place.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -206,6 +208,8 @@ def decide_quietly(daemon: Daemon, d: Decision) -> bool:
     return False
 
 
+#: How long a trip that finds the model down waits for a fresh look at Docker (``Actions.look_now``), s.
+LOOK_NOW_S = 2.0
 #: the model's states in which a trip has, as sparkd last saw it, nothing to stop (``decide``)
 IDLE_STATES = frozenset({*DOWN_STATES, ContainerState.NONE})
 
@@ -223,6 +227,12 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     # stopped it tells nothing); monitor-only judges every trip (its "would stop" loops as a stop would)
     monitor_only = daemon.actions.status_json().mode == "monitor-only"  # a trip is rare: the status is cheap
     state = daemon.actions.lifecycle_state()
+    if d.action == "stop" and not monitor_only and state in IDLE_STATES:
+        # down as sparkd last saw it: look at Docker now. A `docker start` by hand a moment before the trip made it
+        # a "nothing to stop" trip (warning, collapsed, a thin mark) while its stop stopped that model (helper-42)
+        with contextlib.suppress(Exception):  # Docker's trouble: the stop path says it; this look only informs
+            await asyncio.wait_for(daemon.actions.look_now(), LOOK_NOW_S)
+        state = daemon.actions.lifecycle_state()
     running = monitor_only or state in ACTIVE_STATES  # StrEnum: equal to values
     tripped = _rule(daemon, d.rule)  # as configured at the trip (a demotion below replaces the rule list)
     rule = tripped if d.action == "stop" and running else None

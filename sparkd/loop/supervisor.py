@@ -229,6 +229,15 @@ class Supervisor(RunBook):
     async def on_stop(self, decision: Decision) -> None:
         await self.emergency_stop(f"rule {decision.rule}", decision.reason)
 
+    async def look_now(self) -> None:
+        """Docker's truth about the watched container now (``reconcile``), not at the next step: a trip read the model
+        as stopped a moment after a ``docker start`` by hand, and was recorded as one with nothing to stop (a
+        warning, collapsed in notify, a thin chart mark) while its stop stopped that model (helper-42)."""
+        if self.container_id is None or self.engine_up is False:
+            return
+        with contextlib.suppress(SparkdError, OSError):
+            await self.reconcile(probe=False)
+
     def running(self) -> bool:
         return self.container_id is not None and self.state in RUNNING_STATES
 
