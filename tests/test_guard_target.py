@@ -133,6 +133,11 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     assert views.container_from_status(st)["level"] == "critical"
     html = _card(st)
     assert "<strong>Nothing guarded.</strong> No container is named" in html and NAME in html
+    # Start's title said "start it yourself (docker start NAME)": a command that fails, there is no such container
+    start_why = views.buttons_view(st.model_dump(mode="json"), True)["start_why"]
+    assert (
+        start_why == f"guard mode: no container named {NAME}; set container.guard to the model's container (docker ps)"
+    )
 
     # the engine down: what was last seen of the name is not told as news; the engine's trouble is
     down = st.model_copy(update={"container": cs.model_copy(update={"engine": "down"})})

@@ -477,6 +477,8 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         if managed or why:
             return f"{holds}: a start is refused unless forced (the guard would stop it again)" if mind else None
         said = f"guard mode: sparkd does not {verb} it; {verb} it yourself (docker {verb} {name})"
+        if c.get("guard_missing_since") is not None:  # `docker start NAME` fails: there is no such container
+            said = f"guard mode: no container named {name}; set container.guard to the model's container (docker ps)"
         return f"{said}. Mind memory first: {holds}: the guard would stop it again" if mind else said
 
     return {
