@@ -886,6 +886,9 @@ def test_the_supervisors_look_now_sees_a_container_started_by_hand_before_its_ne
         def state(self, cid: str) -> DockerState:
             return DockerState("running", True, None, False, started, None, 4242, None)
 
+        def stream_logs(self, cid: str, on_line: Any, stop: Any) -> None:
+            return None  # the run taken follows its log (a thread): there is none here
+
     settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "vllm"}})
     sup = Supervisor(settings, manager=Manager())  # type: ignore[arg-type]
     sup.container_id, sup.state = "c" * 64, ContainerState.STOPPED
