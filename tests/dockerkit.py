@@ -71,7 +71,8 @@ def launcher(
     mgr: ContainerManager, image: str, docker_client: Any, case_labels: dict[str, str]
 ) -> Iterator[Callable[..., Launched]]:
     """``launcher(mode="graceful", env={}, startup_s=0.3, mem_limit_bytes=256 MiB,
-    args=[], managed=True)`` starts a fakevllm container on a free host port."""
+    args=[], managed=True, name=None, port=None)`` starts a fakevllm container on a free host port, or ``port``
+    (``name``: its name, else a fresh ``sparkd-test-<run>-<uuid>``)."""
     created: list[str] = []
 
     def launch(
@@ -81,9 +82,11 @@ def launcher(
         mem_limit_bytes: int = 256 * MiB,
         args: list[str] | None = None,
         managed: bool = True,
+        name: str | None = None,
+        port: int | None = None,
     ) -> Launched:
-        port = free_port()
-        name = f"sparkd-test-{RUN_ID}-{uuid.uuid4().hex[:8]}"
+        port = port or free_port()
+        name = name or f"sparkd-test-{RUN_ID}-{uuid.uuid4().hex[:8]}"
         command = ["serve", "/models/fake", "--port", str(port), "--gpu-memory-utilization",
                    "0.786", "--max-model-len", "32768", "--shutdown-timeout", "25",
                    *(args or [])]  # fmt: skip

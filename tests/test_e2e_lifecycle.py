@@ -104,6 +104,37 @@ def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
     assert s.events("watermark") == []
 
 
+def test_a_guard_name_that_matches_no_container_is_said_and_the_container_that_takes_it_is_guarded(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """Guard mode with ``container.guard`` naming no container (a typo, compose's ``proj-vllm-1``) guarded nothing and
+    read "ok" (helper-40). On the real engine: a critical ``guard_target_missing``, the headline says it; a container
+    started under that name is found, adopted, and a trip stops it."""
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+    (proc / "meminfo").write_text(HIGH)
+    name = f"sparkd-test-typo-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    s = make(
+        container={"image": None, "guard": name, "port": port, "hard_floor": "1GiB"},
+        rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+    )
+    missing = s.wait_event("guard_target_missing", 30)
+    assert missing["severity"] == "critical" and f"no container named {name!r}" in missing["message"], missing
+    st = s.status()
+    assert st["container"]["guard_missing_since"] is not None and st["container"]["state"] == "none", st["container"]
+    fv = launcher(managed=False, startup_s=0.3, name=name, port=port)
+    assert s.wait_event("guard_target_found", 30)
+    assert s.wait_state("ready", 60)["container_id"] == fv.id
+    assert s.status()["container"]["guard_missing_since"] is None
+    (proc / "meminfo").write_text(LOW)
+    s.wait_event("stopped", 60)
+    (proc / "meminfo").write_text(HIGH)
+    assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is False
+
+
 def test_a_managed_container_started_by_hand_can_be_stopped_through_the_api(make: Any, docker_client: Any) -> None:
     s = make()
     c = s.wait_state("ready", 60)
