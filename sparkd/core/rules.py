@@ -438,25 +438,29 @@ _INPUT_NAMES = {
 }
 
 
-def blind_reason(rule: Rule, sample: Sample) -> str | None:
-    """Why ``rule`` cannot evaluate on ``sample`` (an input it needs is ``None``), or ``None``.
-
-    A ``when`` input missing, every ``evidence`` input missing, or (predictive) no usable
-    memory figure makes it blind: it can never count, which must not read as a quiet 0/N."""
+def missing_inputs(rule: Rule, sample: Sample) -> list[str]:
+    """The inputs ``rule`` needs that ``sample`` lacks (``None``), by name (``MemAvailable``, ``PSI``…); ``[]`` when
+    it can evaluate. A ``when`` input missing, every ``evidence`` input missing, or (predictive) no usable memory
+    figure."""
     for attr in rule.input_attrs:  # the common case, every input read: nothing to explain
         if getattr(sample, attr) is None:
             break
     else:
-        return None
+        return []
     missing = [c for c in rule.when if getattr(sample, c.attr) is None]
     if rule.evidence and all(getattr(sample, c.attr) is None for c in rule.evidence):
         missing += list(rule.evidence)
     names = list(dict.fromkeys(_INPUT_NAMES.get(c.attr, c.name) for c in missing))
     if rule.kind == "predictive" and usable_bytes(sample) is None and "MemAvailable" not in names:
         names.append("MemAvailable")
-    if not names:
-        return None
-    return f"cannot evaluate: {', '.join(names)} not read"
+    return names
+
+
+def blind_reason(rule: Rule, sample: Sample) -> str | None:
+    """Why ``rule`` cannot evaluate on ``sample`` (``missing_inputs``), or ``None``: it can never count, which must
+    not read as a quiet 0/N."""
+    names = missing_inputs(rule, sample)
+    return f"cannot evaluate: {', '.join(names)} not read" if names else None
 
 
 def evaluate(

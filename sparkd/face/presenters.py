@@ -381,6 +381,11 @@ def stopped_card(status: dict[str, Any], last_stop: dict[str, Any] | None) -> di
     return {**last_stop, "state": c.get("state"), "logged_in": None}
 
 
+def _at_least_warn(level: str) -> str:
+    """``level``, raised to ``warn`` when it is lower (``_LEVEL_RANK``)."""
+    return level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"
+
+
 def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str, Any]:
     """The headline: the nearest stop line (``status.nearest_stop``) and the page's one level.
 
@@ -405,13 +410,13 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
-        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), ENGINE_DOWN_LABEL
+        level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
         # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard)
-        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), guard_missing_text(c.get("name"))
+        level, label = _at_least_warn(level), guard_missing_text(c.get("name"))
     elif c.get("start_error") and c.get("mode") != "monitor-only":
         # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
-        level, label = (level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"), start_error_text(c.get("mode"))
+        level, label = _at_least_warn(level), start_error_text(c.get("mode"))
     elif demoted and _LEVEL_RANK.get(level, 0) < 2:  # a stop rule switched off by the loop guard: never "ok",
         # and named over a plain "warn" (near another line): the generic label hid it while memory sat below the
         # demoted rule's line (helper-31)

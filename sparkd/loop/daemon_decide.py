@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkd.core.lifecycle import ACTIVE_STATES, DOWN_STATES, ContainerState
-from sparkd.core.rules import Decision, Rule, blind_reason, stop_lines
+from sparkd.core.rules import Decision, Rule, missing_inputs, stop_lines
 from sparkd.core.sample import Sample
 from sparkd.loop import daemon_view as _daemon_view
 from sparkd.loop.guard import TickResult
@@ -285,8 +285,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
         except (OSError, ValueError) as e:  # /proc/meminfo unreadable now: the stop was skipped by a crash (helper-40)
             unread = f"could not read memory ({e})"
         # MemAvailable missing from one read read as "recovered (MemAvailable n/a)" and waited a for_s (helper-40)
-        if fresh is not None and tripped is not None and (blind := blind_reason(tripped, fresh)) is not None:
-            unread = "did not read " + blind.removeprefix("cannot evaluate: ").removesuffix(" not read")
+        if fresh is not None and tripped is not None and (missing := missing_inputs(tripped, fresh)):
+            unread = "did not read " + ", ".join(missing)
         if unread is not None:
             daemon.event(
                 "recheck_unread",

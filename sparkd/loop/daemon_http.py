@@ -133,6 +133,11 @@ def link_sockets(daemon: Daemon, port: int) -> list[socket.socket]:
     return out
 
 
+def _why(e: ConfigError | OSError) -> str:
+    """Why the API could not be served, in one line (a ConfigError's message, else the OSError's text)."""
+    return e.message if isinstance(e, ConfigError) else str(e)
+
+
 async def serve_api_or_say(daemon: Daemon) -> None:
     """Serve the API, or say why not and guard without it: a port another program holds, a ``cluster.listen``
     address not up yet (a link without carrier at boot), a token file that cannot be made. sparkd exited over the
@@ -142,7 +147,7 @@ async def serve_api_or_say(daemon: Daemon) -> None:
         await daemon._start_api()
         return
     except (ConfigError, OSError) as e:
-        why = e.message if isinstance(e, ConfigError) else str(e)
+        why = _why(e)
     retry_s = daemon.settings.api.retry_s
     daemon.api_error = why
     daemon.event(
@@ -161,7 +166,7 @@ async def serve_api_or_say(daemon: Daemon) -> None:
                 await daemon._start_api()
             except (ConfigError, OSError) as e:
                 log.debug("API still not served (try %d): %s", tries, e)
-                daemon.api_error = e.message if isinstance(e, ConfigError) else str(e)
+                daemon.api_error = _why(e)
                 continue
             daemon.api_error = None
             daemon.event(
