@@ -24,6 +24,7 @@ from sparkd.act.docker import (
     ContainerManager,
     LaunchSpec,
 )
+from sparkd.core.supervision import guard_candidates
 from sparkd.errors import Conflict, DockerUnavailable, InvalidInput, NotFound, Refused
 from sparkd.sense.vllm_http import health_check, progress_stalled, read_vllm_metrics
 from sparkd.units import MiB
@@ -207,6 +208,22 @@ def test_it_touches_an_unlabelled_container_only_when_guarded(mgr: ContainerMana
     with pytest.raises(Refused):
         mgr.remove(other.id)  # never removed: not ours
     assert mgr.guard("sparkd-test-no-such-container") is None
+
+
+def test_it_lists_running_containers_labelled_or_not_for_the_guard_mode_candidates(
+    mgr: ContainerManager, launcher: Any, image: str, docker_client: Any
+) -> None:
+    unlabelled = launcher(managed=False)
+    labelled = launcher()
+    listed = {cid: (name, img) for cid, name, img in mgr.running_containers()}
+    assert listed[unlabelled.id] == (unlabelled.name, image) and listed[labelled.id][0] == labelled.name
+    assert [i[0] for i in mgr.running_managed()] == [labelled.id]  # the labelled one alone
+    # guard mode with a name no container has: the running one whose name holds it ranks first (compose's
+    # <project>-<service>-1 holds the service's name); this run's uuid is in that container's name alone
+    short = unlabelled.name.rsplit("-", 1)[1]
+    assert guard_candidates(short, mgr.running_containers())[0] == f"{unlabelled.name} ({image})"
+    docker_client.containers.get(unlabelled.id).stop(timeout=5)
+    assert unlabelled.id not in {i[0] for i in mgr.running_containers()}  # stopped: not running
 
 
 def test_it_follows_log_lines_until_told_to_stop(mgr: ContainerManager, launcher: Any) -> None:

@@ -22,6 +22,7 @@ from sparkd.errors import DockerUnavailable, NotFound
 from sparkd.face import presenters as views
 from sparkd.face.live import live_parts, page_context
 from sparkd.face.web import templates
+from sparkd.loop import daemon_view
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.status import Status
 from sparkd.loop.supervisor import Supervisor
@@ -48,6 +49,8 @@ class Manager:
     def __init__(self) -> None:
         self.found: ContainerInfo | None = None
         self.guard_calls = 0
+        self.running: list[tuple[str, str, str]] = []
+        self.listed = 0
 
     def ping(self) -> bool:
         return True
@@ -65,6 +68,10 @@ class Manager:
 
     def running_managed(self) -> list[tuple[str, str, str]]:
         return []
+
+    def running_containers(self) -> list[tuple[str, str, str]]:  # ``docker ps``: what runs under other names
+        self.listed += 1
+        return self.running
 
 
 class Events(list[dict[str, Any]]):
@@ -167,6 +174,45 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     assert len(again) == 2 and again[1]["severity"] == "warning" and "removed" in again[1]["message"]
 
 
+async def test_the_running_containers_that_may_be_the_model_meant_are_named_and_the_mode_row_says_nothing_is_guarded(
+    tmp_path: Path,
+) -> None:
+    """Note 18 §7: beside "NOTHING GUARDED" the mode row still read "sparkd stops it on a trip", and nothing named the
+    container that runs the model under another name (docker compose's ``<project>-<service>-1``)."""
+    sup, m, events = _sup(tmp_path / "sup", {"guard": NAME})
+    compose = f"proj-{NAME}-1"
+    m.running = [("f" * 64, compose, "vllm/vllm-openai:v1"), ("a" * 64, "postgres", "postgres:16")]
+    await sup._step()
+    await sup._step()
+    assert m.listed == 1  # one `docker ps` per GUARD_CANDIDATES_EVERY_S, not one a step
+    [missing] = [e for e in events if e["kind"] == "guard_target_missing"]
+    assert missing["message"].endswith(f"; running now: {compose} (vllm/vllm-openai:v1)"), missing
+    assert missing["details"]["candidates"] == [f"{compose} (vllm/vllm-openai:v1)"]
+    cs = sup.status_json()
+    assert cs.guard_candidates == [f"{compose} (vllm/vllm-openai:v1)"]
+
+    st = _calm(await _base(tmp_path)).model_copy(update={"container": cs, "ts": time.time()})
+    h = views.headline(st.model_dump(mode="json"), None)
+    assert h["label"] == f"guard mode: no container named {NAME} — nothing guarded; running: {compose}", h
+    card = views.container_from_status(st)
+    assert card["mode_text"].startswith(f"guard: no container named {NAME} to guard, so a trip has nothing to stop")
+    html = _card(st)
+    assert f"<code>{compose} (vllm/vllm-openai:v1)</code>" in html and "stops it on a trip" not in html
+    out = status_cli_output(tmp_path, st)
+    assert f"mode: guard: no container named {NAME} to guard" in out and "stops it on a trip" not in out, out
+    assert f"running now: {compose} (vllm/vllm-openai:v1)" in out
+    assert f"guard mode: no container named {NAME}" == daemon_view._idle_why(cs)
+
+    # found (created, not started): the candidates are no longer said, and the mode row is guard mode's own again
+    m.found = _info("exited")
+    await sup._step()
+    cs = sup.status_json()
+    assert cs.guard_candidates == [] and cs.guard_missing_since is None
+    st = st.model_copy(update={"container": cs})
+    assert views.container_from_status(st)["mode_text"] == views.MODE_TEXT["guard"]
+    assert daemon_view._idle_why(cs) == "the model is not running"
+
+
 async def test_a_guarded_container_that_exists_stopped_and_managed_mode_before_its_launch_are_no_fault(
     tmp_path: Path,
 ) -> None:
@@ -190,8 +236,12 @@ def test_doctor_warns_when_the_guard_name_matches_no_container_and_only_when_doc
     def lookup(status: str | None) -> Any:
         return lambda name: status
 
-    [c] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup(None)))
+    def running() -> list[tuple[str, str, str]]:
+        return [("f" * 64, f"proj-{NAME}-1", "vllm/vllm-openai:v1")]
+
+    [c] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup(None), running_containers=running))
     assert c.status == "WARN" and c.title == "Guarded container" and "matches no container" in c.detail
+    assert c.detail.endswith(f"sparkd guards nothing; running now: proj-{NAME}-1 (vllm/vllm-openai:v1)"), c.detail
     assert "docker ps -a" in c.detail and "<project>-<service>-1" in c.action
     assert "→ set container.guard" in format_report([c])
     [ok] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup("exited")))

@@ -103,6 +103,12 @@ def test_with_nothing_to_stop_no_level_is_about_the_stops_timing() -> None:
     assert idle.time_to_floor_s == running.time_to_floor_s  # the fall is still said: it is a fact about the host
     below = nearest_stop(S(10, 5.0), rules(), {}, None, 10.0, can_stop=False)
     assert below is not None and below.level == "critical" and "nothing for a rule to stop" in below.reason
+    assert below.reason.endswith("; the model is not running: nothing for a rule to stop")
+    # guard mode with no container by its name: a model may run under another name; "not running" was not so
+    named = nearest_stop(
+        S(10, 5.0), rules(), {}, None, 10.0, can_stop=False, idle_why="guard mode: no container named x"
+    )
+    assert named is not None and named.reason.endswith("; guard mode: no container named x: nothing for a rule to stop")
     calm = nearest_stop(S(10, 60.0), rules(), {}, None, 10.0, can_stop=False)
     assert calm is not None and calm.level == "ok" and "nothing" not in calm.reason
 

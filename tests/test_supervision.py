@@ -25,6 +25,7 @@ from sparkd.core.supervision import (
     breaker_alert_due,
     breaker_count,
     decide_relaunch,
+    guard_candidates,
     heartbeat_due,
     heartbeat_message,
     judge_completion,
@@ -401,3 +402,49 @@ def test_a_rules_stop_intent_names_the_rule_once() -> None:
     assert intent_text(StopIntent.OPERATOR, "api:cli", "low_available: x") == (
         "stop intent operator (api:cli: low_available: x)"
     )
+
+
+RUNNING = [
+    ("a" * 64, "open-webui", "ghcr.io/open-webui/open-webui:main"),
+    ("b" * 64, "llm-vllm-1", "nvcr.io/nvidia/vllm:25.09-py3"),  # docker compose: project llm, service vllm
+    ("c" * 64, "vlm", "busybox"),
+    ("d" * 64, "qwen-server", "vllm/vllm-openai:v0.11.0"),
+    ("e" * 64, "/postgres", "postgres:16"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # compose's <project>-<service>-1 holds the service's name; a typo is close; then any vLLM image
+        (
+            "vllm",
+            ["llm-vllm-1 (nvcr.io/nvidia/vllm:25.09-py3)", "vlm (busybox)", "qwen-server (vllm/vllm-openai:v0.11.0)"],
+        ),
+        # case aside; "vlm" is close to "vllm-1" too (ratio 0.67)
+        (
+            "VLLM-1",
+            ["llm-vllm-1 (nvcr.io/nvidia/vllm:25.09-py3)", "vlm (busybox)", "qwen-server (vllm/vllm-openai:v0.11.0)"],
+        ),
+        (
+            "postgre",
+            [
+                "postgres (postgres:16)",
+                "llm-vllm-1 (nvcr.io/nvidia/vllm:25.09-py3)",
+                "qwen-server (vllm/vllm-openai:v0.11.0)",
+            ],
+        ),
+        # an id (container.guard takes one): its letters match nothing; the vLLM images alone
+        ("0123456789ab", ["llm-vllm-1 (nvcr.io/nvidia/vllm:25.09-py3)", "qwen-server (vllm/vllm-openai:v0.11.0)"]),
+    ],
+)
+def test_guard_candidates_name_the_running_containers_that_may_be_the_model_meant(
+    name: str, expected: list[str]
+) -> None:
+    assert guard_candidates(name, RUNNING) == expected
+
+
+def test_guard_candidates_name_nothing_unlike_the_model_and_at_most_three() -> None:
+    assert guard_candidates("vllm", [("a" * 64, "open-webui", "ghcr.io/open-webui/open-webui:main")]) == []
+    many = [(str(i) * 12, f"vllm-{i}", "img") for i in range(5)]
+    assert guard_candidates("vllm", many) == [f"vllm-{i} (img)" for i in range(3)]

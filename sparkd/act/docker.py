@@ -233,8 +233,17 @@ class ContainerManager:
         """(id, name, image) of every running, restarting or paused container with ``sparkd.managed=true`` and the
         selector labels: one ``docker ps`` (sparse: no inspect per container, as ``find_managed`` makes)."""
         filters = [f"{k}={v}" for k, v in {LABEL_MANAGED: "true", **self.selector}.items()]
-        with self._call("list running managed containers"):
-            found = self._docker().containers.list(filters={"label": filters}, sparse=True, ignore_removed=True)
+        return self._running("list running managed containers", {"label": filters})
+
+    def running_containers(self) -> list[tuple[str, str, str]]:
+        """(id, name, image) of every running, restarting or paused container, labelled or not (``docker ps``,
+        sparse). Guard mode lists them when ``container.guard`` names no container (``core.supervision.
+        guard_candidates``)."""
+        return self._running("list running containers", {})
+
+    def _running(self, what: str, filters: dict[str, Any]) -> list[tuple[str, str, str]]:
+        with self._call(what):
+            found = self._docker().containers.list(filters=filters, sparse=True, ignore_removed=True)
         return [
             (c.id, str((c.attrs.get("Names") or [c.id[:12]])[0]).lstrip("/"), str(c.attrs.get("Image", "")))
             for c in found

@@ -128,11 +128,14 @@ def nearest_stop(
     warn_margin_bytes: int = WARN_MARGIN_BYTES,
     stop_time_s: float = STOP_TIME_S,
     can_stop: bool = True,
+    idle_why: str = "the model is not running",
 ) -> NearestStop | None:
     """The nearest stop line for ``sample`` (see the module docstring for every formula).
 
     ``now`` is the monotonic time of the sample (the slope window's clock); nothing is read here.
-    ``can_stop``: whether a model runs that a rule would stop (False: no level about the stop's timing).
+    ``can_stop``: whether a model runs that a rule would stop (False: no level about the stop's timing);
+    ``idle_why``: why none does, said after a level that is not ok ("the model is not running"; guard mode with no
+    container by its name says that).
     Returns None when there is no sample or no stop rule with a size line.
     """
     if sample is None:
@@ -177,7 +180,7 @@ def nearest_stop(
     elif ttf is not None and ttf < 4 * stop_time_s:
         level, why = "warn", f"projected to reach the line in {ttf:.0f} s"
     if not can_stop and level != "ok":
-        why += "; the model is not running: nothing for a rule to stop"
+        why += f"; {idle_why}: nothing for a rule to stop"
     return NearestStop(
         rule=rule.name,
         kind=rule.kind,

@@ -14,7 +14,8 @@ Where the numbers come from (CONTEXT.md, "What the operators learned later"; iss
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -357,6 +358,42 @@ def probe_outcome(policy: ProbePolicy, consecutive_failures: int, *, health_ok: 
     if consecutive_failures < policy.failures:
         return "failing"
     return "congestion" if health_ok else "emergency"
+
+
+# ---------------------------------------------------------------------------------------------- guard mode
+#: ``guard_candidates``' limit: the running containers named as the likely model, at most.
+GUARD_CANDIDATES_MAX = 3
+
+
+def guard_candidates(
+    name: str, running: Iterable[tuple[str, str, str]], *, limit: int = GUARD_CANDIDATES_MAX
+) -> list[str]:
+    """Running containers that may be the model ``container.guard = name`` meant, when no container has that name
+    (``Supervisor`` says them with ``guard_target_missing``; the headline, the container card, ``sparkd status`` and
+    ``sparkd doctor`` show them). ``running``: ``(id, name, image)`` of each running container (``docker ps``).
+
+    Ranked: 1. a name that holds ``name`` or is held by it, case aside (docker compose's ``<project>-<service>-1``
+    for a service ``vllm``; note 18 §1.1); 2. a name ``difflib`` finds close (ratio ≥ 0.6: a typo, ``vlm`` for
+    ``vllm``); 3. an image that names vLLM (``vllm/vllm-openai``, NVIDIA's ``…/vllm``). Other containers are not
+    named. A ``name`` that is an id (12 or more hex digits) ranks by the image alone. Returns ``"NAME (IMAGE)"``
+    strings, best first, at most ``limit``."""
+    want = name.strip().lstrip("/").lower()
+    if all(ch in "0123456789abcdef" for ch in want) and len(want) >= 12:
+        want = ""  # an id (``container.guard`` takes one): its letters say nothing of a name
+    ranked: list[tuple[int, str, str]] = []
+    for _id, cname, image in running:
+        low = cname.lstrip("/").lower()
+        if want and (want in low or low in want):
+            rank = 0
+        elif want and difflib.SequenceMatcher(None, want, low).ratio() >= 0.6:
+            rank = 1
+        elif "vllm" in image.lower():
+            rank = 2
+        else:
+            continue
+        ranked.append((rank, cname.lstrip("/"), image))
+    ranked.sort(key=lambda r: (r[0], r[1]))
+    return [f"{n} ({image})" if image else n for _, n, image in ranked[:limit]]
 
 
 # ---------------------------------------------------------------------------------------------- intents

@@ -21,7 +21,7 @@ from sparkd.core.choices import RuleAction
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.rules import stop_lines
 from sparkd.core.supervision import of_this_run
-from sparkd.loop.status import GpuStatus, Status
+from sparkd.loop.status import ContainerStatus, GpuStatus, Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
@@ -284,10 +284,28 @@ DRY_RUN_MODE_TEXT = {
 }
 
 
-def guard_missing_text(name: str | None) -> str:
-    """Guard mode with no container by the guarded name (``ContainerStatus.guard_missing_since``): the headline, the
-    container card and ``sparkd status`` say it in these words."""
-    return f"guard mode: no container named {name or '?'} — nothing guarded"
+def guard_missing_text(name: str | None, candidates: list[str] | None = None) -> str:
+    """Guard mode with no container by the guarded name (``ContainerStatus.guard_missing_since``): the headline and
+    the container card say it in these words, with the running containers that may be the model meant
+    (``ContainerStatus.guard_candidates``, their names alone: "NAME (IMAGE)" loses the image)."""
+    said = f"guard mode: no container named {name or '?'} — nothing guarded"
+    names = [c.split(" (", 1)[0] for c in candidates or []]
+    return f"{said}; running: {', '.join(names)}" if names else said
+
+
+def nothing_guarded(c: ContainerStatus) -> bool:
+    """Guard mode with no container by its name, as last seen: the engine answers (while it is down, that is said
+    instead of what was last seen of the name). The card and ``sparkd status`` read it."""
+    return c.mode == "guard" and c.guard_missing_since is not None and c.engine != "down"
+
+
+def guard_missing_mode_text(name: str | None, dry_run: bool) -> str:
+    """The mode row while guard mode has no container by its name: "stops it on a trip" read beside "NOTHING
+    GUARDED" (note 18 §7)."""
+    dry = ", dry run" if dry_run else ""
+    return (
+        f"guard{dry}: no container named {name or '?'} to guard, so a trip has nothing to stop; sparkd never starts it"
+    )
 
 
 def start_error_text(mode: str | None) -> str:
@@ -310,7 +328,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     c = status.container
     monitor_only = c.mode == "monitor-only"
     # nothing guarded: no container by that name (as last seen: while the engine is down, that is said instead)
-    missing = c.mode == "guard" and c.guard_missing_since is not None and c.engine != "down"
+    missing = nothing_guarded(c)
     level = "ok"
     if monitor_only:
         level = "warn"
@@ -322,7 +340,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     return {
         "monitor_only": monitor_only,
         # which of the two container modes (helper-37: neither the dashboard nor `sparkd status` said it)
-        "mode_text": mode_text(c.mode, status.dry_run),
+        "mode_text": guard_missing_mode_text(c.name, status.dry_run) if missing else mode_text(c.mode, status.dry_run),
         "reason": c.reason,
         "state": c.state.value,
         "health": c.health,
@@ -346,7 +364,8 @@ def container_from_status(status: Status) -> dict[str, Any]:
         # a same-name container sparkd will not stop (managed mode, started by hand)
         "unguarded": c.unguarded.model_dump(mode="json") if c.unguarded else None,
         # guard mode: no container by the guarded name exists (`docker ps -a` lists none): nothing guarded
-        "guard_missing": guard_missing_text(c.name) if missing else None,
+        "guard_missing": guard_missing_text(c.name, c.guard_candidates) if missing else None,
+        "guard_candidates": c.guard_candidates if missing else [],
         "guard_missing_since": c.guard_missing_since if missing else None,
         # the supervisor's first steps failed (the revision, how the last launch ended): why, while retried
         "start_error": c.start_error,
@@ -413,7 +432,7 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
         # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard)
-        level, label = _at_least_warn(level), guard_missing_text(c.get("name"))
+        level, label = _at_least_warn(level), guard_missing_text(c.get("name"), c.get("guard_candidates"))
     elif c.get("start_error") and c.get("mode") != "monitor-only":
         # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
         level, label = _at_least_warn(level), start_error_text(c.get("mode"))

@@ -71,7 +71,9 @@ def status_json(daemon: Daemon) -> Status:
         dry_run=daemon.settings.dry_run,
         sample=SampleRow.model_validate(last.to_row()) if last else None,
         rules=[RuleStatus.model_validate(r) for r in g.rules_json()] if g else [],
-        nearest_stop=nearest_stop_status(daemon, can_stop=container.mode == "monitor-only" or not _down(container)),
+        nearest_stop=nearest_stop_status(
+            daemon, can_stop=container.mode == "monitor-only" or not _down(container), idle_why=_idle_why(container)
+        ),
         kernel_log=KernelLogStatus(
             source=daemon.kern_source_name,
             nvrm_lines=g.nvrm_lines_total if g else 0,
@@ -262,11 +264,21 @@ def _down(container: ContainerStatus) -> bool:
     return container.state in DOWN_STATES or container.state == ContainerState.NONE
 
 
-def nearest_stop_status(daemon: Daemon, *, can_stop: bool = True) -> NearestStopStatus | None:
+def _idle_why(container: ContainerStatus) -> str:
+    """Why no model runs for a rule to stop: guard mode with no container by its name says so; it read "the model
+    is not running" while a model may run under another name (note 18 §7)."""
+    if container.mode == "guard" and container.guard_missing_since is not None:
+        return f"guard mode: no container named {container.name}"
+    return "the model is not running"
+
+
+def nearest_stop_status(
+    daemon: Daemon, *, can_stop: bool = True, idle_why: str = "the model is not running"
+) -> NearestStopStatus | None:
     """``core.headroom.nearest_stop`` over the guard's last sample (None before the first); ``can_stop``:
-    whether a model runs that a rule would stop."""
+    whether a model runs that a rule would stop; ``idle_why``: why none does."""
     g = daemon.guard
     if g is None or g.last is None:
         return None
-    ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono, can_stop=can_stop)
+    ns = nearest_stop(g.last, g.rules, g.states, g.slope, g.last.mono, can_stop=can_stop, idle_why=idle_why)
     return NearestStopStatus.model_validate(ns.to_json()) if ns else None

@@ -210,6 +210,9 @@ class ContainerStatus(_Model):
     # guard mode: since when no container by ``name`` exists (``docker ps -a`` lists none) and none is watched:
     # nothing is guarded (a typo in container.guard, compose's <project>-<service>-1 naming). None: found, or not asked
     guard_missing_since: float | None = None
+    # with guard_missing_since: running containers that may be the model meant, "NAME (IMAGE)", best first
+    # (``core.supervision.guard_candidates``: a name holding the guarded one, a close name, a vLLM image)
+    guard_candidates: list[str] = []
     # the supervisor's first steps (the budget revision, how the last launch ended) failed, and are tried again: why.
     # Managed mode launches nothing at start meanwhile
     start_error: str | None = None

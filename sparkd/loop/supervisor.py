@@ -50,7 +50,7 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
-from sparkd.core.supervision import IntentRecord, StopIntent, of_this_run, who_and_reason
+from sparkd.core.supervision import IntentRecord, StopIntent, guard_candidates, of_this_run, who_and_reason
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
@@ -81,6 +81,9 @@ SHM_WITNESS_INTERVAL_S = 30.0
 # While sparkd's container runs, how often the container name is checked for another container holding it
 # (sparkd's renamed while running); every reconciliation while none of sparkd's runs.
 UNGUARDED_CHECK_S = 10.0
+# Guard mode with no container by ``container.guard``'s name: how often the running containers are listed for the
+# one that may be the model meant (``Supervisor._look_for_candidates``; one ``docker ps``).
+GUARD_CANDIDATES_EVERY_S = 30.0
 # How long the supervisor waits for the database's first open before it decides how the last launch ended.
 DB_DECIDE_WAIT_S = 30.0
 # The first steps (``Supervisor._first_steps``: the revision, how the last launch ended) that failed are tried again
@@ -189,6 +192,10 @@ class Supervisor(RunBook):
         self._launch_anchor: tuple[float, float] | None = None  # (launch_started_at, its monotonic time): _launch_age_s
         self.start_error: str | None = None  # why the first steps failed, while they are tried again
         self._guard_target_seen = False  # a container by that name was found since sparkd started
+        # guard mode, no container by that name: running containers that may be the model meant
+        # (``core.supervision.guard_candidates``), looked for at most every GUARD_CANDIDATES_EVERY_S
+        self.guard_candidates: list[str] = []
+        self._candidates_looked = -GUARD_CANDIDATES_EVERY_S
 
     # ------------------------------------------------------------------ Actions protocol
     async def start(self, daemon: Daemon) -> None:
@@ -576,6 +583,7 @@ class Supervisor(RunBook):
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
             unguarded=self.unguarded,
             guard_missing_since=self.guard_missing_since if self.mode == "guard" else None,
+            guard_candidates=self.guard_candidates if self.mode == "guard" and self.guard_missing_since else [],
             start_error=self.start_error,
         )
 
@@ -1055,6 +1063,8 @@ class Supervisor(RunBook):
             info = await asyncio.to_thread(self.manager.adopt)
         elif self.settings.container.guard:
             info = await asyncio.to_thread(self.manager.guard, self.settings.container.guard)
+            if info is None and self.container_id is None:
+                await self._look_for_candidates(self.settings.container.guard)
             self._note_guard_target(info is not None)
             if info is not None and info.status not in ("running", "restarting", "paused"):
                 info = None
@@ -1088,6 +1098,21 @@ class Supervisor(RunBook):
             # the run sparkd was stopping in an emergency when it went away (crash, kill -9): the decision stands
             self._bg = asyncio.create_task(self._finish_interrupted_stop(rec))
 
+    async def _look_for_candidates(self, name: str) -> None:
+        """Guard mode, no container by ``name``: the running containers that may be the model meant
+        (``guard_candidates``), at most every ``GUARD_CANDIDATES_EVERY_S`` (one ``docker ps``). An engine that does
+        not answer leaves the last list (the name's lookup, just made, said so)."""
+        now = time.monotonic()
+        if now - self._candidates_looked < GUARD_CANDIDATES_EVERY_S:
+            return
+        self._candidates_looked = now
+        try:
+            running = await asyncio.to_thread(self.manager.running_containers)
+        except (SparkdError, OSError) as e:
+            log.info("guard mode: could not list running containers: %s", e)
+            return
+        self.guard_candidates = guard_candidates(name, running)
+
     def _note_guard_target(self, found: bool) -> None:
         """Guard mode, after each ``docker inspect`` of the guarded name: no container by that name or id exists
         (``docker ps -a`` lists none) while none is watched, so a trip has nothing to stop. A typo in
@@ -1100,6 +1125,7 @@ class Supervisor(RunBook):
         name = self.settings.container.guard or ""
         if found:
             self._guard_target_seen = True
+            self.guard_candidates = []
             if self.guard_missing_since is not None:
                 self.guard_missing_since = None
                 self._event(
@@ -1122,11 +1148,13 @@ class Supervisor(RunBook):
                 "guarded, and a trip has nothing to stop. Fix container.guard to the name `docker ps -a` shows "
                 "(docker compose names it <project>-<service>-1), or start the container by that name"
             )
+        if self.guard_candidates:
+            message += f"; running now: {', '.join(self.guard_candidates)}"
         self._event(
             "guard_target_missing",
             message,
             severity="warning" if self._guard_target_seen else "critical",
-            details={"name": name, "removed": self._guard_target_seen},
+            details={"name": name, "removed": self._guard_target_seen, "candidates": self.guard_candidates},
         )
 
     async def _follow_guarded_name(self, was_active: bool) -> None:

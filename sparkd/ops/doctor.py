@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from sparkd.core.supervision import guard_candidates
 from sparkd.sense.gpu import parse_nvidia_smi_table
 from sparkd.sense.procfs import read_meminfo, read_zoneinfo_low_watermark_bytes
 from sparkd.units import GiB, fmt_gib
@@ -112,6 +113,13 @@ def docker_container_status(name: str, docker_url: str | None = None) -> str | N
         return None
 
 
+def docker_running_containers(docker_url: str | None = None) -> list[tuple[str, str, str]]:
+    """(id, name, image) of every running container (``docker ps``). Raises when the engine does not answer."""
+    from sparkd.act.docker import ContainerManager  # lazily, as docker_container_status
+
+    return ContainerManager(docker_url, api_timeout_s=5.0).running_containers()
+
+
 def systemd_is_pid1(run_root: Path = Path("/run")) -> bool:
     """sd_booted(3): systemd runs as PID 1 iff ``/run/systemd/system`` exists."""
     return (run_root / "systemd" / "system").is_dir()
@@ -147,6 +155,7 @@ class DoctorContext:
     guard_name: str | None = None  # container.guard in guard mode (no container.image): the container it names
     # the guarded container's status, None when none by that name exists; raises when Docker does not answer
     container_status: Callable[[str], str | None] = docker_container_status
+    running_containers: Callable[[], list[tuple[str, str, str]]] = docker_running_containers
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
 
@@ -234,12 +243,17 @@ def check_guard_target(ctx: DoctorContext) -> list[Check]:
     except Exception:
         return []
     if status is None:
+        try:
+            candidates = guard_candidates(name, ctx.running_containers())
+        except Exception:
+            candidates = []
+        running = f"; running now: {', '.join(candidates)}" if candidates else ""
         return [
             Check(
                 "WARN",
                 "Guarded container",
                 f"container.guard = {name!r} matches no container (`docker ps -a` lists none by that name or id): "
-                "sparkd guards nothing",
+                f"sparkd guards nothing{running}",
                 "set container.guard to the name `docker ps -a --format '{{.Names}}'` shows (docker compose names it "
                 "<project>-<service>-1), or start the container by that name",
             )

@@ -29,7 +29,14 @@ from sparkd.face.cli.base import (
     _ts,
     main,
 )
-from sparkd.face.presenters import HOLDS_AGAIN_TEXT, idle_trips_text, mode_text, rule_cond
+from sparkd.face.presenters import (
+    HOLDS_AGAIN_TEXT,
+    guard_missing_mode_text,
+    idle_trips_text,
+    mode_text,
+    nothing_guarded,
+    rule_cond,
+)
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS
 from sparkd.units import fmt_gib
@@ -149,14 +156,16 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
-    mode = mode_text(c.mode, st.dry_run)
+    missing = nothing_guarded(c)
+    mode = guard_missing_mode_text(c.name, st.dry_run) if missing else mode_text(c.mode, st.dry_run)
     if mode:  # which mode: it was said nowhere (helper-37)
         click.echo(f"mode: {mode}")
-    if c.mode == "guard" and c.guard_missing_since is not None and c.engine != "down":
+    if missing:
         click.echo(
             f"NOTHING GUARDED since {_ts(c.guard_missing_since)} UTC: no container named {c.name} (`docker ps -a` "
             "lists none by that name or id), so a trip has nothing to stop; set container.guard to the name "
             "`docker ps -a` shows, or start the container by that name"
+            + (f"; running now: {', '.join(c.guard_candidates)}" if c.guard_candidates else "")
         )
     if c.mode != "monitor-only" and c.start_error:
         held = "nothing is launched at start until they succeed" if c.mode == "managed" else "guarding it as ever"
