@@ -220,6 +220,26 @@ async def test_a_trip_says_how_much_of_the_fall_came_from_the_container_and_from
     assert w.summary_line() == shares.text
 
 
+async def test_a_trip_repeated_while_memory_stays_low_names_no_new_fall_and_a_fall_after_a_recovery_is_told() -> None:
+    """A rule that holds with the model down trips once per cooldown; each trip's reason named the first trip's
+    fall again ("who grew since 00:00:10 … 30.00 → 20.00 GiB") as if it were new (note 18 §7)."""
+    scans = [_scan(10, 80 * GiB, 1 * GiB), _scan(20, 80 * GiB, 6 * GiB)]
+    scans += [_scan(30, 80 * GiB, 6 * GiB), _scan(40, 80 * GiB, 1 * GiB), _scan(50, 80 * GiB, 9 * GiB)]
+    w, _ = _watch(ScriptedScanner(scans), [30 * GiB, 20 * GiB, 20 * GiB, 30 * GiB, 18 * GiB])
+    await w.scan()
+    first = await w.at_trip()
+    assert first is not None and first.text.startswith("since 00:00:10 UTC MemAvailable 30.00 GiB → 20.00 GiB")
+    again = await w.at_trip()  # the cooldown later, memory as low
+    assert again is not None and again.before is first.after
+    assert again.text.startswith(
+        "no fall since the last trip at 00:00:20 UTC (MemAvailable 20.00 GiB → 20.00 GiB): it was this low already"
+    ), again.text
+    await w.scan()  # recovered (the co-tenant ended) ...
+    third = await w.at_trip()  # ... and fell again: that fall is told, from the scan after the recovery
+    assert third is not None and third.before is not None and third.before.summary.at == 40
+    assert third.text.startswith("since 00:00:40 UTC MemAvailable 30.00 GiB → 18.00 GiB: container +0.00 GiB"), third
+
+
 async def test_a_trip_whose_scan_hangs_uses_the_last_periodic_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     import sparkd.loop.consumers as mod
 

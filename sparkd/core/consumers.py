@@ -200,6 +200,7 @@ def fall_text(
     *,
     mem_available_before_bytes: int | None = None,
     mem_available_after_bytes: int | None = None,
+    before_is_trip: bool = False,
 ) -> str:
     """One sentence for a trip's reason and the incident summary: who grew between two scans.
 
@@ -208,11 +209,13 @@ def fall_text(
     says so and gives the groups' current totals (``after.text()``); so it does when MemAvailable fell by less
     than ``OUTSIDE_RSS_MIN_BYTES`` since (a rule that holds with the model down trips again with memory as low as
     at its last trip: "who grew … MemAvailable 2.00 GiB → 2.00 GiB: container +0.00 GiB" named a fall there was
-    not, helper-39).
+    not, helper-39). ``before_is_trip``: ``before`` is the last trip's scan, said so ("since the last trip at …").
     """
     if before is None:
         return f"no scan before the fall; now: {after.text()}"
     when = datetime.fromtimestamp(before.at, UTC).strftime("%H:%M:%S UTC")
+    if before_is_trip:
+        when = f"the last trip at {when}"
     if (
         mem_available_before_bytes is not None
         and mem_available_after_bytes is not None

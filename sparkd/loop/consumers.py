@@ -139,10 +139,13 @@ class ConsumerWatch:
             left = self.host_reserve_bytes
         return max(0, left - int(self.settings.cotenant_margin_gib * GiB))
 
-    def before_fall(self) -> ScanPoint | None:
-        """The kept scan with the highest MemAvailable (the latest of equals); None when none has one."""
+    def before_fall(self, since: float | None = None) -> ScanPoint | None:
+        """The kept scan with the highest MemAvailable (the latest of equals), among those taken at ``since`` (epoch
+        s) or later when given; None when none has one."""
         best: ScanPoint | None = None
         for p in self.history:
+            if since is not None and p.summary.at < since:
+                continue
             if p.mem_available_bytes is not None and (
                 best is None or p.mem_available_bytes >= (best.mem_available_bytes or 0)
             ):
@@ -261,8 +264,15 @@ class ConsumerWatch:
         self.alarm.wake()
 
     async def at_trip(self) -> TripShares | None:
-        """A trip's scan and who grew since the scan before the fall; None when nothing was ever scanned."""
-        before = self.before_fall()  # chosen among the scans before this trip's own
+        """A trip's scan and who grew since the scan before the fall; None when nothing was ever scanned.
+
+        The fall is looked for since the last trip's scan when there was one: trips repeated while memory stays low
+        (a rule that holds with the model down trips once per cooldown) each named the first trip's fall ("who grew
+        since 18:08:08 … 12.00 → 4.00 GiB") as if it were new; now "no fall since the last trip at 18:08:10 …"
+        (note 18 §7). A fall after a recovery since that trip is told as ever."""
+        previous = self.last_trip
+        since = previous.after.summary.at if previous is not None else None
+        before = self.before_fall(since)  # chosen among the scans before this trip's own
         fresh = True
         try:
             ids, avail = self.container_ids(), self.mem_available()
@@ -281,6 +291,7 @@ class ConsumerWatch:
             after.summary,
             mem_available_before_bytes=before.mem_available_bytes if before else None,
             mem_available_after_bytes=after.mem_available_bytes,
+            before_is_trip=before is not None and previous is not None and before is previous.after,
         )
         shares = fall_shares(before.summary if before else None, after.summary)
         # the fall's part outside every RSS, as the text says it: the stopped card's "who grew" read "container
