@@ -40,7 +40,7 @@ PHASES: tuple[tuple[str, str | None, str], ...] = (
     ("sparkd.loop.daemon_decide", None, "handle_sync"),
     ("sparkd.store.store", "Writer", "submit"),
     ("sparkd.loop.daemon_view", None, "check_blind"),
-    ("sparkd.loop.daemon_decide", None, "_refresh_status"),
+    ("sparkd.loop.daemon_decide", None, "refresh_status"),
     ("sparkd.loop.daemon", "Daemon", "status_json"),
     ("sparkd.loop.daemon", "Daemon", "_after_tick"),
     ("sparkd.loop.daemon_decide", None, "update_mode"),

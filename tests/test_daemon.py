@@ -1310,6 +1310,72 @@ def test_the_guard_keeps_sampling_while_a_stop_runs_and_reports_no_gap_for_it(
         assert "trip_during_stop" not in kinds and "trip_cooldown" in kinds, kinds
 
 
+def test_an_event_between_ticks_far_apart_reaches_the_snapshot_and_systemd_status_within_seconds(
+    tmp_path: Path,
+) -> None:
+    """At ``interval_s = 40`` a stop's "container: stopped" reached ``systemctl status`` (``STATUS=``) and the
+    snapshot ``sparkd status`` reads only at the next tick, up to 40 s late (note 18 §7). Here ticks 30 s apart and
+    the container's side changing between them, with its event: both within ~1 s, without a tick."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.core.lifecycle import ContainerState
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+    from sparkd.loop.status import ContainerStatus
+
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "interval_s": 30, "api": {"enabled": False}}
+    )
+
+    class Container(MonitorOnly):  # the supervisor's side, as the daemon reads it
+        state = "ready"
+
+        def lifecycle_state(self) -> str:
+            return self.state
+
+        def status_json(self) -> ContainerStatus:
+            return ContainerStatus(mode="guard", name="vllm", state=ContainerState(self.state))
+
+    class Notifier:
+        def __init__(self) -> None:
+            self.sent: list[tuple[float, str]] = []
+
+        def notify(self, msg: str) -> None:
+            self.sent.append((time.monotonic(), msg))
+
+    notifier = Notifier()
+
+    async def go() -> tuple[list[str], float, int, int, dict[str, Any] | None]:
+        actions = Container()
+        d = Daemon(settings, actions=actions, notifier=notifier)  # type: ignore[arg-type]
+        await d.startup()
+        await asyncio.wait_for(d._db_opened.wait(), 30)
+        loop_task = asyncio.create_task(d.main_loop())
+        await asyncio.sleep(1.5)
+        n0 = d.samples_taken
+        actions.state = "stopped"  # the container's side, between ticks
+        said, said_at = time.monotonic(), time.time()
+        d.event("stopped", "the model was stopped (test)")
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if any("container: stopped" in m for t, m in notifier.sent if t > said):
+                break
+        await asyncio.sleep(0.5)  # the urgent snapshot's write
+        assert d.store is not None
+        snap = d.store.status_snapshot()
+        status = [m for t, m in notifier.sent if t > said and m.startswith("STATUS=")]
+        n1 = d.samples_taken
+        d.request_exit()
+        await loop_task
+        await d.shutdown("test")
+        return status, said_at, n0, n1, snap
+
+    status, said_at, n0, n1, snap = asyncio.run(go())
+    assert n1 == n0, "a tick came: this test is about the time between two"
+    assert status and "container: stopped" in status[0], notifier.sent
+    assert snap is not None and snap["container"]["state"] == "stopped" and snap["ts"] > said_at, snap
+
+
 def test_monitor_only_trips_once_per_cooldown_while_memory_stays_low(tmp_path: Path) -> None:
     """Monitor-only (no container): the trip's ``stop_not_executed`` used to reset the cooldowns (as a failed
     stop must, for the next trip to retry it), so memory held low gave a critical ``trip`` and a warning

@@ -44,6 +44,7 @@ from sparkd.loop.alarm import Alarm
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.daemon_db import keep_log_file as _keep_log_file
 from sparkd.loop.daemon_db import one_line as _one_line
+from sparkd.loop.daemon_decide import STATUS_SOON_S
 from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.httpserver import (
     HttpStats,
@@ -225,6 +226,9 @@ class Daemon:
         self._fast_until = 0.0
         self._last_status = 0.0
         self._status_key: tuple[Any, ...] | None = None
+        # an event between two ticks far apart (interval_s up to 60 s): the snapshot and systemd's STATUS= a second
+        # later, not at the next tick (``_status_soon``)
+        self._status_soon_handle: asyncio.TimerHandle | None = None
         # the main loop's pending tick (a TimerHandle) and the future main_loop waits on (set by a tick that
         # has decisions to act on, by request_exit, or with a tick's exception)
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -331,6 +335,8 @@ class Daemon:
             self.writer.submit("event", dict(ev))
         for hook in self.notify_hooks:
             hook(ev)
+        if self.ready and self._status_soon_handle is None and self.current_interval() > 2 * STATUS_SOON_S:
+            self._status_soon()
         if kind in ("stopped", "killed") and self.guard is not None:
             took = ((details or {}).get("durations_s") or {}).get("stop")
             if isinstance(took, int | float):
@@ -396,6 +402,26 @@ class Daemon:
     def _check_blind(self) -> None:
         """An event at start and whenever the set of blind inputs or rules changes."""
         _daemon_view.check_blind(self)
+
+    def _status_soon(self) -> None:
+        """Refresh the status snapshot and systemd's ``STATUS=`` ``STATUS_SOON_S`` after an event, when ticks are
+        further apart than twice that: at ``interval_s = 40`` a stop's "container: stopped" reached ``sparkd status``
+        and ``systemctl status`` up to 40 s late (note 18 §7). Only on the event loop's thread (an event said from a
+        worker thread waits for the next tick, as before)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._status_soon_handle = loop.call_later(STATUS_SOON_S, self._refresh_soon)
+
+    def _refresh_soon(self) -> None:
+        self._status_soon_handle = None
+        if self.should_exit.is_set() or self.writer is None:
+            return
+        try:
+            _daemon_decide.refresh_status(self)
+        except Exception:  # the next tick refreshes it; never an exception out of a timer callback
+            log.exception("status refresh after an event failed")
 
     def current_interval(self) -> float:
         return self.settings.fast_interval_s if self.mode == "fast" else self.settings.interval_s

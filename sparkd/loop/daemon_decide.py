@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the container, an event)
 STATUS_BLIND_S = 5.0  # while no sample can be read (``Guard.read_error``): `sparkd status` judges liveness by it
+# after an event between ticks further apart than twice this (``Daemon._status_soon``): the snapshot and STATUS=
+STATUS_SOON_S = STATUS_EVERY_S
 STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 5 s)
 
 _COUNTER = operator.attrgetter("counter")
@@ -78,7 +80,7 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
         daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
     for start, count in daemon.guard.nvrm.closed_windows(daemon.guard.mono()) if daemon.guard else []:
         daemon.writer.submit("nvrm_window", (start, daemon.settings.nvrm_window_s, count))
-    _refresh_status(daemon)
+    refresh_status(daemon)
     return acting
 
 
@@ -87,10 +89,10 @@ def handle_blind_tick(daemon: Daemon) -> None:
     ``sensor_blind`` event (critical) and the status snapshot say so at once; ``sensors_restored``
     follows the first read that succeeds."""
     daemon._check_blind()
-    _refresh_status(daemon)
+    refresh_status(daemon)
 
 
-def _refresh_status(daemon: Daemon) -> None:
+def refresh_status(daemon: Daemon) -> None:
     """The status snapshot `sparkd status` reads: at once when something changed, else every
     ``STATUS_QUIET_S``."""
     assert daemon.writer is not None
