@@ -116,6 +116,8 @@ def test_a_guard_name_that_matches_no_container_is_said_and_the_container_that_t
     (proc / "meminfo").write_text(HIGH)
     name = f"sparkd-test-typo-{uuid.uuid4().hex[:8]}"
     port = free_port()
+    # the model under compose's <project>-<service>-1 name: named as the likely target, never touched
+    compose = launcher(managed=False, startup_s=0.3, name=f"proj-{name}-1")
     s = make(
         container={"image": None, "guard": name, "port": port, "hard_floor": "1GiB"},
         rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
@@ -123,8 +125,10 @@ def test_a_guard_name_that_matches_no_container_is_said_and_the_container_that_t
     )
     missing = s.wait_event("guard_target_missing", 30)
     assert missing["severity"] == "critical" and f"no container named {name!r}" in missing["message"], missing
+    assert f"running now: {compose.name} (" in missing["message"], missing  # docker ps, labelled or not
     st = s.status()
     assert st["container"]["guard_missing_since"] is not None and st["container"]["state"] == "none", st["container"]
+    assert [c.split(" (")[0] for c in st["container"]["guard_candidates"]] == [compose.name], st["container"]
     fv = launcher(managed=False, startup_s=0.3, name=name, port=port)
     assert s.wait_event("guard_target_found", 30)
     assert s.wait_state("ready", 60)["container_id"] == fv.id
@@ -133,6 +137,7 @@ def test_a_guard_name_that_matches_no_container_is_said_and_the_container_that_t
     s.wait_event("stopped", 60)
     (proc / "meminfo").write_text(HIGH)
     assert docker_client.api.inspect_container(fv.id)["State"]["Running"] is False
+    assert docker_client.api.inspect_container(compose.id)["State"]["Running"] is True  # not the guarded one
 
 
 def test_a_managed_container_started_by_hand_can_be_stopped_through_the_api(make: Any, docker_client: Any) -> None:

@@ -498,7 +498,7 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
 
     def guarded(verb: str) -> str | None:  # guard mode: the buttons were disabled without a word (helper-37)
         mind = holding and verb == "start" and not running
-        if managed or why:
+        if managed:  # (called only when the controls apply: ``why`` is None)
             return f"{holds}: a start is refused unless forced (the guard would stop it again)" if mind else None
         said = f"guard mode: sparkd does not {verb} it; {verb} it yourself (docker {verb} {name})"
         if c.get("guard_missing_since") is not None:  # `docker start NAME` fails: there is no such container
