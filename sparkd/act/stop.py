@@ -13,8 +13,10 @@ event ``stopped`` with the durations.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -355,7 +357,12 @@ async def witness_before_stop(
         w = shm.ShmWitness(cid, shm_dir=shm_dir, proc_root=proc_root)
     try:
         st = await asyncio.to_thread(docker.state, cid)
-        await asyncio.to_thread(w.observe, st.pid)
+        done, _ = await apart(WITNESS_WAIT_S, w.observe, st.pid)
+        if not done:  # a /proc/PID/maps read waits (a process stuck in the driver): the SIGTERM does not
+            rep.errors.append(
+                f"/dev/shm witness before the stop: the scan of the container's processes did not end within "
+                f"{WITNESS_WAIT_S:g} s (a /proc/PID/maps read blocked); the stop goes on without it"
+            )
     except Exception as e:
         rep.errors.append(f"/dev/shm witness before the stop failed: {e}")
     return w
@@ -506,6 +513,41 @@ async def _within(wait_s: float, fn: Callable[..., Any], *args: Any, **kw: Any) 
     return (True, task.result()) if done else (False, None)
 
 
+#: How long a stop waits for a scan of the container's processes (the /dev/shm witness before the SIGTERM), and for
+#: the /dev/shm cleanup after the stop (s). Both read ``/proc/PID/maps``, which waits on that process's memory-map
+#: lock: a process stuck in the driver, as one may be when a rule trips, held the read, and so the stop, for ever
+#: (helper-43). Past it the stop goes on; the scan is left to its own thread.
+WITNESS_WAIT_S = 2.0
+SHM_CLEANUP_WAIT_S = 10.0
+
+
+async def apart(wait_s: float | None, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """``fn(*args)`` in a daemon thread of its own, waited on for ``wait_s`` (None: until it returns): (True, its
+    result), or (False, None) when it had not returned by then (it goes on, unheard). Raises what ``fn`` raised.
+
+    For reads of ``/proc/PID/maps`` (the /dev/shm witness and cleanup): a read that never returns would pin a worker
+    of the event loop's shared pool (six on a 2-CPU host) for ever, and a few of them starve every Docker call."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not fut.done():
+            fut.set_exception(error) if error is not None else fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting side
+            result, error = None, e
+        with contextlib.suppress(RuntimeError):  # the loop ended meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"sparkd-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    fut.add_done_callback(unheard)
+    done, _ = await asyncio.wait({fut}, timeout=wait_s)
+    return (True, fut.result()) if done else (False, None)
+
+
 def unheard(fut: asyncio.Future[Any]) -> None:
     """Done callback of a call given up on (a hung engine): its late error is nobody's to hear, and asyncio does not
     log "exception was never retrieved" for it."""
@@ -516,7 +558,16 @@ def unheard(fut: asyncio.Future[Any]) -> None:
 async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: CleanupShm, emit: Emit) -> None:
     """Step 6: /dev/shm entries of this run that no live process holds."""
     try:
-        res = await asyncio.to_thread(cleanup_shm, target.started_at, rep.stopped_at or time.time())
+        done, res = await apart(SHM_CLEANUP_WAIT_S, cleanup_shm, target.started_at, rep.stopped_at or time.time())
+        if not done:  # one process on the host whose /proc/PID/maps read blocks held the stop's end for ever
+            why = (
+                f"the /dev/shm cleanup did not end within {SHM_CLEANUP_WAIT_S:g} s (a /proc/PID/maps read blocked: "
+                "a process stuck in the driver?); it goes on in the background, and removes only what its re-check "
+                "still finds dead"
+            )
+            rep.errors.append(why)
+            emit("shm_cleanup", why, severity="warning", details={"timed_out": True})
+            return
         rep.shm_removed = [n for n, _b in res.removed]
         rep.shm_kept = [f"{k.name}: {k.reason}" for k in res.kept]
         if res.removed or res.kept:

@@ -68,6 +68,11 @@ from sparkd.units import parse_size
 
 log = logging.getLogger("sparkd.loop.daemon")
 
+#: A stop decision still running this long past ``container.stop_timeout_s`` is said to be stuck (``stop_stuck``):
+#: the archive (``act.stop.ARCHIVE_WAIT_S``, 10 s), the witness (2 s), the kill fallback and the /dev/shm cleanup
+#: (10 s) all fit in it.
+DECISION_MARGIN_S = 60.0
+
 LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer
 
 
@@ -661,9 +666,17 @@ class Daemon:
         are covered by it: each is an info ``trip_during_stop`` event, not a second stop refused as "not
         running". A stop that failed resets the cooldowns (``stop_not_executed``): a rule that still
         holds trips again, and that trip acts."""
+        loop = asyncio.get_running_loop()
         while self._decisions:
             d, sample = self._decisions.popleft()
-            if not await self._decide(d, sample):
+            stuck_s = self.settings.container.stop_timeout_s + DECISION_MARGIN_S
+            watch = loop.call_later(stuck_s, self._decision_stuck, d, stuck_s) if d.action == "stop" else None
+            try:
+                acted = await self._decide(d, sample)
+            finally:
+                if watch is not None:
+                    watch.cancel()
+            if not acted:
                 continue
             covered = [x for x in self._decisions if x[0].action == "stop"]
             if not covered:
@@ -679,6 +692,18 @@ class Daemon:
                         "sample_ts": c_sample.ts if c_sample is not None else None,
                     },
                 )
+
+    def _decision_stuck(self, d: Decision, after_s: float) -> None:
+        """A stop decision still running ``after_s`` after it began (the grace plus ``DECISION_MARGIN_S``): a step
+        that never returns (a read of a process stuck in the driver, a Docker call that hangs) held it, and every
+        later trip queued behind it, without a word (helper-43). Said once, critical; the decision is not cut."""
+        self.event(
+            "stop_stuck",
+            f"the stop for {d.rule} has not ended {after_s:g} s after it began ({d.reason}); later trips wait for it. "
+            "Check the model (`docker ps`) and the host: a process stuck in the driver?",
+            severity="critical",
+            details={"rule": d.rule, "after_s": after_s, "queued": len(self._decisions)},
+        )
 
     def _decider_done(self, task: asyncio.Task[None]) -> None:
         """A decision that raised ends the main loop as a failed tick does (``daemon_crashed``)."""

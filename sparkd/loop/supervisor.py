@@ -35,7 +35,7 @@ from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.docker import ContainerManager
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.shm import ShmWitness
-from sparkd.act.stop import StopReport, fallback_grace_s, unheard
+from sparkd.act.stop import WITNESS_WAIT_S, StopReport, apart, fallback_grace_s, unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import (
     ACTIVE_STATES,
@@ -192,6 +192,7 @@ class Supervisor(RunBook):
         self._launch_anchor: tuple[float, float] | None = None  # (launch_started_at, its monotonic time): _launch_age_s
         self.start_error: str | None = None  # why the first steps failed, while they are tried again
         self._guard_target_seen = False  # a container by that name was found since sparkd started
+        self._shm_scan: asyncio.Future[Any] | None = None  # the /dev/shm witness scan in its own thread
         # guard mode, no container by that name: running containers that may be the model meant
         # (``core.supervision.guard_candidates``), looked for at most every GUARD_CANDIDATES_EVERY_S
         self.guard_candidates: list[str] = []
@@ -1263,7 +1264,20 @@ class Supervisor(RunBook):
         self._last_shm_observe = time.monotonic()
         if self.shm_witness is None or self.shm_witness.container_id != cid:
             self.shm_witness = ShmWitness(cid, shm_dir=self.settings.shm_dir, proc_root=self.settings.proc_root)
-        await asyncio.to_thread(self.shm_witness.observe, pid)
+        if self._shm_scan is not None and not self._shm_scan.done():
+            return  # the last scan has not ended (a /proc/PID/maps read blocked): never a second thread beside it
+        # in a thread of its own, waited on briefly: this runs under ``_obs_lock``, which a trip's stop takes next; a
+        # read that waits on a process stuck in the driver held the trip's stop for ever, unsaid (helper-43)
+        self._shm_scan = asyncio.ensure_future(apart(None, self.shm_witness.observe, pid))
+        self._shm_scan.add_done_callback(unheard)
+        done, _ = await asyncio.wait({self._shm_scan}, timeout=WITNESS_WAIT_S)
+        if not done:
+            log.warning(
+                "/dev/shm witness: the scan of %s's processes has not ended within %g s (a /proc/PID/maps read "
+                "blocked?); no new scan until it does",
+                self.name,
+                WITNESS_WAIT_S,
+            )
 
     async def apply(self, step: Step, obs: Observation) -> None:
         """Execute one transition: adopt first (a new run), then the state change, then the rest."""
