@@ -208,6 +208,9 @@ def test_it_touches_an_unlabelled_container_only_when_guarded(mgr: ContainerMana
     with pytest.raises(Refused):
         mgr.remove(other.id)  # never removed: not ours
     assert mgr.guard("sparkd-test-no-such-container") is None
+    # Docker resolves an unknown name as an id prefix: a short hex name took a container it does not name (helper-43)
+    assert mgr.guard(other.id[:4]) is None
+    assert (found := mgr.guard(other.id[:12])) is not None and found.id == other.id  # an id, as docker ps prints it
 
 
 def test_it_lists_running_containers_labelled_or_not_for_the_guard_mode_candidates(

@@ -16,6 +16,7 @@ import pytest
 from test_status import status_cli_output
 
 from sparkd.act.containerspec import ContainerInfo
+from sparkd.act.docker import guard_matches
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState
 from sparkd.errors import DockerUnavailable, NotFound
@@ -252,3 +253,21 @@ def test_doctor_warns_when_the_guard_name_matches_no_container_and_only_when_doc
 
     assert check_guard_target(DoctorContext(guard_name=NAME, container_status=down)) == []
     assert check_guard_target(DoctorContext(guard_name=None, container_status=lookup(None))) == []
+
+
+@pytest.mark.parametrize(
+    ("guard", "name", "cid", "meant"),
+    [
+        ("vllm", "vllm", "b200" + "f" * 60, True),
+        ("/vllm", "vllm", "b200" + "f" * 60, True),
+        ("b200", "postgres", "b200" + "f" * 60, False),  # Docker's id-prefix fallback: not the container meant
+        ("cafe", "db", "cafe" * 16, False),
+        ("b200ffffffff", "postgres", "b200" + "f" * 60, True),  # 12 hex digits: an id, as `docker ps` prints it
+        ("b200ffffffff", "postgres", "c" * 64, False),
+    ],
+)
+def test_a_guard_name_takes_only_the_container_it_names(guard: str, name: str, cid: str, meant: bool) -> None:
+    """``ContainerManager.guard`` asks the engine for ``/containers/{guard}/json``, which falls back to a unique id
+    prefix: ``container.guard = "b200"`` with its container gone adopted, and permitted the stop of, an unrelated
+    container whose id began so (helper-43). The real engine's lookup: ``test_container.py``."""
+    assert guard_matches(guard, name, cid) is meant

@@ -65,6 +65,21 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+#: The shortest id prefix ``container.guard`` may name a container by (``docker ps`` prints 12 hex digits).
+GUARD_ID_PREFIX_MIN = 12
+
+
+def guard_matches(guard: str, name: str, cid: str) -> bool:
+    """Whether the container ``name`` (``cid``) that Docker returned for ``container.guard = guard`` is the one meant:
+    its name, or its id when ``guard`` is an id (``GUARD_ID_PREFIX_MIN`` hex digits or more). Docker's lookup falls
+    back to a unique id prefix for any string; a two-letter hex name matched an unrelated container."""
+    g = guard.strip().lstrip("/")
+    if g == name.lstrip("/"):
+        return True
+    hexdigits = set("0123456789abcdef")
+    return len(g) >= GUARD_ID_PREFIX_MIN and set(g) <= hexdigits and cid.startswith(g)
+
+
 class ContainerManager:
     """Blocking manager for sparkd's vLLM container.
 
@@ -275,6 +290,10 @@ class ContainerManager:
         try:
             info = self.get(name)
         except NotFound:
+            return None
+        if not guard_matches(name, info.name, info.id):
+            # the engine resolves an unknown name as an id prefix: a hex-looking name ("b200", "e5") whose container
+            # is gone took, and permitted the stop of, whatever container's id began so (helper-43)
             return None
         # by id too: ``guard`` may name an id (not the container's name), and a guarded container renamed while
         # it runs (``docker rename``) is still the model sparkd watches; its stop was refused ("not guarded")

@@ -104,13 +104,14 @@ def docker_container_status(name: str, docker_url: str | None = None) -> str | N
     """Docker's status of the container ``name`` (a name or an id, as ``container.guard`` takes it): ``running``,
     ``exited``...; None when no container by that name exists (``docker ps -a`` lists none). Raises when the engine
     does not answer (``DockerUnavailable``)."""
-    from sparkd.act.docker import ContainerManager  # lazily: doctor must run where the SDK is missing
+    from sparkd.act.docker import ContainerManager, guard_matches  # lazily: doctor must run where the SDK is missing
     from sparkd.errors import NotFound
 
     try:
-        return ContainerManager(docker_url, api_timeout_s=5.0).get(name).status
+        info = ContainerManager(docker_url, api_timeout_s=5.0).get(name)
     except NotFound:
         return None
+    return info.status if guard_matches(name, info.name, info.id) else None  # not an id prefix of another one
 
 
 def docker_running_containers(docker_url: str | None = None) -> list[tuple[str, str, str]]:
