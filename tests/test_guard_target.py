@@ -137,7 +137,8 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     base = _calm(await _base(tmp_path))
     st = base.model_copy(update={"container": cs, "ts": time.time()})
     h = views.headline(st.model_dump(mode="json"), None)
-    assert h["level"] == "warn" and h["label"] == f"guard mode: no container named {NAME} — nothing guarded", h
+    # critical, as its event and managed mode's "not guarded" are: it read amber under a calm headroom (helper-44)
+    assert h["level"] == "critical" and h["label"] == f"guard mode: no container named {NAME} — nothing guarded", h
     assert views.container_from_status(st)["level"] == "critical"
     html = _card(st)
     assert "<strong>Nothing guarded.</strong> No container is named" in html and NAME in html
@@ -271,3 +272,39 @@ def test_a_guard_name_takes_only_the_container_it_names(guard: str, name: str, c
     prefix: ``container.guard = "b200"`` with its container gone adopted, and permitted the stop of, an unrelated
     container whose id began so (helper-43). The real engine's lookup: ``test_container.py``."""
     assert guard_matches(guard, name, cid) is meant
+
+
+async def test_a_trip_with_nothing_guarded_is_critical_and_names_the_running_candidate(tmp_path: Path) -> None:
+    """Guard mode with a wrong name while the model runs under compose's name: a trip read "the model is none:
+    nothing to stop unless Docker says otherwise", a warning (collapsed notifications, a thin dashed mark, counted
+    "with the model down"), naming nothing (helper-44). The container side is the supervisor's status as
+    ``test_the_running_containers…`` shows it built; the daemon's trip path is real."""
+    from test_daemon import _scripted, _serving, _started_then_tripped
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 1}]
+    proc, settings = _scripted(tmp_path, high, cooldown_s=0, rules=rules, recheck=False)
+    actions = _serving("none")
+    sup, m, _ = _sup(tmp_path / "sup", {"guard": NAME})
+    m.running = [("f" * 64, f"proj-{NAME}-1", "vllm/vllm-openai:v1")]
+    await sup._step()
+    sup_status = sup.status_json()
+    assert sup_status.guard_candidates
+    actions.status_json = lambda: sup_status
+    d, r = await _started_then_tripped(settings, actions, proc / "meminfo", low)
+    try:
+        await d._handle(r)
+        [trip] = [e for e in d.recent_events if e["kind"] == "trip"]
+        cs = d.status_json()
+    finally:
+        d.should_exit.set()
+        await d.shutdown("test")
+    assert trip["severity"] == "critical", trip
+    assert (
+        f"NOT stopped: nothing is guarded (guard mode: no container named {NAME}; running now: proj-{NAME}-1"
+        in (trip["message"])
+    ), trip["message"]
+    assert "nothing to stop unless Docker" not in trip["message"] and trip["details"].get("nothing_guarded") is True
+    assert "collapse_as" not in trip["details"]  # each one notified as the critical it is
+    assert [r.idle_trips for r in cs.rules if r.name == "low_available"] == [0]

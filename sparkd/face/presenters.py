@@ -411,8 +411,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     Level: ``critical`` while the model stays stopped by the guard (never "ok" then); otherwise the
     nearest stop's level (``core.headroom``), raised to ``warn`` when the Docker engine does not answer
     (a stop acts on the processes, without an archive: ``ENGINE_DOWN_LABEL``), when a stop rule is demoted,
-    or when the container failed, exited or is unhealthy, or in guard mode no container by the guarded name exists
-    (``guard_missing_text``), or the supervisor's first steps failed (``start_error_text``); ``warn`` ("not
+    or when the container failed, exited or is unhealthy, or the supervisor's first steps failed
+    (``start_error_text``); ``critical`` in guard mode when no container by the guarded name exists
+    (``guard_missing_text``: nothing is guarded, as managed mode's "not guarded"); ``warn`` ("not
     guarded") when no rule would stop (``unarmed``); ``unknown`` before the first sample.
     """
     ns = status.get("nearest_stop")
@@ -431,8 +432,9 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
-        # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard)
-        level, label = _at_least_warn(level), guard_missing_text(c.get("name"), c.get("guard_candidates"))
+        # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard), then
+        # amber under a calm headroom while its event was critical, as managed mode's "not guarded" is (helper-44)
+        level, label = "critical", guard_missing_text(c.get("name"), c.get("guard_candidates"))
     elif c.get("start_error") and c.get("mode") != "monitor-only":
         # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
         level, label = _at_least_warn(level), start_error_text(c.get("mode"))

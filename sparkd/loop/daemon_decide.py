@@ -246,14 +246,24 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     # memory without it, and there is likely nothing to stop. The stop is still asked of Docker (a container started
     # by hand a moment ago is stopped), and says so if it acts; the trip itself is not a critical stop
     idle = d.action == "stop" and not monitor_only and state in IDLE_STATES
-    if idle:
+    # guard mode with no container by its name: not a model that is down but one that may run unguarded under
+    # another name; that trip read "nothing to stop" as a warning, thin on the chart, never naming it (helper-44)
+    cs = daemon.actions.status_json() if idle else None
+    unguarded = cs is not None and cs.mode == "guard" and cs.guard_missing_since is not None
+    if unguarded and cs is not None:
+        running_now = f"; running now: {', '.join(cs.guard_candidates)}" if cs.guard_candidates else ""
+        reason = (
+            f"{reason}; NOT stopped: nothing is guarded (guard mode: no container named {cs.name}{running_now}); "
+            "set container.guard to the model's container"
+        )
+    elif idle:
         reason = f"{reason}; the model is {state}: nothing to stop unless Docker says otherwise"
         if daemon.guard is not None:  # "trips since start" tells these from the trips that acted
             daemon.guard.engine.note_idle_trip(d.rule)
     daemon.event(
         "trip",
         reason,
-        severity="critical" if d.action == "stop" and verdict is None and not idle else "warning",
+        severity="critical" if d.action == "stop" and verdict is None and (not idle or unguarded) else "warning",
         details={
             **({"model_state": state} if idle else {}),
             "rule": d.rule,
@@ -267,7 +277,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             **({"demoted": verdict.reason} if verdict is not None else {}),
             # a rule that holds while the model is down trips once per cooldown, each trip's figures its own: its
             # notifications collapse to one per notify's collapse window, not one a minute (act.notify)
-            **({"collapse_as": f"{d.rule} holds while the model is {state}"} if idle else {}),
+            **({"collapse_as": f"{d.rule} holds while the model is {state}"} if idle and not unguarded else {}),
+            **({"nothing_guarded": True} if unguarded else {}),
         },
     )
     if d.action != "stop":
