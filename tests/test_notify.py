@@ -468,3 +468,64 @@ def test_payload_is_valid_json_env_even_with_nul() -> None:
     assert env["SPARKD_EVENT_MESSAGE"] == "ab"
     assert "\x00" not in env["SPARKD_EVENT_JSON"]
     assert os.environ.get("SPARKD_EVENT_KIND") is None
+
+
+def _trickling_server(head: bytes) -> int:
+    """An HTTP server that sends ``head`` and then one byte every 0.4 s, for ever (each read within any timeout)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def handle(c: socket.socket) -> None:
+        try:
+            c.recv(65536)
+            c.sendall(head)
+            while True:
+                time.sleep(0.4)
+                c.sendall(b"x")
+        except OSError:
+            pass
+
+    def serve() -> None:
+        while True:
+            c, _ = srv.accept()
+            threading.Thread(target=handle, args=(c,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(srv.getsockname()[1])
+
+
+def test_a_webhook_that_trickles_its_answer_does_not_hold_the_alerts_behind_it() -> None:
+    """``timeout_s`` is httpx's per read: a body trickled a byte every 0.4 s never timed out at 1 s, the one worker
+    hung in that POST for ever, every later alert was dropped, and nothing said so (helper-43). The status is all a
+    webhook's answer needs: the body is not read."""
+    port = _trickling_server(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    n = Notifier(
+        NotifySettings(webhook_url=f"http://127.0.0.1:{port}/hook", timeout_s=1.0, retries=0, min_interval_s=0)
+    )
+    for i in range(3):
+        n.submit({"kind": "trip", "severity": "critical", "message": f"#{i}", "ts": time.time()})
+    deadline = time.monotonic() + 10
+    while n.stats.sent < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    n.close(1.0)
+    assert n.stats.sent == 3 and n.stats.dropped == 0, n.stats
+
+
+def test_a_send_that_never_ends_is_said_from_the_submitting_side() -> None:
+    """A webhook that trickles its status line's headers keeps even a streamed request open: the worker cannot say
+    so of itself (its drop reports ran on it), so the next alert submitted says it once (``notify_failed``)."""
+    port = _trickling_server(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+    said: list[str] = []
+    n = Notifier(
+        NotifySettings(webhook_url=f"http://127.0.0.1:{port}/hook", timeout_s=1.0, retries=0, min_interval_s=0),
+        on_failure=lambda k, m, d: said.append(m),
+    )
+    n.stuck_after_s = lambda: 1.5  # type: ignore[method-assign]  # (a minute and more at the defaults)
+    n.submit({"kind": "trip", "severity": "critical", "message": "first", "ts": time.time()})
+    time.sleep(2.5)
+    for i in range(3):
+        n.submit({"kind": "trip", "severity": "critical", "message": f"#{i}", "ts": time.time()})
+    n.close(0.5)
+    assert len(said) == 1 and said[0].startswith("notifications are stuck: one send has not ended after"), said

@@ -222,6 +222,8 @@ class Notifier:
         self.host = socket.gethostname()
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=queue_max)
         self._lock = threading.Lock()  # rate-limit state (submit may come from several threads)
+        self._busy_since: float | None = None  # the worker's send in progress began (monotonic s)
+        self._stuck_said: float | None = None  # the stuck send already said (its _busy_since)
         self._last_sent: dict[str, float] = {}
         self.collapse = Collapse(window_s=collapse_s)
         self._closed = False
@@ -247,6 +249,8 @@ class Notifier:
         """
         try:
             kind = str(event.get("kind", ""))
+            if self._busy_since is not None and kind != "notify_failed":
+                self._check_stuck()
             if not self.enabled or not self.wants(kind, str(event.get("severity", ""))):
                 self.stats.filtered += 1
                 return
@@ -345,6 +349,33 @@ class Notifier:
             )
 
     def _send(self, item: _Item, client: httpx.Client | None) -> None:
+        self._busy_since = time.monotonic()
+        try:
+            self._send_one(item, client)
+        finally:
+            self._busy_since = None
+
+    def stuck_after_s(self) -> float:
+        """How long one send may take before it is said to be stuck (``submit``): each attempt's timeout with a
+        margin, and the back-off between attempts."""
+        attempts = self.settings.retries + 1
+        return attempts * (2 * self.settings.timeout_s + 5.0) + attempts * BACKOFF_MAX_S
+
+    def _check_stuck(self) -> None:
+        """From the submitting side (the worker cannot say it of itself): a send that has not ended within
+        ``stuck_after_s`` holds every later alert, and the drop reports too (they run on the worker). Said once per
+        stuck send, through ``on_failure`` (``notify_failed``)."""
+        since = self._busy_since
+        if since is None or since == self._stuck_said or time.monotonic() - since < self.stuck_after_s():
+            return
+        self._stuck_said = since
+        self._call_failure(
+            f"notifications are stuck: one send has not ended after {time.monotonic() - since:.0f} s (a webhook or "
+            f"command that does not finish); later alerts wait, and are dropped once {self._queue.maxsize} queue",
+            {"channel": "worker", "stuck_s": round(time.monotonic() - since, 1), "queued": self._queue.qsize()},
+        )
+
+    def _send_one(self, item: _Item, client: httpx.Client | None) -> None:
         body = payload(item.event, item.suppressed, host=self.host)
         ok = True
         if self.settings.command:
@@ -407,17 +438,20 @@ class Notifier:
                     last += " (aborted at shutdown)"
                     break
             try:
-                r = client.post(url, json=body, headers={"User-Agent": "sparkd-notify"})
+                # the status alone: the body is never read. httpx's timeout is per read, so an answer trickled a byte
+                # at a time never timed out, and the one worker hung in it for ever (helper-43)
+                with client.stream("POST", url, json=body, headers={"User-Agent": "sparkd-notify"}) as r:
+                    status = r.status_code
             except httpx.TimeoutException:
                 last = f"no answer within {self.settings.timeout_s:g} s"
                 continue
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {e}"
                 continue
-            if 200 <= r.status_code < 300:
+            if 200 <= status < 300:
                 return True
-            last = f"HTTP {r.status_code}"
-            if not (r.status_code >= 500 or r.status_code in (408, 429)):
+            last = f"HTTP {status}"
+            if not (status >= 500 or status in (408, 429)):
                 break
         return self._failed(
             "webhook",
