@@ -321,3 +321,35 @@ def test_a_worker_that_fails_to_launch_keeps_the_head_down(
     finally:
         for s in nodes:
             s.stop()
+
+
+def test_a_peer_that_trickles_its_answer_is_said_unreachable_within_the_timeout(tmp_path: Path) -> None:
+    """``cluster.peer_timeout_s`` was httpx's per read: a peer that trickled its answer a byte every 0.4 s held the
+    stop broadcast open for ever, and neither ``peer_stop_sent`` nor ``peer_unreachable`` was said (helper-43)."""
+    import asyncio
+
+    from test_notify import _trickling_server
+
+    port = _trickling_server(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n{")
+    tok = tmp_path / "t"
+    tok.write_text("s3cret\n")
+    said: list[tuple[str, str, str]] = []
+    c = Cluster(
+        ClusterSettings(
+            node="a",
+            peers=[PeerSettings(name="b", url=f"http://127.0.0.1:{port}", token_file=str(tok))],
+            peer_timeout_s=1.0,
+        ),
+        emit=lambda k, m, severity="info", details=None: said.append((k, severity, m)),
+    )
+    assert c.tokens["b"].wait(5)  # a daemon reads it long before any trip
+
+    async def go() -> float:
+        t0 = time.monotonic()
+        await asyncio.wait_for(c.broadcast_stop(rule="low_available", reason="test"), 10)
+        return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert took < 3.0 and said == [
+        ("peer_unreachable", "critical", "peer b could not be asked to stop: no whole answer within 1 s")
+    ], (took, said)

@@ -196,9 +196,15 @@ class Cluster:
         token = self.token(peer)
         if token is None:
             return PeerResult(peer.name, False, None, f"token file {peer.token_file} unreadable or empty", 0.0)
+        limit_s = timeout_s or self.settings.peer_timeout_s
         try:
-            async with self._client(timeout_s) as c:
+            # the whole call within the limit: httpx's timeout is per read, and a peer that trickled its answer held
+            # the broadcast open for ever, neither peer_stop_sent nor peer_unreachable said (helper-43)
+            async with asyncio.timeout(limit_s), self._client(timeout_s) as c:
                 r = await c.request(method, peer.url + path, json=json, headers={"Authorization": f"Bearer {token}"})
+                await r.aread()
+        except TimeoutError:
+            return PeerResult(peer.name, False, None, f"no whole answer within {limit_s:g} s", time.monotonic() - t0)
         except httpx.HTTPError as exc:
             return PeerResult(peer.name, False, None, f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
         try:
