@@ -589,3 +589,22 @@ def test_in_last_s_is_refused_where_it_means_nothing(extra: dict[str, Any], mess
     cfg = {**DIPS, **extra}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RuleConfig(**cfg)
+
+
+def test_a_percentage_on_psi_is_psi_itself_and_on_a_count_is_refused() -> None:
+    """``%`` meant "of MemTotal" for every field: ``psi_full_avg10 > 20%`` (PSI is a percentage itself) compiled to
+    27.5e9 on a 128 GiB host, never held, and no ``rule_never_fires`` said so; ``nvrm_recent > 1%`` the same
+    (helper-43). PSI's ``%`` is now its own; a count refuses it, naming the field; PSI above 100 never holds."""
+    from sparkd.core.conditions import never_fires
+    from sparkd.core.rules import compile_condition
+
+    mem_total = 128 << 30
+    psi = compile_condition("psi_full_avg10 > 20%", mem_total)
+    assert psi.threshold == 20.0 and psi.threshold == compile_condition("psi_full_avg10 > 20", mem_total).threshold
+    assert never_fires(["psi_full_avg10 > 20%"], [], mem_total) == []
+    assert never_fires(["psi_some_avg10 > 150"], [], mem_total) == [
+        "'psi_some_avg10 > 150' can never hold: psi_some_avg10 (a share of time, %) never exceeds 100"
+    ]
+    with pytest.raises(ValueError, match=r"nvrm_recent in 'nvrm_recent > 1%' is a count: a percentage \(of MemTotal\)"):
+        compile_condition("nvrm_recent > 1%", mem_total)
+    assert compile_condition("MemAvailable < 5%", mem_total).threshold == 0.05 * mem_total  # sizes: as ever

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from sparkd.core.sample import FIELD_ALIASES
+from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS
 from sparkd.units import fmt_gib, parse_size
 
 _COND_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_()\-]*)\s*(<=|>=|<|>)\s*(\S+)\s*$")
@@ -33,9 +33,22 @@ def parse_condition(text: str) -> tuple[str, str, str]:
         pct = float(value[:-1])
         if not 0 <= pct <= 100:
             raise ValueError(f"percentage {value!r} in {text!r} must be within 0%..100%")
+        attr = FIELD_ALIASES[fld]
+        if attr not in SIZE_ATTRS and attr not in PSI_ATTRS:
+            # "of MemTotal" on a count compiled to billions: a rule that never fired, unsaid (helper-43)
+            raise ValueError(
+                f"{fld} in {text!r} is a count: a percentage (of MemTotal) applies to memory sizes and PSI only; "
+                f"write the number (e.g. '{fld} > 3')"
+            )
     else:
         parse_size(value)
     return fld, op, value
+
+
+#: PSI fields: percentages of time themselves (0..100). ``psi_full_avg10 > 20%`` means PSI 20 %, as ``> 20`` does: it
+#: compiled to 20 % of MemTotal (27.5e9 on a 128 GiB host), a rule that never fired, unsaid (helper-43).
+PSI_ATTRS = frozenset({"psi_some_avg10", "psi_full_avg10"})
+PSI_MAX = 100.0
 
 
 # fields that are part of MemTotal: a threshold above MemTotal is never crossed upward
@@ -45,11 +58,13 @@ _MEMORY_ATTRS = frozenset(
 )
 
 
-def _bound(value: str, mem_total_bytes: int | None) -> tuple[str, float]:
-    """``("abs", number)`` (bytes for a size; a percentage of MemTotal when it is known), or
-    ``("%", pct)`` for a percentage while MemTotal is unknown."""
+def _bound(value: str, mem_total_bytes: int | None, attr: str = "") -> tuple[str, float]:
+    """``("abs", number)`` (bytes for a size; a percentage of MemTotal when it is known; PSI's own percentage), or
+    ``("%", pct)`` for a percentage of a size while MemTotal is unknown."""
     if value.endswith("%"):
         pct = float(value[:-1])
+        if attr in PSI_ATTRS:
+            return "abs", pct
         return ("abs", mem_total_bytes * pct / 100) if mem_total_bytes else ("%", pct)
     try:
         return "abs", float(value)
@@ -61,9 +76,15 @@ def condition_never_holds(text: str, mem_total_bytes: int | None = None) -> str 
     """Why the condition ``text`` can never hold, or None. Every field a rule reads is ≥ 0 (sizes,
     counts, PSI); a memory field never exceeds MemTotal (checked when ``mem_total_bytes`` is given)."""
     fld, op, value = parse_condition(text)
-    unit, x = _bound(value, mem_total_bytes)
+    unit, x = _bound(value, mem_total_bytes, FIELD_ALIASES[fld])
     if (op == "<" and x <= 0) or (op == "<=" and x < 0):
         return f"{fld} is never below 0"
+    if (
+        FIELD_ALIASES[fld] in PSI_ATTRS
+        and unit == "abs"
+        and ((op == ">" and x >= PSI_MAX) or (op == ">=" and x > PSI_MAX))
+    ):
+        return f"{fld} (a share of time, %) never exceeds {PSI_MAX:g}"
     total = mem_total_bytes or 0
     memory = total > 0 and unit == "abs" and FIELD_ALIASES[fld] in _MEMORY_ATTRS
     if memory and ((op == ">" and x >= total) or (op == ">=" and x > total)):
@@ -97,7 +118,7 @@ def never_fires(
     lower: dict[tuple[str, str], tuple[float, bool, str]] = {}
     for text in when:
         fld, op, value = parse_condition(text)
-        unit, x = _bound(value, mem_total_bytes)
+        unit, x = _bound(value, mem_total_bytes, FIELD_ALIASES[fld])
         key, strict = (FIELD_ALIASES[fld], unit), op in ("<", ">")
         bounds, tighter = (upper, x.__lt__) if op in ("<", "<=") else (lower, x.__gt__)
         cur = bounds.get(key)

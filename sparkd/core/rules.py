@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from sparkd.core.choices import RuleAction, RuleKind
-from sparkd.core.conditions import parse_condition
+from sparkd.core.conditions import PSI_ATTRS, parse_condition
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS, Sample
 from sparkd.core.slope import WINDOW_EDGE_S, SlopeWindow
 from sparkd.units import GiB, fmt_gib, parse_size
@@ -112,10 +112,12 @@ def compile_condition(text: str, mem_total_bytes: int | None) -> Condition:
     name, op, value = parse_condition(text)
     attr = FIELD_ALIASES[name]
     is_size = attr in SIZE_ATTRS
-    if value.endswith("%"):
+    if value.endswith("%") and attr in PSI_ATTRS:  # PSI is a percentage itself
+        threshold: float = float(value[:-1])
+    elif value.endswith("%"):
         if mem_total_bytes is None:
             raise MemTotalUnknown(f"{text!r}: a percentage needs MemTotal, which is unknown")
-        threshold: float = float(value[:-1]) / 100.0 * mem_total_bytes
+        threshold = float(value[:-1]) / 100.0 * mem_total_bytes
     elif is_size:
         threshold = float(parse_size(value))
     else:
