@@ -471,3 +471,20 @@ async def test_another_container_is_scanned_at_once_not_a_quiet_interval_later()
         assert w.scans == 2
     finally:
         task.cancel()
+
+
+async def test_each_rule_tells_the_fall_since_its_own_last_trip_and_a_scan_between_hides_no_trip() -> None:
+    """A second rule's first trip 3 s after another's read "no fall since the last trip" while the 30 → 20 GiB fall
+    was told only in the first rule's event; and a periodic scan between two trips of one rule, memory as low, made
+    it "no fall since <that scan>", hiding the trip (helper-44)."""
+    scans = [_scan(10, 80 * GiB, 1 * GiB), _scan(20, 80 * GiB, 6 * GiB), _scan(23, 80 * GiB, 6 * GiB)]
+    scans += [_scan(50, 80 * GiB, 6 * GiB), _scan(80, 80 * GiB, 6 * GiB)]
+    w, _ = _watch(ScriptedScanner(scans), [30 * GiB, 20 * GiB, 20 * GiB, 20 * GiB, 20 * GiB])
+    await w.scan()
+    a = await w.at_trip("collapse_projected")
+    b = await w.at_trip("low_available")  # its first trip: the fall, as the other rule's said it
+    assert a is not None and b is not None
+    assert b.text.startswith("since 00:00:10 UTC MemAvailable 30.00 GiB → 20.00 GiB"), b.text
+    await w.scan()  # a periodic scan, memory as low
+    again = await w.at_trip("low_available")
+    assert again is not None and again.text.startswith("no fall since the last trip at 00:00:23 UTC"), again.text

@@ -33,6 +33,7 @@ from typing import Any
 from sparkd.config import ConsumersSettings
 from sparkd.core.consumers import (
     OUTSIDE_RSS_KEY,
+    OUTSIDE_RSS_MIN_BYTES,
     ConsumerSummary,
     cotenant_excess,
     fall_shares,
@@ -118,6 +119,7 @@ class ConsumerWatch:
         self.history: collections.deque[ScanPoint] = collections.deque(maxlen=settings.history)
         self.scans = 0
         self.last_trip: TripShares | None = None
+        self._trips_by_rule: dict[str, TripShares] = {}  # each rule's last trip (``at_trip``)
         self._lock = threading.Lock()  # one scan at a time (periodic and trip scans share the scanner)
         self.alarm = Alarm()  # run()'s sleep between looks; wake() ends it
         self._last_warned: float | None = None
@@ -263,16 +265,24 @@ class ConsumerWatch:
         or restarted). On the event loop's thread."""
         self.alarm.wake()
 
-    async def at_trip(self) -> TripShares | None:
+    async def at_trip(self, rule: str | None = None) -> TripShares | None:
         """A trip's scan and who grew since the scan before the fall; None when nothing was ever scanned.
 
         The fall is looked for since the last trip's scan when there was one: trips repeated while memory stays low
         (a rule that holds with the model down trips once per cooldown) each named the first trip's fall ("who grew
         since 18:08:08 … 12.00 → 4.00 GiB") as if it were new; now "no fall since the last trip at 18:08:10 …"
-        (note 18 §7). A fall after a recovery since that trip is told as ever."""
-        previous = self.last_trip
+        (note 18 §7). A fall after a recovery since that trip is told as ever. The last trip is ``rule``'s own: a
+        second rule's first trip 3 s after another's named "no fall since the last trip" while the 40 → 4 GiB fall
+        was told only in the other rule's event (helper-44); a scan since with MemAvailable no higher by
+        ``OUTSIDE_RSS_MIN_BYTES`` leaves the trip's scan the one told ("no fall since 23:35:13", a periodic scan,
+        hid the trip)."""
+        previous = self._trips_by_rule.get(rule) if rule is not None else self.last_trip
         since = previous.after.summary.at if previous is not None else None
         before = self.before_fall(since)  # chosen among the scans before this trip's own
+        if previous is not None and before is not None and before is not previous.after:
+            was, now_best = previous.after.mem_available_bytes, before.mem_available_bytes
+            if was is not None and now_best is not None and now_best - was < OUTSIDE_RSS_MIN_BYTES:
+                before = previous.after  # no recovery since that trip: its scan, said as the last trip's
         fresh = True
         try:
             ids, avail = self.container_ids(), self.mem_available()
@@ -300,6 +310,8 @@ class ConsumerWatch:
         if outside is not None:
             shares = {**shares, OUTSIDE_RSS_KEY: outside}
         self.last_trip = TripShares(text, shares, before, after, fresh)
+        if rule is not None:
+            self._trips_by_rule[rule] = self.last_trip
         return self.last_trip
 
     # ------------------------------------------------------------------ readers

@@ -221,9 +221,10 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     when it was recorded only (quiet kinds, a warn rule, a demotion, a dry run, recovered on re-check)."""
     if decide_quietly(daemon, d):
         return False
-    shares = await daemon.consumers.at_trip() if daemon.consumers else None
+    shares = await daemon.consumers.at_trip(d.rule) if daemon.consumers else None
     if shares is not None:  # who grew: in the trip event, and in the reason the stop and its archive carry
-        d = dataclasses.replace(d, reason=f"{d.reason}; who grew {shares.text}")
+        said = shares.text if shares.text.startswith("no ") else f"who grew {shares.text}"  # not "who grew no fall"
+        d = dataclasses.replace(d, reason=f"{d.reason}; {said}")
     # the loop guard's verdict first: a trip it demotes stops nothing, and its event must say so
     # a container side: only trips while the model runs tell whether stopping loops (a trip after the guard
     # stopped it tells nothing); monitor-only judges every trip (its "would stop" loops as a stop would)
