@@ -1376,6 +1376,48 @@ def test_an_event_between_ticks_far_apart_reaches_the_snapshot_and_systemd_statu
     assert snap is not None and snap["container"]["state"] == "stopped" and snap["ts"] > said_at, snap
 
 
+def test_a_model_started_between_ticks_far_apart_is_sampled_from_its_start(tmp_path: Path) -> None:
+    """At ``interval_s = 40`` a model's 25 s start-up had no sample (fast sampling began at the next tick; "start-up
+    trough MemAvailable n/a", helper-44). A new run's event brings the next sample to now; fast sampling follows."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path), "kernlog_source": "off", "interval_s": 30, "api": {"enabled": False}}
+    )
+
+    class Container(MonitorOnly):  # the supervisor's side: a launch begins
+        state = "stopped"
+
+        def lifecycle_state(self) -> str:
+            return self.state
+
+        def fast_reason(self) -> str | None:
+            return "container vllm starting" if self.state == "starting" else None
+
+    async def go() -> tuple[int, int, str, float]:
+        actions = Container()
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        loop_task = asyncio.create_task(d.main_loop())
+        await asyncio.sleep(1.0)
+        n0 = d.samples_taken
+        actions.state = "starting"
+        d.event("launched", "launched vllm (test)", details={"started_at": time.time()})
+        await asyncio.sleep(1.5)
+        n1, mode, interval = d.samples_taken, d.mode, d.current_interval()
+        d.request_exit()
+        await loop_task
+        await d.shutdown("test")
+        return n0, n1, mode, interval
+
+    n0, n1, mode, interval = asyncio.run(go())
+    # the sample at once, then every fast_interval_s (0.25 s) through the start-up
+    assert mode == "fast" and interval == settings.fast_interval_s and n1 - n0 >= 3, (n0, n1, mode)
+
+
 def test_monitor_only_trips_once_per_cooldown_while_memory_stays_low(tmp_path: Path) -> None:
     """Monitor-only (no container): the trip's ``stop_not_executed`` used to reset the cooldowns (as a failed
     stop must, for the next trip to retry it), so memory held low gave a critical ``trip`` and a warning

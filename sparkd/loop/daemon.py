@@ -367,6 +367,7 @@ class Daemon:
             self.loop_guard.note_launch(time.time())
             if self.consumers is not None:
                 self.consumers.wake()  # who holds the memory: this container's share, not the last one's
+            self.sample_soon()  # its start-up, the riskiest phase, sampled fast from now, not the next tick on
         elif kind == "ready":  # healthy unless the run was first seen already running (adopted: load unknown)
             self.check_floors(healthy=not (details or {}).get("adopted"))
         return ev
@@ -407,6 +408,25 @@ class Daemon:
     def _check_blind(self) -> None:
         """An event at start and whenever the set of blind inputs or rules changes."""
         _daemon_view.check_blind(self)
+
+    def sample_soon(self) -> None:
+        """The next sample now, when it is further off than ``fast_interval_s``: a model started between two ticks
+        far apart (``interval_s`` up to 60 s) was not sampled through its start-up, fast sampling began only at the
+        next tick (helper-44: at 40 s a 25 s start-up had no sample; "start-up trough n/a"). On the event loop's
+        thread only; elsewhere (and before the main loop runs) nothing changes."""
+        handle, fut = self._tick_handle, self._tick_fut
+        if handle is None or fut is None or fut.done():
+            return
+        now = self.mono()
+        if self._next_at - now <= self.settings.fast_interval_s:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        handle.cancel()
+        self._next_at = now
+        self._schedule_tick(loop, 0.0)
 
     def _status_soon(self) -> None:
         """Refresh the status snapshot and systemd's ``STATUS=`` ``STATUS_SOON_S`` after an event, when ticks are
