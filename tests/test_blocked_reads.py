@@ -69,11 +69,29 @@ class _Docker:
         return True
 
 
+async def _run_stop(docker: Any, mem_available: int, events: list[str], **steps: Any) -> Any:
+    """``act.stop.run_stop`` of a trip, the hard floor 3 GiB, MemAvailable ``mem_available``; events' kinds kept."""
+    from sparkd.act.stop import StopTarget, run_stop
+
+    return await run_stop(
+        StopTarget("c" * 64, "vllm", time.time() - 60),
+        docker,
+        reason="trip",
+        source="rule",
+        grace_s=30,
+        hard_floor_bytes=3 << 30,
+        read_mem_available=lambda: mem_available,
+        emit=lambda k, m, severity="info", details=None: events.append(k),
+        postmortem=None,
+        **steps,
+    )
+
+
 def test_the_stop_is_asked_of_docker_within_a_bound_when_the_witness_read_blocks(tmp_path: Path) -> None:
     """The /dev/shm witness scan right before the SIGTERM read ``/proc/PID/maps`` of the container's processes with no
     bound: a process stuck in the driver (its memory-map lock held) held the stop for ever, below the hard floor too
     (helper-43). Now the SIGTERM waits ``WITNESS_WAIT_S`` at most. A FIFO stands for the blocked read."""
-    from sparkd.act.stop import WITNESS_WAIT_S, StopTarget, run_stop, witness_before_stop
+    from sparkd.act.stop import WITNESS_WAIT_S, witness_before_stop
 
     proc, shm, fifo = _fake_proc(tmp_path, 4242, "python3")
     docker = _Docker()
@@ -91,21 +109,7 @@ def test_the_stop_is_asked_of_docker_within_a_bound_when_the_witness_read_blocks
 
     async def go() -> float:
         t0 = time.monotonic()
-        task = asyncio.create_task(
-            run_stop(
-                StopTarget("c" * 64, "vllm", time.time() - 60),
-                docker,
-                reason="trip",
-                source="rule",
-                grace_s=30,
-                hard_floor_bytes=3 << 30,
-                read_mem_available=lambda: 1 << 30,
-                emit=lambda k, m, severity="info", details=None: None,
-                postmortem=None,
-                before_stop=before_stop,
-                cleanup_shm=None,
-            )
-        )
+        task = asyncio.create_task(_run_stop(docker, 1 << 30, [], before_stop=before_stop, cleanup_shm=None))
         await asyncio.sleep(6.0)
         _release(fifo)
         await asyncio.wait_for(task, 10.0)
@@ -127,7 +131,6 @@ def test_the_shm_cleanup_after_the_stop_cannot_hold_the_stop_forever(
     and run_stop never returns (no ``stopped`` event; the supervisor's action lock, held around it, never frees)."""
     from sparkd.act import shm as shm_mod
     from sparkd.act import stop as stop_mod
-    from sparkd.act.stop import StopTarget, run_stop
 
     monkeypatch.setattr(stop_mod, "SHM_CLEANUP_WAIT_S", 2.0)
 
@@ -141,21 +144,7 @@ def test_the_shm_cleanup_after_the_stop_cannot_hold_the_stop_forever(
         )
 
     async def go() -> bool:
-        task = asyncio.create_task(
-            run_stop(
-                StopTarget("c" * 64, "vllm", time.time() - 60),
-                docker,
-                reason="trip",
-                source="rule",
-                grace_s=30,
-                hard_floor_bytes=3 << 30,
-                read_mem_available=lambda: 8 << 30,
-                emit=lambda k, m, severity="info", details=None: events.append(k),
-                postmortem=None,
-                before_stop=None,
-                cleanup_shm=cleanup,
-            )
-        )
+        task = asyncio.create_task(_run_stop(docker, 8 << 30, events, before_stop=None, cleanup_shm=cleanup))
         done, _ = await asyncio.wait({task}, timeout=6.0)
         _release(fifo)
         await asyncio.wait_for(task, 10.0)
