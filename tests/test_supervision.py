@@ -448,3 +448,9 @@ def test_guard_candidates_name_nothing_unlike_the_model_and_at_most_three() -> N
     assert guard_candidates("vllm", [("a" * 64, "open-webui", "ghcr.io/open-webui/open-webui:main")]) == []
     many = [(str(i) * 12, f"vllm-{i}", "img") for i in range(5)]
     assert guard_candidates("vllm", many) == [f"vllm-{i} (img)" for i in range(3)]
+
+
+def test_guard_candidates_rank_compose_naming_of_the_service_first() -> None:
+    """``h44-vllm`` sorted before compose's ``h44proj-vllm-1`` (both hold "vllm"; helper-44)."""
+    running = [("a" * 64, "h44-vllm", "img"), ("b" * 64, "h44proj-vllm-1", "img"), ("c" * 64, "old_vllm_2", "img")]
+    assert guard_candidates("vllm", running) == ["h44proj-vllm-1 (img)", "old_vllm_2 (img)", "h44-vllm (img)"]

@@ -15,6 +15,7 @@ Where the numbers come from (CONTEXT.md, "What the operators learned later"; iss
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -372,9 +373,9 @@ def guard_candidates(
     (``Supervisor`` says them with ``guard_target_missing``; the headline, the container card, ``sparkd status`` and
     ``sparkd doctor`` show them). ``running``: ``(id, name, image)`` of each running container (``docker ps``).
 
-    Ranked: 1. a name that holds ``name`` or is held by it, case aside (docker compose's ``<project>-<service>-1``
-    for a service ``vllm``; note 18 §1.1); 2. a name ``difflib`` finds close (ratio ≥ 0.6: a typo, ``vlm`` for
-    ``vllm``); 3. an image that names vLLM (``vllm/vllm-openai``, NVIDIA's ``…/vllm``). Other containers are not
+    Ranked: 1. docker compose's ``<project>-<service>-<n>`` for a service ``name`` (helper-44 saw ``h44-vllm``
+    ranked before ``h44proj-vllm-1``); 2. a name that holds ``name`` or is held by it, case aside; 3. a name
+    ``difflib`` finds close (ratio ≥ 0.6: a typo, ``vlm`` for ``vllm``); 4. an image that names vLLM (``vllm/vllm-openai``, NVIDIA's ``…/vllm``). Other containers are not
     named. A ``name`` that is an id (12 or more hex digits) ranks by the image alone. Returns ``"NAME (IMAGE)"``
     strings, best first, at most ``limit``."""
     want = name.strip().lstrip("/").lower()
@@ -383,12 +384,14 @@ def guard_candidates(
     ranked: list[tuple[int, str, str]] = []
     for _id, cname, image in running:
         low = cname.lstrip("/").lower()
-        if want and (want in low or low in want):
-            rank = 0
-        elif want and difflib.SequenceMatcher(None, want, low).ratio() >= 0.6:
+        if want and re.fullmatch(rf".+[-_]{re.escape(want)}[-_]\d+", low):
+            rank = 0  # docker compose's <project>-<service>-<n> (or v1's _): the service is the name meant
+        elif want and (want in low or low in want):
             rank = 1
-        elif "vllm" in image.lower():
+        elif want and difflib.SequenceMatcher(None, want, low).ratio() >= 0.6:
             rank = 2
+        elif "vllm" in image.lower():
+            rank = 3
         else:
             continue
         ranked.append((rank, cname.lstrip("/"), image))
