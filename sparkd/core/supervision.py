@@ -375,9 +375,9 @@ def guard_candidates(
 
     Ranked: 1. docker compose's ``<project>-<service>-<n>`` for a service ``name`` (helper-44 saw ``h44-vllm``
     ranked before ``h44proj-vllm-1``); 2. a name that holds ``name`` or is held by it, case aside; 3. a name
-    ``difflib`` finds close (ratio ≥ 0.6: a typo, ``vlm`` for ``vllm``); 4. an image that names vLLM (``vllm/vllm-openai``, NVIDIA's ``…/vllm``). Other containers are not
-    named. A ``name`` that is an id (12 or more hex digits) ranks by the image alone. Returns ``"NAME (IMAGE)"``
-    strings, best first, at most ``limit``."""
+    ``difflib`` finds close (ratio ≥ 0.6: a typo, ``vlm`` for ``vllm``); 4. an image that names vLLM
+    (``vllm/vllm-openai``, NVIDIA's ``…/vllm``). Other containers are not named. A ``name`` that is an id (12 or
+    more hex digits) ranks by the image alone. Returns ``"NAME (IMAGE)"`` strings, best first, at most ``limit``."""
     want = name.strip().lstrip("/").lower()
     if all(ch in "0123456789abcdef" for ch in want) and len(want) >= 12:
         want = ""  # an id (``container.guard`` takes one): its letters say nothing of a name
