@@ -319,3 +319,27 @@ def test_format_report_aligns_and_adds_actions() -> None:
     ]
     assert exit_code(checks) == 1
     assert exit_code(checks[:2]) == 0
+
+
+def test_the_last_trip_is_the_last_that_asked_for_a_stop_not_a_trip_with_the_model_down(tmp_path: Path) -> None:
+    """After a stop, a rule that holds with the model down trips once per cooldown ("nothing to stop", warnings):
+    doctor's "Last trip" showed one of those, not the trip that stopped the model (helper-44)."""
+    import time
+
+    from sparkd.config import load_settings
+    from sparkd.face.cli.admin import _last_trip
+    from sparkd.store.store import Store
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path)})
+    store = Store.open(settings.db_file, migrate=True)
+    t = time.time() - 600
+    store.write_batch(
+        [
+            ("event", {"ts": t, "kind": "trip", "severity": "critical", "message": "low_available: stopped it"}),
+            ("event", {"ts": t + 60, "kind": "trip", "severity": "warning", "message": "the model is stopped: …"}),
+            ("event", {"ts": t + 120, "kind": "trip", "severity": "warning", "message": "the model is stopped: …"}),
+        ]
+    )
+    store.close()
+    trip = _last_trip(settings)
+    assert trip is not None and (trip.at_s, trip.reason) == (t, "low_available: stopped it"), trip

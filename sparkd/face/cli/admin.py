@@ -67,10 +67,17 @@ def _last_trip(settings: Settings) -> Any:
     from sparkd.ops.doctor import LastTrip
 
     try:
-        rows = _store(settings).events(kinds=["trip"], limit=1) if settings.db_file.exists() else []
+        rows = _store(settings).events(kinds=["trip"], limit=LAST_TRIPS_READ) if settings.db_file.exists() else []
     except SparkdError:
         return None
-    return LastTrip(rows[0]["ts"], rows[0]["message"]) if rows else None
+    # the last trip that asked for a stop (critical): the trips after it with the model down ("nothing to stop",
+    # warnings, one per cooldown) hid it (helper-44); none of those among the newest: the newest trip
+    acted = [r for r in rows if r.get("severity") == "critical"] or rows
+    return LastTrip(acted[0]["ts"], acted[0]["message"]) if acted else None
+
+
+#: ``sparkd doctor``'s "Last trip": how many of the newest trips are read for the last one that asked for a stop.
+LAST_TRIPS_READ = 200
 
 
 @main.command()
