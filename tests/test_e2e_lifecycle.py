@@ -46,9 +46,17 @@ LOW = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
 
 
 def _guard_on_scripted_proc(
-    make: Any, launcher: Any, tmp_path: Path, *, cooldown_s: float, by_id: bool = False
+    make: Any,
+    launcher: Any,
+    tmp_path: Path,
+    *,
+    cooldown_s: float,
+    by_id: bool = False,
+    docker_client: Any = None,
+    restart_policy: str | None = None,
 ) -> tuple[Any, SparkdUnderTest, Path]:
-    """A hand-started fake vLLM guarded by sparkd (``container.guard``: its name, or its id with ``by_id``), whose
+    """A hand-started fake vLLM guarded by sparkd (``container.guard``: its name, or its id with ``by_id``; Docker's
+    ``restart_policy`` set on it first when given), whose
     low_available rule (< 6 GiB, 2 samples) reads a scripted /proc (``proc/meminfo``: ``HIGH`` now) and whose
     /dev/shm cleanup gets a private directory; returns (container, sparkd, proc)."""
     proc, shm = tmp_path / "proc", tmp_path / "shm"
@@ -56,12 +64,41 @@ def _guard_on_scripted_proc(
     shm.mkdir()
     (proc / "meminfo").write_text(HIGH)
     fv = launcher(managed=False, startup_s=0.3)
+    if restart_policy:  # `docker update --restart POLICY`, before sparkd first sees it
+        docker_client.containers.get(fv.id).update(restart_policy={"Name": restart_policy})
     s = make(
         container={"image": None, "guard": fv.id[:12] if by_id else fv.name, "port": fv.port, "hard_floor": "1GiB"},
         rules=[{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}],
         top={"cooldown_s": cooldown_s, "proc_root": str(proc), "shm_dir": str(shm)},
     )
     return fv, s, proc
+
+
+def test_a_guarded_container_whose_restart_policy_undoes_a_stop_is_said_at_adoption_by_doctor_and_on_its_return(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """``--restart always`` starts a container again when dockerd restarts, after sparkd's ``docker stop``; sparkd said
+    nothing at adoption, and its return was an info ``restarted_outside`` (helper-43). The return is made here by a
+    ``docker start`` (restarting this host's dockerd would take every other test's containers with it): the same
+    observation, a new StartedAt after sparkd's stop."""
+    from sparkd.ops.doctor import docker_container_status
+
+    fv, s, proc = _guard_on_scripted_proc(
+        make, launcher, tmp_path, cooldown_s=0.5, docker_client=docker_client, restart_policy="always"
+    )
+    ev = s.wait_event("restart_policy_undoes_stop", 30)
+    assert ev["severity"] == "warning" and f"{fv.name}'s Docker restart policy is 'always'" in ev["message"]
+    assert f"docker update --restart unless-stopped {fv.name}" in ev["message"]
+    assert docker_container_status(fv.name) == ("running", "always")  # sparkd doctor's lookup, on the engine
+    s.wait_state("ready", 60)
+    (proc / "meminfo").write_text(LOW)
+    s.wait_event("stopped", 60)
+    (proc / "meminfo").write_text(HIGH)
+    assert s.wait_state("stopped", 10)["container_id"] == fv.id
+    docker_client.containers.get(fv.id).start()
+    back = s.wait_event("restarted_outside", 10)
+    assert back["severity"] == "warning" and "by its restart policy 'always' when dockerd restarted" in back["message"]
+    assert len(s.events("restart_policy_undoes_stop")) == 1  # said once per container, not on each run
 
 
 def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(

@@ -234,22 +234,28 @@ async def test_a_guarded_container_that_exists_stopped_and_managed_mode_before_i
     ]
 
 
-def test_doctor_warns_when_the_guard_name_matches_no_container_and_only_when_docker_answers() -> None:
-    def lookup(status: str | None) -> Any:
-        return lambda name: status
+def test_doctor_fails_when_the_guard_name_matches_no_container_and_only_when_docker_answers() -> None:
+    def lookup(status: str | None, policy: str | None = "no") -> Any:
+        return lambda name: None if status is None else (status, policy)
 
     def running() -> list[tuple[str, str, str]]:
         return [("f" * 64, f"proj-{NAME}-1", "vllm/vllm-openai:v1")]
 
     [c] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup(None), running_containers=running))
-    assert c.status == "WARN" and c.title == "Guarded container" and "matches no container" in c.detail
+    assert c.status == "FAIL" and c.title == "Guarded container" and "matches no container" in c.detail
     assert c.detail.endswith(f"sparkd guards nothing; running now: proj-{NAME}-1 (vllm/vllm-openai:v1)"), c.detail
     assert "docker ps -a" in c.detail and "<project>-<service>-1" in c.action
     assert "→ set container.guard" in format_report([c])
     [ok] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup("exited")))
-    assert ok.status == "OK" and ok.detail == f"{NAME}: exited"
+    assert ok.status == "OK" and ok.detail == f"{NAME}: exited (restart policy no)"
+    # `always` starts it again after sparkd's stop when dockerd restarts (helper-43); unless-stopped keeps the stop
+    [w] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup("running", "always")))
+    assert w.status == "WARN" and "restart policy is 'always'" in w.detail and "unless-stopped" in w.action
+    for kept in ("unless-stopped", "on-failure", None):
+        [k] = check_guard_target(DoctorContext(guard_name=NAME, container_status=lookup("running", kept)))
+        assert k.status == "OK", (kept, k)
 
-    def down(name: str) -> str | None:
+    def down(name: str) -> tuple[str, str | None] | None:
         raise DockerUnavailable("no engine")
 
     assert check_guard_target(DoctorContext(guard_name=NAME, container_status=down)) == []

@@ -145,6 +145,28 @@ def test_a_guarded_container_started_again_by_its_operator_is_said_without_a_war
     assert ev.message == "vllm was started again (it was stopped); guarding it again: rules apply"
 
 
+@pytest.mark.parametrize(
+    ("policy", "was", "warned"),
+    [
+        ("always", S.STOPPED, True),
+        ("unless-stopped", S.STOPPED, False),
+        ("always", S.EXITED, False),
+        ("no", S.STOPPED, False),
+    ],
+)
+def test_a_guarded_container_back_after_sparkds_stop_under_restart_policy_always_is_a_warning(
+    policy: str, was: ContainerState, warned: bool
+) -> None:
+    """`always` starts a container again when dockerd restarts, after sparkd's `docker stop` (Docker's "Start
+    containers automatically"); that was an info event, unnotified (helper-43)."""
+    obs = Observation(
+        running=True, started_at=200.0, seen_started_at=100.0, name="vllm", guarded=True, restart_policy=policy
+    )
+    ev = transition(was, obs).effects[1]
+    assert ev.event == "restarted_outside" and (ev.severity == "warning") is warned
+    assert ("by its restart policy 'always' when dockerd restarted" in ev.message) is warned, ev.message
+
+
 def test_first_sight_of_a_running_container_is_adopted_not_restarted_outside() -> None:
     step = transition(S.NONE, Observation(running=True, started_at=5.0))
     assert step.state is S.STARTING

@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from sparkd.core.supervision import STOP_UNDOING_POLICIES
+
 
 class ContainerState(StrEnum):
     NONE = "none"
@@ -222,6 +224,12 @@ def _started_anew(state: ContainerState, obs: Observation) -> Step:
     was = state.value
     # guard mode: sparkd tells the operator to start it themselves; doing so is no warning (note 11)
     said = "started again" if obs.guarded else "started outside sparkd"
+    severity = "info" if obs.guarded else "warning"
+    by = ""
+    if state is S.STOPPED and obs.restart_policy in STOP_UNDOING_POLICIES:
+        # after sparkd's stop: a dockerd restart or a reboot starts an `always` container again, unasked (helper-43)
+        by = f" — by hand, or by its restart policy '{obs.restart_policy}' when dockerd restarted"
+        severity = "warning"
     return Step(
         S.STARTING,
         f"{said} (was {was})",
@@ -229,8 +237,8 @@ def _started_anew(state: ContainerState, obs: Observation) -> Step:
             Effect(EffectKind.ADOPT),
             _emit(
                 "restarted_outside",
-                f"{obs.name} was {said} (it was {was}); guarding it again: rules apply",
-                "info" if obs.guarded else "warning",
+                f"{obs.name} was {said} (it was {was}){by}; guarding it again: rules apply",
+                severity,
             ),
         ),
     )

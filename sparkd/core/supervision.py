@@ -399,6 +399,27 @@ def guard_candidates(
     return [f"{n} ({image})" if image else n for _, n, image in ranked[:limit]]
 
 
+#: Docker restart policies that start a container again after a ``docker stop`` — sparkd's stop — once dockerd
+#: restarts (a reboot, a Docker upgrade). Docker's "Start containers automatically": ``always`` "If it's manually
+#: stopped, it's restarted only when Docker daemon restarts"; ``unless-stopped`` is not, ``on-failure`` "doesn't
+#: restart the container if the daemon restarts".
+STOP_UNDOING_POLICIES = frozenset({"always"})
+
+
+def restart_policy_risk(name: str, policy: str | None) -> str | None:
+    """What the guarded container's Docker restart policy (``HostConfig.RestartPolicy.Name``) does to a stop by
+    sparkd, when it undoes one: a sentence for the ``restart_policy_undoes_stop`` warning (at adoption), ``sparkd
+    doctor`` and the event that says the container came back; None for a policy that keeps a stop
+    (``no``, ``on-failure``, ``unless-stopped``, or not read). See ``STOP_UNDOING_POLICIES``."""
+    if policy not in STOP_UNDOING_POLICIES:
+        return None
+    return (
+        f"{name}'s Docker restart policy is '{policy}': after sparkd stops it on a trip, a dockerd restart or a "
+        "reboot starts it again, maybe with memory still low (sparkd guards it again once it runs). "
+        f"`docker update --restart unless-stopped {name}` keeps a stop and still restarts it after a crash"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- intents
 def of_this_run(at: float, run_started_at: float | None) -> bool:
     """Whether something recorded at ``at`` (epoch s: a stop intent, a stop event) can say why the run that started

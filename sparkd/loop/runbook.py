@@ -16,7 +16,7 @@ from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
-from sparkd.core.supervision import EXITED_SOURCE, StopIntent
+from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
 from sparkd.errors import DockerUnavailable, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.sense import procfs
@@ -39,6 +39,7 @@ class RunBook(LaunchBook):
     stops_total: int
     kills_total: int
     engine_error: str | None  # why the Docker engine did not answer, while it does not
+    _policy_said: set[str | None]  # containers whose restart policy was said (``_say_restart_policy``)
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         raise NotImplementedError
@@ -69,7 +70,23 @@ class RunBook(LaunchBook):
             self.ready_at, self.trough_bytes, self.stay_stopped = None, None, False
             if self.mode == "managed":
                 self._save_launch(status="starting")
+        self._say_restart_policy(obs)
         self._follow_logs()
+
+    def _say_restart_policy(self, obs: Observation) -> None:
+        """A restart policy that undoes sparkd's stop (``core.supervision.restart_policy_risk``: ``always``), said
+        once per container as a warning when its run is taken: nothing said so before a dockerd restart brought a
+        stopped model back (helper-43). sparkd launches its own containers with ``no``."""
+        risk = restart_policy_risk(self.name, obs.restart_policy)
+        if risk is None or self.container_id in self._policy_said:
+            return
+        self._policy_said.add(self.container_id)
+        self._event(
+            "restart_policy_undoes_stop",
+            risk,
+            severity="warning",
+            details={"container_id": self.container_id, "restart_policy": obs.restart_policy},
+        )
 
     async def _adopted(self, obs: Observation) -> None:
         assert self.container_id is not None

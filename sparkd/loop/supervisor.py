@@ -176,6 +176,7 @@ class Supervisor(RunBook):
         self.restart_warned = False
         self.restart_count = 0  # Docker's RestartCount, as last observed
         self.restart_policy: str | None = None
+        self._policy_said: set[str | None] = set()  # containers whose restart policy was said (runbook)
         self.docker_restarts_seen = 0
         self.unattended = Unattended(self)  # back-off, breaker, intents, probe, maintenance (loop/unattended)
         # managed mode: a running container by our name without our label (``_check_unguarded``)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sparkd.core.supervision import guard_candidates
+from sparkd.core.supervision import guard_candidates, restart_policy_risk
 from sparkd.sense.gpu import parse_nvidia_smi_table
 from sparkd.sense.procfs import read_meminfo, read_zoneinfo_low_watermark_bytes
 from sparkd.units import GiB, fmt_gib
@@ -100,18 +100,22 @@ def docker_ping_sdk() -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-def docker_container_status(name: str, docker_url: str | None = None) -> str | None:
-    """Docker's status of the container ``name`` (a name or an id, as ``container.guard`` takes it): ``running``,
-    ``exited``...; None when no container by that name exists (``docker ps -a`` lists none). Raises when the engine
-    does not answer (``DockerUnavailable``)."""
+def docker_container_status(name: str, docker_url: str | None = None) -> tuple[str, str | None] | None:
+    """Docker's status of the container ``name`` (a name or an id, as ``container.guard`` takes it: ``running``,
+    ``exited``...) and its restart policy (``HostConfig.RestartPolicy.Name``, None when unset); None when no
+    container by that name exists (``docker ps -a`` lists none). Raises when the engine does not answer
+    (``DockerUnavailable``)."""
     from sparkd.act.docker import ContainerManager, guard_matches  # lazily: doctor must run where the SDK is missing
     from sparkd.errors import NotFound
 
+    manager = ContainerManager(docker_url, api_timeout_s=5.0)
     try:
-        info = ContainerManager(docker_url, api_timeout_s=5.0).get(name)
+        info = manager.get(name)
+        if not guard_matches(name, info.name, info.id):  # not an id prefix of another one
+            return None
+        return info.status, manager.state(info.id).restart_policy
     except NotFound:
         return None
-    return info.status if guard_matches(name, info.name, info.id) else None  # not an id prefix of another one
 
 
 def docker_running_containers(docker_url: str | None = None) -> list[tuple[str, str, str]]:
@@ -155,7 +159,7 @@ class DoctorContext:
     rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
     guard_name: str | None = None  # container.guard in guard mode (no container.image): the container it names
     # the guarded container's status, None when none by that name exists; raises when Docker does not answer
-    container_status: Callable[[str], str | None] = docker_container_status
+    container_status: Callable[[str], tuple[str, str | None] | None] = docker_container_status
     running_containers: Callable[[], list[tuple[str, str, str]]] = docker_running_containers
     _docker_info: dict[str, Any] | None = field(default=None, init=False, repr=False)
 
@@ -234,8 +238,9 @@ def check_docker(ctx: DoctorContext) -> list[Check]:
 
 def check_guard_target(ctx: DoctorContext) -> list[Check]:
     """Guard mode: a container by ``container.guard``'s name exists (any state: a stopped one is guarded again once it
-    runs). WARN when none does: sparkd guards nothing (a typo, or docker compose's ``<project>-<service>-1``
-    naming). Nothing is said when Docker does not answer (the Docker check says that)."""
+    runs). FAIL when none does: sparkd guards nothing (a typo, or docker compose's ``<project>-<service>-1``
+    naming); WARN when its restart policy undoes sparkd's stop (``core.supervision.restart_policy_risk``). Nothing
+    is said when Docker does not answer (the Docker check says that)."""
     name = ctx.guard_name
     if not name:
         return []
@@ -251,7 +256,7 @@ def check_guard_target(ctx: DoctorContext) -> list[Check]:
         running = f"; running now: {', '.join(candidates)}" if candidates else ""
         return [
             Check(
-                "WARN",
+                "FAIL",  # the daemon says this critical (guard_target_missing): doctor said WARN, rc 0 (helper-44)
                 "Guarded container",
                 f"container.guard = {name!r} matches no container (`docker ps -a` lists none by that name or id): "
                 f"sparkd guards nothing{running}",
@@ -259,7 +264,18 @@ def check_guard_target(ctx: DoctorContext) -> list[Check]:
                 "<project>-<service>-1), or start the container by that name",
             )
         ]
-    return [Check("OK", "Guarded container", f"{name}: {status}")]
+    state, policy = status
+    risk = restart_policy_risk(name, policy)
+    if risk:  # sparkd's stop does not hold against it (helper-43)
+        return [
+            Check(
+                "WARN",
+                "Guarded container",
+                f"{name}: {state}; {risk}",
+                f"docker update --restart unless-stopped {name}",
+            )
+        ]
+    return [Check("OK", "Guarded container", f"{name}: {state}" + (f" (restart policy {policy})" if policy else ""))]
 
 
 def check_nvidia_runtime(ctx: DoctorContext) -> list[Check]:
