@@ -985,6 +985,21 @@ def test_a_sighup_is_said_and_ignored_the_guard_goes_on(tmp_path: Path) -> None:
         g.assert_sampling(t0)
 
 
+def test_a_terminal_stop_signal_is_said_and_ignored_the_guard_does_not_pause(tmp_path: Path) -> None:
+    """SIGTSTP (Ctrl-Z on a foreground ``sparkd run``) froze the guard (``State: T``) until SIGCONT, said only by a
+    ``guard_gap`` afterwards (helper-45); SIGTTIN/SIGTTOU do the same to a background run touching its terminal."""
+    t0 = time.time()
+    with guarded(tmp_path) as g:
+        for n, sig in enumerate((signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU), 1):
+            g.p.send_signal(sig)
+            said = wait_for(lambda n=n: len(g.events("signal_ignored")) >= n and g.events("signal_ignored"), 10.0, 0.1)
+            assert said and any(e["message"].startswith(f"{sig.name} ignored") for e in said), said
+        state = Path(f"/proc/{g.p.pid}/status").read_text().split("State:")[1].split()[0]
+        assert state != "T" and g.p.poll() is None, state
+        g.stop_during(t0)
+        g.assert_sampling(t0)
+
+
 def test_a_pressure_file_with_a_number_that_is_not_one_blinds_psi_and_the_guard_goes_on(tmp_path: Path) -> None:
     """``some avg10=.`` passed the fast parser's ``[0-9.]+`` and ``float()`` raised in the tick: ``daemon_crashed``,
     and every restart died in its start-up with no event (helper-40). It reads as PSI not read; the guard goes on."""

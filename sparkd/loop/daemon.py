@@ -878,9 +878,23 @@ class Daemon:
                 details={"signal": "SIGHUP"},
             )
 
+        def _tty_stop(signum: int) -> None:  # Ctrl-Z on a foreground `sparkd run` (SIGTSTP), or a background run
+            # that reads or writes its terminal (SIGTTIN/SIGTTOU): the default action froze the guard, unsaid until
+            # a guard_gap after SIGCONT (helper-45)
+            name = signal.Signals(signum).name
+            self.event(
+                "signal_ignored",
+                f"{name} ignored: a guard does not pause (a terminal's Ctrl-Z, or a background run touching its "
+                "terminal); to stop guarding, stop sparkd (systemctl stop sparkd, or Ctrl-C)",
+                severity="warning",
+                details={"signal": name},
+            )
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _sig, sig)
         loop.add_signal_handler(signal.SIGHUP, _hup)
+        for sig in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+            loop.add_signal_handler(sig, _tty_stop, sig)
         try:
             await self.startup()
         except Exception as e:  # a start-up that fails past the config checks: said, as a crash of the loop is
