@@ -1346,6 +1346,24 @@ async def test_a_rule_that_can_never_fire_is_said_at_start(tmp_path: Path) -> No
         await d.shutdown("test")
 
 
+async def test_rules_on_the_kernel_log_are_said_when_it_is_off(tmp_path: Path) -> None:
+    """``kernlog_source = "off"``: a rule on nvrm_recent read 0/1 and "no driver errors", with no event, blind
+    sensor or doctor word (helper-45). The rule that needs it alone never fires, and is said to; one with other
+    evidence fires on that (an "off" kernel log is the operator's setting, not a sensor lost: no ``sensor_blind``)."""
+    d = await _daemon(
+        tmp_path,
+        rules=[
+            {"name": "nvrm_only", "when": ["nvrm_recent > 5"]},
+            {"name": "either", "when": ["MemFree < 2GiB"], "evidence": ["nvrm_recent > 0", "usable < 3GiB"]},
+        ],
+    )
+    try:
+        said = {e["details"]["rule"]: e["message"] for e in d.recent_events if e["kind"] == "rule_never_fires"}
+        assert set(said) == {"nvrm_only"} and "nvrm_recent is not read" in said["nvrm_only"], said
+    finally:
+        await d.shutdown("test")
+
+
 def test_jinja2_and_prometheus_client_are_imported_at_the_first_page_and_scrape_only(tmp_path: Path) -> None:
     """A daemon whose dashboard nobody opens and nobody scrapes does not hold them (issue 18: ~2.7 MiB)."""
     import subprocess

@@ -259,7 +259,26 @@ def test_a_daemon_with_its_own_state_dir_keeps_its_own_log(tmp_path: Path) -> No
             {"when": ["MemFree < 2GiB"], "evidence": ["nvrm_recent < 0", "MemAvailable > 20GiB"]},
             ["no evidence condition can ever hold: 'nvrm_recent < 0', 'MemAvailable > 20GiB'"],
         ),
+        # a size without its unit is bytes: MemAvailable never that low while the host answers (helper-45)
+        (
+            {"when": ["MemAvailable < 6"]},
+            [
+                "'MemAvailable < 6' can never hold: MemAvailable is never below 1 MiB while the host answers (a size "
+                "without a unit is bytes: write e.g. 'MemAvailable < 6GiB')"
+            ],
+        ),
+        (
+            {"when": ["MemFree < 2048"], "evidence": ["MemAvailable < 6k"]},
+            [
+                "'MemFree < 2048' can never hold: MemFree is never below 1 MiB while the host answers (a size "
+                "without a unit is bytes: write e.g. 'MemFree < 2048GiB')",
+                "no evidence condition can ever hold: 'MemAvailable < 6k'",
+            ],
+        ),
         # rules that can fire
+        ({"when": ["MemAvailable < 2MiB"]}, []),
+        ({"when": ["MemAvailable > 6"]}, []),
+        ({"when": ["nvrm_recent > 5"]}, []),  # the kernel log is read (``unread`` in the next test)
         ({"when": ["MemAvailable < 6GiB", "MemAvailable > 2GiB"]}, []),
         ({"when": ["MemAvailable <= 5%", "MemAvailable >= 5%"]}, []),
         ({"when": ["psi_some_avg10 > 0.5", "psi_some_avg10 < 0.9"]}, []),
@@ -271,6 +290,29 @@ def test_rules_that_can_never_fire_are_named(rule: dict[str, list[str]], why: li
     from sparkd.core.conditions import never_fires
 
     assert never_fires(rule["when"], rule.get("evidence", []), 16 * 2**30) == why
+
+
+def test_a_rule_on_nvrm_recent_never_fires_when_the_kernel_log_is_off_and_doctor_says_so(tmp_path: Path) -> None:
+    """``kernlog_source = "off"``: nvrm_recent stays 0, and a rule that needs it looked armed ("0/1", doctor "OK
+    Rules") and never fired (helper-45). One driver-error alternative among others still lets a rule fire."""
+    from sparkd.core.conditions import never_fires, unread_fields
+    from sparkd.ops.doctor import DoctorContext, check_rule_reach
+
+    off = unread_fields("off")
+    assert unread_fields("auto") == {} and never_fires(["nvrm_recent > 5"], [], 16 * 2**30, None, {}) == []
+    why = "'nvrm_recent > 5' can never hold: nvrm_recent is not read (kernlog_source = \"off\": no kernel log is read)"
+    assert never_fires(["nvrm_recent > 5"], [], 16 * 2**30, None, off) == [why]
+    assert never_fires(["MemAvailable < 30GiB"], ["nvrm_recent > 0"], 16 * 2**30, None, off) == [
+        "no evidence condition can ever hold: 'nvrm_recent > 0'"
+    ]
+    assert never_fires(["MemFree < 2GiB"], ["nvrm_recent > 0", "usable < 3GiB"], 16 * 2**30, None, off) == []
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+    rules = load_settings(overrides={"rules": [{"name": "nvrm_only", "when": ["nvrm_recent > 5"]}]}).rules
+    [c] = check_rule_reach(DoctorContext(proc_root=proc, rules=rules, kernlog_source="off"))
+    assert (c.status, c.title, c.detail) == ("WARN", "Rule nvrm_only", why)
+    assert [c.status for c in check_rule_reach(DoctorContext(proc_root=proc, rules=rules))] == ["OK"]
 
 
 def test_a_rule_that_can_never_fire_still_loads_for_the_guard_to_start() -> None:

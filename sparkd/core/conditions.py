@@ -7,7 +7,7 @@ never disagree about what a condition means.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS
 from sparkd.units import fmt_gib, parse_size
@@ -72,13 +72,31 @@ def _bound(value: str, mem_total_bytes: int | None, attr: str = "") -> tuple[str
         return "abs", float(parse_size(value))
 
 
-def condition_never_holds(text: str, mem_total_bytes: int | None = None) -> str | None:
+#: A memory field below this many bytes is a host that no longer answers: a line under it is a size written without
+#: its unit (``MemAvailable < 6``: 6 bytes, the rule never fired and nothing said so, helper-45). 1 MiB is far below
+#: any kernel's min watermark (``vm.min_free_kbytes`` is at least 128 KiB and scales with memory).
+BARE_SIZE_FLOOR_BYTES = 1 << 20
+
+
+def condition_never_holds(
+    text: str, mem_total_bytes: int | None = None, unread: Mapping[str, str] | None = None
+) -> str | None:
     """Why the condition ``text`` can never hold, or None. Every field a rule reads is ≥ 0 (sizes,
-    counts, PSI); a memory field never exceeds MemTotal (checked when ``mem_total_bytes`` is given)."""
+    counts, PSI); a memory field never exceeds MemTotal (checked when ``mem_total_bytes`` is given) and is never below
+    ``BARE_SIZE_FLOOR_BYTES`` while the host answers; a field in ``unread`` (``{attr: why}``: never read on this host,
+    ``nvrm_recent`` with ``kernlog_source = "off"``) never moves."""
     fld, op, value = parse_condition(text)
-    unit, x = _bound(value, mem_total_bytes, FIELD_ALIASES[fld])
+    attr = FIELD_ALIASES[fld]
+    if unread and attr in unread:
+        return f"{fld} is not read ({unread[attr]})"
+    unit, x = _bound(value, mem_total_bytes, attr)
     if (op == "<" and x <= 0) or (op == "<=" and x < 0):
         return f"{fld} is never below 0"
+    if attr in _MEMORY_ATTRS and op in ("<", "<=") and unit == "abs" and x < BARE_SIZE_FLOOR_BYTES:
+        bare = re.fullmatch(r"[0-9.]+", value) is not None
+        return f"{fld} is never below {BARE_SIZE_FLOOR_BYTES >> 20} MiB while the host answers" + (
+            f" (a size without a unit is bytes: write e.g. '{fld} {op} {value}GiB')" if bare else ""
+        )
     if (
         FIELD_ALIASES[fld] in PSI_ATTRS
         and unit == "abs"
@@ -97,6 +115,7 @@ def never_fires(
     evidence: Sequence[str] = (),
     mem_total_bytes: int | None = None,
     floor: str | None = None,
+    unread: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Why a rule with these conditions can never fire (empty: it can). Pure; texts already valid.
 
@@ -104,14 +123,15 @@ def never_fires(
     on one field that exclude each other (``MemAvailable < 4GiB`` and ``MemAvailable > 8GiB``: all
     must hold); an evidence clause none of whose conditions can hold. A predictive rule's ``floor``
     (a size) counts as one more ``when`` condition, ``MemAvailable < floor``. Percentages are
-    compared as bytes when ``mem_total_bytes`` is given, else only with percentages."""
+    compared as bytes when ``mem_total_bytes`` is given, else only with percentages. ``unread``: fields never read on
+    this host (``unread_fields``), whose conditions never hold."""
     when = [*when, *([f"MemAvailable < {floor}"] if floor else [])]
     out = []
     for text in when:
-        why = condition_never_holds(text, mem_total_bytes)
+        why = condition_never_holds(text, mem_total_bytes, unread)
         if why:
             out.append(f"{text!r} can never hold: {why}")
-    if evidence and all(condition_never_holds(t, mem_total_bytes) for t in evidence):
+    if evidence and all(condition_never_holds(t, mem_total_bytes, unread) for t in evidence):
         out.append("no evidence condition can ever hold: " + ", ".join(repr(t) for t in evidence))
     # per field: the tightest upper and lower bound of the when-conditions
     upper: dict[tuple[str, str], tuple[float, bool, str]] = {}
@@ -130,3 +150,9 @@ def never_fires(
             if lo > hi or (lo == hi and (lo_strict or hi_strict)):
                 out.append(f"{lo_text!r} and {hi_text!r} never hold together")
     return out
+
+
+def unread_fields(kernlog_source: str) -> dict[str, str]:
+    """``{attr: why}`` of rule fields this configuration never reads (``never_fires``' ``unread``): ``nvrm_recent``
+    with ``kernlog_source = "off"`` stays 0, which read as "no driver errors" (helper-45)."""
+    return {"nvrm_recent": 'kernlog_source = "off": no kernel log is read'} if kernlog_source == "off" else {}

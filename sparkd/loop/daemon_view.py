@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
-from sparkd.core.conditions import never_fires
+from sparkd.core.conditions import never_fires, unread_fields
 from sparkd.core.floors import check_floors
 from sparkd.core.headroom import nearest_stop
 from sparkd.core.lifecycle import DOWN_STATES, ContainerState
@@ -215,8 +215,9 @@ def report_rules_that_never_fire(daemon: Daemon) -> None:
     loudly: it looks armed and guards nothing. ``sparkd doctor`` reports the same (WARN)."""
     last = daemon.guard.last if daemon.guard else None
     total = last.mem_total if last else None
+    unread = unread_fields(daemon.settings.kernlog_source)
     for r in daemon.settings.rules:
-        for why in never_fires(r.when, r.evidence, total, r.floor):
+        for why in never_fires(r.when, r.evidence, total, r.floor, unread):
             daemon.event(
                 "rule_never_fires",
                 f"rule {r.name} can never fire: {why}; it guards nothing",

@@ -157,6 +157,7 @@ class DoctorContext:
     db_file: Path | None = None  # None: no database check (tests of other checks)
     archives_dir: Path | None = None  # where the postmortem archives are (settings.archives_path)
     rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
+    kernlog_source: str = "auto"  # the setting: "off" reads no kernel log (a rule on nvrm_recent never fires)
     guard_name: str | None = None  # container.guard in guard mode (no container.image): the container it names
     # the guarded container's status, None when none by that name exists; raises when Docker does not answer
     container_status: Callable[[str], tuple[str, str | None] | None] = docker_container_status
@@ -609,11 +610,12 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
     total = read_meminfo(ctx.proc_root).fields.get("MemTotal")
     if not total:
         return []
-    from sparkd.core.conditions import never_fires
+    from sparkd.core.conditions import never_fires, unread_fields
 
     out = []
+    unread = unread_fields(ctx.kernlog_source)
     for r in ctx.rules:
-        for why in never_fires(r.when, r.evidence, total, getattr(r, "floor", None)):
+        for why in never_fires(r.when, r.evidence, total, getattr(r, "floor", None), unread):
             out.append(Check("WARN", f"Rule {r.name}", why, "fix the threshold: this rule guards nothing"))
     out += _floor_checks(ctx, total)
     return out or [

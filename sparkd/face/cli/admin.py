@@ -96,6 +96,7 @@ def doctor(ctx: click.Context) -> None:
             db_file=settings.db_file,
             archives_dir=settings.archives_path,
             rules=settings.rules,
+            kernlog_source=settings.kernlog_source,
             # guard mode (sparkd.loop.daemon.make_actions): the container it names must exist
             guard_name=None if settings.monitor_only or settings.container.image else settings.container.guard,
             container_status=lambda name: doc.docker_container_status(name, settings.container.docker_url),
