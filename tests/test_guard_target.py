@@ -314,3 +314,45 @@ async def test_a_trip_with_nothing_guarded_is_critical_and_names_the_running_can
     assert "nothing to stop unless Docker" not in trip["message"] and trip["details"].get("nothing_guarded") is True
     assert "collapse_as" not in trip["details"]  # each one notified as the critical it is
     assert [r.idle_trips for r in cs.rules if r.name == "low_available"] == [0]
+
+
+async def test_monitor_only_with_a_guarded_container_configured_says_that_container_is_not_guarded(
+    tmp_path: Path,
+) -> None:
+    """``monitor_only = true`` beside ``container.guard`` (or a leftover ``SPARKD_MONITOR_ONLY``): the named container
+    ran unguarded, the status said only "monitor-only — monitor_only = true" and named no container, the card was
+    amber and no event said so (helper-45)."""
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "kernlog_source": "off",
+            "monitor_only": True,
+            "container": {"guard": NAME},
+        }
+    )
+    from sparkd.loop.daemon import make_actions
+
+    d = Daemon(settings, actions=make_actions(settings), serve_api=False)  # as `sparkd run` makes it
+    await d.startup()
+    try:
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+        said = [e for e in d.recent_events if e["kind"] == "monitor_only_ignores_container"]
+        st = _calm(d.status_json())
+    finally:
+        await d.shutdown("test")
+    assert [e["severity"] for e in said] == ["critical"]
+    assert f"monitor_only = true: {NAME}, which the configuration names" in said[0]["message"]
+    assert "is NOT guarded: sparkd never stops it on a trip" in said[0]["message"]
+    assert st.container.mode == "monitor-only" and st.container.ignored == NAME
+    h = views.headline(st.model_dump(mode="json"), None)
+    assert h["label"] == f"monitor-only: {NAME} is NOT guarded (monitor_only = true)" and h["level"] != "ok", h
+    assert views.container_from_status(st)["level"] == "critical"
+    assert f"<strong>{NAME} is NOT guarded.</strong>" in _card(st)
+    out = status_cli_output(tmp_path, st)
+    assert f"container: monitor-only — monitor_only = true — {NAME} is NOT GUARDED: sparkd never stops it" in out, out
+    # monitor-only with no container configured names none, as before
+    bare = load_settings(overrides={"state_dir": str(tmp_path / "b"), "monitor_only": True})
+    plain = make_actions(bare)
+    assert plain.status_json().ignored is None

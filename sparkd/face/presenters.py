@@ -331,7 +331,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     missing = nothing_guarded(c)
     level = "ok"
     if monitor_only:
-        level = "warn"
+        level = "critical" if c.ignored else "warn"
     elif c.state in CRITICAL_STATES or missing:
         level = "critical"
     elif c.start_error or c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
@@ -339,6 +339,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     down = c.down_because()  # why this run is down; not an earlier incident's intent on a model started again by hand
     return {
         "monitor_only": monitor_only,
+        "ignored": c.ignored,  # monitor-only with a container configured: it runs unguarded (helper-45)
         # which of the two container modes (helper-37: neither the dashboard nor `sparkd status` said it)
         "mode_text": guard_missing_mode_text(c.name, status.dry_run) if missing else mode_text(c.mode, status.dry_run),
         "reason": c.reason,
@@ -405,6 +406,11 @@ def _at_least_warn(level: str) -> str:
     return level if _LEVEL_RANK.get(level, 0) >= 1 else "warn"
 
 
+def monitor_only_ignored_text(name: str) -> str:
+    """Headline and card words for monitor-only mode with a container configured (``ContainerStatus.ignored``)."""
+    return f"monitor-only: {name} is NOT guarded (monitor_only = true)"
+
+
 def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str, Any]:
     """The headline: the nearest stop line (``status.nearest_stop``) and the page's one level.
 
@@ -429,6 +435,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         label = "not guarded"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
+    elif c.get("ignored") and c.get("mode") == "monitor-only":  # a configured container runs unguarded (helper-45)
+        level, label = _at_least_warn(level), monitor_only_ignored_text(c["ignored"])
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":

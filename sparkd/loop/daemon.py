@@ -116,7 +116,8 @@ def make_actions(settings: Settings) -> Actions:
     imported only when there is a container to act on."""
     c = settings.container
     if settings.monitor_only:
-        return MonitorOnly("monitor_only = true")
+        named = c.guard or c.image  # said, not silently dropped: a leftover SPARKD_MONITOR_ONLY did so (helper-45)
+        return MonitorOnly("monitor_only = true", ignored=(c.guard or c.name) if named else None)
     if not c.image and not c.guard:
         return MonitorOnly("no container configured (container.image or container.guard)")
     from sparkd.loop.supervisor import Supervisor
@@ -138,12 +139,22 @@ def _where(e: BaseException) -> str:
 class MonitorOnly:
     """No container to act on: a stop decision is recorded, nothing else happens."""
 
-    def __init__(self, why: str = "no container configured") -> None:
+    def __init__(self, why: str = "no container configured", *, ignored: str | None = None) -> None:
         self.why = why
+        self.ignored = ignored  # the container the configuration names, which monitor_only leaves unguarded
         self.daemon: Daemon | None = None
 
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        if self.ignored:
+            daemon.event(
+                "monitor_only_ignores_container",
+                f"{self.why}: {self.ignored}, which the configuration names (container.guard or container.image), "
+                "is NOT guarded: sparkd never stops it on a trip. Remove monitor_only (or SPARKD_MONITOR_ONLY) to "
+                "guard it",
+                severity="critical",
+                details={"container": self.ignored},
+            )
 
     async def on_stop(self, decision: Decision) -> None:
         if self.daemon:
@@ -164,7 +175,7 @@ class MonitorOnly:
         return None
 
     def status_json(self) -> ContainerStatus:
-        return ContainerStatus(mode="monitor-only", reason=self.why)
+        return ContainerStatus(mode="monitor-only", reason=self.why, ignored=self.ignored)
 
     def lifecycle_state(self) -> str:
         return "monitor-only"

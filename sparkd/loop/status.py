@@ -177,6 +177,8 @@ class ContainerStatus(_Model):
     mode: ContainerMode
     state: ContainerState = ContainerState.NONE
     reason: str | None = None  # monitor-only: why there is no container side
+    # monitor-only with a container configured (container.guard or container.image): its name, never stopped
+    ignored: str | None = None
     name: str | None = None
     engine: Literal["unknown", "up", "down"] | None = None
     engine_error: str | None = None

@@ -153,6 +153,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
     why = c.reason or c.state_reason
     if why:
         line += f" — {why}"
+    if c.ignored:
+        line += f" — {c.ignored} is NOT GUARDED: sparkd never stops it"
     if c.restart_count:
         line += f" — Docker restarted it {c.restart_count} times (restart policy {c.restart_policy})"
     click.echo(line)
