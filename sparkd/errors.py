@@ -118,3 +118,10 @@ class MetricsUnavailable(SparkdError):
 
     status_code = 503
     code = "metrics_unavailable"
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line for an event or a log (SQLAlchemy's ``orig`` when it wraps one), at most 300
+    characters."""
+    text = str(getattr(e, "orig", None) or e)
+    return (text.splitlines() or [type(e).__name__])[0][:300]

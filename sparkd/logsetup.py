@@ -92,6 +92,51 @@ class RawStderr:
 
 
 _listener: logging.handlers.QueueListener | None = None
+
+
+class LogFileHandler(logging.handlers.RotatingFileHandler):
+    """sparkd's log file. A line it cannot write (a full disk: ENOSPC) printed logging's ~15-line "--- Logging error
+    ---" traceback to stderr, the journal, for every line, and nothing said which lines the file lacks (helper-45).
+    Now one line on stderr says the file is not written (stderr still has every line), the lines are counted, and the
+    next line the file takes is preceded by "N log lines were not written to this file (why)"."""
+
+    lost = 0  # lines not written since the last one that was
+    lost_why = ""
+    _said = False  # stderr told: said once per outage
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        self.lost += 1
+        self.lost_why = f"{type(exc).__name__}: {exc}" if exc else "unknown error"
+        if not self._said:
+            self._said = True
+            with contextlib.suppress(Exception):
+                sys.stderr.write(
+                    f"sparkd: cannot write {self.baseFilename} ({self.lost_why}); its lines are lost until it can "
+                    "be written (stderr has them)\n"
+                )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.lost:
+            n, why = self.lost, self.lost_why
+            self.lost = 0
+            note = logging.LogRecord(
+                "sparkd.log",
+                logging.WARNING,
+                __file__,
+                0,
+                f"{n} log lines were not written to this file ({why})",
+                None,
+                None,
+            )
+            super().emit(note)
+            if self.lost:  # still not written: the note is not one of the lines
+                self.lost = n
+            else:
+                self._said = False
+        super().emit(record)
+
+
 _sinks: list[logging.Handler] = []  # the handlers that write (stderr, the file), wherever they are attached
 
 
@@ -123,7 +168,7 @@ def setup_logging(
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
             path = log_dir / file_name
-            fh = logging.handlers.RotatingFileHandler(path, maxBytes=10 * 2**20, backupCount=5)
+            fh = LogFileHandler(path, maxBytes=10 * 2**20, backupCount=5)
         except OSError as e:
             path, problem = None, (log_dir, e)
         else:

@@ -205,3 +205,53 @@ def test_the_container_log_is_read_as_a_bounded_tail(launcher: Any, mgr: Contain
     assert full is not None
     assert mgr.logs(fv.id, max_bytes=100) == full[-100:]
     assert mgr.logs(fv.id, tail=1) == full[full.rstrip(b"\n").rfind(b"\n") + 1 :]
+
+
+def test_an_archive_a_full_disk_refuses_is_said_held_and_written_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full archive directory (ENOSPC) lost the postmortem for good, said only in the stop event's details and an
+    ERROR log line (helper-45). Now a critical ``archive_failed`` says it, the archive is held in memory and tried
+    again, and ``archive_written_late`` names it once there is room; it carries the stop's time, not the write's."""
+    from test_faults import fill, small_tmpfs
+
+    from sparkd.act import stop
+
+    monkeypatch.setattr(stop, "ARCHIVE_RETRY_S", 0.2)
+    with small_tmpfs(tmp_path / "archives", "1m") as fs:
+        d = _daemon(tmp_path)
+        d.settings = d.settings.model_copy(update={"archive_dir": str(fs)})
+        filler = fill(fs)
+        gone = ContainerManager(f"unix://{tmp_path}/no-dockerd.sock", api_timeout_s=2)
+        sup = Supervisor(d.settings, manager=gone)
+        sup.daemon = d
+        sup.container_id = "0" * 64
+        rep = StopReport("low_available: MemAvailable below the floor", "rule low_available")
+
+        async def scenario() -> str | None:
+            t_stop = time.time()
+            name = await write_postmortem(sup, rep, "0" * 64)
+            [failed] = [e for e in d.recent_events if e["kind"] == "archive_failed"]
+            assert failed["severity"] == "critical" and "is NOT written in" in failed["message"], failed
+            assert "No space left on device" in failed["message"] and "tries again every 0.2 s" in failed["message"]
+            await asyncio.sleep(2.5)  # still full: tried again, nothing said twice; the write comes seconds later
+            assert [e["kind"] for e in d.recent_events].count("archive_failed") == 1
+            filler.unlink()
+            for _ in range(50):
+                late = [e for e in d.recent_events if e["kind"] == "archive_written_late"]
+                if late:
+                    break
+                await asyncio.sleep(0.1)
+            [written] = [p.name for p in fs.iterdir()]
+            assert late and written in late[0]["message"], (late, written)
+            stamps = {time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t_stop + dt)) for dt in (0, 1)}
+            assert any(f"sparkd-{st}-" in written for st in stamps), (
+                stamps,
+                written,
+            )  # the stop's time, not the write's
+            return name
+
+        assert asyncio.run(scenario()) is None and any(e.startswith("archive failed") for e in rep.errors)
+        assert stop._archive_said(rep) == "NOT written (archive_failed: tried again)"  # the stop event read "none"
+        parts = _members(fs / next(iter(fs.iterdir())).name)
+        _assert_everything_else_is_there(parts)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sparkd.act import archive, shm
 from sparkd.config import effective_config
-from sparkd.errors import NotFound, Refused
+from sparkd.errors import NotFound, Refused, one_line
 from sparkd.units import fmt_gib
 
 if TYPE_CHECKING:
@@ -330,14 +330,60 @@ async def write_postmortem(
         )
         rep.errors.append("archive partial: " + "; ".join(f"{n} missing ({why})" for n, why in missing.items()))
     name_hint = str((inspect or {}).get("Name") or sup.name or "vllm").lstrip("/")
+    hint = f"{name_hint}-{rep.source}"
     try:
-        hint = f"{name_hint}-{rep.source}"
         info = await asyncio.to_thread(archive.write_archive, s.archives_path, hint, parts, summary)
         return info.name
     except Exception as e:
         rep.errors.append(f"archive failed: {e}")
         log.error("postmortem archive failed: %s", e)
+        # lost for good and said only in the stop event's details (a full disk: ENOSPC, helper-45): said, held in
+        # memory and tried again
+        d.event(
+            "archive_failed",
+            f"the postmortem archive of the stop of {sup.name} is NOT written in {s.archives_path} ({one_line(e)}); "
+            f"sparkd holds it in memory and tries again every {ARCHIVE_RETRY_S:g} s for "
+            f"{ARCHIVE_RETRY_FOR_S / 60:g} min",
+            severity="critical",
+            details={"error": one_line(e), "archives_dir": str(s.archives_path)},
+        )
+        task = asyncio.ensure_future(_archive_later(d, s.archives_path, hint, parts, summary, sup.name, now))
+        _ARCHIVES_LATER.add(task)
+        task.add_done_callback(_ARCHIVES_LATER.discard)
         return None
+
+
+#: A postmortem archive that could not be written (a full disk): tried again every ``ARCHIVE_RETRY_S`` for
+#: ``ARCHIVE_RETRY_FOR_S``, its parts held in memory meanwhile (each part is bounded by ``archive``'s
+#: ``DEFAULT_MAX_PART_BYTES``). A daemon that exits meanwhile loses it.
+ARCHIVE_RETRY_S = 30.0
+ARCHIVE_RETRY_FOR_S = 3600.0
+_ARCHIVES_LATER: set[asyncio.Future[None]] = set()  # held: a task only the event loop references may be collected
+
+
+async def _archive_later(
+    d: Any, directory: Any, hint: str, parts: dict[str, Any], summary: str, name: str, stopped_at: float
+) -> None:
+    """``write_postmortem``'s archive tried again until written (``archive_written_late``) or given up on (a second
+    critical ``archive_failed``). Named by the stop's time, not the write's."""
+    deadline = time.monotonic() + ARCHIVE_RETRY_FOR_S
+    last = ""
+    while time.monotonic() < deadline:
+        await asyncio.sleep(ARCHIVE_RETRY_S)
+        try:
+            info = await asyncio.to_thread(archive.write_archive, directory, hint, parts, summary, now=stopped_at)
+        except Exception as e:
+            last = one_line(e)
+            continue
+        d.event("archive_written_late", f"the postmortem archive of the stop of {name}: {info.name} (written late)")
+        return
+    d.event(
+        "archive_failed",
+        f"the postmortem archive of the stop of {name} is lost: not written in {directory} within "
+        f"{ARCHIVE_RETRY_FOR_S / 60:g} min ({last})",
+        severity="critical",
+        details={"error": last, "archives_dir": str(directory), "gave_up": True},
+    )
 
 
 async def witness_before_stop(
@@ -587,6 +633,18 @@ async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: Cleanup
 ARCHIVE_WAIT_S = 10.0
 
 
+def _archive_said(rep: StopReport) -> str:
+    """The stop event's word on its archive: its name; "NOT written" when the write failed (``archive_failed``: it
+    read "none", helper-45), "not written yet" when the stop did not wait for it (``archive_delayed``)."""
+    if rep.archive:
+        return rep.archive
+    if any(e.startswith("archive failed") for e in rep.errors):
+        return "NOT written (archive_failed: tried again)"
+    if any(e.startswith("archive not waited for") for e in rep.errors):
+        return "not written yet (archive_delayed)"
+    return "none"
+
+
 async def _archive_first(
     target: StopTarget,
     rep: StopReport,
@@ -693,7 +751,7 @@ async def run_stop(
     msg = (
         f"{target.name} {rep.outcome} ({how}) after "
         f"{rep.durations_s['stop']:.1f} s of {grace_s:g} s grace; total "
-        f"{rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}"
+        f"{rep.durations_s['total']:.1f} s; archive {_archive_said(rep)}"
     )
     if killed and not rep.hard_floor_kill and rep.durations_s["stop"] >= grace_s - 1:
         msg += f"; killed: no exit within {grace_s:g} s of SIGTERM"
@@ -701,7 +759,7 @@ async def run_stop(
         emit(
             "stop_unconfirmed",
             f"{target.name}: the stop is NOT confirmed, the model may still run ({'; '.join(rep.errors)[:600]}); "
-            f"total {rep.durations_s['total']:.1f} s; archive {rep.archive or 'none'}",
+            f"total {rep.durations_s['total']:.1f} s; archive {_archive_said(rep)}",
             severity="critical",
             details=rep.to_json(),
         )

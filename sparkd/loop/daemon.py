@@ -36,6 +36,7 @@ from sparkd.core.rules import Decision
 from sparkd.core.sample import Sample
 from sparkd.core.stalls import LATE_FACTOR, StallWindow
 from sparkd.errors import ConfigError, Refused, StoreError
+from sparkd.errors import one_line as _one_line
 from sparkd.loop import daemon_db as _daemon_db
 from sparkd.loop import daemon_decide as _daemon_decide
 from sparkd.loop import daemon_http as _daemon_http
@@ -43,7 +44,6 @@ from sparkd.loop import daemon_view as _daemon_view
 from sparkd.loop.alarm import Alarm
 from sparkd.loop.consumers import ConsumerWatch
 from sparkd.loop.daemon_db import keep_log_file as _keep_log_file
-from sparkd.loop.daemon_db import one_line as _one_line
 from sparkd.loop.daemon_decide import STATUS_SOON_S
 from sparkd.loop.guard import Guard, TickResult
 from sparkd.loop.httpserver import (

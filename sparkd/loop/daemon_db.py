@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.config import effective_config
+from sparkd.errors import one_line
 from sparkd.logsetup import reopen_if_gone
 from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
@@ -201,7 +202,9 @@ async def keep_files(daemon: Daemon) -> None:
     if restored:
         daemon.event(
             "state_files_restored",
-            f"deleted while sparkd ran, written again from memory: {'; '.join(restored)}",
+            # "deleted" when a full disk had kept it from being written at all (helper-45)
+            f"missing while sparkd ran (deleted, or never written: a full disk?), written again from memory: "
+            f"{'; '.join(restored)}",
             severity="warning",
             details={"files": restored},
         )
@@ -391,8 +394,3 @@ async def _gpu_wait(daemon: Daemon) -> None:
     since = daemon.mono() - (daemon.gpu_read_at or 0.0)
     if since < s.gpu_interval_s:
         await asyncio.sleep(s.gpu_interval_s - since)
-
-
-def one_line(e: BaseException) -> str:
-    text = str(getattr(e, "orig", None) or e)
-    return (text.splitlines() or [type(e).__name__])[0][:300]
