@@ -1064,3 +1064,78 @@ def test_an_api_port_another_program_holds_is_said_the_guard_runs_and_the_api_co
             assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
     finally:
         busy.close()
+
+
+def test_starts_a_broken_configuration_refused_are_said_by_the_next_start_with_the_time_unguarded(
+    tmp_path: Path,
+) -> None:
+    """A configuration edited into an error, then a restart: under systemd's ``Restart=always`` each ``sparkd run``
+    exited 2 five seconds after the last, nothing was guarded, and the next good start's history read only
+    ``daemon_stopped`` then ``daemon_started`` (helper-45). The refusals are counted in the state directory and the
+    next start says them: a critical ``start_refused``."""
+    state = tmp_path / "state"
+    cfg = tmp_path / "sparkd.toml"
+    cfg.write_text(f'state_dir = "{state}"\n[[rules]]\nname = "low"\nwhen = ["MemAvailable < 20573MB"]\n')
+    t0 = time.time()
+    for _ in range(2):
+        r = cli_run(cfg, "run", "--no-api")
+        assert r.returncode == 2 and "20573MB" in r.stderr, (r.returncode, r.stderr[-500:])
+    with guarded(tmp_path, state=state) as g:
+        said = g.events("start_refused")
+        assert [e["severity"] for e in said] == ["critical"], said
+        msg = said[0]["message"]
+        assert msg.startswith("sparkd refused to start 2 times from ") and "20573MB" in msg, msg
+        assert "nothing was guarded for at least" in msg
+        assert said[0]["details"]["first_ts"] >= t0 - 1 and said[0]["details"]["count"] == 2
+        assert not (state / "start_refused.json").exists()  # said once: the next start says nothing
+        assert g.p.poll() is None
+
+
+def test_a_configuration_file_edited_into_an_error_while_sparkd_runs_is_said_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The running daemon did not notice its file edited into an error; the next restart was refused (above). It
+    says so within ``CONFIG_CHECK_S`` (a ``stat``; the file is read only when it changed), and when it loads again."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.loop import daemon_db
+    from sparkd.loop.daemon import Daemon
+
+    monkeypatch.setattr(daemon_db, "CONFIG_CHECK_S", 0.1)
+    cfg = tmp_path / "sparkd.toml"
+    good = f'state_dir = "{tmp_path / "state"}"\nkernlog_source = "off"\n'
+    cfg.write_text(good)
+
+    async def scenario() -> list[dict[str, Any]]:
+        d = Daemon(load_settings(cfg), serve_api=False)
+        d.config_path = cfg
+        await d.startup()
+        try:
+
+            async def said(kind: str) -> list[dict[str, Any]]:
+                for _ in range(100):
+                    if found := [e for e in d.recent_events if e["kind"] == kind]:
+                        return found
+                    await asyncio.sleep(0.05)
+                return []
+
+            await asyncio.sleep(0.3)
+            assert not [e for e in d.recent_events if e["kind"].startswith("config_file")]  # unchanged: nothing said
+            cfg.write_text(good + "interval_s = 0\n")
+            invalid = await said("config_file_invalid")
+            cfg.write_text(good + "interval_s = 0\n# touched, same error\n")
+            await asyncio.sleep(0.4)
+            assert len([e for e in d.recent_events if e["kind"] == "config_file_invalid"]) == 1  # once per error
+            cfg.write_text(good)
+            valid = await said("config_file_valid")
+            return invalid + valid
+        finally:
+            await d.shutdown("test")
+
+    invalid, valid = asyncio.run(scenario())
+    assert invalid["severity"] == "warning" and f"the configuration file {cfg} no longer loads" in invalid["message"]
+    assert (
+        "interval_s" in invalid["message"] and "next start (a restart, a reboot) will be refused" in invalid["message"]
+    )
+    assert valid["message"].startswith(f"the configuration file {cfg} loads again")

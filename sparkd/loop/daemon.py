@@ -279,6 +279,8 @@ class Daemon:
         self.blind_gaps = 0  # ticks that came far too late (``guard_gap`` events)
         self.stalls = StallWindow()  # short stalls, summed (``guard_stalled`` events)
         self.cluster: Any = None  # sparkd.loop.cluster.Cluster when [cluster] has peers
+        # the configuration file it was started from (``sparkd run`` sets it): watched for an edit that breaks it
+        self.config_path: Path | None = None
         self.stall_file = os.environ.get("SPARKD_TEST_HOOK_STALL_FILE")
         self.ready = False
         self.event_notifier: Notifier | None = None
@@ -507,6 +509,9 @@ class Daemon:
             self.guard.kern_gate = self._kern_gate
         self._tasks.append(asyncio.create_task(self.writer.run(), name="sparkd-writer"))
         self._tasks.append(asyncio.create_task(self._retention_loop(), name="sparkd-retention"))
+        if self.config_path is not None:
+            watch = _daemon_db.config_watch_loop(self, self.config_path)
+            self._tasks.append(asyncio.create_task(watch, name="sparkd-config-watch"))
         self._tasks.append(asyncio.create_task(self._gpu_loop(), name="sparkd-gpu"))
         if s.consumers.enabled:
             self.consumers = self._make_consumer_watch()
@@ -544,6 +549,7 @@ class Daemon:
             + ("; DRY RUN: stop rules are recorded, not acted on" if s.dry_run else ""),
             details={"dry_run": s.dry_run, "event_loop": type(loop).__module__.split(".")[0]},
         )
+        self._say_refused_starts()
         self.ready = True
         self.notifier.notify("READY=1")
         self.notifier.notify(f"STATUS={self.summary_line()}")
@@ -551,6 +557,31 @@ class Daemon:
         # after one collection of start-up's garbage, the collector's passes skip it (issue 18)
         gc.collect()
         gc.freeze()
+
+    def _say_refused_starts(self) -> None:
+        """Starts the configuration refused before this one (``store.refused``, counted by ``sparkd run``): a
+        critical ``start_refused``, with how long nothing was guarded at least (from the first refusal). The history
+        read ``daemon_stopped`` then ``daemon_started``, and a restart loop on a broken file was said nowhere
+        (helper-45)."""
+        from sparkd.store import refused
+
+        rec = refused.take(Path(self.settings.state_dir))
+        if rec is None:
+            return
+        first, last, n = float(rec["first_ts"]), float(rec["last_ts"]), int(rec["count"])
+        unguarded_s = max(0.0, time.time() - first)
+
+        def utc(t: float) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+        when = f"at {utc(first)}" if n == 1 else f"{n} times from {utc(first)} to {utc(last)}"
+        self.event(
+            "start_refused",
+            f"sparkd refused to start {when}: its configuration did not load ({rec['error']}); nothing was guarded "
+            f"for at least {unguarded_s:.0f} s before this start",
+            severity="critical",
+            details={**rec, "unguarded_s": unguarded_s},
+        )
 
     async def _start_api(self) -> None:
         await _daemon_http.start_api(self)

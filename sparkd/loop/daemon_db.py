@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparkd import __version__
 from sparkd.config import effective_config
-from sparkd.errors import one_line
+from sparkd.errors import SparkdError, one_line
 from sparkd.logsetup import reopen_if_gone
 from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
@@ -314,6 +314,59 @@ async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, 
             details={"removed": gone},
         )
     return {**removed, "archives": len(gone)}
+
+
+#: How often the running daemon looks at its configuration file (a ``stat``; the file is read only when it changed).
+CONFIG_CHECK_S = 30.0
+
+
+async def config_watch_loop(daemon: Daemon, path: Path) -> None:
+    """The configuration file edited into an error while sparkd runs: said at once (``config_file_invalid``, a
+    warning; once per distinct error), since the next start — a restart, an upgrade, a reboot — will be refused and
+    leave the host unguarded under systemd's restart loop (helper-45); ``config_file_valid`` when it loads again.
+    sparkd goes on with the configuration it started with: it never reloads."""
+    from sparkd.config import load_settings
+
+    def look() -> tuple[int, int] | None:
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    seen = await asyncio.to_thread(look)
+    said: str | None = None
+    while not daemon.should_exit.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(daemon.should_exit.wait(), CONFIG_CHECK_S)
+            return
+        now = await asyncio.to_thread(look)
+        if now == seen:
+            continue
+        seen = now
+        try:
+            await asyncio.to_thread(load_settings, path)
+            problem = None
+        except SparkdError as e:
+            problem = e.message
+        except Exception as e:  # never end the watch
+            problem = one_line(e)
+        if problem is not None and problem != said:
+            daemon.event(
+                "config_file_invalid",
+                f"the configuration file {path} no longer loads: {problem}. sparkd runs on with the configuration it "
+                "started with; its next start (a restart, a reboot) will be refused and guard nothing until it is "
+                "fixed",
+                severity="warning",
+                details={"path": str(path), "error": problem},
+            )
+        elif problem is None and said is not None:
+            daemon.event(
+                "config_file_valid",
+                f"the configuration file {path} loads again (restart sparkd to apply a change)",
+                details={"path": str(path)},
+            )
+        said = problem
 
 
 async def retention_loop(daemon: Daemon) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
 from sparkd import __version__
-from sparkd.config import BudgetSettings, Settings, load_settings
+from sparkd.config import DEFAULT_CONFIG_PATH, BudgetSettings, Settings, load_settings
 from sparkd.errors import SparkdError, StoreError
 from sparkd.loop.status import Status
 from sparkd.store.store import READ_ERRORS, Store
@@ -20,13 +22,30 @@ CLOCK_SLACK_S = 2.0  # `sparkd status`: a record dated further ahead than this i
 STALE_S = 10.0  # `sparkd status`: the daemon runs when its newest record (a sample, the snapshot) is younger
 
 
-def _settings(ctx: click.Context) -> Settings:
+def _config_path(ctx: click.Context) -> Path | None:
+    """The configuration file the command reads: ``--config``, else ``/etc/sparkd/sparkd.toml`` when it exists (as
+    ``config.load_settings``), absolute; None: the embedded defaults."""
+    given = ctx.ensure_object(dict).get("config")
+    path = Path(given) if given else (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None)
+    return path.resolve() if path else None
+
+
+def _settings(ctx: click.Context, *, starting: bool = False) -> Settings:
+    """The settings of ``--config`` (or the default file) with the command's overrides; exit 2 with the error when
+    they do not load. ``starting`` (``sparkd run``): the refusal is also counted in the state directory
+    (``store.refused``), for the next start to say how long nothing was guarded."""
     obj = ctx.ensure_object(dict)
     if "settings" not in obj:
         try:
             obj["settings"] = load_settings(obj.get("config"), overrides=obj.get("overrides"))
         except SparkdError as e:
             click.echo(f"sparkd: {e.message}", err=True)
+            if starting:
+                from sparkd.config import _default_state_dir
+                from sparkd.store import refused
+
+                where = refused.state_dir_hint(_config_path(ctx), obj.get("overrides"), _default_state_dir())
+                refused.record(where, e.message, time.time())
             ctx.exit(2)
     settings: Settings = obj["settings"]
     return settings

@@ -21,6 +21,7 @@ from sparkd.face.cli.base import (
     CLOCK_SLACK_S,
     STALE_S,
     _age,
+    _config_path,
     _settings,
     _since,
     _snapshot,
@@ -50,7 +51,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
     if dry_run:
         ctx.obj["overrides"] = {**ctx.obj.get("overrides", {}), "dry_run": True}
-    settings = _settings(ctx)
+    settings = _settings(ctx, starting=True)
     from sparkd.face.app import create_app
     from sparkd.logsetup import setup_logging
     from sparkd.loop.daemon import Daemon, make_actions
@@ -61,6 +62,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     daemon = Daemon(
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
+    daemon.config_path = _config_path(ctx)  # an edit that breaks it is said at once
     if settings.cluster.peers:
         # the cluster and httpx (with pygments and idna, ~4 MiB resident) only where there are peers (issue 18)
         from sparkd.loop.cluster import Cluster
