@@ -142,6 +142,7 @@ def test_a_running_daemon_refuses_a_launch_short_by_the_learned_overshoot(sparkd
     r = s.api("POST", "/api/container/start")
     assert r.status_code == 422 and "preflight failed" in r.text, r.text
     refused = s.wait_event("preflight_failed", 10)
+    assert refused["severity"] == "warning"  # the operator's own start: the reply says it, no page (helper-44)
     assert "+ learned start-up overshoot " in refused["message"], refused["message"]
     assert "past launches of this configuration dipped that far below plan" in refused["message"]
     assert s.container()["container_id"] is None  # nothing was started

@@ -75,7 +75,8 @@ def test_a_start_below_several_stop_lines_names_each_rule_and_says_the_guard_sto
     assert f"stop rules {held} hold now" in msg, msg
     assert "launches it anyway, and the guard stops it again as soon as these rules trip" in msg, msg
     assert e.value.detail["rules"] == ["low_available", "repeated_dips"]
-    assert [(x["kind"], x["severity"]) for x in daemon] == [("preflight_failed", "critical")]
+    # a warning: the operator has the refusal in hand; each refused click paged as a critical (helper-44)
+    assert [(x["kind"], x["severity"]) for x in daemon] == [("preflight_failed", "warning")]
     # forced: launched, and the warning names the same rules
     sup._refuse_below_a_stop_line("api:cli", force=True)
     assert daemon[-1]["kind"] == "preflight_forced" and "low_available" in daemon[-1]["message"]

@@ -43,6 +43,8 @@ log = logging.getLogger("sparkd.loop.supervisor")
 # After vLLM's generic "EngineCore failed to start." the root cause follows within the same second in the
 # field logs (field-2); the vllm_start_failed event waits this long for it before it says "no root cause".
 START_FAILED_CAUSE_WAIT_S = 5.0
+#: Sources of an operator's request (the API, the CLI through it, the dashboard): ``source`` starts with one.
+OPERATOR_SOURCES = ("api:", "web:")
 #: how long a stop's end waits for its launch record to be written (s): storage that hangs held the action's lock
 #: (start, restart and resize refused as busy) until the thaw; then it goes through the writer's queue (note 11)
 LAUNCH_RECORD_WAIT_S = 2.0
@@ -218,7 +220,8 @@ class LaunchBook:
         """An operator's start (``api:``/``web:``: the API, the CLI, the dashboard) while a stop rule would trip
         on the last sample (``RuleEngine.holds_now``: every ``when`` condition, the evidence, a predictive
         rule's projection) would only be stopped again by the guard, into a host already short of memory:
-        refused (``preflight_failed``, critical) unless ``force``, which is recorded (``preflight_forced``).
+        refused (``preflight_failed``, a warning: the operator has the refusal) unless ``force``, which is
+        recorded (``preflight_forced``).
 
         Automatic launches (start-up, auto-relaunch, maintenance, resize) are not refused here: a relaunch into
         a shortage is stopped by the guard and counted by the breaker, as before; a refusal would count as a
@@ -227,7 +230,7 @@ class LaunchBook:
         Raises:
             Refused: a stop rule would trip now and not ``force``.
         """
-        if not source.startswith(("api:", "web:")):
+        if not source.startswith(OPERATOR_SOURCES):
             return
         holding = self._stop_rules_holding()
         if holding is None:
@@ -238,7 +241,8 @@ class LaunchBook:
         if force:
             self._event("preflight_forced", f"launching anyway (forced by {source}): {why}", severity="warning")
             return
-        self._event("preflight_failed", f"launch refused: {why}", severity="critical", details=details)
+        # the operator who asked has the refusal in hand: a warning, not a page per click (helper-44)
+        self._event("preflight_failed", f"launch refused: {why}", severity="warning", details=details)
         # helper-35: a forced start at 2 GiB was stopped again 0.08 s after its launch, and nothing had said so;
         # helper-37: at 5 GiB the model came up healthy below the line, and the loop guard demoted the rule instead
         rules = "these rules trip" if len(names) > 1 else "this rule trips"
@@ -278,8 +282,14 @@ class LaunchBook:
             learned_overshoot_bytes=learned.learned.overshoot_bytes if learned and learned.learned else None,
         )
         if not pf.ok and not force:
+            # critical when nobody asked (autostart, a relaunch: the model stays down, unsaid to anyone); a warning to
+            # the operator who clicked Start, whose reply says it: each refused click paged (helper-44)
+            asked = source.startswith(OPERATOR_SOURCES)
             self._event(
-                "preflight_failed", f"launch refused: {pf.describe()}", severity="critical", details=pf.to_json()
+                "preflight_failed",
+                f"launch refused: {pf.describe()}",
+                severity="warning" if asked else "critical",
+                details=pf.to_json(),
             )
             raise Refused(f"preflight failed: {'; '.join(pf.failures)} (--force overrides)", detail=pf.to_json())
         for old in managed:  # a stopped container of ours with the same name blocks the new one
