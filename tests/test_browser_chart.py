@@ -29,9 +29,9 @@ MEMINFO = (
 
 
 @contextlib.contextmanager
-def _sparkd(tmp: Path, config: str = "") -> Iterator[tuple[str, Path]]:
-    """A real ``sparkd run`` (monitor-only, 4 Hz) over a /proc in ``tmp`` that starts as MEMINFO, with ``config``
-    (TOML; empty: the default rules). Yields (base URL, the /proc directory)."""
+def _sparkd(tmp: Path, config: str = "", interval_s: float = 0.25) -> Iterator[tuple[str, Path]]:
+    """A real ``sparkd run`` (monitor-only, 4 Hz unless ``interval_s``) over a /proc in ``tmp`` that starts as
+    MEMINFO, with ``config`` (TOML; empty: the default rules). Yields (base URL, the /proc directory)."""
     proc = tmp / "proc"
     proc.mkdir()
     (proc / "meminfo").write_text(MEMINFO)
@@ -41,7 +41,7 @@ def _sparkd(tmp: Path, config: str = "") -> Iterator[tuple[str, Path]]:
         "SPARKD_STATE_DIR": str(tmp / "state"),
         "SPARKD_API__PORT": str(port),
         "SPARKD_KERNLOG_SOURCE": "off",
-        "SPARKD_INTERVAL_S": "0.25",
+        "SPARKD_INTERVAL_S": str(interval_s),
         "SPARKD_FAST_INTERVAL_S": "0.25",
         "SPARKD_PROC_ROOT": str(proc),
     }
@@ -162,4 +162,34 @@ samples = 1
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".chart-card").screenshot(path=str(ARTIFACTS / "chart-trip-marks.png"))
         assert not errors, errors
+        ctx.close()
+
+
+def test_samples_taken_far_apart_are_one_line_and_a_hole_still_breaks_it(browser: Any, tmp_path: Path) -> None:  # noqa: F811
+    """At ``interval_s = 40`` the chart broke the line between every two samples (a 10 s gap limit): the 5-minute
+    view was empty until a fall (helper-44). The limit is 3 intervals now; a hole of 4 intervals still breaks it.
+    The history is written into the database before the daemon starts (40 s apart, with one 160 s hole)."""
+    from sparkd.core.sample import Sample
+    from sparkd.store.store import Store
+
+    store = Store.open(tmp_path / "state" / "sparkd.db", migrate=True)
+    now = time.time()
+    times = [now - 280 + 40 * i for i in range(8) if i not in (4, 5, 6)]  # -280 … -160, then now: a 160 s hole
+    rows = [Sample(ts=t, mono=0.0, mem_available=12 * GiB, mem_free=4 * GiB).to_row() for t in times]
+    store.write_batch([("sample", r) for r in rows])
+    store.close()
+    with _sparkd(tmp_path, interval_s=40.0) as (base, _):
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        page.goto(f"{base}/")
+        until(page, f"window.sparkdChart && window.sparkdChart.points() >= {len(times)}", 15)
+        avail = page.evaluate(
+            "(() => { const p = window.sparkdChart.plot(); const i = p.series.findIndex((s) => s.label === "
+            "'MemAvailable'); return p.data[i]; })()"
+        )
+        assert avail.count(None) == 1, avail  # the hole alone
+        gap_at = avail.index(None)
+        assert avail[:gap_at] == [12.0] * 4 and all(v is not None for v in avail[gap_at + 1 :]), avail
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator(".chart-card").screenshot(path=str(ARTIFACTS / "chart-interval-40s.png"))
         ctx.close()

@@ -571,8 +571,13 @@ def budget_from_status(status: Status) -> dict[str, Any] | None:
     }
 
 
-def chart_config(status: Status) -> dict[str, Any]:
-    """What the chart script needs besides samples: series, stop thresholds (bytes) and ``cma``.
+def chart_config(status: Status, interval_s: float | None = None) -> dict[str, Any]:
+    """What the chart script needs besides samples: series, stop thresholds (bytes), ``cma`` and ``interval_s``.
+
+    ``interval_s``: the configured sampling interval (s; ``settings.interval_s``, not the fast one of now): the
+    chart breaks its lines where samples are further apart than 3 intervals (a daemon down, a frozen host), and no
+    less than 10 s; at ``interval_s = 40`` a 10 s limit broke every line, and the 5-minute view was empty
+    (helper-44).
 
     ``cma``: the host has a CMA region (CmaTotal > 0), so usable memory (MemAvailable − CmaFree,
     CONTEXT.md "CMA") is a line of its own; without one it is MemAvailable, and a stop line on usable
@@ -584,7 +589,13 @@ def chart_config(status: Status) -> dict[str, Any]:
         if line["field"] in CHART_SERIES
     ]
     cma = bool(status.sample and (status.sample.cma_total or status.sample.cma_free))
-    return {"series": CHART_SERIES, "thresholds": lines, "markers": list(MARKER_KINDS), "cma": cma}
+    return {
+        "series": CHART_SERIES,
+        "thresholds": lines,
+        "markers": list(MARKER_KINDS),
+        "cma": cma,
+        "interval_s": interval_s,
+    }
 
 
 # --------------------------------------------------------------------------- blocking views

@@ -212,7 +212,7 @@ def _status_parts(daemon: DaemonView) -> dict[str, Any]:
         "rules": views.rules_from_status(status),
         "container": views.container_from_status(status),
         "budget": views.budget_from_status(status),
-        "chart": views.chart_config(status),
+        "chart": views.chart_config(status, daemon.settings.interval_s),
     }
 
 

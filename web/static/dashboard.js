@@ -196,7 +196,8 @@
 
   function withGaps(cols) {
     // a missing stretch (daemon down, host frozen) is a break in the lines, not a straight line
-    const limit = Math.max(3 * (step || 1), GAP_MIN_S);
+    // ... and no break between samples taken as far apart as the daemon takes them (interval_s = 40: helper-44)
+    const limit = Math.max(3 * (step || 1), GAP_MIN_S, 3 * (cfg.interval_s || 0));
     const out = cols.map(() => []);
     for (let i = 0; i < cols[0].length; i++) {
       if (i > 0 && cols[0][i] - cols[0][i - 1] > limit) {
