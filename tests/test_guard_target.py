@@ -156,6 +156,7 @@ async def test_a_guard_name_that_matches_no_container_is_said_everywhere_and_its
     # `sparkd status` from the stored snapshot, as an operator runs it
     out = status_cli_output(tmp_path, st)
     assert "NOTHING GUARDED since " in out and f"no container named {NAME} (`docker ps -a`" in out, out
+    assert f"container: not found: {NAME}" in out, out  # "container: none NAME" read as a name (helper-44)
 
     # the container appears (created, not started): said, and no longer a fault
     m.found = _info("exited")

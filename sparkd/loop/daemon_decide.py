@@ -258,7 +258,8 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
             "set container.guard to the model's container"
         )
     elif idle:
-        reason = f"{reason}; the model is {state}: nothing to stop unless Docker says otherwise"
+        said = "not running" if state == "none" else state  # "the model is none" (helper-44)
+        reason = f"{reason}; the model is {said}: nothing to stop unless Docker says otherwise"
         if daemon.guard is not None:  # "trips since start" tells these from the trips that acted
             daemon.guard.engine.note_idle_trip(d.rule)
     daemon.event(

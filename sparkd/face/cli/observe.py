@@ -140,7 +140,10 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             mem = fmt_gib(g.memory_used_bytes) if g.memory_supported else "memory Not Supported"
             click.echo(f"GPU {g.index}: {g.name} util {g.utilization_pct}% {g.temperature_c} C {g.power_w} W, {mem}")
     c = st.container
+    # state none: "container: none vllm" read as a name (helper-44)
     what = "monitor-only" if c.mode == "monitor-only" else c.state.value
+    if what == "none":
+        what = "not found:" if nothing_guarded(c) else "not running:"
     line = f"container: {what}"
     if c.name:
         line += f" {c.name}" + (f" ({c.container_id[:12]})" if c.container_id else "")
