@@ -294,6 +294,9 @@ def test_it_writes_a_heartbeat_with_every_figure() -> None:
     assert "unknown" in heartbeat_message(HeartbeatFigures(60, 0, True, 3, None, 0, "stopped", "emergency"))
     assert heartbeat_due(None, now=0, interval_s=86400) and not heartbeat_due(0, now=86399, interval_s=86400)
     assert heartbeat_due(0, now=86400, interval_s=86400)
+    # the wall clock stepped back a day after a heartbeat: due now, not ~48 h after it (helper-43); NTP's small slews
+    # (a last heartbeat seconds "ahead") are not a step
+    assert heartbeat_due(86400, now=0, interval_s=86400) and not heartbeat_due(100, now=0, interval_s=86400)
 
 
 def test_it_collapses_identical_alerts_and_counts_only_delivered_ones() -> None:

@@ -501,9 +501,15 @@ class HeartbeatFigures:
     intent: str | None = None
 
 
+#: A heartbeat recorded further than this in the future: the wall clock stepped back since (s).
+HEARTBEAT_FUTURE_SLACK_S = 300.0
+
+
 def heartbeat_due(last_sent: float | None, *, now: float, interval_s: float) -> bool:
-    """True when no heartbeat was delivered yet or the last one is ``interval_s`` (86400) old."""
-    return last_sent is None or now - last_sent >= interval_s
+    """True when no heartbeat was delivered yet or the last one is ``interval_s`` (86400) old (UTC epoch s: it
+    survives a restart). A last one later than ``now`` by more than ``HEARTBEAT_FUTURE_SLACK_S`` is due too: the
+    wall clock stepped back (a one-day step held the next heartbeat for ~48 h, helper-43)."""
+    return last_sent is None or now - last_sent >= interval_s or last_sent - now > HEARTBEAT_FUTURE_SLACK_S
 
 
 def heartbeat_message(f: HeartbeatFigures) -> str:
