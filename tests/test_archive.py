@@ -251,6 +251,22 @@ def test_it_never_prunes_the_newest(tmp_path: Path) -> None:
     assert prune_archives(tmp_path, max_count=1, max_total_bytes=0) == []
 
 
+def test_the_archive_just_written_is_the_newest_after_the_wall_clock_stepped_back(tmp_path: Path) -> None:
+    """Archives are ordered by mtime: after the wall clock stepped back a day, the postmortem written next was the
+    "oldest" and pruned first (helper-43). Those this process wrote are newest, in the order written; the others (a
+    previous run's) by mtime."""
+    before = _make(tmp_path, 2)  # a previous run's (mtime NOW, NOW + 1), forgotten by this process
+    for name in before:
+        archive._written.pop(str(tmp_path.resolve() / name))
+    ahead = write_archive(tmp_path, "ahead", {"x.txt": "1"}, "s", now=NOW + 86400)  # the clock a day ahead
+    os.utime(ahead.path, (NOW + 86400, NOW + 86400))
+    stepped = write_archive(tmp_path, "stepped", {"x.txt": "2"}, "s", now=NOW - 3600)  # then stepped back
+    os.utime(stepped.path, (NOW - 3600, NOW - 3600))
+    assert [a.name for a in list_archives(tmp_path)] == [stepped.name, ahead.name, before[1], before[0]]
+    assert prune_archives(tmp_path, max_count=2, max_total_bytes=10**9) == before
+    assert prune_archives(tmp_path, max_count=1, max_total_bytes=10**9) == [ahead.name]  # not the one just written
+
+
 def test_it_leaves_foreign_files_alone_when_pruning(tmp_path: Path) -> None:
     _make(tmp_path, 2)
     (tmp_path / "operator.tar.gz").write_bytes(b"x" * 100)

@@ -274,14 +274,25 @@ def write_archive(
     path = (directory / name).resolve()
     st = path.stat()
     log.info("wrote archive %s (%d bytes)", path, st.st_size)
+    _written[str(path)] = time.monotonic()
+    while len(_written) > WRITTEN_KEPT:
+        del _written[next(iter(_written))]
     return ArchiveInfo(name, path, st.st_size, st.st_mtime)
+
+
+#: The archives this process wrote: absolute path -> ``time.monotonic()`` of the write. ``list_archives`` orders them
+#: by it, newest of all: after the wall clock stepped back, the postmortem just written had the oldest mtime and was
+#: pruned first (helper-43). At most ``WRITTEN_KEPT`` (the oldest are forgotten first).
+_written: dict[str, float] = {}
+WRITTEN_KEPT = 1000
 
 
 # --------------------------------------------------------------------------- read side
 
 
 def list_archives(archive_dir: str | Path) -> list[ArchiveInfo]:
-    """Bundles in ``archive_dir``, newest first (by mtime, then name).
+    """Bundles in ``archive_dir``, newest first: those this process wrote in the order written (``_written``), then
+    the others by mtime, then name.
 
     Only regular files named like sparkd's bundles are listed: temp files,
     symlinks, directories and foreign files are ignored. A missing directory
@@ -302,7 +313,15 @@ def list_archives(archive_dir: str | Path) -> list[ArchiveInfo]:
             continue
         if stat.S_ISREG(st.st_mode):
             out.append(ArchiveInfo(name, (directory / name).absolute(), st.st_size, st.st_mtime))
-    out.sort(key=lambda a: (a.created, a.name), reverse=True)
+    # the ones this process wrote are the newest, in the order written (monotonic): a wall clock stepped back gave the
+    # latest an old mtime (helper-43); the others by mtime
+    base = directory.resolve()
+
+    def age(a: ArchiveInfo) -> tuple[bool, float, str]:
+        mine = _written.get(str(base / a.name))
+        return mine is not None, a.created if mine is None else mine, a.name
+
+    out.sort(key=age, reverse=True)
     return out
 
 
@@ -395,7 +414,7 @@ def prune_archives(
     **routine** one first (an operator's stop, restart or resize, a maintenance drain, sparkd's own exit), and
     the oldest incident one (``incident``: a trip's postmortem) only when no routine one is left. A tuning
     session of resizes pushed last week's trip postmortem out before (note 12). The newest is never deleted
-    (even if it alone exceeds the size limit). When an incident's bundle must go for the size cap, the routine
+    (even if it alone exceeds the size limit). Old and new are ``list_archives``' order. When an incident's bundle must go for the size cap, the routine
     ones its removal leaves room for are kept (newest first). Each bundle's kind is read (its summary's first
     lines) only when something must go. Returns the removed names, in the order removed.
 
