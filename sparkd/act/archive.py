@@ -414,8 +414,8 @@ def prune_archives(
     **routine** one first (an operator's stop, restart or resize, a maintenance drain, sparkd's own exit), and
     the oldest incident one (``incident``: a trip's postmortem) only when no routine one is left. A tuning
     session of resizes pushed last week's trip postmortem out before (note 12). The newest is never deleted
-    (even if it alone exceeds the size limit). Old and new are ``list_archives``' order. When an incident's bundle must go for the size cap, the routine
-    ones its removal leaves room for are kept (newest first). Each bundle's kind is read (its summary's first
+    (even if it alone exceeds the size limit). Old and new are ``list_archives``' order. When an incident's bundle
+    must go for the size cap, the routine ones its removal leaves room for are kept (newest first). Each bundle's kind is read (its summary's first
     lines) only when something must go. Returns the removed names, in the order removed.
 
     Raises:
@@ -443,7 +443,8 @@ def prune_archives(
     # an incident that had to go for the size cap may leave room for routine ones planned before it: those are
     # kept, newest first (a single large postmortem must not take every routine bundle with it)
     if any(kinds[a.name] for a in plan):
-        for spared in sorted((a for a in plan if not kinds[a.name]), key=lambda a: (a.created, a.name), reverse=True):
+        newest_first = {a.name: i for i, a in enumerate(archives)}
+        for spared in sorted((a for a in plan if not kinds[a.name]), key=lambda a: newest_first[a.name]):
             if count + 1 <= max_count and total + spared.size_bytes <= max_total_bytes:
                 plan.remove(spared)
                 count, total = count + 1, total + spared.size_bytes
