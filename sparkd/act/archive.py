@@ -416,7 +416,8 @@ def prune_archives(
     session of resizes pushed last week's trip postmortem out before (note 12). The newest is never deleted
     (even if it alone exceeds the size limit). Old and new are ``list_archives``' order. When an incident's bundle
     must go for the size cap, the routine ones its removal leaves room for are kept (newest first). Each bundle's
-    kind is read (its summary's first lines) only when something must go. Returns the removed names, in the order removed.
+    kind is read (its summary's first lines) only when something must go. Returns the removed names, in the order
+    removed.
 
     Raises:
         InvalidInput: ``max_count`` < 1 or ``max_total_bytes`` < 0.
