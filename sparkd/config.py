@@ -273,6 +273,7 @@ class NotifySettings(BaseModel):
             "guard_target_missing",  # guard mode: no container by container.guard's name, nothing guarded
             "guard_target_found",
             "restart_policy_undoes_stop",  # guard mode, `--restart always`: a dockerd restart undoes sparkd's stop
+            "config_file_invalid",  # the next start (a restart, a reboot) will be refused: nothing guarded then
             "archive_delayed",  # the state dir's storage slow or hung: the stop did not wait for its archive
             "supervision_state_slow",
             "supervision_state_not_saved",

@@ -125,7 +125,7 @@ class LogFileHandler(logging.handlers.RotatingFileHandler):
                 logging.WARNING,
                 __file__,
                 0,
-                f"{n} log lines were not written to this file ({why})",
+                f"up to {n} log lines were not written to this file, or only in part ({why})",
                 None,
                 None,
             )

@@ -277,6 +277,7 @@ def test_a_daemon_with_its_own_state_dir_keeps_its_own_log(tmp_path: Path) -> No
         ),
         # rules that can fire
         ({"when": ["MemAvailable < 2MiB"]}, []),
+        ({"when": ["CmaFree <= 0"]}, []),  # the CMA region used up: it holds (helper-46)
         ({"when": ["MemAvailable > 6"]}, []),
         ({"when": ["nvrm_recent > 5"]}, []),  # the kernel log is read (``unread`` in the next test)
         ({"when": ["MemAvailable < 6GiB", "MemAvailable > 2GiB"]}, []),

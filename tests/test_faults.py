@@ -990,10 +990,17 @@ def test_a_terminal_stop_signal_is_said_and_ignored_the_guard_does_not_pause(tmp
     ``guard_gap`` afterwards (helper-45); SIGTTIN/SIGTTOU do the same to a background run touching its terminal."""
     t0 = time.time()
     with guarded(tmp_path) as g:
-        for n, sig in enumerate((signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU), 1):
+        g.p.send_signal(signal.SIGTSTP)
+        said = wait_for(lambda: g.events("signal_ignored"), 10.0, 0.1)
+        assert said and said[0]["message"].startswith("SIGTSTP ignored: a guard does not pause"), said
+        # SIGTTIN/SIGTTOU ignored outright (SIG_IGN), not handled: a handler returns into the terminal write the
+        # kernel restarts under `stty tostop`, which signals again for ever (helper-46)
+        status = Path(f"/proc/{g.p.pid}/status").read_text()
+        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+        assert all(ignored >> (s - 1) & 1 for s in (signal.SIGTTIN, signal.SIGTTOU)), hex(ignored)
+        for sig in (signal.SIGTTIN, signal.SIGTTOU):
             g.p.send_signal(sig)
-            said = wait_for(lambda n=n: len(g.events("signal_ignored")) >= n and g.events("signal_ignored"), 10.0, 0.1)
-            assert said and any(e["message"].startswith(f"{sig.name} ignored") for e in said), said
+        time.sleep(0.5)
         state = Path(f"/proc/{g.p.pid}/status").read_text().split("State:")[1].split()[0]
         assert state != "T" and g.p.poll() is None, state
         g.stop_during(t0)
@@ -1089,6 +1096,11 @@ def test_starts_a_broken_configuration_refused_are_said_by_the_next_start_with_t
         assert said[0]["details"]["first_ts"] >= t0 - 1 and said[0]["details"]["count"] == 2
         assert not (state / "start_refused.json").exists()  # said once: the next start says nothing
         assert g.p.poll() is None
+        # a refused `sparkd run` by hand while this one guards left nothing unguarded: not counted (helper-46)
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f'state_dir = "{state}"\ninterval_s = 0\n')
+        assert cli_run(bad, "run", "--no-api").returncode == 2
+        assert not (state / "start_refused.json").exists()
 
 
 def test_a_configuration_file_edited_into_an_error_while_sparkd_runs_is_said_at_once(
@@ -1139,3 +1151,25 @@ def test_a_configuration_file_edited_into_an_error_while_sparkd_runs_is_said_at_
         "interval_s" in invalid["message"] and "next start (a restart, a reboot) will be refused" in invalid["message"]
     )
     assert valid["message"].startswith(f"the configuration file {cfg} loads again")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        '{"first_ts": "x", "last_ts": 1, "count": 1, "error": "e"}',
+        '{"first_ts": 5, "last_ts": 1, "count": 1, "error": "e"}',
+        '{"first_ts": 1e300, "last_ts": 1e300, "count": 1, "error": "e"}',
+        '{"first_ts": 1, "last_ts": 2, "count": "2", "error": "e"}',
+    ],
+)
+def test_a_refused_starts_file_that_does_not_read_is_dropped_not_a_crash_at_start(tmp_path: Path, text: str) -> None:
+    """A hand-edited ``start_refused.json`` with the right keys and wrong values crashed the start-up that read it
+    (``float``/``gmtime``, helper-46): it is dropped."""
+    from sparkd.store import refused
+
+    (tmp_path / refused.FILE_NAME).write_text(text)
+    assert refused.take(tmp_path) is None and not (tmp_path / refused.FILE_NAME).exists()
+    refused.record(tmp_path, "bad", 100.0)
+    refused.record(tmp_path, "worse", 160.0)
+    assert refused.take(tmp_path) == {"first_ts": 100.0, "last_ts": 160.0, "count": 2, "error": "worse"}

@@ -348,7 +348,7 @@ async def test_monitor_only_with_a_guarded_container_configured_says_that_contai
     assert "is NOT guarded: sparkd never stops it on a trip" in said[0]["message"]
     assert st.container.mode == "monitor-only" and st.container.ignored == NAME
     h = views.headline(st.model_dump(mode="json"), None)
-    assert h["label"] == f"monitor-only: {NAME} is NOT guarded (monitor_only = true)" and h["level"] != "ok", h
+    assert h["label"] == f"monitor-only: {NAME} is NOT guarded (monitor_only = true)" and h["level"] == "critical", h
     assert views.container_from_status(st)["level"] == "critical"
     assert f"<strong>{NAME} is NOT guarded.</strong>" in _card(st)
     out = status_cli_output(tmp_path, st)

@@ -76,6 +76,9 @@ def _bound(value: str, mem_total_bytes: int | None, attr: str = "") -> tuple[str
 #: its unit (``MemAvailable < 6``: 6 bytes, the rule never fired and nothing said so, helper-45). 1 MiB is far below
 #: any kernel's min watermark (``vm.min_free_kbytes`` is at least 128 KiB and scales with memory).
 BARE_SIZE_FLOOR_BYTES = 1 << 20
+#: The fields the min-watermark argument covers: CmaFree, usable, Buffers or Slab may be below 1 MiB on a host that
+#: answers (``CmaFree <= 0``: the CMA region used up) (helper-46).
+_FLOOR_ATTRS = frozenset({"mem_available", "mem_free"})
 
 
 def condition_never_holds(
@@ -92,7 +95,7 @@ def condition_never_holds(
     unit, x = _bound(value, mem_total_bytes, attr)
     if (op == "<" and x <= 0) or (op == "<=" and x < 0):
         return f"{fld} is never below 0"
-    if attr in _MEMORY_ATTRS and op in ("<", "<=") and unit == "abs" and x < BARE_SIZE_FLOOR_BYTES:
+    if attr in _FLOOR_ATTRS and op in ("<", "<=") and unit == "abs" and x < BARE_SIZE_FLOOR_BYTES:
         bare = re.fullmatch(r"[0-9.]+", value) is not None
         return f"{fld} is never below {BARE_SIZE_FLOOR_BYTES >> 20} MiB while the host answers" + (
             f" (a size without a unit is bytes: write e.g. '{fld} {op} {value}GiB')" if bare else ""

@@ -436,7 +436,7 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("ignored") and c.get("mode") == "monitor-only":  # a configured container runs unguarded (helper-45)
-        level, label = _at_least_warn(level), monitor_only_ignored_text(c["ignored"])
+        level, label = "critical", monitor_only_ignored_text(c["ignored"])  # as its event and card (helper-46)
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":

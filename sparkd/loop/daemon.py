@@ -920,23 +920,25 @@ class Daemon:
                 details={"signal": "SIGHUP"},
             )
 
-        def _tty_stop(signum: int) -> None:  # Ctrl-Z on a foreground `sparkd run` (SIGTSTP), or a background run
-            # that reads or writes its terminal (SIGTTIN/SIGTTOU): the default action froze the guard, unsaid until
-            # a guard_gap after SIGCONT (helper-45)
-            name = signal.Signals(signum).name
+        def _tty_stop() -> None:  # Ctrl-Z on a foreground `sparkd run`: the default action froze the guard,
+            # unsaid until a guard_gap after SIGCONT (helper-45)
             self.event(
                 "signal_ignored",
-                f"{name} ignored: a guard does not pause (a terminal's Ctrl-Z, or a background run touching its "
-                "terminal); to stop guarding, stop sparkd (systemctl stop sparkd, or Ctrl-C)",
+                "SIGTSTP ignored: a guard does not pause (a terminal's Ctrl-Z); to stop guarding, stop sparkd "
+                "(systemctl stop sparkd, or Ctrl-C)",
                 severity="warning",
-                details={"signal": name},
+                details={"signal": "SIGTSTP"},
             )
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _sig, sig)
         loop.add_signal_handler(signal.SIGHUP, _hup)
-        for sig in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
-            loop.add_signal_handler(sig, _tty_stop, sig)
+        loop.add_signal_handler(signal.SIGTSTP, _tty_stop)
+        # a background run that reads or writes its terminal (`stty tostop`): ignored outright, not handled. A
+        # handler returns into the write the kernel restarts, which signals again, for ever (helper-46); ignored,
+        # the write goes through
+        for sig in (signal.SIGTTIN, signal.SIGTTOU):
+            signal.signal(sig, signal.SIG_IGN)
         try:
             await self.startup()
         except Exception as e:  # a start-up that fails past the config checks: said, as a crash of the loop is

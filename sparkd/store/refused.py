@@ -66,6 +66,10 @@ def take(state_dir: Path) -> dict[str, Any] | None:
         path.unlink()
     with contextlib.suppress(ValueError, TypeError):
         rec = json.loads(raw)
-        if isinstance(rec, dict) and {"first_ts", "last_ts", "count", "error"} <= rec.keys():
-            return rec
+        numbers = isinstance(rec, dict) and all(
+            isinstance(rec.get(k), int | float) and not isinstance(rec.get(k), bool) for k in ("first_ts", "last_ts")
+        )
+        typed = numbers and isinstance(rec.get("count"), int) and isinstance(rec.get("error"), str)
+        if typed and 0 <= rec["first_ts"] <= rec["last_ts"] < 2**33:  # a start-up must not crash on a hand-edited file
+            return dict(rec)
     return None

@@ -42,10 +42,12 @@ def _settings(ctx: click.Context, *, starting: bool = False) -> Settings:
             click.echo(f"sparkd: {e.message}", err=True)
             if starting:
                 from sparkd.config import _default_state_dir
+                from sparkd.loop.statelock import daemon_pid
                 from sparkd.store import refused
 
                 where = refused.state_dir_hint(_config_path(ctx), obj.get("overrides"), _default_state_dir())
-                refused.record(where, e.message, time.time())
+                if daemon_pid(where) is None:  # a sparkd guards it meanwhile: this refusal left nothing unguarded
+                    refused.record(where, e.message, time.time())
             ctx.exit(2)
     settings: Settings = obj["settings"]
     return settings
