@@ -1005,6 +1005,26 @@ async def test_an_idle_poll_reads_no_events_from_the_database_yet_misses_none(ma
         assert rows[0]["last_event_id"] > newest
 
 
+async def test_the_live_poll_replaces_the_top_row_with_the_longer_run(managed: Daemon) -> None:
+    """A near miss after a near miss: the page's top row becomes "2 × …" (test_event_rows.py)."""
+    d = managed
+    assert d.writer is not None and d.store is not None
+    async with _client(d) as c:
+        d.event("near_miss", "near miss A")
+        await asyncio.to_thread(d.writer.flush)
+        first = (await c.get("/ui/live.json", params={"ev": 0})).json()
+        ev = first["last_event_id"]
+        d.event("near_miss", "near miss B")
+        await asyncio.to_thread(d.writer.flush)
+        r = (await c.get("/ui/live.json", params={"ev": ev})).json()
+        assert r["event_rows_replace"] == ev
+        assert r["event_rows"].count("<li") == 1
+        assert re.search(r"2 × in [\d.]+ s</strong> — latest: near miss B", r["event_rows"])
+        # the page itself shows the same row
+        page = (await c.get("/")).text
+        assert "latest: near miss B" in page and "near miss A" not in page
+
+
 async def test_the_live_chart_tail_comes_from_memory_on_the_databases_grid(managed: Daemon) -> None:
     from sparkd.face import presenters as views
     from sparkd.face.live import CHART_LIVE_COLUMNS, CHART_LIVE_FIELDS

@@ -55,7 +55,10 @@ def sparkd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         "[[rules]]\n"
         'name = "low_available"\nwhen = ["MemAvailable < 6GiB"]\nsamples = 5\n\n'
         "[[rules]]\n"
-        f'name = "climbing"\nwhen = ["MemAvailable < {climbing:.1f}GiB"]\nsamples = 1000\naction = "warn"\n'
+        f'name = "climbing"\nwhen = ["MemAvailable < {climbing:.1f}GiB"]\nsamples = 1000\naction = "warn"\n\n'
+        "[[rules]]\n"  # its condition holds, its evidence never: a near miss every 10th sample, 2.5 s apart
+        f'name = "gated"\nwhen = ["MemAvailable < {climbing:.1f}GiB"]\nevidence = ["MemFree < 2MiB"]\n'
+        'samples = 4\naction = "warn"\n'
     )
     port = free_port()
     env = {
@@ -161,6 +164,26 @@ def test_it_logs_in_and_shows_live_data(browser: Any, sparkd: dict[str, Any]) ->
     page.screenshot(path=str(ARTIFACTS / "dashboard-1280x800.png"))
     page.screenshot(path=str(ARTIFACTS / "dashboard-1280-full.png"), full_page=True)
     assert not errors, errors
+    ctx.close()
+
+
+def test_a_run_of_near_misses_is_one_row_that_grows(browser: Any, sparkd: dict[str, Any]) -> None:
+    """Near misses every 2.5 s fill no rows of the events panel: the top row's count grows in place
+    (a storm of them pushed the trip and the stop off the panel: note 19 §7)."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    page.goto(f"{sparkd['base']}/")
+    rows = "document.querySelectorAll('#event-list li')"
+    top = "document.querySelector('#event-list li')"
+    burst = f"{top}.querySelector('.burst')"
+    # the first near miss comes 10 gated samples (2.5 s) after the start; wait for a run of three on top
+    until(page, f"{top}.textContent.includes('near_miss') && {burst} && +{burst}.textContent.split(' ')[0] >= 3", 30)
+    n_rows = page.evaluate(f"{rows}.length")
+    count = int(page.evaluate(f"{burst}.textContent.split(' ')[0]"))
+    until(page, f"+{burst}.textContent.split(' ')[0] > {count}", 10)
+    assert page.evaluate(f"{rows}.length") == n_rows
+    assert "near_miss" in page.evaluate(f"{top}.textContent")
+    page.locator("#part-events").screenshot(path=str(ARTIFACTS / "events-near-miss-run.png"))
     ctx.close()
 
 

@@ -284,6 +284,13 @@ def test_gated_rule_near_miss_reason_and_counting() -> None:
     )
 
 
+def test_a_threshold_below_a_hundredth_of_a_gib_reads_in_mib() -> None:
+    rules = rules_of({"name": "g", "when": ["MemAvailable < 10GiB"], "evidence": ["MemFree < 2MiB"]})
+    decisions, _, _ = run(rules, [S(i, 7.0, 1.3) for i in range(1)])
+    (d,) = decisions[0]
+    assert "no evidence (needs MemFree < 2.0 MiB; now MemFree 1.30 GiB)" in d.reason  # was "< 0.00 GiB"
+
+
 def test_gated_rule_trip_reason_names_the_evidence() -> None:
     rules = compile_rules(DEFAULT, MEM_TOTAL)
     decisions, _, _ = run(rules, [S(i, 7.0, 1.3, nvrm=3) for i in range(5)])

@@ -54,7 +54,7 @@ from sparkd.core.choices import RuleAction, RuleKind
 from sparkd.core.conditions import PSI_ATTRS, parse_condition
 from sparkd.core.sample import FIELD_ALIASES, SIZE_ATTRS, Sample
 from sparkd.core.slope import WINDOW_EDGE_S, SlopeWindow
-from sparkd.units import GiB, fmt_gib, parse_size
+from sparkd.units import GiB, MiB, fmt_gib, parse_size
 
 _OPS: dict[str, Callable[[Any, Any], bool]] = {
     "<": operator.lt,
@@ -90,6 +90,8 @@ class Condition:
 
 
 def _fmt(c: Condition, v: float | int | None) -> str:
+    if c.is_size and v is not None and 0 < abs(v) < GiB / 100:  # "MemFree < 2MiB" read "< 0.00 GiB"
+        return f"{v / MiB:.1f} MiB"
     return fmt_gib(v) if c.is_size else _num(v)
 
 

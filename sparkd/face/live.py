@@ -4,8 +4,9 @@
 
 * ``have`` — ``part:hash,part:hash`` of the parts it shows; a part comes back (as HTML, rendered
   by the same partial as the page) only when its data hash differs;
-* ``ev`` — the newest event id it shows; only newer events come back (HTML rows, and the chart's
-  marker kinds as JSON);
+* ``ev`` — the newest event id it shows; only newer events come back (HTML rows, folded into runs
+  as the page's rows are, and the chart's marker kinds as JSON); ``event_rows_replace`` is ``ev``
+  when the page's top row is a run the new rows go on (the page drops that row), else null;
 * ``since`` and ``step`` — the chart's last bucket; only buckets from there on come back
   (the columnar shape of ``/api/samples``).
 
@@ -157,10 +158,11 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
             out["samples"] = await _samples_tail(daemon, since, step)
         if ev is not None and not seen.nothing_after(ev):
             asked = seen.key(ev)  # before the read: a write that lands during it must not be marked as seen
-            events = await asyncio.to_thread(_events_after, daemon, ev)
+            events, rows, replaces = await asyncio.to_thread(views.event_rows_after, daemon.store, ev)
             seen.answered(asked, events)
             if events:
-                out["event_rows"] = env.get_template("partials/_event_rows.html").render(events=events)
+                out["event_rows"] = env.get_template("partials/_event_rows.html").render(events=rows)
+                out["event_rows_replace"] = replaces
                 out["markers"] = [
                     mark_of(e) for e in events if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
                 ]
@@ -192,11 +194,6 @@ class EventsSeen:
         the next poll skip the read while the key stays the same; a write that landed during the
         read changed the key already, so the next poll reads again."""
         self._empty = None if events else asked
-
-
-def _events_after(daemon: DaemonView, ev: int) -> list[dict[str, Any]]:
-    store = daemon.store
-    return [] if store is None else store.events(after_id=ev, limit=100)
 
 
 async def _samples_tail(daemon: DaemonView, since: float, step: float) -> dict[str, Any]:

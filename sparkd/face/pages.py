@@ -22,22 +22,6 @@ if TYPE_CHECKING:
     from sparkd.loop.status import DaemonView
 
 EVENTS_PAGE = 100
-BURST_GAP_S = 5.0  # same-kind events closer than this fold into one row ("25 × nvrm_no_memory in 4 s")
-
-
-def group_bursts(events: list[dict[str, Any]], gap_s: float = BURST_GAP_S) -> list[dict[str, Any]]:
-    """Newest-first events → rows; a run of one kind with gaps ≤ ``gap_s`` becomes one row with
-    ``count`` and ``span_s`` (the first of the run's messages stands for it)."""
-    rows: list[dict[str, Any]] = []
-    for e in events:
-        last = rows[-1] if rows else None
-        if last is not None and last["kind"] == e["kind"] and last["first_ts"] - e["ts"] <= gap_s:
-            last["count"] += 1
-            last["first_ts"] = e["ts"]
-            last["span_s"] = last["ts"] - e["ts"]
-            continue
-        rows.append({**e, "count": 1, "first_ts": e["ts"], "span_s": 0.0})
-    return rows
 
 
 def _incident_data(daemon: DaemonView, incident_id: int, reader: bool) -> dict[str, Any]:
@@ -105,7 +89,7 @@ def install_pages(app: FastAPI, daemon: DaemonView) -> None:
     ) -> dict[str, Any]:
         """Events newest first, bursts of one kind grouped; ``older`` is the next page's ``before``."""
         rows, older = await asyncio.to_thread(_events, _kinds(kind), since, until, before)
-        return {"rows": group_bursts(rows), "older": older}
+        return {"rows": views.group_bursts(rows), "older": older}
 
     @app.get("/events", response_class=HTMLResponse, include_in_schema=False)
     async def events_page(
@@ -118,7 +102,7 @@ def install_pages(app: FastAPI, daemon: DaemonView) -> None:
         kinds = _kinds(kind)
         rows, older = await asyncio.to_thread(_events, kinds, since, until, before)
         return render(
-            request, "events.html", rows=group_bursts(rows), older=older, kind=",".join(kinds or []), since=since
+            request, "events.html", rows=views.group_bursts(rows), older=older, kind=",".join(kinds or []), since=since
         )
 
     def _launches() -> list[dict[str, Any]]:

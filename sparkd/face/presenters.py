@@ -599,11 +599,61 @@ def chart_config(status: Status, interval_s: float | None = None) -> dict[str, A
 
 
 # --------------------------------------------------------------------------- blocking views
+BURST_GAP_S = 5.0  # same-kind events closer than this fold into one row ("25 × nvrm_no_memory in 4 s")
+# info events of one kind repeat for as long as their cause lasts (a near miss every 10th gated sample:
+# one every 2.5 s at 4 Hz, 10 s at 1 Hz); folded over gaps this long, they cannot bury a trip or a stop
+INFO_BURST_GAP_S = 60.0
+
+
+def group_bursts(
+    events: list[dict[str, Any]], gap_s: float = BURST_GAP_S, info_gap_s: float = INFO_BURST_GAP_S
+) -> list[dict[str, Any]]:
+    """Newest-first events → rows; a run of one kind with gaps ≤ ``gap_s`` (≤ ``info_gap_s`` for a
+    run of info events) becomes one row with ``count``, ``span_s`` and ``ids`` (the run's event ids,
+    newest first); the newest of the run's messages stands for it. A warning or critical event is
+    never folded into a run of info events, nor one of them into it."""
+    rows: list[dict[str, Any]] = []
+    for e in events:
+        last = rows[-1] if rows else None
+        if last is not None and last["kind"] == e["kind"] and last["severity"] == e["severity"]:
+            gap = info_gap_s if e["severity"] == "info" else gap_s
+            if last["first_ts"] - e["ts"] <= gap:
+                last["count"] += 1
+                last["first_ts"] = e["ts"]
+                last["span_s"] = last["ts"] - e["ts"]
+                last["ids"].append(e["id"])
+                continue
+        rows.append({**e, "count": 1, "first_ts": e["ts"], "span_s": 0.0, "ids": [e["id"]]})
+    return rows
+
+
+EVENTS_READ = 300  # events read to fill the dashboard's rows once runs are folded
+
+
 def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
-    """Recent events, newest first. Blocking (SQLite): call in a thread."""
+    """The dashboard's event rows: recent events newest first, runs folded (``group_bursts``),
+    ``limit`` rows at most. Blocking (SQLite): call in a thread."""
     if store is None:
         return []
-    return store.events(limit=limit)
+    return group_bursts(store.events(limit=EVENTS_READ))[:limit]
+
+
+def event_rows_after(store: Store | None, ev: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+    """What the dashboard adds above the event row whose newest event is ``ev``.
+
+    Returns ``(events, rows, replaces)``: the events newer than ``ev`` (newest first, at most 100),
+    their rows folded as ``events_view`` folds them, and ``ev`` when the last of those rows goes on
+    the page's top row's run (the page replaces that row with it), else None. Blocking."""
+    if store is None:
+        return [], [], None
+    new = store.events(after_id=ev, limit=100)
+    if not new:
+        return [], [], None
+    fresh = {e["id"] for e in new}
+    before = store.events(before_id=ev + 1, limit=EVENTS_READ)
+    rows = [r for r in group_bursts(new + before) if fresh.intersection(r["ids"])]
+    replaces = ev if rows and ev in rows[-1]["ids"] else None
+    return new, rows, replaces
 
 
 def launches_view(store: Store | Reads | None, *, limit: int = 20) -> list[dict[str, Any]]:

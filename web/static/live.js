@@ -93,13 +93,16 @@
     b.title = part.dataset.resize ? "" : part.dataset.resizeWhy || "";
   }
 
-  function addEvents(html) {
+  function addEvents(html, replaces) {
     const list = document.getElementById("event-list");
     if (!list) return;
     const none = document.getElementById("no-events");
     if (none) none.remove();
     const before = list.scrollHeight;
     const keep = list.scrollTop;
+    // the new rows' last one goes on the run the top row shows ("12 × in 2 min"): it takes its place
+    const top = list.firstElementChild;
+    if (replaces != null && top && top.dataset.id === String(replaces)) top.remove();
     list.insertAdjacentHTML("afterbegin", html);
     // a reader scrolled down keeps the rows in view: only what was added above moves
     if (keep > 0) list.scrollTop = keep + (list.scrollHeight - before);
@@ -123,7 +126,7 @@
       pill.textContent = r.label;
     }
     if (r.title) document.title = r.title;
-    if (r.event_rows) addEvents(r.event_rows);
+    if (r.event_rows) addEvents(r.event_rows, r.event_rows_replace);
     if (r.last_event_id) lastEv = Math.max(lastEv, r.last_event_id);
     if (window.sparkdChart && (r.samples || r.markers)) window.sparkdChart.append(r.samples, r.markers || []);
     if ((r.markers || []).some((m) => REFRESH_ON.has(m.kind))) {

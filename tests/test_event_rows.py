@@ -1,0 +1,72 @@
+"""The dashboard's events panel folds runs of one kind (note 19 §7, helper-44): a near miss every
+10th gated sample while memory stays low (one every 2.5 s at 4 Hz) filled its 30 rows and pushed
+the trip and the stop off the panel. Real store; the live endpoint's test is in test_api.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sparkd.face import presenters as views
+from sparkd.store.store import Store
+
+
+def _ev(i: int, ts: float, kind: str = "near_miss", severity: str = "info") -> dict[str, Any]:
+    return {"id": i, "ts": ts, "kind": kind, "severity": severity, "message": f"{kind} {i}"}
+
+
+def test_info_runs_fold_over_a_minute_and_alarms_over_5_s_only() -> None:
+    newest_first = [
+        _ev(6, 130.0),  # near misses 10 s apart (1 Hz, every 10th sample): one row
+        _ev(5, 120.0),
+        _ev(4, 110.0),
+        _ev(3, 100.0, "trip", "critical"),
+        _ev(2, 90.0, "trip", "critical"),  # 10 s apart: two trips stay two rows
+        _ev(1, 20.0),  # 70 s before the next near miss would be: its own row (and not past the trips)
+    ]
+    rows = views.group_bursts(newest_first)
+    assert [(r["kind"], r["count"], r["ids"]) for r in rows] == [
+        ("near_miss", 3, [6, 5, 4]),
+        ("trip", 1, [3]),
+        ("trip", 1, [2]),
+        ("near_miss", 1, [1]),
+    ]
+    assert rows[0]["span_s"] == 20.0 and rows[0]["message"] == "near_miss 6"
+    # a warning of the same kind is not folded into a run of info events
+    mixed = views.group_bursts([_ev(2, 11.0, "x"), _ev(1, 10.0, "x", "warning")])
+    assert [r["count"] for r in mixed] == [1, 1]
+    # alarms 5 s apart or less still fold (an NVRM flood)
+    flood = views.group_bursts([_ev(i, 100.0 - i, "nvrm_no_memory", "warning") for i in range(1, 26)])
+    assert [(r["count"], r["span_s"]) for r in flood] == [(25, 24.0)]
+
+
+def _store_with_storm(tmp_path: Path) -> Store:
+    s = Store.open(tmp_path / "sparkd.db")
+    s.add_event(kind="trip", message="low_available tripped", severity="critical", ts=1000.0)
+    s.add_event(kind="stopped", message="vllm stopped", severity="critical", ts=1001.0)
+    for i in range(60):  # ten minutes of near misses
+        s.add_event(kind="near_miss", message=f"near miss {i}", ts=1002.0 + 10 * i)
+    return s
+
+
+def test_a_near_miss_storm_leaves_the_stop_on_the_dashboard(tmp_path: Path) -> None:
+    s = _store_with_storm(tmp_path)
+    rows = views.events_view(s, limit=30)
+    assert [(r["kind"], r["count"]) for r in rows] == [("near_miss", 60), ("stopped", 1), ("trip", 1)]
+    # before: the 30 newest near misses, one row each
+    assert all(e["kind"] == "near_miss" for e in s.events(limit=30))
+
+
+def test_rows_after_an_id_go_on_the_top_run_or_above_it(tmp_path: Path) -> None:
+    s = _store_with_storm(tmp_path)
+    top = views.events_view(s)[0]
+    s.add_event(kind="near_miss", message="near miss 60", ts=1002.0 + 600)
+    events, rows, replaces = views.event_rows_after(s, top["id"])
+    assert [e["message"] for e in events] == ["near miss 60"]
+    assert replaces == top["id"] and [(r["count"], r["message"]) for r in rows] == [(61, "near miss 60")]
+    # a stop after it starts a row of its own: the top run stays as the page shows it
+    newest = rows[0]["id"]
+    s.add_event(kind="stopped", message="stopped again", severity="critical", ts=1002.0 + 601)
+    events, rows, replaces = views.event_rows_after(s, newest)
+    assert replaces is None and [(r["kind"], r["count"]) for r in rows] == [("stopped", 1)]
+    assert views.event_rows_after(s, rows[0]["id"]) == ([], [], None)
