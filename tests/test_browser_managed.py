@@ -167,10 +167,20 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert page.locator("#part-stopped").is_hidden()
         meminfo(4)  # below the 6 GiB stop line, above the 3 GiB hard floor: a graceful stop
         stopped = s.wait_event("stopped", 90)
-        meminfo(12)
         assert stopped["details"]["source"] == "rule low_available"
         card = page.locator("#part-stopped")
         card.wait_for(state="visible", timeout=10000)
+        # "Start again" while memory is still below the line: the refusal shows beside the card, in view
+        # (it went to the Controls card ~1,700 px below: helper-44)
+        page.click("#part-stopped button:has-text('Start again')")
+        answer = page.locator("#stopped-result .msg")
+        answer.wait_for(state="visible", timeout=10000)
+        assert "preflight" in answer.inner_text().lower(), answer.inner_text()
+        box, view = answer.bounding_box(), page.viewport_size
+        assert box is not None and view is not None and 0 <= box["y"] and box["y"] + box["height"] <= view["height"]
+        assert page.inner_text("#action-result").strip() == ""
+        page.screenshot(path=str(ARTIFACTS / "stopped-start-refused.png"))
+        meminfo(12)
         text = card.inner_text()
         assert "stopped by the guard" in text.lower() and "low_available" in text
         assert "exit code" in text and str(stopped["details"]["exit_code"]) in text
@@ -191,7 +201,7 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert wait_for(
             lambda: {"trip", "stopped"} <= set(page.evaluate("window.sparkdChart.markers().map((m) => m.kind)")), 10
         )
-        page.locator("#chart").scroll_into_view_if_needed()
+        page.evaluate("document.querySelector('#chart').scrollIntoView({block: 'center'})")  # wholly, for the drag
         trip_x, over = page.evaluate(
             """() => {
                 const p = window.sparkdChart.plot();
