@@ -177,7 +177,7 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         answer.wait_for(state="visible", timeout=10000)
         assert "preflight" in answer.inner_text().lower(), answer.inner_text()
         box, view = answer.bounding_box(), page.viewport_size
-        assert box is not None and view is not None and 0 <= box["y"] and box["y"] + box["height"] <= view["height"]
+        assert box is not None and view is not None and box["y"] >= 0 and box["y"] + box["height"] <= view["height"]
         assert page.inner_text("#action-result").strip() == ""
         page.screenshot(path=str(ARTIFACTS / "stopped-start-refused.png"))
         meminfo(12)

@@ -255,3 +255,54 @@ def test_an_archive_a_full_disk_refuses_is_said_held_and_written_once_there_is_r
         assert stop._archive_said(rep) == "NOT written (archive_failed: tried again)"  # the stop event read "none"
         parts = _members(fs / next(iter(fs.iterdir())).name)
         _assert_everything_else_is_there(parts)
+
+
+@pytest.mark.parametrize("room_at_exit", [False, True], ids=["still-full", "room-at-exit"])
+def test_an_archive_held_when_the_daemon_exits_is_tried_once_more_or_said_lost(
+    tmp_path: Path, room_at_exit: bool
+) -> None:
+    """An archive held for a retry (a full disk) was dropped with the process when the daemon exited before the
+    next try (30 s apart): nothing said it was lost. Now ``shutdown`` tries it once more; still refused, a critical
+    ``archive_failed`` "lost … before sparkd exited" is recorded in the database before ``daemon_stopped``."""
+    from test_faults import fill, small_tmpfs
+
+    from sparkd.config import load_settings
+
+    with small_tmpfs(tmp_path / "archives", "1m") as fs:
+        settings = load_settings(
+            overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "archive_dir": str(fs)}
+        )
+        filler = fill(fs)
+
+        async def scenario() -> None:
+            d = Daemon(settings, serve_api=False)
+            await d.startup()
+            await asyncio.wait_for(d._db_opened.wait(), 60)
+            result = d._tick_once()
+            assert result is not None
+            await d._handle(result)
+            sup = Supervisor(
+                d.settings, manager=ContainerManager(f"unix://{tmp_path}/no-dockerd.sock", api_timeout_s=2)
+            )
+            sup.daemon = d
+            rep = StopReport("low_available: MemAvailable below the floor", "rule low_available")
+            assert await write_postmortem(sup, rep, "0" * 64) is None
+            if room_at_exit:
+                filler.unlink()
+            await d.shutdown("test")  # long before the retry, 30 s later
+
+        asyncio.run(scenario())
+        store = Store.open(settings.db_file)
+        kinds = [(e["kind"], e["severity"], e["message"]) for e in reversed(store.events(limit=50))]
+        names = [k for k, _, _ in kinds]
+        assert names.count("archive_failed") == (1 if room_at_exit else 2), kinds
+        written = [p.name for p in fs.iterdir() if p.name != "filler"]
+        if room_at_exit:
+            assert len(written) == 1 and names.index("archive_written_late") < names.index("daemon_stopped")
+            assert any(written[0] in m for k, _, m in kinds if k == "archive_written_late")
+        else:
+            assert written == [] and "archive_written_late" not in names
+            last = [(s, m) for k, s, m in kinds if k == "archive_failed"][-1]
+            assert last[0] == "critical" and "is lost: not written in" in last[1] and "before sparkd exited" in last[1]
+            assert "No space left on device" in last[1]
+            assert names.index("archive_failed", names.index("archive_failed") + 1) < names.index("daemon_stopped")

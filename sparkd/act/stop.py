@@ -347,43 +347,86 @@ async def write_postmortem(
             severity="critical",
             details={"error": one_line(e), "archives_dir": str(s.archives_path)},
         )
-        task = asyncio.ensure_future(_archive_later(d, s.archives_path, hint, parts, summary, sup.name, now))
-        _ARCHIVES_LATER.add(task)
-        task.add_done_callback(_ARCHIVES_LATER.discard)
+        job = _LateArchive(d, s.archives_path, hint, parts, summary, sup.name, now)
+        job.task = asyncio.ensure_future(_archive_later(job))
+        _ARCHIVES_LATER.add(job)
+        job.task.add_done_callback(lambda _t: _ARCHIVES_LATER.discard(job))
         return None
 
 
 #: A postmortem archive that could not be written (a full disk): tried again every ``ARCHIVE_RETRY_S`` for
 #: ``ARCHIVE_RETRY_FOR_S``, its parts held in memory meanwhile (each part is bounded by ``archive``'s
-#: ``DEFAULT_MAX_PART_BYTES``). A daemon that exits meanwhile loses it.
+#: ``DEFAULT_MAX_PART_BYTES``), and once more when the daemon exits (``archives_last_try``).
 ARCHIVE_RETRY_S = 30.0
 ARCHIVE_RETRY_FOR_S = 3600.0
-_ARCHIVES_LATER: set[asyncio.Future[None]] = set()  # held: a task only the event loop references may be collected
 
 
-async def _archive_later(
-    d: Any, directory: Any, hint: str, parts: dict[str, Any], summary: str, name: str, stopped_at: float
-) -> None:
+@dataclass(eq=False)
+class _LateArchive:
+    """One postmortem archive held in memory until it is written: where, what, and the stop it tells."""
+
+    d: Any
+    directory: Any
+    hint: str
+    parts: dict[str, Any]
+    summary: str
+    name: str
+    stopped_at: float
+    last: str = ""
+    task: asyncio.Future[None] | None = None
+
+    async def attempt(self) -> bool:
+        """One write; True once written (``archive_written_late`` said). Named by the stop's time."""
+        try:
+            info = await asyncio.to_thread(
+                archive.write_archive, self.directory, self.hint, self.parts, self.summary, now=self.stopped_at
+            )
+        except Exception as e:
+            self.last = one_line(e)
+            return False
+        self.d.event(
+            "archive_written_late", f"the postmortem archive of the stop of {self.name}: {info.name} (written late)"
+        )
+        return True
+
+    def lost(self, why: str) -> None:
+        self.d.event(
+            "archive_failed",
+            f"the postmortem archive of the stop of {self.name} is lost: not written in {self.directory} {why} "
+            f"({self.last})",
+            severity="critical",
+            details={"error": self.last, "archives_dir": str(self.directory), "gave_up": True},
+        )
+
+
+_ARCHIVES_LATER: set[_LateArchive] = set()  # held: a task only the event loop references may be collected
+
+
+async def _archive_later(job: _LateArchive) -> None:
     """``write_postmortem``'s archive tried again until written (``archive_written_late``) or given up on (a second
-    critical ``archive_failed``). Named by the stop's time, not the write's."""
+    critical ``archive_failed``)."""
     deadline = time.monotonic() + ARCHIVE_RETRY_FOR_S
-    last = ""
     while time.monotonic() < deadline:
         await asyncio.sleep(ARCHIVE_RETRY_S)
-        try:
-            info = await asyncio.to_thread(archive.write_archive, directory, hint, parts, summary, now=stopped_at)
-        except Exception as e:
-            last = one_line(e)
-            continue
-        d.event("archive_written_late", f"the postmortem archive of the stop of {name}: {info.name} (written late)")
-        return
-    d.event(
-        "archive_failed",
-        f"the postmortem archive of the stop of {name} is lost: not written in {directory} within "
-        f"{ARCHIVE_RETRY_FOR_S / 60:g} min ({last})",
-        severity="critical",
-        details={"error": last, "archives_dir": str(directory), "gave_up": True},
-    )
+        if await job.attempt():
+            return
+    job.lost(f"within {ARCHIVE_RETRY_FOR_S / 60:g} min")
+
+
+async def archives_last_try(d: Any) -> int:
+    """At daemon ``d``'s exit: each archive it still holds is tried once more (its retries are cancelled), and one still
+    not written is said lost (critical ``archive_failed``) rather than dropped with the process. Returns how many
+    were lost. Never raises."""
+    lost = 0
+    for job in [j for j in _ARCHIVES_LATER if j.d is d]:
+        if job.task is not None:
+            job.task.cancel()
+            await asyncio.gather(job.task, return_exceptions=True)
+        _ARCHIVES_LATER.discard(job)
+        if not await job.attempt():
+            job.lost("before sparkd exited")
+            lost += 1
+    return lost
 
 
 async def witness_before_stop(

@@ -861,6 +861,9 @@ class Daemon:
         await self.actions.close()
         if self.api_server is not None:
             self.api_server.should_exit = True
+        from sparkd.act.stop import archives_last_try
+
+        await archives_last_try(self)  # a postmortem held in memory (a full disk) is tried once more, or said lost
         self.event("daemon_stopped", f"sparkd stopping ({reason})")
         if self.writer:
             self.writer.submit("status", self.status_json().model_dump(mode="json"))
