@@ -106,6 +106,9 @@ class LogFileHandler(logging.handlers.RotatingFileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):  # a bug in a log call (its arguments do not fit its format): logging's
+            super().handleError(record)  # traceback names the call; the file is fine, and no line is counted lost
+            return
         self.lost += 1
         self.lost_why = f"{type(exc).__name__}: {exc}" if exc else "unknown error"
         if not self._said:

@@ -47,3 +47,24 @@ def test_a_log_file_on_a_full_disk_says_so_once_and_counts_the_lines_it_lost(
         finally:
             log.handlers = []
             h.close()
+
+
+def test_a_log_call_whose_arguments_do_not_fit_its_format_keeps_its_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a write failure: logging's traceback names the faulty call, and no line of the file is counted lost
+    (the full-disk handling swallowed it as "up to 1 log lines were not written … (TypeError …)")."""
+    h = LogFileHandler(tmp_path / "sparkd.log", maxBytes=10 * 2**20, backupCount=1)
+    log = logging.getLogger("sparkd.test_logfile.bug")
+    log.propagate, log.handlers = False, [h]
+    try:
+        log.warning("%d samples", "not a number")
+        err = capsys.readouterr().err
+        assert "--- Logging error ---" in err and "TypeError" in err and "test_logfile.py" in err, err[:800]
+        assert h.lost == 0
+        log.warning("the next line")
+        h.flush()
+        assert (tmp_path / "sparkd.log").read_text().splitlines() == ["the next line"]
+    finally:
+        log.handlers = []
+        h.close()
