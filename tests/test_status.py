@@ -658,8 +658,8 @@ async def test_in_guard_mode_the_clis_stopped_by_line_points_to_docker_start(tmp
     assert "sparkd start" not in line
     # which mode sparkd is in was said nowhere (helper-37)
     assert (
-        "mode: guard: started outside sparkd (docker start); sparkd stops it on a trip or a failed completion probe "
-        "and never starts it"
+        "mode: guard: started outside sparkd (docker run, compose…); sparkd stops it on a trip or a failed "
+        "completion probe and never starts it"
     ) in out
 
 
@@ -686,7 +686,7 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
     guard = Supervisor(load_settings(overrides={"state_dir": str(tmp_path / "g"), "container": {"guard": "vllm"}}))
     guard.container_id, guard.state = "c" * 64, ContainerState.STOPPED
     html = rendered(guard)
-    assert "<th>mode</th><td>guard: started outside sparkd (docker start); sparkd stops it on a trip" in html
+    assert "<th>mode</th><td>guard: started outside sparkd (docker run, compose…); sparkd stops it on a trip" in html
     assert 'disabled title="guard mode: sparkd does not start it; start it yourself (docker start vllm)"' in html
     assert 'data-resize-why="guard mode: sparkd did not launch it, so it has no plan to resize"' in html
     assert "<th>breaker</th><td>– (guard mode: sparkd never relaunches it)</td>" in html  # helper-39
@@ -698,7 +698,7 @@ async def test_the_container_card_and_the_controls_say_which_mode_and_why_a_butt
     assert 'title="None"' not in html
     # a dry run records a trip and stops nothing: the mode does not say "stops it on a trip" then (helper-38)
     html = rendered(guard, dry_run=True)
-    assert "guard, dry run: started outside sparkd (docker start); a trip is recorded, not acted on" in html
+    assert "guard, dry run: started outside sparkd (docker run, compose…); a trip is recorded, not acted on" in html
     assert "stops it on a trip" not in html
     guard.state = ContainerState.READY
     html = rendered(guard)

@@ -273,14 +273,14 @@ def rule_cond(r: Any) -> str:
 #: stop is not a rule's and still stops the model (``loop.unattended``).
 MODE_TEXT = {
     "managed": "managed: sparkd launches, restarts and resizes it, and stops it on a trip or a failed completion probe",
-    "guard": "guard: started outside sparkd (docker start); sparkd stops it on a trip or a failed completion probe "
-    "and never starts it",
+    "guard": "guard: started outside sparkd (docker run, compose…); sparkd stops it on a trip or a failed completion "
+    "probe and never starts it",
 }
 DRY_RUN_MODE_TEXT = {
     "managed": "managed, dry run: sparkd launches, restarts and resizes it; a trip is recorded, not acted on (a "
     "failed completion probe still stops it)",
-    "guard": "guard, dry run: started outside sparkd (docker start); a trip is recorded, not acted on (a failed "
-    "completion probe still stops it); sparkd never starts it",
+    "guard": "guard, dry run: started outside sparkd (docker run, compose…); a trip is recorded, not acted on (a "
+    "failed completion probe still stops it); sparkd never starts it",
 }
 
 
