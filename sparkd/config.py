@@ -715,7 +715,8 @@ FIELD_DOCS: dict[str, str] = {
     "of memory to go first.",
     "container.stop_timeout_s": "Graceful stop window before Docker kills (CONTEXT.md: 30 s; 10 s ended in exit 137).",
     "container.shutdown_timeout_s": "vLLM --shutdown-timeout: drain time inside the stop window.",
-    "container.hard_floor": "During the grace period, kill at once if MemAvailable falls below this.",
+    "container.hard_floor": "During a stop (the archive first, then the grace period), kill at once if usable memory "
+    "(MemAvailable − CmaFree, the stop lines' measure) falls below this.",
     "container.startup_timeout_s": (
         "A launch of sparkd's (managed mode) that is not /health-ready within this is failed (and rolled back); "
         "a run that was ready, or a guarded container, is never stopped for its /health."

@@ -80,7 +80,7 @@ async def _run_stop(docker: Any, mem_available: int, events: list[str], **steps:
         source="rule",
         grace_s=30,
         hard_floor_bytes=3 << 30,
-        read_mem_available=lambda: mem_available,
+        read_usable=lambda: mem_available,
         emit=lambda k, m, severity="info", details=None: events.append(k),
         postmortem=None,
         **steps,

@@ -122,6 +122,48 @@ def test_below_the_hard_floor_during_the_grace_period_it_kills_at_once(make: Any
     assert "during the grace period: killing" in ev["message"]
 
 
+def test_usable_memory_below_the_hard_floor_kills_at_once_where_free_cma_fills_memavailable(
+    make: Any, tmp_path: Path
+) -> None:
+    """The field's CMA case (field-2/homelab-kill7-cma.csv): MemAvailable 10.45 GiB of which 8.81 GiB free CMA,
+    usable 1.64 GiB. The rules trip on usable memory; the hard floor judged raw MemAvailable, and the model got the
+    whole grace (and the archive's 10 s) at 1.64 GiB usable, with no ``hard_floor_kill`` (helper-47)."""
+    import re
+    import time
+
+    from sparkdproc import rewrite_in_place
+
+    idle = (Path(__file__).parent / "fixtures" / "meminfo" / "gb10-idle.meminfo").read_text()
+
+    def meminfo(avail_gib: float, cma_free_gib: float) -> None:
+        t = re.sub(r"MemAvailable:\s+\d+ kB", f"MemAvailable: {int(avail_gib * 2**20):>15} kB", idle)
+        t = re.sub(r"CmaTotal:\s+\d+ kB", f"CmaTotal: {16 * 2**20:>15} kB", t)
+        rewrite_in_place(
+            proc / "meminfo", re.sub(r"CmaFree:\s+\d+ kB", f"CmaFree: {int(cma_free_gib * 2**20):>15} kB", t)
+        )
+
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+    meminfo(100, 8)  # usable 92 GiB
+    grace_s = 20.0
+    s = make(
+        top={"proc_root": str(proc), "shm_dir": str(shm)},
+        container={
+            "env": {"FAKEVLLM_MODE": "ignore-term", "FAKEVLLM_STARTUP_S": "0.3"},
+            "stop_timeout_s": grace_s,
+            "hard_floor": "3GiB",
+        },
+    )
+    s.wait_state("ready", 60)
+    meminfo(10.45, 8.81)
+    t0 = time.monotonic()
+    ev = s.wait_event("hard_floor_kill", 30)
+    assert "usable memory 1.64 GiB (MemAvailable − CmaFree) < hard floor 3.00 GiB" in ev["message"], ev["message"]
+    killed = s.wait_event("killed", 30)
+    assert time.monotonic() - t0 < grace_s, killed["message"]  # not the grace
+
+
 def test_an_incomplete_checkpoint_fails_the_launch_preflight(make: Any, tmp_path: Path) -> None:
     d = make_checkpoint(tmp_path / "ckpt", LLAMA_31_8B, [4096, 4096])
     (d / "model-00002-of-00002.safetensors").unlink()  # the download stopped after shard 1

@@ -190,3 +190,21 @@ def test_preflight_refuses_when_memavailable_is_short_by_the_learned_overshoot(t
         "MemAvailable 69.00 GiB < GMU 0.500 x MemTotal 128.00 GiB + learned start-up overshoot 8.00 GiB = 72.00 GiB"
     )
     assert run_preflight(**kw, learned_overshoot_bytes=4 * GiB).ok
+
+
+def test_preflight_judges_usable_memory_where_free_cma_fills_memavailable(tmp_path: Path) -> None:
+    """Free CMA counts in MemAvailable, yet the driver cannot allocate from it: a launch needing 66 GiB passed at
+    MemAvailable 100 GiB with 40 GiB of it free CMA (helper-47). It is judged on usable memory, as the stop lines."""
+    proc, shm = tmp_path / "proc", tmp_path / "shm"
+    proc.mkdir()
+    shm.mkdir()
+    (proc / "meminfo").write_text(
+        f"MemTotal: {128 * GiB // 1024} kB\nMemFree: 0 kB\nMemAvailable: {100 * GiB // 1024} kB\n"
+        f"CmaTotal: {48 * GiB // 1024} kB\nCmaFree: {40 * GiB // 1024} kB\n"
+    )
+    kw: dict[str, Any] = {"gmu": 0.5, "margin_bytes": 2 * GiB, "running_managed": [], "proc_root": str(proc)}
+    pf = run_preflight(**kw, shm_dir=str(shm), clean_shm=False)
+    assert not pf.ok
+    assert pf.failures[0].startswith(
+        "usable memory (MemAvailable − CmaFree 40.00 GiB) 60.00 GiB < GMU 0.500 x MemTotal 128.00 GiB + margin"
+    ), pf.failures

@@ -61,7 +61,7 @@ def _run(
             source="pytest",
             grace_s=grace_s,
             hard_floor_bytes=GiB,
-            read_mem_available=lambda: avail[0],
+            read_usable=lambda: avail[0],
             emit=emit,
             postmortem=postmortem,
             before_stop=before_stop,
@@ -115,7 +115,7 @@ def test_below_the_hard_floor_during_the_grace_it_kills_at_once(mgr: ContainerMa
     assert rep.hard_floor_kill is True and rep.exit_code == 137 and rep.killed is True
     assert rep.durations_s["stop"] < 10  # not the 20 s grace
     assert [k for k, _s, _m in events] == ["stopping", "hard_floor_kill", "killed"]
-    assert "0.50 GiB < hard floor 1.00 GiB" in events[1][2]
+    assert "usable memory 0.50 GiB (MemAvailable − CmaFree) < hard floor 1.00 GiB" in events[1][2]
 
 
 def test_a_container_removed_right_after_its_stop_is_stopped_not_unconfirmed(

@@ -486,7 +486,7 @@ async def _stop_and_confirm(
     rep: StopReport,
     grace_s: float,
     hard_floor_bytes: int,
-    read_mem_available: Callable[[], int | None],
+    read_usable: Callable[[], int | None],
     emit: Emit,
     signalled: Callable[[], None] | None = None,
 ) -> None:
@@ -511,13 +511,13 @@ async def _stop_and_confirm(
             rep.engine_hung = f"docker stop did not return within {grace_s:g} s of grace + {ENGINE_MARGIN_S:g} s"
             rep.errors.append(rep.engine_hung)
             return
-        avail = read_mem_available()
+        avail = read_usable()
         if avail is not None and avail < hard_floor_bytes and not rep.hard_floor_kill:
             rep.hard_floor_kill = True
             emit(
                 "hard_floor_kill",
-                f"MemAvailable {fmt_gib(avail)} < hard floor {fmt_gib(hard_floor_bytes)} during the "
-                f"grace period: killing {target.name} now",
+                f"usable memory {fmt_gib(avail)} (MemAvailable − CmaFree) < hard floor {fmt_gib(hard_floor_bytes)} "
+                f"during the grace period: killing {target.name} now",
                 severity="critical",
             )
             try:  # a kill that fails here leaves the stop under way (it kills after the grace), never the daemon
@@ -693,21 +693,25 @@ async def _archive_first(
     rep: StopReport,
     postmortem: Callable[[StopReport], Awaitable[str | None]],
     hard_floor_bytes: int,
-    read_mem_available: Callable[[], int | None],
+    read_usable: Callable[[], int | None],
     emit: Emit,
 ) -> str | None:
-    """The archive before the stop, waited for ``ARCHIVE_WAIT_S`` at most and not at all once MemAvailable is below
-    the hard floor (read every 0.25 s); then a critical ``archive_delayed`` event, the stop goes on, and the archive
-    is finished in the background (``archive_written_late`` names it). Returns its name, or None when not done."""
+    """The archive before the stop, waited for ``ARCHIVE_WAIT_S`` at most and not at all once usable memory
+    (MemAvailable − CmaFree) is below the hard floor (read every 0.25 s); then a critical ``archive_delayed`` event,
+    the stop goes on, and the archive is finished in the background (``archive_written_late`` names it). Returns
+    its name, or None when not done."""
     task = asyncio.ensure_future(postmortem(rep))
     deadline = time.monotonic() + ARCHIVE_WAIT_S
     while True:
         done, _ = await asyncio.wait({task}, timeout=0.25)
         if done:
             return task.result()
-        avail = read_mem_available()
+        avail = read_usable()
         if avail is not None and avail < hard_floor_bytes:
-            why = f"MemAvailable {fmt_gib(avail)} is below the hard floor {fmt_gib(hard_floor_bytes)}"
+            why = (
+                f"usable memory {fmt_gib(avail)} (MemAvailable − CmaFree) is below the hard floor "
+                f"{fmt_gib(hard_floor_bytes)}"
+            )
             break
         if time.monotonic() > deadline:
             why = f"the archive is not written within {ARCHIVE_WAIT_S:g} s (its directory's storage slow or hung?)"
@@ -738,7 +742,7 @@ async def run_stop(
     source: str,
     grace_s: float,
     hard_floor_bytes: int,
-    read_mem_available: Callable[[], int | None],
+    read_usable: Callable[[], int | None],
     emit: Emit,
     postmortem: Callable[[StopReport], Awaitable[str | None]] | None,
     before_stop: Callable[[StopReport], Awaitable[None]] | None,
@@ -749,12 +753,13 @@ async def run_stop(
     """Steps 1–7 for ``target``; everything it needs is handed in (act never imports loop).
 
     ``grace_s``: seconds between SIGTERM and SIGKILL (``container.stop_timeout_s``);
-    ``hard_floor_bytes``: below this MemAvailable (``read_mem_available()``, polled every 0.25 s
-    during the grace) the container is killed at once; ``postmortem(report)`` writes the archive
-    first and returns its name (None: no archive), or last with ``archive_after`` (a stop made by the
-    container's processes while the engine hangs: its archive has nothing from the engine, and the
-    archive's I/O under memory pressure must not delay the SIGTERM); ``before_stop(report)`` runs right before
-    ``docker stop`` (the last /dev/shm witness scan of the running processes);
+    ``hard_floor_bytes``: below this usable memory (``read_usable()``: MemAvailable − CmaFree, the stop lines'
+    measure, ``core.sample.usable_bytes``; polled every 0.25 s during the grace) the container is killed at once;
+    ``postmortem(report)`` writes the archive first and returns its name (None: no archive), or last with
+    ``archive_after`` (a stop made by the container's processes while the engine hangs: its archive has nothing
+    from the engine, and the archive's I/O under memory pressure must not delay the SIGTERM);
+    ``before_stop(report)`` runs right before ``docker stop`` (the last /dev/shm witness scan of the running
+    processes);
     ``cleanup_shm(started_at, stopped_at)`` removes the run's dead /dev/shm entries (None: skipped);
     ``signalled()`` is called once the stop is handed to its worker thread (the SIGTERM goes out next), also when
     a step before it failed (the caller's API reads again: ``loop.httpserver.ReadHold``).
@@ -771,12 +776,12 @@ async def run_stop(
         details={"source": source, "container_id": cid},
     )
     if postmortem is not None and not archive_after:
-        rep.archive = await _archive_first(target, rep, postmortem, hard_floor_bytes, read_mem_available, emit)
+        rep.archive = await _archive_first(target, rep, postmortem, hard_floor_bytes, read_usable, emit)
         rep.durations_s["archive"] = time.monotonic() - t0
     if before_stop is not None:
         await before_stop(rep)
     t1 = time.monotonic()
-    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_mem_available, emit, signalled)
+    await _stop_and_confirm(target, docker, rep, grace_s, hard_floor_bytes, read_usable, emit, signalled)
     rep.durations_s["stop"] = time.monotonic() - t1
     t2 = time.monotonic()
     if cleanup_shm is not None:

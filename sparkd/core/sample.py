@@ -229,7 +229,13 @@ def derive(s: Sample) -> None:
     Free CMA counts in MemAvailable but the GPU driver's allocations cannot use it (a host
     died at MemAvailable 10.45 GiB of which 8.81 GiB was free CMA: field-2/homelab-kill7-cma.csv).
     One function for the live guard (``build_sample``) and replay's loaders alike."""
-    s.mem_available_minus_cma = None if s.mem_available is None else s.mem_available - (s.cma_free or 0)
+    s.mem_available_minus_cma = usable_bytes(s.mem_available, s.cma_free)
+
+
+def usable_bytes(mem_available: int | None, cma_free: int | None) -> int | None:
+    """Usable memory, bytes: MemAvailable − CmaFree (CmaFree absent: 0), None without MemAvailable. What the
+    default stop lines, the hard floor during a stop and the launch preflight judge (``derive``'s source)."""
+    return None if mem_available is None else mem_available - (cma_free or 0)
 
 
 ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample) if f.name != "mono")

@@ -16,6 +16,7 @@ from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
+from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
 from sparkd.errors import DockerUnavailable, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
@@ -395,7 +396,7 @@ class RunBook(LaunchBook):
                 source=source,
                 grace_s=s.container.stop_timeout_s if grace_s is None else grace_s,
                 hard_floor_bytes=parse_size(s.container.hard_floor),
-                read_mem_available=lambda: reader.meminfo().fields.get("MemAvailable"),
+                read_usable=lambda: _usable(reader.meminfo().fields),  # the stop lines' measure (helper-47)
                 emit=self._event,
                 postmortem=postmortem,
                 archive_after=stopper is not None,  # nothing from the engine in it: the SIGTERM first
@@ -415,3 +416,9 @@ class RunBook(LaunchBook):
         if stopper is None:
             await self.reconcile(probe=False, detail=reason)
         return rep
+
+
+def _usable(fields: dict[str, int]) -> int | None:
+    """Usable memory of a /proc/meminfo reading (``core.sample.usable_bytes``): the hard floor judged raw
+    MemAvailable, and a host with 8.81 GiB of free CMA in its 10.45 GiB sat at 1.64 GiB usable for the whole grace."""
+    return usable_bytes(fields.get("MemAvailable"), fields.get("CmaFree"))

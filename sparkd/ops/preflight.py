@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkd.act import shm
+from sparkd.core.sample import usable_bytes
 from sparkd.errors import InvalidInput
 from sparkd.sense import procfs
 from sparkd.sense.checkpoint import check_checkpoint
@@ -88,7 +89,10 @@ def run_preflight(
             else:
                 pf.fail(check.describe() + ": vLLM would fail on it after loading the rest")
     m = procfs.read_meminfo(proc_root).fields
-    total, avail = m.get("MemTotal"), m.get("MemAvailable")
+    # usable memory, the stop lines' measure: free CMA counts in MemAvailable, yet the driver cannot allocate from
+    # it (a launch needing 97.65 GiB passed at MemAvailable 100 GiB with 40 GiB of it free CMA: helper-47)
+    total, avail, cma = m.get("MemTotal"), usable_bytes(m.get("MemAvailable"), m.get("CmaFree")), m.get("CmaFree")
+    said = f"usable memory (MemAvailable − CmaFree {fmt_gib(cma)})" if cma else "MemAvailable"
     if gmu is not None and total and avail is not None:
         learned = learned_overshoot_bytes is not None
         extra = learned_overshoot_bytes if learned_overshoot_bytes is not None else margin_bytes
@@ -96,7 +100,7 @@ def run_preflight(
         need = gmu * total + extra
         if avail < need:
             pf.fail(
-                f"MemAvailable {fmt_gib(avail)} < GMU {gmu:.3f} x MemTotal {fmt_gib(total)} + {what} "
+                f"{said} {fmt_gib(avail)} < GMU {gmu:.3f} x MemTotal {fmt_gib(total)} + {what} "
                 f"{fmt_gib(extra)} = {fmt_gib(need)}: "
                 + (
                     "past launches of this configuration dipped that far below plan at start-up"
@@ -106,7 +110,7 @@ def run_preflight(
                 + "; free memory or lower the KV target / GMU"
             )
         else:
-            pf.notes.append(f"MemAvailable {fmt_gib(avail)} >= {fmt_gib(need)} needed")
+            pf.notes.append(f"{said} {fmt_gib(avail)} >= {fmt_gib(need)} needed")
     if running_managed:
         pf.fail(f"another sparkd-managed container is running: {', '.join(running_managed)}; stop it first")
     try:
