@@ -236,7 +236,10 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
         with contextlib.suppress(Exception):  # Docker's trouble: the stop path says it; this look only informs
             await asyncio.wait_for(daemon.actions.look_now(), LOOK_NOW_S)
         state = daemon.actions.lifecycle_state()
-    running = monitor_only or state in ACTIVE_STATES  # StrEnum: equal to values
+    # "unknown": the Docker engine does not answer (dockerd starved by the very memory pressure): the model may run
+    # on, and the stop works without the engine (act.procstop). Taken as not running, one good re-check reading
+    # muted the rule for its cooldown (60 s) and the loop guard missed the trip (helper-47)
+    running = monitor_only or state in ACTIVE_STATES or state == ContainerState.UNKNOWN  # StrEnum: equal to values
     tripped = _rule(daemon, d.rule)  # as configured at the trip (a demotion below replaces the rule list)
     rule = tripped if d.action == "stop" and running else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
