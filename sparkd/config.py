@@ -274,6 +274,7 @@ class NotifySettings(BaseModel):
             "guard_target_found",
             "restart_policy_undoes_stop",  # guard mode, `--restart always`: a dockerd restart undoes sparkd's stop
             "config_file_invalid",  # the next start (a restart, a reboot) will be refused: nothing guarded then
+            "config_changed_not_applied",  # an edit (dry_run = false to arm the guard) waits for a restart
             "archive_delayed",  # the state dir's storage slow or hung: the stop did not wait for its archive
             "supervision_state_slow",
             "supervision_state_not_saved",

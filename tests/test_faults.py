@@ -1103,14 +1103,18 @@ def test_starts_a_broken_configuration_refused_are_said_by_the_next_start_with_t
         assert not (state / "start_refused.json").exists()
 
 
-def test_a_configuration_file_edited_into_an_error_while_sparkd_runs_is_said_at_once(
+def test_a_configuration_file_edited_while_sparkd_runs_is_said_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The running daemon did not notice its file edited into an error; the next restart was refused (above). It
     says so within ``CONFIG_CHECK_S`` (a ``stat``; the file is read only when it changed), and when it loads again."""
     import asyncio
 
+    from click.testing import CliRunner
+
     from sparkd.config import load_settings
+    from sparkd.face import presenters as views
+    from sparkd.face.cli import main
     from sparkd.loop import daemon_db
     from sparkd.loop.daemon import Daemon
 
@@ -1139,13 +1143,35 @@ def test_a_configuration_file_edited_into_an_error_while_sparkd_runs_is_said_at_
             cfg.write_text(good + "interval_s = 0\n# touched, same error\n")
             await asyncio.sleep(0.4)
             assert len([e for e in d.recent_events if e["kind"] == "config_file_invalid"]) == 1  # once per error
+            assert d.status_json().config_file.state == "invalid"  # type: ignore[union-attr]
+            assert (
+                views.headline(d.status_json().model_dump(mode="json"), None)["label"] == "configuration file invalid"
+            )
             cfg.write_text(good)
             valid = await said("config_file_valid")
-            return invalid + valid
+            # a valid edit is not applied (sparkd never reloads): said, shown, and told apart from a revert (helper-47)
+            assert d.status_json().config_file.state == "as_started"  # type: ignore[union-attr]
+            cfg.write_text(good + "dry_run = true\n[container]\nstop_timeout_s = 20\n")
+            changed = await said("config_changed_not_applied")
+            st = d.status_json()
+            assert st.config_file is not None and st.config_file.changed == ["dry_run", "container.stop_timeout_s"]
+            h = views.headline(st.model_dump(mode="json"), None)
+            assert h["config_note"] == (
+                "configuration file changed since start (dry_run, container.stop_timeout_s): restart sparkd to apply"
+            )
+            shown = await asyncio.to_thread(CliRunner().invoke, main, ["--config", str(cfg), "config", "show"])
+            assert f"the sparkd running now (pid {os.getpid()}) runs with the configuration it loaded" in shown.output
+            cfg.write_text(good)
+            back = await said("config_file_as_started")
+            assert d.status_json().config_file.state == "as_started"  # type: ignore[union-attr]
+            return invalid + valid + changed + back
         finally:
             await d.shutdown("test")
 
-    invalid, valid = asyncio.run(scenario())
+    invalid, valid, changed, back = asyncio.run(scenario())
+    assert changed["severity"] == "warning" and changed["details"]["changed"] == ["dry_run", "container.stop_timeout_s"]
+    assert "Not applied" in changed["message"] and "restart sparkd to apply" in changed["message"]
+    assert back["message"] == f"the configuration file {cfg} matches what sparkd runs with again"
     assert invalid["severity"] == "warning" and f"the configuration file {cfg} no longer loads" in invalid["message"]
     assert (
         "interval_s" in invalid["message"] and "next start (a restart, a reboot) will be refused" in invalid["message"]

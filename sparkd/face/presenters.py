@@ -293,6 +293,19 @@ def guard_missing_text(name: str | None, candidates: list[str] | None = None) ->
     return f"{said}; running: {', '.join(names)}" if names else said
 
 
+def config_file_text(cf: dict[str, Any] | None) -> str | None:
+    """What the headline and ``sparkd status`` say of the configuration file (``Status.config_file``) when it is
+    not what sparkd runs with; None when it is (or is not watched)."""
+    if not cf or cf.get("state") in (None, "as_started"):
+        return None
+    if cf["state"] == "changed":
+        return f"configuration file changed since start ({', '.join(cf.get('changed') or [])}): restart sparkd to apply"
+    return (
+        f"configuration file {cf.get('path')} no longer loads ({cf.get('error')}): sparkd's next start will be "
+        "refused, guarding nothing"
+    )
+
+
 def nothing_guarded(c: ContainerStatus) -> bool:
     """Guard mode with no container by its name, as last seen: the engine answers (while it is down, that is said
     instead of what was last seen of the name). The card and ``sparkd status`` read it."""
@@ -457,6 +470,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "warn", "model unhealthy"
     elif c.get("mode") != "monitor-only" and c.get("state") in ("stopped", "exited", "failed"):
         label = f"model {c['state']}"  # the level is the host's (core.headroom, can_stop=False): say why it is calm
+    elif (status.get("config_file") or {}).get("state") in ("invalid", "missing") and _LEVEL_RANK.get(level, 0) < 1:
+        level, label = "warn", "configuration file invalid"  # the next start is refused: nothing guarded then
     return {
         "level": level,
         "label": label,
@@ -470,6 +485,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         "monitor_only": c.get("mode") == "monitor-only",
         "has_sample": bool(s),
         "unarmed": why,
+        "config_note": config_file_text(status.get("config_file")),
+        "config_invalid": (status.get("config_file") or {}).get("state") in ("invalid", "missing"),
     }
 
 

@@ -15,12 +15,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from sparkd import __version__
 from sparkd.config import effective_config
 from sparkd.errors import SparkdError, one_line
 from sparkd.logsetup import reopen_if_gone
+from sparkd.loop.status import ConfigFileStatus
 from sparkd.store.keeper import is_corrupt, is_full
 from sparkd.store.store import FAILING_REPORT_S
 from sparkd.store.supervision_state import write_atomic
@@ -320,11 +321,32 @@ async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, 
 CONFIG_CHECK_S = 30.0
 
 
+def settings_diff(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of the settings that differ between two ``model_dump(mode="json")`` of ``Settings``
+    (``container.guard``, ``rules``: a list is one setting), in ``new``'s order, then those ``new`` lacks."""
+    out: list[str] = []
+    for k in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += settings_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 async def config_watch_loop(daemon: Daemon, path: Path) -> None:
-    """The configuration file edited into an error while sparkd runs: said at once (``config_file_invalid``, a
-    warning; once per distinct error), since the next start — a restart, an upgrade, a reboot — will be refused and
-    leave the host unguarded under systemd's restart loop (helper-45); ``config_file_valid`` when it loads again.
-    sparkd goes on with the configuration it started with: it never reloads."""
+    """The configuration file against what the daemon runs with (``daemon.config_file``, ``Status.config_file``;
+    a ``stat`` every ``CONFIG_CHECK_S``, the file read only when it changed). sparkd never reloads:
+
+    * edited into an error: said at once (``config_file_invalid``, a warning; once per distinct error), since the
+      next start — a restart, an upgrade, a reboot — will be refused and leave the host unguarded under systemd's
+      restart loop (helper-45); ``config_file_valid`` when it loads again;
+    * edited validly: ``config_changed_not_applied`` (a warning naming the settings, once per distinct set): an
+      operator who set ``dry_run = false`` to arm the guard saw it in ``sparkd config show`` while every trip stayed
+      "would stop", with no word (helper-47); ``config_file_as_started`` when it matches again.
+
+    What "runs" is the file as loaded when the watch began (the daemon's start), so command-line overrides of
+    ``sparkd run`` (``--dry-run``) are not counted as edits."""
     from sparkd.config import load_settings
 
     def look() -> tuple[int, int] | None:
@@ -334,8 +356,17 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
             return None
         return st.st_mtime_ns, st.st_size
 
+    def dump() -> dict[str, Any]:
+        return load_settings(path).model_dump(mode="json")
+
     seen = await asyncio.to_thread(look)
+    try:
+        started = await asyncio.to_thread(dump)
+    except Exception:  # edited between the start and now: nothing to compare a later edit with but what runs
+        started = daemon.settings.model_dump(mode="json")
+    cfs = daemon.config_file = ConfigFileStatus(path=str(path))
     said: str | None = None
+    said_changed: list[str] = []
     while not daemon.should_exit.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(daemon.should_exit.wait(), CONFIG_CHECK_S)
@@ -344,13 +375,25 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
         if now == seen:
             continue
         seen = now
+        changed: list[str] = []
         try:
-            await asyncio.to_thread(load_settings, path)
+            changed = settings_diff(started, await asyncio.to_thread(dump))
             problem = None
         except SparkdError as e:
             problem = e.message
         except Exception as e:  # never end the watch
             problem = one_line(e)
+        state: Literal["as_started", "changed", "invalid", "missing"] = (
+            "missing" if now is None else "invalid" if problem is not None else "changed" if changed else "as_started"
+        )
+        if state != cfs.state or changed != cfs.changed:
+            cfs = daemon.config_file = ConfigFileStatus(
+                path=str(path),
+                state=state,
+                changed=changed,
+                error=problem,
+                since=time.time(),
+            )
         if problem is not None and problem != said:
             daemon.event(
                 "config_file_invalid",
@@ -366,7 +409,23 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
                 f"the configuration file {path} loads again (restart sparkd to apply a change)",
                 details={"path": str(path)},
             )
+        if problem is None and changed and changed != said_changed:
+            daemon.event(
+                "config_changed_not_applied",
+                f"the configuration file {path} changed: {', '.join(changed)}. Not applied: sparkd runs with the "
+                "configuration it started with (it never reloads); restart sparkd to apply (systemctl restart sparkd)",
+                severity="warning",
+                details={"path": str(path), "changed": changed},
+            )
+        elif problem is None and not changed and said_changed:
+            daemon.event(
+                "config_file_as_started",
+                f"the configuration file {path} matches what sparkd runs with again",
+                details={"path": str(path)},
+            )
         said = problem
+        if problem is None:
+            said_changed = changed
 
 
 async def retention_loop(daemon: Daemon) -> None:

@@ -100,6 +100,7 @@ def status_json(daemon: Daemon) -> Status:
             head_timeouts=daemon.http_stats.head_timeouts,
         ),
         api_error=daemon.api_error,
+        config_file=daemon.config_file,
         tick_s_p50=ticks[len(ticks) // 2] if ticks else None,
         leak=LeakStatus.model_validate(daemon.leak.status()),
         watermark=WatermarkStatus.model_validate(

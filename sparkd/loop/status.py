@@ -495,6 +495,20 @@ class ReliefStatus(_Model):
     running: bool
 
 
+class ConfigFileStatus(_Model):
+    """The configuration file against what the daemon runs with (``loop.daemon_db.config_watch_loop``, a ``stat``
+    every 30 s): sparkd never reloads, so an edit applies at the next start, and a file that no longer loads makes
+    that start a refusal (nothing guarded). ``state``: ``as_started`` (loads, same settings), ``changed`` (loads;
+    ``changed`` names the settings that differ, dotted), ``invalid`` (``error`` says why), ``missing``;
+    ``since``: epoch s of the change seen."""
+
+    path: str
+    state: Literal["as_started", "changed", "invalid", "missing"] = "as_started"
+    changed: list[str] = []
+    error: str | None = None
+    since: float | None = None
+
+
 class Status(_Model):
     """``GET /api/status`` and ``Daemon.status_json()``: everything the daemon knows now.
 
@@ -525,6 +539,7 @@ class Status(_Model):
     # why the API is not served (``api_unavailable``: its port held, a cluster.listen address not up), tried again
     # every api.retry_s; None when it is served or off. `sparkd status` says it (the dashboard cannot)
     api_error: str | None = None
+    config_file: ConfigFileStatus | None = None  # None: no file (defaults and environment) or not watched
     tick_s_p50: float | None
     leak: LeakStatus
     watermark: WatermarkStatus

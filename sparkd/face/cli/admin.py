@@ -29,7 +29,13 @@ def config_group() -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def config_show(ctx: click.Context, as_json: bool) -> None:
-    """Print the effective configuration (file + SPARKD_* env + defaults; the budget of a resize in effect)."""
+    """Print the effective configuration (file + SPARKD_* env + defaults; the budget of a resize in effect): what
+    the next start of sparkd runs with. A running sparkd runs with what it loaded at its own start (it never
+    reloads): said in a comment, with how to see whether the two differ."""
+    from pathlib import Path
+
+    from sparkd.loop.statelock import daemon_pid
+
     settings = _settings(ctx)
     data = effective_config(settings)
     budget, rev = _budget_in_effect(settings)
@@ -37,6 +43,12 @@ def config_show(ctx: click.Context, as_json: bool) -> None:
     if rev is not None:
         data["budget"] = budget.model_dump(mode="json")
         note = revision_note(settings, rev)
+    if (pid := daemon_pid(Path(settings.state_dir))) is not None:  # it printed an edit as "in effect" (helper-47)
+        running = (
+            f"the sparkd running now (pid {pid}) runs with the configuration it loaded at its start; an edit applies "
+            "at its next start (`sparkd status` says CONFIG: when the file differs)"
+        )
+        note = f"{note}; {running}" if note else running
     if as_json:
         if note:
             click.echo(f"sparkd: {note}", err=True)  # stdout stays the configuration

@@ -32,6 +32,7 @@ from sparkd.face.cli.base import (
 )
 from sparkd.face.presenters import (
     HOLDS_AGAIN_TEXT,
+    config_file_text,
     guard_missing_mode_text,
     idle_trips_text,
     mode_text,
@@ -125,6 +126,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
+    if said := config_file_text(st.config_file.model_dump() if st.config_file else None):
+        click.echo(f"CONFIG: {said}")
     if st.api_error:  # the dashboard cannot say it: the API is what is missing
         click.echo(f"API: NOT SERVED: {st.api_error} (the guard runs without it; tried again every api.retry_s)")
     leak = st.leak
