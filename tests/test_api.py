@@ -856,6 +856,26 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
         assert summary["level"] == "warn"
     finally:
         await d.shutdown("test")
+    # the same with a model running: nothing stops it now; amber read as "mind it" (helper-48)
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    d = await _daemon(tmp_path / "demoted-running", actions=FakeActions())
+    try:
+        assert d.guard is not None
+        for r in list(d.guard.rules):
+            if r.action == "stop":
+                d.guard.engine.demote(r.name, "a test demoted it")
+        async with _client(d) as c:
+            live = (await c.get("/ui/live.json", params={"ev": 0})).json()
+        assert (live["level"], live["label"]) == ("critical", "not guarded")
+    finally:
+        await d.shutdown("test")  # the last snapshot, every stop rule demoted
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{d.settings.state_dir}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    assert "NOT GUARDED: no rule would stop the model: demoted to warn: low_available (a test demoted it)" in out, out
     # one stop rule demoted, others still stop: the header says so instead of "ok" (an operator's walk-through)
     d = await _daemon(tmp_path / "one")
     try:

@@ -503,6 +503,57 @@ def test_a_trip_that_recovered_before_the_stop_leaves_its_rule_counting_without_
     assert stops == ["low_available"] and recovered["details"]["cooldown_reset"] is True, (stops, recovered)
 
 
+@pytest.mark.parametrize(
+    ("run_kind", "demoted"),
+    [("launched", True), ("restarted_outside", False), ("adopted", False)],
+    ids=["sparkd-relaunch", "started-by-hand", "adopted"],
+)
+def test_only_sparkd_s_own_relaunches_count_toward_stopping_would_loop(
+    tmp_path: Path, run_kind: str, demoted: bool
+) -> None:
+    """Two trips each soon after a new run, the host healthy within 1 GiB of the rule's line: stopping loops when
+    sparkd relaunches the model itself (managed), and the loop guard demotes the rule. A model started by hand (guard
+    mode: sparkd never starts it) counted as a relaunch: the only stop rule was demoted and the model ran on below
+    its line, unguarded (helper-48)."""
+    import asyncio
+
+    from sparkd.loop.daemon import Daemon
+    from sparkd.units import GiB
+
+    low = "MemTotal: 16777216 kB\nMemFree: 1048576 kB\nMemAvailable: 2097152 kB\n"
+    high = "MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n"
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    proc, settings = _scripted(tmp_path, high, cooldown_s=0, rules=rules, recheck=False)
+
+    async def go() -> tuple[list[str], list[str]]:
+        actions = _serving("ready")
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            d.loop_guard.note_healthy(time.time(), int(6.5 * GiB))  # healthy within the 1 GiB margin of the line
+            for _ in range(2):
+                d.event(run_kind, "a new run of the model", details={"started_at": time.time()})
+                (proc / "meminfo").write_text(low)
+                for _ in range(2):
+                    r = d._tick_once()
+                    assert r is not None
+                    await d._handle(r)
+                (proc / "meminfo").write_text(high)
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            return actions.stops, [e["kind"] for e in d.recent_events]
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, kinds = asyncio.run(go())
+    if demoted:
+        assert stops == ["low_available"] and "watermark" in kinds, (stops, kinds)
+    else:
+        assert stops == ["low_available", "low_available"] and "watermark" not in kinds, (stops, kinds)
+
+
 def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: Path) -> None:
     """A rule that holds after the guard stopped the model trips once per ``cooldown_s`` with nothing to stop; an
     operator read "trips since start 32" and 15-30 thick red chart marks for one stop (helper-39). The rule's

@@ -446,6 +446,10 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", "stopped by the guard"
     elif ns is None and s and why is not None:
         label = "not guarded"
+        if demoted and c.get("mode") != "monitor-only" and c.get("state") in RUNNING_STATES:
+            # the loop guard switched off every stop rule while a model runs: nothing stops it now (its event is a
+            # warning, its notification may be rate-limited): amber read as "mind it" (helper-48)
+            level = "critical"
     elif c.get("unguarded"):  # a model sparkd will not stop runs under the managed name: never "ok"
         level, label = "critical", f"not guarded: {c['unguarded']['name']} runs without sparkd's label"
     elif c.get("ignored") and c.get("mode") == "monitor-only":  # a configured container runs unguarded (helper-45)

@@ -379,7 +379,10 @@ class Daemon:
         if kind in ("launched", "adopted", "restarted_outside"):  # a new run of the container
             started: float = (details or {}).get("started_at") or time.time()
             self.leak.start_launch(launch_id, started)
-            self.loop_guard.note_launch(time.time())
+            if kind == "launched":  # only sparkd's own (re)launch can make stopping loop: a run started by hand (guard
+                # mode never starts one) counted, and two trips soon after demoted the only stop rule while the model
+                # ran on below its line, unguarded (helper-48); the operator is the loop's end there
+                self.loop_guard.note_launch(time.time())
             if self.consumers is not None:
                 self.consumers.wake()  # who holds the memory: this container's share, not the last one's
             self.sample_soon()  # its start-up, the riskiest phase, sampled fast from now, not the next tick on
