@@ -1256,6 +1256,8 @@ async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_th
         await asyncio.to_thread(d.writer.flush)
         # the stop that followed (monitor-only stops nothing: the stop event is written as the supervisor would)
         d.store.add_event(kind="stopped", message="stopped", details={"source": "rule low"}, ts=time.time())
+        for i in range(12):  # a near miss every 2 s before the trip: one row on the incident's timeline (helper-48)
+            d.store.add_event(kind="near_miss", message=f"near miss {i}", ts=trip["ts"] - 30 + 2 * i)
         [stop] = d.store.events(kinds=["stopped"])
         async with _client(d) as c:
             data = (await c.get(f"/incidents/{stop['id']}.json")).json()
@@ -1272,6 +1274,11 @@ async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_th
     assert "stop_lines" not in data["values"] and data["values"]["usable"] == 4 * 2**30  # the card's figures
     m = re.search(r'id="incident-chart" class="chart" data-config="([^"]*)"', page)
     assert m and json.loads(html.unescape(m.group(1)))["lines"] == lines
+    # the timeline folds the run and marks the trip's row (the page opens its box there: incident.js)
+    tl = page.split('id="incident-timeline"')[1].split("</ol>")[0]
+    assert tl.count("near_miss") == 1 and "12 × in 22 s</strong> — latest: near miss 11" in tl, tl
+    assert re.search(r'<li class="sev-critical" id="timeline-trip">.*?<span class="kind">trip</span>', tl), tl
+    assert len([e for e in data["timeline"] if e["kind"] == "near_miss"]) == 12  # the JSON keeps every event
 
 
 async def test_the_now_card_tells_usable_memory_gpu_and_watermark_truths(tmp_path: Path) -> None:

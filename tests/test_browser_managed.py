@@ -259,6 +259,13 @@ def test_a_rule_stop_shows_the_stopped_card_and_its_incident_page(
         assert page.evaluate("window.sparkdIncident.lines()") == ["MemAvailable < 6.0 GiB"]
         assert page.evaluate("window.sparkdIncident.plot().series[0].label") == "time (UTC)"  # as the page's text
         timeline = page.inner_text("#incident-timeline")
+        # the timeline's box opens on the trip (the last run's start, end and logins above it hid it: helper-48)
+        in_box = """() => {
+            const b = document.getElementById('incident-timeline').getBoundingClientRect();
+            const t = document.getElementById('timeline-trip').getBoundingClientRect();
+            return t.top >= b.top && t.bottom <= b.bottom;
+        }"""
+        assert page.evaluate(in_box)
         assert "trip" in timeline and "stopping" in timeline and "stopped" in timeline
         steps = page.inner_text("#incident-steps")
         assert "archive" in steps and "stop" in steps and "total" in steps

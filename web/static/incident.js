@@ -4,6 +4,13 @@
  * (double-click resets). */
 (function () {
   "use strict";
+  // the timeline box opens on the trip: the events before it (the last run's start and end, logins) hid it
+  const box = document.getElementById("incident-timeline");
+  const trip = document.getElementById("timeline-trip");
+  if (box && trip) box.scrollTop = Math.max(0, trip.offsetTop - box.offsetTop - 60);
+})();
+(function () {
+  "use strict";
   const GiB = 1073741824;
   const el = document.getElementById("incident-chart");
   if (!el || !window.uPlot) return;
