@@ -450,3 +450,19 @@ def test_a_ready_managed_model_whose_health_fails_after_a_restart_of_sparkd_is_u
     assert docker_client.api.inspect_container(c["container_id"])["State"]["Running"] is True
     s.vllm("POST", "/serve?mode=normal")
     assert s.wait_state("ready", 30)["container_id"] == c["container_id"]
+
+
+def test_a_guarded_container_removed_by_hand_is_said_removed_not_crashed(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """`docker rm -f` of the guarded container raised a critical "exited unexpectedly (exit code 137)", paged as a
+    crash, with a postmortem whose container log was "marked for removal" (helper-48). Its removal killed it: a
+    warning that says so, then ``guard_target_missing``."""
+    fv, s, _proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=2.0)
+    s.wait_state("ready", 60)
+    docker_client.containers.get(fv.id).remove(force=True)
+    exited = s.wait_event("exited", 30)
+    assert exited["severity"] == "warning", exited
+    assert "was removed" in exited["message"] and "not a crash" in exited["message"], exited["message"]
+    assert exited["details"]["removed"] is True
+    s.wait_event("guard_target_missing", 30)

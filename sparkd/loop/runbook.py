@@ -18,7 +18,7 @@ from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_b
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
-from sparkd.errors import DockerUnavailable, Refused, SparkdError
+from sparkd.errors import DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -292,20 +292,41 @@ class RunBook(LaunchBook):
             # Exit code 0 is a clean exit (the server ended, or `docker stop` outside sparkd: its SIGTERM): a warning,
             # not the critical alert of a crash
             clean = obs.exit_code == 0 and not obs.oom_killed and oom is None
+            # `docker rm -f` (compose down, a recreate) kills it to remove it: exit 137, read as a crash, paged
+            # (helper-48). Docker says so: the container is gone, or being removed
+            removed = oom is None and not obs.oom_killed and await self._being_removed(self.container_id)
             rep = StopReport(f"container exited unexpectedly: {how}", EXITED_SOURCE)
             name = await write_postmortem(self, rep, self.container_id)
             also = " (a clean exit: the server ended, or it was stopped outside sparkd)" if clean else ""
+            said = f"{self.name} exited unexpectedly ({how}){also}"
+            if removed:
+                said = (
+                    f"{self.name} was removed outside sparkd (docker rm -f, compose down or a recreate): its removal "
+                    f"ended it ({how}), not a crash"
+                )
             self._event(
                 "exited",
-                f"{self.name} exited unexpectedly ({how}){also}; archive {name or 'none'}",
-                severity="warning" if clean else "critical",
+                f"{said}; archive {name or 'none'}",
+                severity="warning" if clean or removed else "critical",
                 details={
                     "exit_code": obs.exit_code,
                     "oom_killed": obs.oom_killed,
                     "kernel_oom_kill": oom is not None,
                     "archive": name,
+                    "removed": removed,
                 },
             )
+
+    async def _being_removed(self, cid: str) -> bool:
+        """Docker no longer has ``cid``, or is removing it (``State.Status`` ``removing``). False when the engine
+        cannot say (a crash stays a crash)."""
+        try:
+            st = await asyncio.wait_for(asyncio.to_thread(self.manager.state, cid), 5)
+        except NotFound:
+            return True
+        except Exception:
+            return False
+        return st.status == "removing"
 
     async def maybe_restart(self) -> None:
         """Managed: the relaunch decision of loop.unattended (back-off, breaker, intent ``exited``, or
