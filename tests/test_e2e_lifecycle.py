@@ -466,3 +466,25 @@ def test_a_guarded_container_removed_by_hand_is_said_removed_not_crashed(
     assert "was removed" in exited["message"] and "not a crash" in exited["message"], exited["message"]
     assert exited["details"]["removed"] is True
     s.wait_event("guard_target_missing", 30)
+
+
+def test_a_paused_guarded_container_is_said_paused_and_still_stopped_by_a_trip(
+    make: Any, launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """`docker pause` read "unhealthy — /health: ReadTimeout", and the operator went debugging the model
+    (helper-48). It is said paused, with how to unpause it; it holds its memory, and a trip still stops it."""
+    fv, s, proc = _guard_on_scripted_proc(make, launcher, tmp_path, cooldown_s=2.0)
+    s.wait_state("ready", 60)
+    box = docker_client.containers.get(fv.id)
+    box.pause()
+    try:
+        c = s.wait_state("unhealthy", 30)
+        assert "paused (docker pause)" in c["state_reason"] and f"docker unpause {fv.name}" in c["state_reason"], c
+        (proc / "meminfo").write_text(LOW)
+        s.wait_event("stopped", 60)
+        box.reload()
+        assert box.status == "exited", box.status
+    finally:
+        box.reload()
+        if box.status == "paused":
+            box.unpause()

@@ -1237,6 +1237,12 @@ class Supervisor(RunBook):
         if st.running and not st.restarting:
             await self._observe_shm(st.pid)
         due = time.monotonic() - self._last_probe >= self.settings.container.health_interval_s
+        if probe and same_run and due and self.state not in (S.STOPPING, S.FAILED) and st.status == "paused":
+            # frozen by `docker pause`: /health cannot answer, and "unhealthy: ReadTimeout" sent the operator
+            # debugging the model (helper-48). Still a running model (it holds its memory; a trip stops it)
+            self._last_probe = time.monotonic()
+            frozen = f"paused (docker pause): it holds its memory and answers nothing until docker unpause {self.name}"
+            return replace(obs, probe=Probe.FAILING, detail=frozen)
         if probe and same_run and due and self.state not in (S.STOPPING, S.FAILED):
             self._last_probe = time.monotonic()
             result, why = await self.check_health()
