@@ -85,3 +85,37 @@ async def test_a_deleted_file_is_written_again_from_memory_and_the_default_needs
     state_dir.write_text("not a directory")  # refused (as a full disk would be): raised for the keeper to log
     with pytest.raises(StoreError, match=r"supervision\.json"):
         await u.restore_file()
+
+
+@pytest.mark.anyio
+async def test_a_first_save_still_under_way_is_not_a_deleted_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A brand-new state dir: the first heartbeat time is set and its save is in flight (a worker thread) when the
+    keeper looks: the file is not there yet, and "state_files_restored: missing while sparkd ran (deleted, …)" sent
+    the operator checking disks for nothing (helper-48). A save under way is left to finish."""
+    import asyncio
+    import threading
+
+    from sparkd.config import load_settings
+    from sparkd.loop import unattended
+    from sparkd.loop.supervisor import Supervisor
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "state"), "container": {"guard": "sparkd-kt"}})
+    u = Supervisor(settings, manager=object()).unattended  # type: ignore[arg-type]
+    gate = threading.Event()
+    real = unattended.save
+
+    def slow_save(path: Path, state: SupervisionState) -> None:
+        gate.wait(5)
+        real(path, state)
+
+    monkeypatch.setattr(unattended, "save", slow_save)
+    u.state.heartbeat_sent_at = 1000.0
+    saving = asyncio.ensure_future(u.save())
+    await asyncio.sleep(0.05)
+    assert not u.path.exists()
+    assert await u.restore_file() is None  # the save under way writes it: nothing was deleted
+    gate.set()
+    await saving
+    assert load(u.path).heartbeat_sent_at == 1000.0

@@ -202,7 +202,9 @@ class Unattended:
         """``Daemon.state_keepers``: the state written again when its file was deleted while sparkd runs
         (an ``rm -rf`` of the state dir): a restart would otherwise read "no file" as a closed breaker and no
         stop intent, and launch a model the guard stopped. The default state needs no file."""
-        if self._dirty and not self._save_lock.locked():  # a save that failed (a full disk): tried again
+        if self._save_lock.locked():  # a save under way writes the file: not a deleted one (a brand-new state dir's
+            return None  # first heartbeat time read as "deleted, or never written" a second after the start: helper-48)
+        if self._dirty:  # a save that failed (a full disk): tried again
             await self._save_now()
             return None if self._dirty else f"{self.path} (the stop intent, breaker and back-off, not saved before)"
         if self.state.to_json() == SupervisionState().to_json():
