@@ -40,6 +40,7 @@ TITLES = [
     "Kernel watermarks",
     "MemTotal",
     "usable memory",
+    "Sampling",
     "/dev/shm",
     "/proc visibility",
     "daemon-reload GPU risk",
@@ -160,6 +161,17 @@ def test_it_passes_a_healthy_gb10(tmp_path: Path) -> None:
     assert exit_code(checks) == 0
     # docker info is asked once and shared by the runtime and the GPU-risk checks.
     assert sum(1 for c in host.calls if c[:2] == ("docker", "info")) == 1
+
+
+def test_it_warns_a_sampling_interval_that_sees_a_fall_late(tmp_path: Path) -> None:
+    """``interval_s = 40`` was accepted without a word: a 12 s stop, the headline calm meanwhile (helper-48)."""
+    ctx, _ = _gb10_ctx(tmp_path)
+    [ok] = [c for c in run_checks(ctx) if c.title == "Sampling"]
+    assert (ok.status, ok.detail) == ("OK", "every 1 s")
+    ctx.interval_s = 40
+    [slow] = [c for c in run_checks(ctx) if c.title == "Sampling"]
+    assert slow.status == "WARN" and "a fall is first seen up to 40 s late" in slow.detail
+    assert exit_code(run_checks(ctx)) == 0
 
 
 def test_it_fails_missing_dev_char_links_with_the_systemd_cgroup_driver(tmp_path: Path) -> None:

@@ -158,6 +158,7 @@ class DoctorContext:
     archives_dir: Path | None = None  # where the postmortem archives are (settings.archives_path)
     rules: Sequence[Any] = ()  # config.RuleConfig-like: name, when, floor, action
     kernlog_source: str = "auto"  # the setting: "off" reads no kernel log (a rule on nvrm_recent never fires)
+    interval_s: float = 1.0  # the setting: seconds between samples in normal mode
     guard_name: str | None = None  # container.guard in guard mode (no container.image): the container it names
     # the guarded container's status, None when none by that name exists; raises when Docker does not answer
     container_status: Callable[[str], tuple[str, str | None] | None] = docker_container_status
@@ -178,6 +179,7 @@ def run_checks(ctx: DoctorContext) -> list[Check]:
         check_watermarks,
         check_memtotal,
         check_rule_inputs,
+        check_sampling,
         check_shm,
         check_proc_visibility,
         check_dev_char_symlinks,
@@ -407,6 +409,27 @@ def check_rule_inputs(ctx: DoctorContext) -> list[Check]:
     elif avail is not None:
         out.append(Check("OK", "MemAvailable", f"{avail / GiB:.2f} GiB (no CMA: usable = MemAvailable)"))
     return out
+
+
+#: Above this normal-mode interval a fall is seen late: CONTEXT.md's collapse went 7.1 → 5.7 GiB in 9 s.
+SLOW_INTERVAL_S = 5.0
+
+
+def check_sampling(ctx: DoctorContext) -> list[Check]:
+    """``interval_s`` against how fast memory falls: WARN above ``SLOW_INTERVAL_S`` (fast sampling starts only once
+    a sample shows something moving, so the first sample of a fall comes up to ``interval_s`` late; helper-48 saw a
+    12 s stop at 40 s, with the headline calm meanwhile)."""
+    if ctx.interval_s <= SLOW_INTERVAL_S:
+        return [Check("OK", "Sampling", f"every {ctx.interval_s:g} s")]
+    return [
+        Check(
+            "WARN",
+            "Sampling",
+            f"every {ctx.interval_s:g} s: a fall is first seen up to {ctx.interval_s:g} s late (a 7.1 → 5.7 GiB "
+            "collapse took 9 s on a DGX Spark), and the dashboard's figures are that old meanwhile",
+            "interval_s = 1 (about 0.2 % of a core, the default)",
+        )
+    ]
 
 
 def check_shm(ctx: DoctorContext) -> list[Check]:

@@ -109,6 +109,7 @@ def doctor(ctx: click.Context) -> None:
             archives_dir=settings.archives_path,
             rules=settings.rules,
             kernlog_source=settings.kernlog_source,
+            interval_s=settings.interval_s,
             # guard mode (sparkd.loop.daemon.make_actions): the container it names must exist
             guard_name=None if settings.monitor_only or settings.container.image else settings.container.guard,
             container_status=lambda name: doc.docker_container_status(name, settings.container.docker_url),
