@@ -204,3 +204,27 @@ def test_a_labelled_container_run_by_hand_during_a_relaunch_back_off_is_adopted_
     assert "adopted" in cancelled["message"] and by_hand.id[:12] in cancelled["message"], cancelled
     assert s.wait_state("ready", 60)["container_id"] == by_hand.id
     assert s.events("restart_failed") == [] and len(s.events("launched")) == 1
+
+
+def test_a_paused_container_is_thawed_and_stopped_without_the_engine(launcher: Any, docker_client: Any) -> None:
+    """The engine-less stop (``act.procstop``) of a container frozen by ``docker pause``: the SIGTERM never ran and,
+    under cgroup v1, even the SIGKILL waited for a thaw; "killed" was reported with the processes still there
+    (helper-47). The stopper thaws its cgroup first, and the container ends on its SIGTERM."""
+    from sparkd.act.procstop import ProcessStopper
+
+    fv = launcher(managed=False, startup_s=0.3)
+    box = docker_client.containers.get(fv.id)
+    # its SIGTERM handler in place first (a PID 1 without one ignores SIGTERM, paused or not)
+    assert wait_for(lambda: b"Application startup complete" in box.logs(), 30)
+    box.pause()
+    try:
+        st = ProcessStopper(fv.id)
+        assert st.pids()
+        r = st.stop(fv.id, timeout_s=10.0)
+        assert r.outcome == "exited" and not r.fallback_kill, (r, st.errors, st.thawed, st.signalled)
+        assert st.thawed and st.pids() == [], (st.thawed, st.errors)
+        assert wait_for(lambda: docker_client.api.inspect_container(fv.id)["State"]["Status"] == "exited", 10)
+    finally:
+        box.reload()
+        if box.status == "paused":
+            box.unpause()

@@ -20,6 +20,10 @@ cgroup: ``/proc/<pid>/cgroup`` names the container's full id (``/docker/<id>`` u
 * ``state``: running while any process of the container remains (the exit code is Docker's to
   know: ``None`` here).
 
+A container frozen by ``docker pause`` (the cgroup freezer) handles no signal: its SIGTERM never runs, and under
+cgroup v1 even a SIGKILL waits for the thaw (helper-47: "killed", the processes still there). ``stop`` and ``kill``
+thaw its cgroup first (``thaw``: v1 ``freezer.state`` = ``THAWED``, v2 ``cgroup.freeze`` = ``0``).
+
 Every signal goes through a pidfd opened *before* the process's cgroup is read again: a pid that
 ended and was reused by another process in between is never signalled (``os.pidfd_open``, Linux 5.3).
 Where pidfds are refused (an older kernel, a system-call filter of an older systemd: ENOSYS, EPERM) the
@@ -49,16 +53,22 @@ class ProcessStopper:
     Args:
         container_id: the container's full id (64 hex digits; a shorter prefix could match another's).
         proc_root: where ``<pid>/cgroup`` and ``<pid>/status`` are read (``/proc``).
+        cgroup_root: where the cgroup file systems are mounted (``/sys/fs/cgroup``; v2 on a hybrid host under
+            ``unified``).
 
     Raises:
         ValueError: ``container_id`` is not 64 hexadecimal digits.
     """
 
-    def __init__(self, container_id: str, proc_root: str | Path = "/proc") -> None:
+    def __init__(
+        self, container_id: str, proc_root: str | Path = "/proc", cgroup_root: str | Path = "/sys/fs/cgroup"
+    ) -> None:
         if len(container_id) != 64 or any(c not in "0123456789abcdef" for c in container_id):
             raise ValueError(f"container_id {container_id!r}: must be the full id, 64 lowercase hex digits")
         self.container_id = container_id
         self.proc_root = Path(proc_root)
+        self.cgroup_root = Path(cgroup_root)
+        self.thawed: list[str] = []  # freezer files written (reports, tests)
         self.signalled: list[tuple[int, str]] = []  # (pid, signal name), in order (reports, tests)
         self.errors: list[str] = []  # signals refused: "pid N: SIGX: why"
 
@@ -89,6 +99,44 @@ class ProcessStopper:
         if init:
             return init
         return [p for p in pids if status[p] and int(status[p].get("PPid", "0").strip() or 0) not in members]
+
+    def _freezer_files(self, pid: int) -> list[tuple[Path, str, str]]:
+        """(file, frozen value, thawed value) of the freezers of ``pid``'s cgroups that exist."""
+        try:
+            text = (self.proc_root / str(pid) / "cgroup").read_text()
+        except OSError:
+            return []
+        out: list[tuple[Path, str, str]] = []
+        for line in text.splitlines():
+            parts = line.split(":", 2)
+            if len(parts) != 3 or self.container_id not in parts[2]:
+                continue
+            rel = parts[2].lstrip("/")
+            if "freezer" in parts[1].split(","):
+                out.append((self.cgroup_root / "freezer" / rel / "freezer.state", "FROZEN", "THAWED"))
+            elif parts[0] == "0" and parts[1] == "":
+                for base in (self.cgroup_root, self.cgroup_root / "unified"):
+                    out.append((base / rel / "cgroup.freeze", "1", "0"))
+        return [f for f in out if f[0].exists()]
+
+    def thaw(self) -> bool:
+        """Thaw the container's cgroup if ``docker pause`` froze it; True when a freezer was written. A write refused
+        is recorded in ``errors`` (the signals that follow then wait for a thaw)."""
+        pids = self.pids()
+        if not pids:
+            return False
+        wrote = False
+        for path, frozen, thawed in self._freezer_files(pids[0]):
+            try:
+                if path.read_text().strip() not in (frozen, "FREEZING"):
+                    continue
+                path.write_text(thawed)
+            except OSError as e:
+                self.errors.append(f"thaw {path}: {e.strerror or e}")
+                continue
+            self.thawed.append(str(path))
+            wrote = True
+        return wrote
 
     # ------------------------------------------------------------------ acting
     def _signal(self, pid: int, sig: signal.Signals) -> bool:
@@ -124,8 +172,9 @@ class ProcessStopper:
         )
 
     def kill(self, id_or_name: str) -> None:
-        """SIGKILL to every process of the container until none is left (``KILL_ROUNDS`` at most)."""
+        """SIGKILL to every process of the container until none is left (``KILL_ROUNDS`` at most), thawed first."""
         self._check(id_or_name)
+        self.thaw()
         for _ in range(KILL_ROUNDS):
             pids = self.pids()
             if not pids:
@@ -142,6 +191,7 @@ class ProcessStopper:
         pids = self.pids()
         if not pids:
             return StopResult("not_running", None, 0.0, timeout_s)
+        self.thaw()  # a paused container's SIGTERM would never run
         sent = [self._signal(pid, signal.SIGTERM) for pid in self.inits(pids)]
         if not any(sent) and self.errors and self.pids():
             raise self._refused("SIGTERM")
