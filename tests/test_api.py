@@ -828,6 +828,14 @@ async def test_it_says_monitor_only_clearly(daemon: Daemon) -> None:
     assert 'id="part-budget"' in page and "hidden" in page.split('id="part-budget"')[1].split(">")[0]
 
 
+def _demote_stop_rules(d: Daemon) -> None:
+    """Every stop rule demoted to warn, as the loop guard does."""
+    assert d.guard is not None
+    for r in list(d.guard.rules):
+        if r.action == "stop":
+            d.guard.engine.demote(r.name, "a test demoted it")
+
+
 async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp_path: Path) -> None:
     """A warn-only rule set (monitor-only), or every stop rule demoted to warn: after the first sample the
     headline, badge and tab title say the model is not guarded and why ("Waiting for the first sample"
@@ -845,10 +853,7 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
         await d.shutdown("test")
     d = await _daemon(tmp_path / "demoted")
     try:
-        assert d.guard is not None
-        for r in list(d.guard.rules):
-            if r.action == "stop":
-                d.guard.engine.demote(r.name, "a test demoted it")
+        _demote_stop_rules(d)
         async with _client(d) as c:
             page = (await c.get("/")).text
             summary = (await c.get("/ui/summary.json")).json()["summary"]
@@ -863,10 +868,7 @@ async def test_a_host_no_rule_would_stop_for_reads_not_guarded_never_waiting(tmp
 
     d = await _daemon(tmp_path / "demoted-running", actions=FakeActions())
     try:
-        assert d.guard is not None
-        for r in list(d.guard.rules):
-            if r.action == "stop":
-                d.guard.engine.demote(r.name, "a test demoted it")
+        _demote_stop_rules(d)
         async with _client(d) as c:
             live = (await c.get("/ui/live.json", params={"ev": 0})).json()
         assert (live["level"], live["label"]) == ("critical", "not guarded")
