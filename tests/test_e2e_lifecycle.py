@@ -124,6 +124,10 @@ def test_a_guarded_container_started_by_hand_after_a_stop_is_guarded_again(
     new_start = _started_at(docker_client, fv.id)
     assert new_start > first_start
     assert s.container()["started_at"] == pytest.approx(new_start, abs=1e-3)
+    # the guard stop's intent is released by the start (guard mode: the operator starts it); /api/status kept
+    # "emergency" for the running model while the dashboard showed "–" (helper-48)
+    assert wait_for(lambda: s.container()["supervision"]["intent"] is None, 5), s.container()["supervision"]
+    assert s.events("stop_intent_released")
 
     # the rules apply again: the next trip stops it again (no "not running" refusal)
     s.wait_state("ready", 30)

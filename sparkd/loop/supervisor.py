@@ -1310,6 +1310,10 @@ class Supervisor(RunBook):
             details = {"container_id": self.container_id, "started_at": obs.started_at}
             details |= {"restart_count": obs.restart_count, "restart_policy": obs.restart_policy}
             self._event(eff.event, eff.message, severity=eff.severity, details=details)
+            if eff.event == "restarted_outside" and self.mode != "managed":
+                # guard mode: the operator's start is how it runs (sparkd never starts it): the stop's intent is
+                # over. /api/status kept "emergency" for the running model (helper-48)
+                await self.unattended.clear_intent("a start outside sparkd")
         elif eff.kind is EffectKind.COUNT_RESTARTS:
             self.docker_restarts_seen += eff.count
             self.restarts.extend([time.time()] * eff.count)
