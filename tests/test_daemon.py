@@ -554,6 +554,52 @@ def test_only_sparkd_s_own_relaunches_count_toward_stopping_would_loop(
         assert stops == ["low_available", "low_available"] and "watermark" not in kinds, (stops, kinds)
 
 
+def test_with_the_engine_silent_since_the_start_a_trip_stops_and_demotes_nothing(tmp_path: Path) -> None:
+    """sparkd restarted while memory is short and dockerd starved: the model is never adopted (the engine does not
+    answer), so the reading taken at sparkd's start (under the model's load) stays "healthy"; counted as running,
+    the first trip went to the loop guard, which demoted the only stop rule instead of stopping (helper-49)."""
+    import asyncio
+
+    from sparkd.loop.daemon import Daemon, MonitorOnly
+    from sparkd.loop.status import ContainerStatus
+
+    low = "MemTotal: 16777216 kB\nMemFree: 3145728 kB\nMemAvailable: 5767168 kB\n"  # 5.5 GiB, line 6 GiB
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 2}]
+    _proc, settings = _scripted(tmp_path, low, rules=rules, recheck=False)
+
+    class EngineSilent(MonitorOnly):  # guard mode, the Docker engine not answering
+        def __init__(self) -> None:
+            super().__init__()
+            self.stops: list[str] = []
+
+        async def on_stop(self, decision: Any) -> None:
+            self.stops.append(decision.rule)
+
+        def status_json(self) -> ContainerStatus:
+            return ContainerStatus(mode="guard", name="vllm")
+
+        def lifecycle_state(self) -> str:
+            return "unknown"
+
+    async def go() -> tuple[list[str], dict[str, str]]:
+        actions = EngineSilent()
+        d = Daemon(settings, actions=actions)
+        await d.startup()
+        try:
+            for _ in range(2):
+                r = d._tick_once()
+                assert r is not None
+                await d._handle(r)
+            assert d.guard is not None
+            return actions.stops, dict(d.guard.engine.demoted)
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    stops, demoted = asyncio.run(go())
+    assert stops == ["low_available"] and demoted == {}, (stops, demoted)
+
+
 def test_trips_with_the_model_down_are_told_from_the_trips_that_acted(tmp_path: Path) -> None:
     """A rule that holds after the guard stopped the model trips once per ``cooldown_s`` with nothing to stop; an
     operator read "trips since start 32" and 15-30 thick red chart marks for one stop (helper-39). The rule's

@@ -241,7 +241,11 @@ async def decide(daemon: Daemon, d: Decision, sample: Sample | None = None) -> b
     # muted the rule for its cooldown (60 s) and the loop guard missed the trip (helper-47)
     running = monitor_only or state in ACTIVE_STATES or state == ContainerState.UNKNOWN  # StrEnum: equal to values
     tripped = _rule(daemon, d.rule)  # as configured at the trip (a demotion below replaces the rule list)
-    rule = tripped if d.action == "stop" and running else None
+    # the loop guard judges trips of a model known to run: with the engine silent since sparkd's start the model was
+    # never adopted, the reading taken at the start (under the model's load) was never withdrawn as "healthy", and
+    # the first trip demoted the only stop rule instead of stopping (helper-49)
+    judged = running and state != ContainerState.UNKNOWN
+    rule = tripped if d.action == "stop" and judged else None
     verdict = daemon.loop_guard.record_trip(rule, time.time()) if rule is not None else None
     reason = d.reason
     if verdict is not None:
