@@ -25,7 +25,6 @@ HARDENING = (
     "PrivateMounts",
     "ProtectKernelTunables",
     "ProtectKernelModules",
-    "ProtectControlGroups",
     "ProtectHostname",
     "RestrictAddressFamilies",
     "RestrictNamespaces",
@@ -45,6 +44,7 @@ HARDENING = (
 # Settings that would break a documented job of the guard.
 FORBIDDEN = {
     "ProtectKernelLogs=yes": "/dev/kmsg (NVRM lines)",
+    "ProtectControlGroups=yes": "the freezer a stop without the engine thaws (a paused container)",
     "ProtectProc=invisible": "other processes' /proc (the /dev/shm evidence)",
     "ProcSubset=pid": "/proc/meminfo",
     "PrivateDevices=yes": "/dev/nvidia* and /dev/kmsg",
