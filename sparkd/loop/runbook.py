@@ -41,6 +41,7 @@ class RunBook(LaunchBook):
     kills_total: int
     engine_error: str | None  # why the Docker engine did not answer, while it does not
     _policy_said: set[str | None]  # containers whose restart policy was said (``_say_restart_policy``)
+    auto_remove: bool = False  # the run's ``HostConfig.AutoRemove`` (`docker run --rm`), read at adoption
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         raise NotImplementedError
@@ -114,6 +115,7 @@ class RunBook(LaunchBook):
         try:
             ins = await asyncio.to_thread(self.manager.inspect, cid)  # --memory: taken from the observation
             revision = (ins.get("Config", {}).get("Labels") or {}).get("sparkd.config_revision")
+            self.auto_remove = bool((ins.get("HostConfig") or {}).get("AutoRemove"))
         except SparkdError:
             revision = None
         if self.daemon and self.daemon.store and self.launch_id:
@@ -294,7 +296,12 @@ class RunBook(LaunchBook):
             clean = obs.exit_code == 0 and not obs.oom_killed and oom is None
             # `docker rm -f` (compose down, a recreate) kills it to remove it: exit 137, read as a crash, paged
             # (helper-48). Docker says so: the container is gone, or being removed
-            removed = oom is None and not obs.oom_killed and await self._being_removed(self.container_id)
+            removed = (
+                oom is None
+                and not obs.oom_killed
+                and obs.exit_code == 137  # the SIGKILL of `docker rm -f`; a crash's exit code is its own
+                and await self._being_removed(self.container_id)
+            )
             rep = StopReport(f"container exited unexpectedly: {how}", EXITED_SOURCE)
             name = await write_postmortem(self, rep, self.container_id)
             also = " (a clean exit: the server ended, or it was stopped outside sparkd)" if clean else ""
@@ -318,15 +325,18 @@ class RunBook(LaunchBook):
             )
 
     async def _being_removed(self, cid: str) -> bool:
-        """Docker no longer has ``cid``, or is removing it (``State.Status`` ``removing``). False when the engine
-        cannot say (a crash stays a crash)."""
+        """Docker no longer has ``cid``, or is removing it (``State.Status`` ``removing``) and not on its own
+        (``docker run --rm``, ``HostConfig.AutoRemove``: removed after any exit, a crash too: helper-49). False when
+        the engine cannot say (a crash stays a crash)."""
         try:
-            st = await asyncio.wait_for(asyncio.to_thread(self.manager.state, cid), 5)
+            ins = await asyncio.wait_for(asyncio.to_thread(self.manager.inspect, cid), 5)
         except NotFound:
-            return True
+            return not self.auto_remove
         except Exception:
             return False
-        return st.status == "removing"
+        if (ins.get("HostConfig") or {}).get("AutoRemove"):
+            return False
+        return (ins.get("State") or {}).get("Status") == "removing"
 
     async def maybe_restart(self) -> None:
         """Managed: the relaunch decision of loop.unattended (back-off, breaker, intent ``exited``, or
