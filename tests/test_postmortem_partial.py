@@ -306,3 +306,44 @@ def test_an_archive_held_when_the_daemon_exits_is_tried_once_more_or_said_lost(
             assert last[0] == "critical" and "is lost: not written in" in last[1] and "before sparkd exited" in last[1]
             assert "No space left on device" in last[1]
             assert names.index("archive_failed", names.index("archive_failed") + 1) < names.index("daemon_stopped")
+
+
+def test_the_exits_last_try_of_a_held_archive_does_not_wait_on_a_hung_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held archive whose directory hangs at the exit (an NFS mount gone silent) held the shutdown before
+    ``daemon_stopped``; systemd's TimeoutStopSec then killed sparkd and the last status was never written
+    (helper-49). The last try waits ``LAST_TRY_S`` and says the archive lost."""
+    import threading
+
+    from sparkd.act import stop
+
+    release = threading.Event()
+
+    def hung_write(*a: object, **k: object) -> None:  # a write(2) on a hung mount: blocks, then fails
+        release.wait(30)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(stop.archive, "write_archive", hung_write)
+    monkeypatch.setattr(stop, "LAST_TRY_S", 0.5)
+    said: list[tuple[str, str, str]] = []
+
+    class D:
+        def event(self, kind: str, message: str, severity: str = "info", **_: object) -> None:
+            said.append((kind, severity, message))
+
+    d = D()
+
+    async def go() -> int:
+        job = stop._LateArchive(d, "/mnt/nfs/archives", "vllm-rule", {}, "summary", "vllm", 0.0)
+        job.task = asyncio.ensure_future(asyncio.sleep(3600))  # its retry loop, waiting ARCHIVE_RETRY_S
+        stop._ARCHIVES_LATER.add(job)
+        try:
+            return await asyncio.wait_for(stop.archives_last_try(d), 5.0)
+        finally:
+            release.set()
+
+    assert asyncio.run(go()) == 1
+    [(kind, severity, message)] = said
+    assert (kind, severity) == ("archive_failed", "critical") and "before sparkd exited" in message
+    assert "did not end within 0.5 s" in message, message

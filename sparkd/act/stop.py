@@ -359,6 +359,7 @@ async def write_postmortem(
 #: ``DEFAULT_MAX_PART_BYTES``), and once more when the daemon exits (``archives_last_try``).
 ARCHIVE_RETRY_S = 30.0
 ARCHIVE_RETRY_FOR_S = 3600.0
+LAST_TRY_S = 5.0  # the exit's last try of a held archive
 
 
 @dataclass(eq=False)
@@ -375,12 +376,17 @@ class _LateArchive:
     last: str = ""
     task: asyncio.Future[None] | None = None
 
-    async def attempt(self) -> bool:
-        """One write; True once written (``archive_written_late`` said). Named by the stop's time."""
+    async def attempt(self, within_s: float | None = None) -> bool:
+        """One write (``within_s`` at most: the thread goes on, unheard); True once written (``archive_written_late``
+        said). Named by the stop's time."""
         try:
-            info = await asyncio.to_thread(
+            write = asyncio.to_thread(
                 archive.write_archive, self.directory, self.hint, self.parts, self.summary, now=self.stopped_at
             )
+            info = await asyncio.wait_for(write, within_s)
+        except TimeoutError:
+            self.last = f"the write did not end within {within_s:g} s (its storage hung?)"
+            return False
         except Exception as e:
             self.last = one_line(e)
             return False
@@ -423,7 +429,7 @@ async def archives_last_try(d: Any) -> int:
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
         _ARCHIVES_LATER.discard(job)
-        if not await job.attempt():
+        if not await job.attempt(LAST_TRY_S):  # a hung mount must not hold the exit (systemd kills it at 90 s)
             job.lost("before sparkd exited")
             lost += 1
     return lost
