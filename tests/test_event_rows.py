@@ -70,3 +70,40 @@ def test_rows_after_an_id_go_on_the_top_run_or_above_it(tmp_path: Path) -> None:
     events, rows, replaces = views.event_rows_after(s, newest)
     assert replaces is None and [(r["kind"], r["count"]) for r in rows] == [("stopped", 1)]
     assert views.event_rows_after(s, rows[0]["id"]) == ([], [], None)
+
+
+def test_two_rules_tripping_in_one_tick_stay_two_rows() -> None:
+    """Two critical trips 0 s apart folded into one row: the first rule's reason was off the dashboard (helper-49)."""
+    ev = [
+        {"id": 2, "ts": 100.0, "kind": "trip", "severity": "critical", "message": "low_usable: usable 1.2 GiB < 2 GiB"},
+        {"id": 1, "ts": 100.0, "kind": "trip", "severity": "critical", "message": "psi_full: some avg10 80 > 40"},
+    ]
+    assert [r["count"] for r in views.group_bursts(ev)] == [1, 1]
+
+
+def test_a_run_longer_than_a_read_still_leaves_the_trip_on_the_dashboard(tmp_path: Path) -> None:
+    """300 near misses after a trip (12.5 min at 4 Hz) filled the one read of 300 events: one row, the trip and the
+    stop nowhere (helper-49). Older pages are read until the rows are filled."""
+    s = Store.open(tmp_path / "sparkd.db")
+    s.add_event(kind="trip", message="low_available tripped", severity="critical", ts=1000.0)
+    s.add_event(kind="stopped", message="vllm stopped", severity="critical", ts=1001.0)
+    for i in range(700):
+        s.add_event(kind="near_miss", message=f"near miss {i}", ts=1002.0 + 2.5 * i)
+    rows = views.events_view(s, limit=30)
+    assert [(r["kind"], r["count"]) for r in rows] == [("near_miss", 700), ("stopped", 1), ("trip", 1)]
+
+
+def test_the_id_a_page_shows_up_to_is_its_highest_stored_one(tmp_path: Path) -> None:
+    """A run topped by an event still in memory (id None), or events after a wall-clock step back (the newest by
+    time is not the highest id): the next live update sent a run again (helper-49)."""
+    s = Store.open(tmp_path / "sparkd.db")
+    for i in range(20):
+        s.add_event(kind="near_miss", message=f"near miss {i}", ts=1010.0 + 10 * i)
+    unstored = {"id": None, "ts": 1210.0, "kind": "near_miss", "severity": "info", "message": "near miss 20"}
+    page = views.group_bursts([unstored, *s.events(limit=100)])
+    assert views.last_event_id(page) == 20  # was 0: every stored event came again
+    s.add_event(kind="ready", message="vllm ready", ts=5000.0)  # id 21
+    s.add_event(kind="trip", message="after the step back", severity="critical", ts=1401.0)  # id 22
+    events, _rows, _ = views.event_rows_after(s, 20)
+    assert views.last_event_id(events) == 22  # events[0] (newest by time) is id 21
+    assert views.event_rows_after(s, views.last_event_id(events)) == ([], [], None)

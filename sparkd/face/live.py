@@ -166,7 +166,7 @@ def install_live(app: FastAPI, daemon: DaemonView) -> None:
                 out["markers"] = [
                     mark_of(e) for e in events if e["kind"] in MARKER_KINDS or e["kind"].startswith("nvrm")
                 ]
-                out["last_event_id"] = events[0]["id"]
+                out["last_event_id"] = views.last_event_id(events)
         return JSONResponse(out, headers={"Cache-Control": "no-store"})
 
 

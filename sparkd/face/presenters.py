@@ -631,12 +631,14 @@ def group_bursts(
 ) -> list[dict[str, Any]]:
     """Newest-first events → rows; a run of one kind with gaps ≤ ``gap_s`` (≤ ``info_gap_s`` for a
     run of info events) becomes one row with ``count``, ``span_s`` and ``ids`` (the run's event ids,
-    newest first); the newest of the run's messages stands for it. A warning or critical event is
-    never folded into a run of info events, nor one of them into it."""
+    newest first); the newest of the run's messages stands for it. A warning is never folded into a run of info
+    events, nor one of them into it; a critical event is never folded (each trip's reason, each stop)."""
     rows: list[dict[str, Any]] = []
     for e in events:
         last = rows[-1] if rows else None
-        if last is not None and last["kind"] == e["kind"] and last["severity"] == e["severity"]:
+        # a critical event is never folded: two rules' trips in one tick read as one, hiding the first's reason
+        fold = e["severity"] != "critical"
+        if fold and last is not None and last["kind"] == e["kind"] and last["severity"] == e["severity"]:
             gap = info_gap_s if e["severity"] == "info" else gap_s
             if last["first_ts"] - e["ts"] <= gap:
                 last["count"] += 1
@@ -651,12 +653,32 @@ def group_bursts(
 EVENTS_READ = 300  # events read to fill the dashboard's rows once runs are folded
 
 
+def last_event_id(rows: list[dict[str, Any]]) -> int:
+    """The highest stored id among ``rows`` (events, or folded rows with their ``ids``): what a page shows up to,
+    for its live updates (``/ui/live.json``'s ``ev``). A row's first event may be held in memory (id None); after
+    the wall clock stepped back the newest by time is not the highest id (either sent a run twice: helper-49)."""
+    return max((i or 0 for e in rows for i in e.get("ids") or [e.get("id")]), default=0)
+
+
+EVENTS_PAGES = 20  # pages of EVENTS_READ read at most to fill the rows (6,000 events: 25 min of near misses at 4 Hz)
+
+
 def events_view(store: Store | Reads | None, *, limit: int = 30) -> list[dict[str, Any]]:
-    """The dashboard's event rows: recent events newest first, runs folded (``group_bursts``),
-    ``limit`` rows at most. Blocking (SQLite): call in a thread."""
+    """The dashboard's event rows: recent events newest first, runs folded (``group_bursts``), ``limit`` rows at
+    most, older pages read until the rows are filled (300 near misses left one row and pushed the trip out:
+    helper-49). Blocking (SQLite): call in a thread."""
     if store is None:
         return []
-    return group_bursts(store.events(limit=EVENTS_READ))[:limit]
+    events = store.events(limit=EVENTS_READ)
+    page = events
+    for _ in range(EVENTS_PAGES - 1):
+        oldest = min((e["id"] for e in page if e.get("id") is not None), default=None)
+        # one row more than shown: the last shown row's run may go on in the next page
+        if len(page) < EVENTS_READ or oldest is None or len(group_bursts(events)) > limit:
+            break
+        page = store.events(before_id=oldest, limit=EVENTS_READ)
+        events += page
+    return group_bursts(events)[:limit]
 
 
 def event_rows_after(store: Store | None, ev: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:

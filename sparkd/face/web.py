@@ -260,7 +260,7 @@ def install_web(app: FastAPI, daemon: DaemonView, auth: Auth) -> None:
         )
         shown = part_hashes(templates().env, {**auth_ctx, **page_context(parts)})
         hashes = ",".join(f"{k}:{v}" for k, v in shown.items())
-        last_id = max((e.get("id") or 0 for e in data["events"]), default=0)
+        last_id = views.last_event_id(data["events"])
         return render(
             request,
             "index.html",

@@ -63,9 +63,15 @@ class Reads:
         return out
 
     def events(
-        self, *, since: float | None = None, kinds: Iterable[str] | None = None, limit: int = 100
+        self,
+        *,
+        since: float | None = None,
+        kinds: Iterable[str] | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Events newest first (``Store.events`` shape; ``id`` None for those from memory).
+        """Events newest first (``Store.events`` shape; ``id`` None for those from memory). ``before_id``: a page of
+        older stored events (ids below it), from the database alone ([] while it cannot be read).
 
         From the database, with the events it does not hold yet taken from memory: those newer than
         the newest record known stored (``Writer.safe_until``, read before the query). An event is in
@@ -73,6 +79,8 @@ class Reads:
         events recorded while it was down wait in the writer's queue. Without them an event a reader
         just saw (answered from memory) would vanish until that write."""
         kinds = list(kinds) if kinds else None
+        if before_id is not None:
+            return list(self._try("events", since=since, kinds=kinds, limit=limit, before_id=before_id) or [])
         w = self.daemon.writer
         stored = w.safe_until if w is not None else None  # before the query, as in ``downsampled``
         rows = self._try("events", since=since, kinds=kinds, limit=limit)
