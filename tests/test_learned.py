@@ -208,3 +208,22 @@ def test_preflight_judges_usable_memory_where_free_cma_fills_memavailable(tmp_pa
     assert pf.failures[0].startswith(
         "usable memory (MemAvailable − CmaFree 40.00 GiB) 60.00 GiB < GMU 0.500 x MemTotal 128.00 GiB + margin"
     ), pf.failures
+
+
+def test_the_start_up_trough_is_learned_in_usable_memory(tmp_path: Path) -> None:
+    """The trough was MemAvailable while the preflight judges usable memory: free CMA growing during a load (0.13 →
+    8.81 GiB) was missing from the learned overshoot, and the preflight passed a launch that dipped to 0.2 GiB usable
+    (helper-49). Trough and the figure at the launch are both usable memory now."""
+    from sparkd.config import load_settings
+    from sparkd.core.lifecycle import ContainerState
+    from sparkd.core.sample import Sample, derive
+    from sparkd.loop.supervisor import Supervisor
+
+    settings = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "sparkd-trough-test"}})
+    sup = Supervisor(settings, manager=object())  # type: ignore[arg-type]
+    sup.state = ContainerState.STARTING
+    for avail, cma in ((20 * GiB, GiB // 8), (10 * GiB, int(8.81 * GiB)), (12 * GiB, 4 * GiB)):
+        s = Sample(ts=0.0, mono=0.0, mem_available=avail, cma_free=cma)
+        derive(s)
+        sup.observe(s)
+    assert sup.trough_bytes == 10 * GiB - int(8.81 * GiB)  # 1.19 GiB usable, not MemAvailable's 10 GiB

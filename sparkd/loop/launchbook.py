@@ -20,6 +20,7 @@ from sparkd.act.pagecache import evict
 from sparkd.act.stop import unheard
 from sparkd.config import BudgetSettings, Settings
 from sparkd.core.lifecycle import ContainerState
+from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import IntentRecord, StopIntent, who_and_reason
 from sparkd.errors import Refused, SparkdError
 from sparkd.loop.launch import LearnedReserve, launch_config_key, launch_spec, learned_reserve, plan_for
@@ -296,8 +297,11 @@ class LaunchBook:
             if old.name == spec.name and old.status != "running":
                 await asyncio.to_thread(self.manager.remove, old.id)
         evicted = await self._evict_checkpoint(s.container.model_dir)
-        try:  # the start-up overshoot is learned against this (core.learned)
-            avail_at_launch = procfs.read_meminfo(s.proc_root).fields.get("MemAvailable")
+        try:  # the start-up overshoot is learned against this (core.learned), in usable memory as the preflight
+            # judges it (MemAvailable − CmaFree): learned in MemAvailable, free CMA growing during a load (0.13 → 8.81
+            # GiB) was missing from the overshoot, and the preflight passed a launch that dipped to 0.2 GiB usable
+            m = procfs.read_meminfo(s.proc_root).fields
+            avail_at_launch = usable_bytes(m.get("MemAvailable"), m.get("CmaFree"))
         except OSError:
             avail_at_launch = None
         launch_id = uuid.uuid4().hex[:12]

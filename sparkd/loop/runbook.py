@@ -210,7 +210,7 @@ class RunBook(LaunchBook):
         after = f"after {t_ready:.1f} s" if t_ready is not None else "(first seen running: its start-up not timed)"
         self._event(
             "ready",
-            f"{self.name} /health ready {after}; start-up trough MemAvailable {fmt_gib(self.trough_bytes)}",
+            f"{self.name} /health ready {after}; start-up trough of usable memory {fmt_gib(self.trough_bytes)}",
             # adopted: a run first seen running (sparkd restarted beside it, guard mode): the loop guard does not
             # take this moment's MemAvailable as the model's healthy figure (helper-32)
             details={"time_to_ready_s": t_ready, "trough_bytes": self.trough_bytes, "adopted": self.first_sight},

@@ -481,14 +481,16 @@ class Supervisor(RunBook):
             self._oom_record = rec
 
     def observe(self, sample: Sample) -> None:
-        """A memory sample (the daemon's tick): the start-up trough of MemAvailable."""
+        """A memory sample (the daemon's tick): the start-up trough of usable memory (MemAvailable − CmaFree, what
+        the preflight and the stop lines judge; ``launchbook``'s figure at the launch is the same)."""
         self.unattended.observe_mem(sample.mem_available)
+        usable = sample.mem_available_minus_cma
         if (
             self.state is S.STARTING
-            and sample.mem_available is not None
-            and (self.trough_bytes is None or sample.mem_available < self.trough_bytes)
+            and usable is not None
+            and (self.trough_bytes is None or usable < self.trough_bytes)
         ):
-            self.trough_bytes = sample.mem_available
+            self.trough_bytes = usable
 
     def fast_reason(self) -> str | None:
         """Sample fast while the container starts (a model's load is when memory climbs), for ``startup_timeout_s`` of
