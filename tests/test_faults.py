@@ -1199,3 +1199,51 @@ def test_a_refused_starts_file_that_does_not_read_is_dropped_not_a_crash_at_star
     refused.record(tmp_path, "bad", 100.0)
     refused.record(tmp_path, "worse", 160.0)
     assert refused.take(tmp_path) == {"first_ts": 100.0, "last_ts": 160.0, "count": 2, "error": "worse"}
+
+
+def test_the_config_watch_compares_with_the_file_as_sparkd_run_loaded_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit made while the daemon started (its database opening) was taken for what it runs, and never said
+    (helper-49); ``sparkd run --dry-run`` (an override, not an edit) must not read as a change."""
+    import asyncio
+
+    from sparkd.config import load_settings
+    from sparkd.face.cli.observe import _file_settings
+    from sparkd.loop import daemon_db
+
+    monkeypatch.setattr(daemon_db, "CONFIG_CHECK_S", 0.05)
+    p = tmp_path / "sparkd.toml"
+
+    class D:
+        def __init__(self, settings: Any, baseline: Any) -> None:
+            self.settings, self.config_baseline, self.config_file = settings, baseline, None
+            self.should_exit = asyncio.Event()
+            self.events: list[str] = []
+
+        def event(self, kind: str, message: str, **_: object) -> None:
+            self.events.append(kind)
+
+    def watch(d: D, edit: Any = None) -> None:
+        async def go() -> None:
+            t = asyncio.create_task(daemon_db.config_watch_loop(d, p))  # type: ignore[arg-type]
+            await asyncio.sleep(0.2)
+            d.should_exit.set()
+            await t
+
+        if edit:
+            edit()
+        asyncio.run(go())
+
+    p.write_text(f'state_dir = "{tmp_path}"\ndry_run = true\n')
+    settings = load_settings(p)
+    d = D(settings, _file_settings(p, settings, None))
+    watch(d, lambda: p.write_text(f'state_dir = "{tmp_path}"\ndry_run = false\n'))  # before the watch's first look
+    assert d.config_file is not None and d.config_file.state == "changed" and d.config_file.changed == ["dry_run"]
+    assert d.events == ["config_changed_not_applied"]
+    # `sparkd run --dry-run` over a file that says false: nothing to say
+    p.write_text(f'state_dir = "{tmp_path}"\ndry_run = false\n')
+    settings = load_settings(p, overrides={"dry_run": True})
+    d = D(settings, _file_settings(p, settings, {"dry_run": True}))
+    watch(d)
+    assert d.config_file is not None and d.config_file.state == "as_started" and d.events == []

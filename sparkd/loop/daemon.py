@@ -253,6 +253,7 @@ class Daemon:
         self._next_at = 0.0
         self._last_watchdog = 0.0
         self._early_wake = False  # the tick scheduled is a wake for the watchdog only (_schedule_tick)
+        self.config_baseline: dict[str, Any] | None = None  # the file's settings as loaded at start (face.cli.run)
         self.config_file: ConfigFileStatus | None = None  # the file against what runs (daemon_db.config_watch_loop)
         self.api_error: str | None = None  # why the API is not served, while it is tried again (daemon_http)
         self._interval_in_effect: float | None = None  # the interval the next tick was scheduled at (_after_tick)

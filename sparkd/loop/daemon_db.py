@@ -345,8 +345,9 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
       operator who set ``dry_run = false`` to arm the guard saw it in ``sparkd config show`` while every trip stayed
       "would stop", with no word (helper-47); ``config_file_as_started`` when it matches again.
 
-    What "runs" is the file as loaded when the watch began (the daemon's start), so command-line overrides of
-    ``sparkd run`` (``--dry-run``) are not counted as edits."""
+    What "runs" is ``daemon.config_baseline``, the file as ``sparkd run`` loaded it (without its command-line
+    overrides such as ``--dry-run``, which are not edits); without it, the file as the watch first reads it.
+    An edit made while the daemon started is therefore seen: the first look compares it with the baseline."""
     from sparkd.config import load_settings
 
     def look() -> tuple[int, int] | None:
@@ -359,11 +360,13 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
     def dump() -> dict[str, Any]:
         return load_settings(path).model_dump(mode="json")
 
-    seen = await asyncio.to_thread(look)
-    try:
-        started = await asyncio.to_thread(dump)
-    except Exception:  # edited between the start and now: nothing to compare a later edit with but what runs
-        started = daemon.settings.model_dump(mode="json")
+    seen: tuple[int, int] | None = (-1, -1)  # the first look compares: an edit made during the start is one
+    started = daemon.config_baseline
+    if started is None:  # not handed in (a daemon made in-process): the file as it is now
+        try:
+            started = await asyncio.to_thread(dump)
+        except Exception:  # edited into an error meanwhile: nothing to compare a later edit with but what runs
+            started = daemon.settings.model_dump(mode="json")
     cfs = daemon.config_file = ConfigFileStatus(path=str(path))
     said: str | None = None
     said_changed: list[str] = []
@@ -404,20 +407,20 @@ async def config_watch_loop(daemon: Daemon, path: Path) -> None:
                 details={"path": str(path), "error": problem},
             )
         elif problem is None and said is not None:
+            as_runs = "" if changed else ", as sparkd runs it"  # "restart to apply" here read against "matches"
             daemon.event(
-                "config_file_valid",
-                f"the configuration file {path} loads again (restart sparkd to apply a change)",
-                details={"path": str(path)},
+                "config_file_valid", f"the configuration file {path} loads again{as_runs}", details={"path": str(path)}
             )
         if problem is None and changed and changed != said_changed:
             daemon.event(
                 "config_changed_not_applied",
                 f"the configuration file {path} changed: {', '.join(changed)}. Not applied: sparkd runs with the "
-                "configuration it started with (it never reloads); restart sparkd to apply (systemctl restart sparkd)",
+                "configuration it started with (it never reloads); restart sparkd to apply it (under systemd: "
+                "systemctl restart sparkd)",
                 severity="warning",
                 details={"path": str(path), "changed": changed},
             )
-        elif problem is None and not changed and said_changed:
+        elif problem is None and not changed and said_changed and said is None:
             daemon.event(
                 "config_file_as_started",
                 f"the configuration file {path} matches what sparkd runs with again",

@@ -65,6 +65,7 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
         settings, actions=make_actions(settings), serve_api=False if no_api else None, app_factory=create_app
     )
     daemon.config_path = _config_path(ctx)  # an edit that breaks it is said at once
+    daemon.config_baseline = _file_settings(daemon.config_path, settings, ctx.obj.get("overrides"))
     if settings.cluster.peers:
         # the cluster and httpx (with pygments and idna, ~4 MiB resident) only where there are peers (issue 18)
         from sparkd.loop.cluster import Cluster
@@ -79,6 +80,23 @@ def run(ctx: click.Context, dry_run: bool, no_api: bool) -> None:
     except OSError as e:
         click.echo(f"sparkd: {e}", err=True)
         sys.exit(1)
+
+
+def _file_settings(path: Any, settings: Settings, overrides: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the file (with the environment) gave the daemon, as ``Settings.model_dump(mode="json")``: the config
+    watch's "as started" (``loop.daemon_db.config_watch_loop``). Taken now, not when the watch first runs: an edit
+    made while the daemon started was taken for what it runs, and never said (helper-49). The command line's
+    overrides (``--dry-run``) are not the file's: loaded again without them."""
+    if path is None:
+        return None
+    if not overrides:
+        return settings.model_dump(mode="json")
+    from sparkd.config import load_settings
+
+    try:
+        return load_settings(path).model_dump(mode="json")
+    except SparkdError:
+        return None
 
 
 def _run_loop(main_coro: Coroutine[Any, Any, None]) -> None:
