@@ -1247,3 +1247,48 @@ def test_the_config_watch_compares_with_the_file_as_sparkd_run_loaded_it(
     d = D(settings, _file_settings(p, settings, {"dry_run": True}))
     watch(d)
     assert d.config_file is not None and d.config_file.state == "as_started" and d.events == []
+
+
+def test_sparkd_status_still_reads_when_the_configuration_file_no_longer_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sparkd status` (and events, samples) exited 2 on the broken file, printing nothing else: exactly when the
+    operator needed it, to see that the next start would be refused (helper-50). It says the error, then reads the
+    state directory the file names with default settings."""
+    import asyncio
+
+    from click.testing import CliRunner
+
+    from sparkd.config import load_settings
+    from sparkd.face.cli import main
+    from sparkd.loop import daemon_db
+    from sparkd.loop.daemon import Daemon
+
+    monkeypatch.setattr(daemon_db, "CONFIG_CHECK_S", 0.1)
+    cfg = tmp_path / "sparkd.toml"
+    good = f'state_dir = "{tmp_path / "state"}"\nkernlog_source = "off"\n'
+    cfg.write_text(good)
+
+    async def scenario() -> None:
+        d = Daemon(load_settings(cfg), serve_api=False)
+        d.config_path = cfg
+        await d.startup()
+        try:
+            cfg.write_text(good + "interval_s = -5\n")
+            for _ in range(100):
+                if d.config_file is not None and d.config_file.state == "invalid":
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await d.shutdown("test")  # its last snapshot says the file no longer loads
+
+    asyncio.run(scenario())
+    r = CliRunner().invoke(main, ["--config", str(cfg), "status"])
+    assert r.exit_code == 0, r.output
+    assert "interval_s = -5" in r.stderr and f"reading {tmp_path / 'state'} with the default settings" in r.stderr
+    assert f"CONFIG: configuration file {cfg} no longer loads" in r.stdout, r.stdout
+    assert "sparkd's next start will be refused" in r.stdout
+    r = CliRunner().invoke(main, ["--config", str(cfg), "events", "--since", "1h"])
+    assert r.exit_code == 0 and "config_file_invalid" in r.stdout, r.output
+    # a command that acts still refuses a file it cannot load
+    assert CliRunner().invoke(main, ["--config", str(cfg), "plan"]).exit_code == 2

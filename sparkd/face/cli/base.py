@@ -30,16 +30,22 @@ def _config_path(ctx: click.Context) -> Path | None:
     return path.resolve() if path else None
 
 
-def _settings(ctx: click.Context, *, starting: bool = False) -> Settings:
+def _settings(ctx: click.Context, *, starting: bool = False, reading: bool = False) -> Settings:
     """The settings of ``--config`` (or the default file) with the command's overrides; exit 2 with the error when
     they do not load. ``starting`` (``sparkd run``): the refusal is also counted in the state directory
-    (``store.refused``), for the next start to say how long nothing was guarded."""
+    (``store.refused``), for the next start to say how long nothing was guarded. ``reading`` (``status``,
+    ``events``, ``samples``): a file that does not load is said, and the state directory it names (else the
+    default) is read with default settings: `sparkd status` was refused exactly when the operator needed it, to see
+    that the running sparkd's next start would be refused (helper-50)."""
     obj = ctx.ensure_object(dict)
     if "settings" not in obj:
         try:
             obj["settings"] = load_settings(obj.get("config"), overrides=obj.get("overrides"))
         except SparkdError as e:
             click.echo(f"sparkd: {e.message}", err=True)
+            if reading and (fallback := _reading_fallback(ctx)) is not None:
+                obj["settings"] = fallback
+                return fallback
             if starting:
                 from sparkd.config import _default_state_dir
                 from sparkd.loop.statelock import daemon_pid
@@ -50,6 +56,26 @@ def _settings(ctx: click.Context, *, starting: bool = False) -> Settings:
                     refused.record(where, e.message, time.time())
             ctx.exit(2)
     settings: Settings = obj["settings"]
+    return settings
+
+
+def _reading_fallback(ctx: click.Context) -> Settings | None:
+    """Default settings on the state directory a configuration that does not load names (``store.refused``'s
+    hint), said on stderr; None when even those do not load (a broken SPARKD_* variable)."""
+    from sparkd.config import Settings, _default_state_dir
+    from sparkd.store import refused
+
+    obj = ctx.ensure_object(dict)
+    where = refused.state_dir_hint(_config_path(ctx), obj.get("overrides"), _default_state_dir())
+    try:
+        settings = Settings(state_dir=str(where))
+    except Exception:
+        return None
+    click.echo(
+        f"sparkd: reading {where} with the default settings (the file above must be fixed: the next start of sparkd "
+        "would be refused)",
+        err=True,
+    )
     return settings
 
 

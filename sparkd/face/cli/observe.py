@@ -256,7 +256,7 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     """Latest sample, each rule's counter, container state and recent events."""
-    settings = _settings(ctx)
+    settings = _settings(ctx, reading=True)
     if cluster:
         _cluster_status(settings, as_json)
         return
@@ -353,7 +353,7 @@ def samples(ctx: click.Context, since: str, as_json: bool, as_csv: bool) -> None
     """Stored samples since a time ago: a table in GiB, or every column in bytes (--json, --csv)."""
     if as_json and as_csv:
         raise click.UsageError("--json and --csv: choose one")
-    settings = _settings(ctx)
+    settings = _settings(ctx, reading=True)
     since_s = _since(since)
     rows = _store(settings).samples(since=time.time() - since_s)
     if as_json:
@@ -381,7 +381,7 @@ def samples(ctx: click.Context, since: str, as_json: bool, as_csv: bool) -> None
 @click.pass_context
 def events(ctx: click.Context, since: str, kinds: tuple[str, ...], as_json: bool) -> None:
     """Recorded events (trips, stops, driver errors, OOM kills, ...)."""
-    settings = _settings(ctx)
+    settings = _settings(ctx, reading=True)
     rows = _store(settings).events(since=time.time() - _since(since), kinds=kinds or None, limit=10000)
     if as_json:
         click.echo(json.dumps(rows, default=str))
