@@ -1673,3 +1673,27 @@ def test_a_percentage_rule_without_memtotal_is_blind_not_the_end_of_the_guard(tm
     assert "low_available" in stops and "pct" not in stops, stops
     assert "MemTotal" in blind["rules"]["pct"] and "low_available" not in blind["rules"], blind
     assert "pct" not in after["rules"], after  # compiled against the MemTotal read now
+
+
+def test_a_first_sample_near_a_floor_samples_fast_from_the_start(tmp_path: Path) -> None:
+    """The start-up's own sample never set the sampling mode: with ``interval_s = 40`` a first sample already 10 GiB
+    under a line waited a whole 40 s before fast sampling began (helper-50)."""
+    import asyncio
+
+    from sparkd.loop.daemon import Daemon
+
+    low = "MemTotal: 16777216 kB\nMemFree: 3145728 kB\nMemAvailable: 5767168 kB\n"  # 5.5 GiB, line 6 GiB
+    rules = [{"name": "low_available", "when": ["MemAvailable < 6GiB"], "samples": 3}]
+    _proc, settings = _scripted(tmp_path, low, rules=rules, interval_s=40, dry_run=True)
+
+    async def go() -> tuple[str, float, list[str]]:
+        d = Daemon(settings, actions=_serving("ready"))
+        await d.startup()
+        try:
+            return d.mode, d.current_interval(), [e["kind"] for e in d.recent_events]
+        finally:
+            d.should_exit.set()
+            await d.shutdown("test")
+
+    mode, interval, kinds = asyncio.run(go())
+    assert (mode, interval) == ("fast", settings.fast_interval_s) and "sampling_fast" in kinds, (mode, interval, kinds)

@@ -537,6 +537,9 @@ class Daemon:
         result = self._tick_once()
         if result is not None:
             await self._handle(result)
+        # its sampling mode too: a first sample near a floor waited a whole interval (40 s) before fast sampling
+        # began, as every later tick does not (helper-50)
+        self._update_mode(result)
         if self.store is not None:
             await asyncio.to_thread(self.writer.flush)  # the first sample stored before READY=1
         # at start: the host as it is now counts as healthy (a tuned host without a model), until a running model

@@ -327,8 +327,9 @@ class Guard:
             v = getattr(sample, attr)
             if v is not None and v - level < margin:
                 name = "usable" if attr == "mem_available_minus_cma" else attr
-                if is_floor:
-                    return f"{name} within {self.settings.fast_margin} of {r.name}'s floor"
+                if is_floor:  # "within 4GiB of" read wrong 10 GiB below it (helper-50)
+                    where = "below" if v < level else f"within {self.settings.fast_margin} of"
+                    return f"{name} {where} {r.name}'s floor"
                 return f"{name} near or below {r.name}'s watch level {fmt_gib(level)} (projecting; not a stop line)"
         # three points over at least 2 s; at the normal interval the third point is 2 intervals old, so
         # a window of exactly 2 s would keep it only when the loop's jitter happens to fall the right way
