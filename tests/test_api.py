@@ -1528,3 +1528,16 @@ def test_a_hard_floor_kill_reads_once_in_the_stopped_card() -> None:
     }
     html = tpl.render(stopped=stopped, btn={"start": True}, csrf="", logged_in=True)
     assert "killed (hard floor)" in html and "(hard floor) (hard floor)" not in html
+
+
+async def test_the_monitor_only_card_keeps_a_settings_name_as_written(tmp_path: Path) -> None:
+    """The card read "Monitor-only. Monitor_only = true.", the setting's name capitalised (helper-50)."""
+    from sparkd.loop.daemon import MonitorOnly
+
+    d = await _daemon(tmp_path, actions=MonitorOnly("monitor_only = true"), monitor_only=True)
+    try:
+        async with _client(d) as c:
+            card = (await c.get("/ui/container")).text
+    finally:
+        await d.shutdown("test")
+    assert "Monitor_only" not in card and "monitor_only = true" in card, card
