@@ -367,3 +367,6 @@ def test_doctor_warns_as_the_daemon_does_about_a_floor_this_host_sits_on(tmp_pat
     assert daemon_says and set(warned) == {"Rule near"}, warned
     assert warned["Rule near"].startswith(daemon_says[0]), (warned, daemon_says)
     assert not any(c.status == "OK" for c in checks)
+    # one rule clear of it: "1 rule" ("1 rules": helper-50)
+    [ok] = check_rule_reach(DoctorContext(proc_root=proc, rules=[r for r in rules if r.name == "fine"]))
+    assert ok.status == "OK" and ok.detail.startswith("1 rule, every threshold reachable"), ok

@@ -228,3 +228,27 @@ def test_a_paused_container_is_thawed_and_stopped_without_the_engine(launcher: A
         box.reload()
         if box.status == "paused":
             box.unpause()
+
+
+def test_a_stop_by_the_processes_that_leaves_them_running_is_not_called_killed(
+    launcher: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """SIGKILL sent, the processes still there (a freezer it cannot thaw: here a cgroup root with none, on this
+    host's cgroup v1 where a frozen task takes its SIGKILL only when thawed): it read "killed" (helper-47)."""
+    from sparkd.act.procstop import ProcessStopper
+
+    fv = launcher(managed=False, startup_s=0.3)
+    box = docker_client.containers.get(fv.id)
+    assert wait_for(lambda: b"Application startup complete" in box.logs(), 30)
+    box.pause()
+    try:
+        st = ProcessStopper(fv.id, cgroup_root=tmp_path)  # no freezer to write: it stays frozen
+        r = st.stop(fv.id, timeout_s=0.5)
+        if not st.pids():  # cgroup v2 delivers SIGKILL to a frozen task: nothing remains, and "killed" is true
+            assert r.outcome == "killed"
+        else:
+            assert r.outcome == "killed: processes remain", r
+    finally:
+        box.reload()
+        if box.status == "paused":
+            box.unpause()

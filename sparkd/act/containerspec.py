@@ -181,11 +181,12 @@ def swap_allowance_bytes(memory_bytes: int | None, memory_swap_bytes: int | None
 @dataclass(frozen=True)
 class StopResult:
     """What ``stop`` did. ``outcome``: ``not_running`` (nothing to do), ``exited``
-    (left by itself within the grace), ``killed`` (SIGKILL after the grace, exit 137)
+    (left by itself within the grace), ``killed`` (SIGKILL after the grace, exit 137),
+    ``killed: processes remain`` (a stop by the processes, ``act.procstop``: SIGKILL sent, processes still there)
     or ``oom_killed``. ``fallback_kill`` is true when ``docker stop`` failed and a
     kill was sent instead."""
 
-    outcome: Literal["not_running", "exited", "killed", "oom_killed"]
+    outcome: Literal["not_running", "exited", "killed", "killed: processes remain", "oom_killed"]
     exit_code: int | None
     elapsed_s: float
     timeout_s: float

@@ -201,6 +201,10 @@ class ProcessStopper:
                 return StopResult("exited", None, time.monotonic() - t0, timeout_s)
             time.sleep(POLL_S)
         self.kill(id_or_name)
+        # SIGKILL sent, yet processes remain (in the driver, uninterruptible; a freezer that would not thaw): not
+        # "killed" (helper-47); the caller's stop_incomplete names them
+        if self.pids():
+            return StopResult("killed: processes remain", None, time.monotonic() - t0, timeout_s)
         return StopResult("killed", None, time.monotonic() - t0, timeout_s)
 
     def state(self, id_or_name: str) -> ContainerState:

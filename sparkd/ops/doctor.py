@@ -645,7 +645,8 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
         Check(
             "OK",
             "Rules",
-            f"{len(ctx.rules)} rules, every threshold reachable on this host and clear of its MemAvailable now",
+            f"{len(ctx.rules)} rule{'' if len(ctx.rules) == 1 else 's'}, every threshold reachable on this host and "
+            "clear of its MemAvailable now",
         )
     ]
 
