@@ -347,3 +347,35 @@ def test_the_exits_last_try_of_a_held_archive_does_not_wait_on_a_hung_directory(
     [(kind, severity, message)] = said
     assert (kind, severity) == ("archive_failed", "critical") and "before sparkd exited" in message
     assert "did not end within 0.5 s" in message, message
+
+
+def test_an_archive_a_stop_did_not_wait_for_is_said_lost_when_the_daemon_exits_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``archive_delayed``: the stop went on without its archive (below the hard floor), finished in the background.
+    A daemon that exited meanwhile dropped it unsaid (note 21). The exit waits ``LAST_TRY_S`` for it, then says it
+    lost; one that ends in time says ``archive_written_late``."""
+    from sparkd.act import stop
+
+    monkeypatch.setattr(stop, "LAST_TRY_S", 0.3)
+    said: list[tuple[str, str, str]] = []
+
+    def emit(kind: str, message: str, severity: str = "info", **_: object) -> None:
+        said.append((kind, severity, message))
+
+    async def go(write_s: float) -> int:
+        async def postmortem(_rep: StopReport) -> str:
+            await asyncio.sleep(write_s)
+            return "sparkd-x.tar.gz"
+
+        target = stop.StopTarget("0" * 64, "vllm", None, None)
+        rep = StopReport("low_available: usable below the floor", "rule low_available")
+        name = await stop._archive_first(target, rep, postmortem, 3 * 2**30, lambda: 2**30, emit)  # below the floor
+        assert name is None and said[-1][0] == "archive_delayed"
+        return await stop.archives_last_try(object())
+
+    assert asyncio.run(go(30.0)) == 1
+    assert said[-1][:2] == ("archive_failed", "critical") and "not finished before sparkd exited" in said[-1][2]
+    said.clear()
+    assert asyncio.run(go(0.4)) == 0
+    assert [k for k, _, _ in said] == ["archive_delayed", "archive_written_late"]

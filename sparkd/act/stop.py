@@ -406,6 +406,8 @@ class _LateArchive:
 
 
 _ARCHIVES_LATER: set[_LateArchive] = set()  # held: a task only the event loop references may be collected
+# archives a stop did not wait for (``archive_delayed``), still being written: (task, emit, container name)
+_ARCHIVES_DELAYED: set[tuple[asyncio.Future[str | None], Emit, str]] = set()
 
 
 async def _archive_later(job: _LateArchive) -> None:
@@ -424,6 +426,21 @@ async def archives_last_try(d: Any) -> int:
     not written is said lost (critical ``archive_failed``) rather than dropped with the process. Returns how many
     were lost. Never raises."""
     lost = 0
+    # archives a stop did not wait for (``archive_delayed``) and still being written: LAST_TRY_S more, then said lost
+    # (they were dropped with the process, unsaid: note 21). Every one in this process: their events go by their emit
+    delayed = list(_ARCHIVES_DELAYED)
+    if delayed:
+        _done, pending = await asyncio.wait({t for t, _, _ in delayed}, timeout=LAST_TRY_S)
+        for task, emit, name in delayed:
+            if task in pending:
+                emit(
+                    "archive_failed",
+                    f"the postmortem archive of the stop of {name} is lost: not finished before sparkd exited "
+                    f"(its directory's storage slow or hung?)",
+                    severity="critical",
+                    details={"gave_up": True},
+                )
+                lost += 1
     for job in [j for j in _ARCHIVES_LATER if j.d is d]:
         if job.task is not None:
             job.task.cancel()
@@ -737,6 +754,9 @@ async def _archive_first(
             emit("archive_written_late", f"the postmortem archive of the stop of {target.name}: {name}")
 
     task.add_done_callback(_late)
+    entry = (task, emit, target.name)
+    _ARCHIVES_DELAYED.add(entry)
+    task.add_done_callback(lambda _t: _ARCHIVES_DELAYED.discard(entry))
     return None
 
 
