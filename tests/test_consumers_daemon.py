@@ -488,3 +488,24 @@ async def test_each_rule_tells_the_fall_since_its_own_last_trip_and_a_scan_betwe
     await w.scan()  # a periodic scan, memory as low
     again = await w.at_trip("low_available")
     assert again is not None and again.text.startswith("no fall since the last trip at 00:00:23 UTC"), again.text
+
+
+async def test_a_stopped_container_is_scanned_again_at_once_not_shown_as_before_the_stop(tmp_path: Path) -> None:
+    """After a stop the Now card read "container 1.02 GiB" about 30 s on (helper-48): the scan is rate-limited and
+    a plain wake only looks whether one is due. A stop, kill, exit or removal scans again at once, even on a quiet
+    host with the same container id; other events do not."""
+    d = await _daemon(
+        tmp_path,
+        consumers={"interval_s": 1.0, "quiet_interval_s": 3600.0, "quiet_change_gib": 100.0, "store_every_s": 3600.0},
+    )
+    try:
+        assert d.consumers is not None and d.mode == "normal"
+        await _until(lambda: d.consumers is not None and d.consumers.scans == 1)
+        d.event("heartbeat", "not an end of a run", severity="info")
+        await asyncio.sleep(1.2)  # past interval_s: a look was due, but the host is quiet
+        assert d.consumers.scans == 1
+        for n, kind in enumerate(("stopped", "killed", "exited", "container_gone"), start=2):
+            d.event(kind, f"the model's run ended ({kind})", severity="warning")
+            await _until(lambda n=n: d.consumers is not None and d.consumers.scans == n, 5.0)  # type: ignore[misc]
+    finally:
+        await d.shutdown("test")

@@ -117,3 +117,24 @@ def test_no_sample_or_no_stop_rule_gives_none() -> None:
     assert nearest_stop(None, rules(), {}, None, 0.0) is None
     warn_only = compile_rules([RuleConfig(name="w", when=["MemAvailable < 6GiB"], action="warn")], MEM_TOTAL)
     assert nearest_stop(S(0, 30), warn_only, {}, None, 0.0) is None
+
+
+def test_a_window_that_still_holds_a_fall_while_memory_rises_again_is_no_fall() -> None:
+    """Just after a stop the headline read "falling 0.13 GiB/s, reaches the line in 3 s" while MemAvailable rose,
+    from the 10 s window that still held the fall (helper-48). The newest half of the window must fall too."""
+    w = SlopeWindow(max_window_s=30.0)
+    # 7 s falling 1 GiB/s from 14 GiB to 7 GiB (the model grows; the stop), then rising 0.3 GiB/s for 4 s
+    values = [14 - i for i in range(8)] + [7 + 0.3 * k for k in range(1, 5)]
+    for i, v in enumerate(values):
+        w.add(float(i), round(v * GiB))
+    now = float(len(values) - 1)
+    assert (w.slope(now, 10.0) or 0) < -32 * MiB  # the whole window still reads as a fall
+    ns = nearest_stop(S(now, values[-1]), rules(), {}, w, now)
+    assert ns is not None and ns.fall_rate_bytes_per_s is None and ns.time_to_floor_s is None
+    assert ns.level == "warn" and "projected" not in ns.reason  # 2.2 GiB above the 6 GiB line: within 4 GiB
+    # the same fall going on is still projected
+    w2 = SlopeWindow(max_window_s=30.0)
+    for i in range(12):
+        w2.add(float(i), round((30 - i) * GiB))
+    ns2 = nearest_stop(S(11.0, 19), rules(), {}, w2, 11.0)
+    assert ns2 is not None and ns2.fall_rate_bytes_per_s is not None and abs(ns2.fall_rate_bytes_per_s - GiB) < MiB

@@ -16,8 +16,9 @@ The nearest line is the smallest headroom among the stop rules (ties: the higher
 Fall rate: the Theil–Sen slope of usable memory (``SlopeWindow``) over ``window_s``; "falling"
 only when it falls faster than ``min_fall_bytes_per_s`` (default 32 MiB/s: CONTEXT.md gives
 MemAvailable noise as ~107 MiB per 5 s ≈ 21 MiB/s, so a slower fall is not told apart from
-noise). Time to floor = headroom / fall rate, for a line on usable memory or MemAvailable only
-(the window holds usable memory alone).
+noise), and only while the newest half of the window falls that fast too (a window that still
+holds a fall just after a stop, memory rising again, is no fall). Time to floor = headroom /
+fall rate, for a line on usable memory or MemAvailable only (the window holds usable memory alone).
 
 Level (``ok`` / ``warn`` / ``critical``):
 
@@ -162,7 +163,11 @@ def nearest_stop(
     ttf: float | None = None
     if attr in SLOPE_ATTRS and slope is not None:
         s = slope.slope(now, window_s)
-        if s is not None and -s > min_fall_bytes_per_s:
+        recent = slope.slope(now, window_s / 2)
+        # the newest half of the window must fall too: just after a stop the window still held the fall while
+        # memory was rising ("falling 0.13 GiB/s, reaches the line in 3 s", helper-48), and noise rarely
+        # falls faster than min_fall_bytes_per_s over both
+        if s is not None and -s > min_fall_bytes_per_s and (recent is None or -recent > min_fall_bytes_per_s):
             fall = -s
             ttf = max(0.0, head / fall)
     level: Level = "ok"

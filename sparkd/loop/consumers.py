@@ -126,6 +126,7 @@ class ConsumerWatch:
         self._last_stored: float | None = None
         self._stored_totals: dict[str, int] = {}
         self._scanned_ids: list[str] | None = None  # the container ids the last periodic scan grouped by
+        self._rescan = False  # ``wake(rescan=True)``: the next look scans, due or not
 
     # ------------------------------------------------------------------ figures
     @property
@@ -245,9 +246,11 @@ class ConsumerWatch:
             # another container (launched, adopted, restarted): the last scan counted it as a co-tenant or not
             # at all, so the totals are scanned again at once (``wake``), not a quiet_interval_s later
             moved_on = self._scanned_ids is not None and self.container_ids() != self._scanned_ids
+            rescan, self._rescan = self._rescan, False
             if (
                 last is None
                 or moved_on
+                or rescan
                 or (
                     now - last >= (self.settings.interval_s if fast else self.settings.quiet_interval_s)
                     and (fast or now - last >= self.settings.store_every_s or not self._quiet())
@@ -260,9 +263,12 @@ class ConsumerWatch:
                     log.warning("process scan failed (ignoring until the next one): %s", e)
             await self.alarm.sleep(self.settings.interval_s if fast else self.settings.quiet_interval_s)
 
-    def wake(self) -> None:
+    def wake(self, *, rescan: bool = False) -> None:
         """Look now whether a scan is due (the daemon starts sampling fast; a container was launched, adopted
-        or restarted). On the event loop's thread."""
+        or restarted). ``rescan``: scan at this look, due or not (the container stopped or exited: its processes
+        are gone, and the last scan's "container 1.02 GiB" was shown for up to ``interval_s`` after a stop, up to
+        ``quiet_interval_s`` on a quiet host, helper-48). On the event loop's thread."""
+        self._rescan = self._rescan or rescan
         self.alarm.wake()
 
     async def at_trip(self, rule: str | None = None) -> TripShares | None:

@@ -74,6 +74,8 @@ log = logging.getLogger("sparkd.loop.daemon")
 #: (10 s) all fit in it.
 DECISION_MARGIN_S = 60.0
 
+#: Events after which the container's processes are gone: who holds the memory is scanned again at once.
+RUN_ENDED_KINDS = ("stopped", "killed", "exited", "container_gone")
 LIVE_SAMPLES = 1800  # samples kept in memory for the read side when the database cannot answer
 
 
@@ -387,6 +389,8 @@ class Daemon:
             if self.consumers is not None:
                 self.consumers.wake()  # who holds the memory: this container's share, not the last one's
             self.sample_soon()  # its start-up, the riskiest phase, sampled fast from now, not the next tick on
+        elif kind in RUN_ENDED_KINDS and self.consumers is not None:
+            self.consumers.wake(rescan=True)  # its processes are gone: who holds the memory now, not before the stop
         elif kind == "ready":  # healthy unless the run was first seen already running (adopted: load unknown)
             self.check_floors(healthy=not (details or {}).get("adopted"))
         return ev
