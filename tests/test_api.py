@@ -1295,7 +1295,10 @@ async def test_the_now_card_tells_usable_memory_gpu_and_watermark_truths(tmp_pat
         tmp_path,
         proc_root=str(proc),
         # a floor above what this (scripted) host has when healthy: the loop guard warns at start
-        rules=[{"name": "low_available", "when": ["MemAvailable < 13GiB"], "samples": 50}],
+        rules=[
+            {"name": "low_available", "when": ["MemAvailable < 13GiB"], "samples": 50},
+            {"name": "early", "when": ["MemAvailable < 14GiB"], "action": "warn", "samples": 50},
+        ],
     )
     try:
         async with _client(d) as c:
@@ -1314,8 +1317,22 @@ async def test_the_now_card_tells_usable_memory_gpu_and_watermark_truths(tmp_pat
         # healthy MemAvailable 12 GiB is below the rule's 13 GiB floor: the watermark warning is on the card
         assert st.watermark.warnings
         assert "Watermark: " in page and "cannot protect this host" in page
+        # the warn rule's line already holds: a note, not a warning (doctor says the same as an OK line, helper-50)
+        assert not [w for w in st.watermark.warnings if "rule early" in w]
+        [note] = st.watermark.notes
+        assert note.startswith("rule early: MemAvailable < 14GiB already holds on this healthy host"), note
+        assert '<p class="small muted watermark-note">Floors: rule early: ' in page
     finally:
-        await d.shutdown("test")
+        await d.shutdown("test")  # writes the last status snapshot, which `sparkd status` reads
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    assert "WATERMARK WARNING: rule low_available cannot protect this host" in out, out
+    assert "floors: rule early: MemAvailable < 14GiB already holds" in out and "WARNING: rule early" not in out, out
 
 
 def test_gpu_and_leak_lines_say_what_is_measured() -> None:

@@ -370,3 +370,42 @@ def test_doctor_warns_as_the_daemon_does_about_a_floor_this_host_sits_on(tmp_pat
     # one rule clear of it: "1 rule" ("1 rules": helper-50)
     [ok] = check_rule_reach(DoctorContext(proc_root=proc, rules=[r for r in rules if r.name == "fine"]))
     assert ok.status == "OK" and ok.detail.startswith("1 rule, every threshold reachable"), ok
+
+
+def test_a_warn_rule_already_below_its_line_is_a_note_in_doctor_and_status_alike(tmp_path: Path) -> None:
+    """A warn rule whose line this healthy host is already below: ``sparkd doctor`` said the rules were "clear of its
+    MemAvailable now" while ``sparkd status`` printed the same finding as "WATERMARK WARNING" (helper-50). Both say
+    it as a note now: doctor an OK line with the daemon's text and no "clear", the status its ``watermark.notes``."""
+    from sparkd.core.floors import check_floors
+    from sparkd.core.rules import compile_rules
+    from sparkd.ops.doctor import DoctorContext, check_rule_reach
+    from sparkd.units import GiB
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+    p = tmp_path / "c.toml"
+    p.write_text(  # 12 GiB available: the warn rule's 14 GiB line already holds; the stop rule's 6 GiB is clear
+        '[[rules]]\nname = "early"\nwhen = ["MemAvailable < 14GiB"]\naction = "warn"\n'
+        '[[rules]]\nname = "fine"\nwhen = ["MemAvailable < 6GiB"]\n'
+    )
+    rules = load_settings(p).rules
+    found = check_floors(
+        compile_rules(rules, 16 * GiB),
+        healthy_mem_available_bytes=12 * GiB,
+        low_watermark_bytes=None,
+        min_free_kbytes=None,
+        watermark_scale_factor=None,
+    )
+    [note] = [w for w in found if w.rule == "early"]
+    assert note.severity == "info" and "already holds" in note.message
+    checks = check_rule_reach(DoctorContext(proc_root=proc, rules=rules))
+    assert [c.status for c in checks] == ["OK", "OK"], checks
+    assert checks[0].detail == "2 rules, every threshold reachable on this host"  # no "clear of its MemAvailable"
+    assert checks[1].title == "Rule early" and checks[1].detail.startswith(note.message)
+    # the status keeps warnings for what is one; the note goes to its own list (0.1's snapshots have none)
+    from sparkd.loop.status import WatermarkStatus
+
+    base = {"vm": {}, "low_watermark_bytes": None, "healthy_mem_available_bytes": None, "healthy_t": None}
+    old = WatermarkStatus.model_validate({**base, "launch_t": None, "launches": 0, "rules": {}, "warnings": []})
+    assert old.notes == []

@@ -163,6 +163,7 @@ def summary_from_status(status: Status) -> dict[str, Any]:
         "gpu": [gpu_line(g) for g in status.gpu],
         "leak": leak_line(status),
         "watermark_warnings": list(status.watermark.warnings),
+        "watermark_notes": list(status.watermark.notes),
     }
 
 

@@ -108,7 +108,8 @@ def status_json(daemon: Daemon) -> Status:
                 "vm": daemon.vm_tunables,
                 "low_watermark_bytes": g.low_watermark if g else None,
                 **daemon.loop_guard.status(),
-                "warnings": [fw.message for fw in daemon.floor_warnings],
+                "warnings": [fw.message for fw in daemon.floor_warnings if fw.severity == "warning"],
+                "notes": [fw.message for fw in daemon.floor_warnings if fw.severity != "warning"],
             }
         ),
         notify=NotifyStatus.model_validate(daemon.event_notifier.stats.to_json()) if daemon.event_notifier else None,

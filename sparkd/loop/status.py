@@ -404,7 +404,11 @@ class WatermarkStatus(_Model):
     launch_t: float | None
     launches: int
     rules: dict[str, LoopRuleStatus]
-    warnings: list[str]
+    warnings: list[str]  # severity "warning": a rule that may loop, cannot protect this host, or fires late
+    # severity "info": a warn rule's line this healthy host is already below, a floor under the kernel's watermark on
+    # a MemAvailable figure (net of it already); `warnings` held these too, and `sparkd status` printed them as
+    # "WATERMARK WARNING" while `sparkd doctor` said the rules were clear (helper-50). Absent in 0.1's snapshots.
+    notes: list[str] = []
 
 
 class NotifyStatus(_Model):

@@ -145,6 +145,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         click.echo(f"kernel log: {st.kernel_log.lost} line(s) lost to the kernel's ring buffer before sparkd read them")
     for w in st.watermark.warnings:
         click.echo(f"WATERMARK WARNING: {w}")
+    for w in st.watermark.notes:
+        click.echo(f"floors: {w}")
     if (why := unarmed([r.model_dump() for r in st.rules])) is not None and st.sample is not None:
         click.echo(f"NOT GUARDED: no rule would stop the model: {why}")  # the dashboard's headline (helper-48)
     if said := config_file_text(st.config_file.model_dump() if st.config_file else None):
