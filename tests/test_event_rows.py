@@ -107,3 +107,28 @@ def test_the_id_a_page_shows_up_to_is_its_highest_stored_one(tmp_path: Path) -> 
     events, _rows, _ = views.event_rows_after(s, 20)
     assert views.last_event_id(events) == 22  # events[0] (newest by time) is id 21
     assert views.event_rows_after(s, views.last_event_id(events)) == ([], [], None)
+
+
+def test_a_near_miss_event_says_which_near_miss_it_is_and_that_1_in_10_is_logged() -> None:
+    """The rule card read "near misses 302" beside "25 ×" in the log, and neither said why: every near miss is
+    counted in the rule's state, one in ``NEAR_MISS_EVERY`` is an event. The event says its number and that."""
+    from types import SimpleNamespace
+
+    from sparkd.core.rules import Decision, RuleState
+    from sparkd.loop.daemon_decide import NEAR_MISS_EVERY, decide_quietly
+
+    state = RuleState()
+    said: list[tuple[str, str, dict[str, Any]]] = []
+    daemon = SimpleNamespace(
+        guard=SimpleNamespace(states={"gated": state}),
+        event=lambda kind, msg, severity="info", details=None: said.append((kind, msg, details or {})),
+    )
+    d = Decision("gated", "near_miss", "stop", "gated: near miss (suppressed, not counted): MemFree 1.30 GiB", 0, 3)
+    for _ in range(2 * NEAR_MISS_EVERY + 1):
+        state.near_misses += 1  # the engine counts it before the daemon records it
+        assert decide_quietly(daemon, d) is True  # type: ignore[arg-type]
+    assert [det["near_misses"] for _, _, det in said] == [1, NEAR_MISS_EVERY + 1, 2 * NEAR_MISS_EVERY + 1]
+    assert said[1][1] == (
+        f"gated: near miss (suppressed, not counted): MemFree 1.30 GiB (near miss {NEAR_MISS_EVERY + 1} of this "
+        f"rule since sparkd started; 1 in {NEAR_MISS_EVERY} is logged)"
+    )

@@ -32,6 +32,7 @@ STATUS_EVERY_S = 1.0  # while something moves (a counter, the mode, the containe
 STATUS_BLIND_S = 5.0  # while no sample can be read (``Guard.read_error``): `sparkd status` judges liveness by it
 # after an event between ticks further apart than twice this (``Daemon._status_soon``): the snapshot and STATUS=
 STATUS_SOON_S = STATUS_EVERY_S
+NEAR_MISS_EVERY = 10  # a near miss is logged as an event once in this many (each is counted in the rule's state)
 STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 5 s)
 
 _COUNTER = operator.attrgetter("counter")
@@ -190,9 +191,16 @@ def decide_quietly(daemon: Daemon, d: Decision) -> bool:
     """Record a decision that never acts (a near miss, a trip held by the cooldown); False for
     one that may (``decide``)."""
     if d.kind == "near_miss":
-        # one event per streak start keeps the log readable; every near miss is counted in the rule state
-        if daemon.guard and daemon.guard.states[d.rule].near_misses % 10 == 1:
-            daemon.event("near_miss", d.reason, severity="info", details={"rule": d.rule, **_jsonable(d.values)})
+        # one event in NEAR_MISS_EVERY keeps the log readable; every near miss is counted in the rule state, and the
+        # event says which it is: the card read "near misses 302" beside "25 ×" in the log, neither saying why
+        n = daemon.guard.states[d.rule].near_misses if daemon.guard else 0
+        if n % NEAR_MISS_EVERY == 1:
+            daemon.event(
+                "near_miss",
+                f"{d.reason} (near miss {n} of this rule since sparkd started; 1 in {NEAR_MISS_EVERY} is logged)",
+                severity="info",
+                details={"rule": d.rule, "near_misses": n, **_jsonable(d.values)},
+            )
         return True
     if d.kind == "cooldown":
         # once per rule per cooldown window: a rule that keeps holding must not flood the event log
