@@ -519,6 +519,12 @@ class Settings(BaseSettings):
                 f"{self.gpu_interval_s:g} (the quiet cadence is the slower one)"
             )
         if not any(r.action == "stop" for r in self.rules) and not self.dry_run and not self.monitor_only:
+            if self.container.image is None and self.container.guard is None:  # "the container" read as one there was
+                raise ValueError(
+                    f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop") and no container '
+                    "(container.image or container.guard): to watch this host without guarding a model, say so with "
+                    "monitor_only = true; to guard one, add a stop rule and the container"
+                )
             raise ValueError(
                 f'rules = {[r.name for r in self.rules]}: no stop rule (action = "stop"), so nothing would ever '
                 "stop the container; add one, or say so explicitly with dry_run = true or monitor_only = true"

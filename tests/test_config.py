@@ -171,7 +171,20 @@ def test_a_malformed_allowed_host_is_refused() -> None:
         (
             '[[rules]]\nname = "x"\nwhen = ["MemAvailable < 6GiB"]\naction = "warn"',
             "no stop rule",
+            "and no container (container.image or container.guard): to watch this host without guarding a model, "
+            "say so with monitor_only = true",
+        ),
+        (
+            '[container]\nimage = "vllm/vllm-openai"\n[[rules]]\nname = "x"\nwhen = ["MemAvailable < 6GiB"]\n'
+            'action = "warn"',
+            "no stop rule",
+            "nothing would ever stop the container; add one, or say so explicitly with dry_run = true or "
             "monitor_only = true",
+        ),
+        (
+            '[container]\nguard = "vllm"\n[[rules]]\nname = "x"\nwhen = ["MemAvailable < 6GiB"]\naction = "warn"',
+            "no stop rule",
+            "nothing would ever stop the container",
         ),
     ],
 )
