@@ -1213,6 +1213,7 @@ async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_the
         ("collapse_projected", "usable (projected)", 4.0),  # the floor, not the 16 GiB arming gate
         ("repeated_dips", "usable", 3.0),
     }
+    assert {t["action"] for t in cfg["thresholds"]} == {"stop"}  # a warn rule's would say "warn": drawn amber
     assert cfg["cma"] is cma
     usable = 10 * 2**30 if cma else 12 * 2**30
     assert body["mem_available_avg"][-1] == 12 * 2**30
@@ -1279,7 +1280,8 @@ async def test_a_trip_keeps_its_rules_stop_lines_and_the_incident_chart_draws_th
     # the timeline folds the run and marks the trip's row (the page opens its box there: incident.js)
     tl = page.split('id="incident-timeline"')[1].split("</ol>")[0]
     assert tl.count("near_miss") == 1 and "12 × in 22 s</strong> — latest: near miss 11" in tl, tl
-    assert re.search(r'<li class="sev-critical" id="timeline-trip">.*?<span class="kind">trip</span>', tl), tl
+    trip_row = r'<li class="sev-critical" id="timeline-trip">.*?<span class="kind" title="trip">trip</span>'
+    assert re.search(trip_row, tl), tl
     assert len([e for e in data["timeline"] if e["kind"] == "near_miss"]) == 12  # the JSON keeps every event
 
 
@@ -1527,6 +1529,17 @@ async def test_in_guard_mode_the_page_shows_no_resize_form_with_the_configs_defa
     finally:
         await m.shutdown("test")
     assert 'id="resize-form"' in page and 'id="resize-guard"' not in page
+    # monitor-only: no container and no plan, and the form with the config's defaults and a dead button was shown
+    mo = await _daemon(tmp_path / "mo", monitor_only=True)
+    try:
+        assert mo.status_json().container.mode == "monitor-only"
+        async with _client(mo) as c:
+            await _login(c, mo)
+            page = (await c.get("/")).text
+    finally:
+        await mo.shutdown("test")
+    assert 'id="resize-monitor-only"' in page and "Monitor-only: sparkd runs no container here" in page
+    assert 'id="resize-form"' not in page and "262144" not in page
 
 
 def test_a_hard_floor_kill_reads_once_in_the_stopped_card() -> None:

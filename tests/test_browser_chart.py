@@ -193,3 +193,43 @@ def test_samples_taken_far_apart_are_one_line_and_a_hole_still_breaks_it(browser
         ARTIFACTS.mkdir(exist_ok=True)
         page.locator(".chart-card").screenshot(path=str(ARTIFACTS / "chart-interval-40s.png"))
         ctx.close()
+
+
+def test_a_warn_rules_line_is_labelled_warn_and_drawn_amber_not_as_a_stop_line(
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The legend said "Dashed lines: stop thresholds" and a warn rule's line was drawn in the stop lines' red,
+    unlabelled (note 21): it reads as a line the model is stopped at. It is amber and labelled "(warn)" now; a line
+    a stop rule shares keeps the red."""
+    config = (
+        '[[rules]]\nname = "early"\nwhen = ["MemAvailable < 9GiB"]\naction = "warn"\n'
+        '[[rules]]\nname = "floor"\nwhen = ["MemAvailable < 6GiB"]\n'
+        '[[rules]]\nname = "shared_warn"\nwhen = ["MemAvailable < 6GiB"]\naction = "warn"\n'
+    )
+    with _sparkd(tmp_path, config) as (base, _):
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        page.goto(f"{base}/")
+        until(page, "window.sparkdChart && window.sparkdChart.points() > 2 && window.sparkdChart.lines().length", 15)
+        drawn = page.evaluate("window.sparkdChart.lines()")
+        assert sorted(drawn) == [
+            "early (warn): MemAvailable < 9.0 GiB",
+            "floor, shared_warn (warn): MemAvailable < 6.0 GiB",
+        ], drawn
+        legend = page.inner_text(".legend-note")
+        assert 'red for a stop rule\'s, amber and labelled "(warn)" for a line only warn rules hold' in legend
+        # the pixels: the 9 GiB line amber, the 6 GiB line red (at the plot's left edge, on the dash)
+        colors = page.evaluate(
+            """(() => { const u = window.sparkdChart.plot(); const c = u.ctx; const x = Math.round(u.bbox.left) + 2;
+            const px = (gib) => { const y = Math.round(u.valToPos(gib, "y", true));
+              for (const dy of [0, 1, -1]) { const d = c.getImageData(x, y + dy, 1, 1).data;
+                if (d[3] > 0 && d[0] > 150) return [d[0], d[1], d[2]]; } return null; };
+            return [px(9), px(6)]; })()"""
+        )
+        amber, red = colors
+        assert amber is not None and amber[1] > 140, colors  # rgb(224,179,65): a strong green part
+        assert red is not None and red[1] < 120, colors  # rgb(240,97,109)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "chart-warn-rule-line.png"))
+        ctx.close()

@@ -132,3 +132,15 @@ def test_a_near_miss_event_says_which_near_miss_it_is_and_that_1_in_10_is_logged
         f"gated: near miss (suppressed, not counted): MemFree 1.30 GiB (near miss {NEAR_MISS_EVERY + 1} of this "
         f"rule since sparkd started; 1 in {NEAR_MISS_EVERY} is logged)"
     )
+
+
+def test_a_long_event_kind_may_break_after_its_underscores_and_is_escaped() -> None:
+    """The kind column cut ``config_changed_not_applied`` to ``config_changed_not_…`` (note 21): the whole kind is
+    there, breakable after each underscore, and its full text in the title."""
+    from sparkd.face.web import templates
+
+    kind = "config_changed_not_applied"
+    row = {"id": 1, "ts": 1e9, "severity": "warning", "kind": kind, "message": "m"}
+    html = templates().env.get_template("partials/_event_rows.html").render(events=[row])
+    assert f'<span class="kind" title="{kind}">config_<wbr>changed_<wbr>not_<wbr>applied</span>' in html
+    assert str(templates().env.filters["breakable"]("a<b>_c")) == "a&lt;b&gt;_<wbr>c"

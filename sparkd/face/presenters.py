@@ -542,6 +542,7 @@ def buttons_view(status: dict[str, Any], logged_in: bool) -> dict[str, Any]:
         "state": state,
         "managed": managed,
         "guard": c.get("mode") == "guard",
+        "monitor_only": c.get("mode") == "monitor-only",
         "start": can and not running and managed,
         "stop": can and running,
         "restart": can and running and managed,
@@ -594,7 +595,8 @@ def budget_from_status(status: Status) -> dict[str, Any] | None:
 
 
 def chart_config(status: Status, interval_s: float | None = None) -> dict[str, Any]:
-    """What the chart script needs besides samples: series, stop thresholds (bytes), ``cma`` and ``interval_s``.
+    """What the chart script needs besides samples: series, rule thresholds (bytes; each with its rule's ``action``:
+    a warn rule's line is amber and labelled "warn", a stop rule's red), ``cma`` and ``interval_s``.
 
     ``interval_s``: the configured sampling interval (s; ``settings.interval_s``, not the fast one of now): the
     chart breaks its lines where samples are further apart than 3 intervals (a daemon down, a frozen host), and no
@@ -605,7 +607,7 @@ def chart_config(status: Status, interval_s: float | None = None) -> dict[str, A
     CONTEXT.md "CMA") is a line of its own; without one it is MemAvailable, and a stop line on usable
     is drawn against the MemAvailable line."""
     lines = [
-        {"rule": r.name, **line}
+        {"rule": r.name, "action": r.action, **line}  # a warn rule's line is drawn as one, not as a stop line
         for r in status.rules
         for line in stop_lines(r.model_dump())
         if line["field"] in CHART_SERIES

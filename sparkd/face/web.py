@@ -154,6 +154,14 @@ def _trip_label(key: str) -> str:
     return _TRIP_LABELS.get(key) or f"{key} at the trip"
 
 
+def _breakable(name: Any) -> Any:
+    """An event kind, escaped, that a narrow column may break after each underscore (``<wbr>``): the kind column
+    cut ``config_changed_not_applied`` to ``config_changed_not_…`` (note 21)."""
+    from markupsafe import Markup, escape
+
+    return Markup("_<wbr>").join(escape(part) for part in str(name).split("_"))
+
+
 def make_templates() -> Jinja2Templates:
     """The dashboard's templates. Jinja2 (~1.6 MiB resident) is imported at the first page, not by a daemon
     whose dashboard nobody opens (issue 18)."""
@@ -170,6 +178,7 @@ def make_templates() -> Jinja2Templates:
         size=_fmt_size,
         tripval=_fmt_tripval,
         triplabel=_trip_label,
+        breakable=_breakable,
     )
     t.env.globals.update(version=__version__, plan_rows=PLAN_ROWS)
     return t

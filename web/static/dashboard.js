@@ -37,6 +37,7 @@
   };
   const MARK_ORDER = ["nvrm_no_memory", "nvrm_other", "launched", "ready", "resize", "stopping", "stopped", "killed", "hard_floor_kill", "oom_kill", "trip"];
   const GAP_MIN_S = 10;
+  const WARN_LINE = "rgba(224,179,65,0.9)"; // a line only warn rules hold: amber, not the stop lines' red
   const thresholds = cfg.thresholds || [];
   const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
 
@@ -89,11 +90,15 @@
       if (!labelled.has(key)) {
         // one label per line: rules sharing a threshold do not pile up
         labelled.add(key);
-        const same = thresholds.filter((x) => x.label === t.label && x.value === t.value).map((x) => x.rule);
+        // a warn rule's line says so: "Dashed lines: stop thresholds" read every line as a stop (note 21)
+        const same = thresholds
+          .filter((x) => x.label === t.label && x.value === t.value)
+          .map((x) => (x.action === "warn" ? `${x.rule} (warn)` : x.rule));
         text = `${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`;
         drawnLines.push(text);
       }
-      window.sparkdStopLine(ctx, u.bbox, y, text);
+      const warnOnly = thresholds.every((x) => x.label !== t.label || x.value !== t.value || x.action === "warn");
+      window.sparkdStopLine(ctx, u.bbox, y, text, warnOnly ? WARN_LINE : null);
     }
     const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));
     for (const m of sorted) {

@@ -23,9 +23,10 @@
     ctx.stroke();
     ctx.setLineDash([]);
   };
-  window.sparkdStopLine = function (ctx, bbox, y, text) {
+  window.sparkdStopLine = function (ctx, bbox, y, text, color) {
+    // color: a warn rule's line (amber); default the stop lines' red
     const dpr = window.devicePixelRatio || 1;
-    ctx.strokeStyle = "rgba(240,97,109,0.85)";
+    ctx.strokeStyle = color || "rgba(240,97,109,0.85)";
     ctx.lineWidth = dpr;
     ctx.setLineDash([6 * dpr, 4 * dpr]);
     ctx.beginPath();
@@ -37,7 +38,7 @@
     ctx.font = `${11 * dpr}px system-ui, sans-serif`;
     ctx.textAlign = "left";
     ctx.textBaseline = "bottom";
-    ctx.fillStyle = "rgba(240,97,109,0.95)";
+    ctx.fillStyle = color || "rgba(240,97,109,0.95)";
     ctx.fillText(text, bbox.left + 6 * dpr, y - 4 * dpr);
   };
 })();
