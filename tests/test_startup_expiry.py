@@ -139,3 +139,40 @@ def test_the_stubs_take_the_path_the_daemon_takes(tmp_path: Path) -> None:
     for name in ("_stop_quietly", "check_health", "reconcile", "_last_probe", "first_sight", "_bg", "ready_at"):
         assert hasattr(sup, name), name
     assert asyncio.iscoroutinefunction(Supervisor._stop_quietly) and asyncio.iscoroutinefunction(sup.check_health)
+
+
+async def test_a_launch_that_fails_while_an_action_holds_the_lock_is_stopped_once_the_lock_is_free(
+    tmp_path: Path,
+) -> None:
+    """A maintenance relaunch (or a resize's rollback) holds the action lock while its launch starts up. The
+    supervisor step marked the run failed at its deadline and skipped the stop ("a resize waits for this"); the
+    relaunch returned, and the model ran on, shown "failed", never stopped (helper-51). The stop is kept and done
+    at the first step with the lock free, if that run is still up and failed; a run the action stopped or replaced
+    meanwhile is left alone."""
+    from sparkd.errors import NotFound
+
+    def not_found(name: str) -> Any:
+        raise NotFound(name)
+
+    for replaced in (False, True):
+        sup, stops = _sup(tmp_path / str(replaced), "managed", ran_for_s=2 * HOUR, ready_before=False)
+        sup.manager.ping = lambda: True  # type: ignore[attr-defined]
+        sup.manager.get = not_found  # type: ignore[attr-defined]
+        sup.manager.adopt = lambda: None  # type: ignore[attr-defined]
+        sup.engine_up, sup.first_steps_done = True, True
+        async with sup.lock:  # relaunch_same_plan holds it while _launch_and_wait waits for ready
+            sup.action = "relaunching"
+            await _probe(sup)  # the step's look: "relaunching" is not skipped, and the run's time is up
+            assert sup.state is S.FAILED and stops == [], (sup.state, stops)
+            sup.action = None
+            if replaced:  # a rollback launched another run meanwhile
+                sup.container_id = "e" * 64
+        await sup._step()
+        if sup._bg is not None:
+            await sup._bg
+        if replaced:
+            assert stops == [], stops
+        else:
+            assert len(stops) == 1 and "not ready within 600 s" in stops[0], stops
+        await sup._step()  # once only
+        assert len(stops) == (0 if replaced else 1), stops

@@ -64,6 +64,7 @@ class RunBook(LaunchBook):
         self.container_started_at = obs.started_at
         self.launch_started_at = (self.launch_started_at or obs.started_at) if first_sight else obs.started_at
         self._oom_record, self._metrics_prev, self._stall_polls = None, None, 0
+        self.unattended.new_run()  # "5 probes in a row" are this run's: 4 of the last one's and 1 stopped it
         # a run first seen already running: its `ready` reads memory under a load of unknown age (not "healthy")
         self.first_sight = first_sight
         if first_sight:

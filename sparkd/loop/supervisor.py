@@ -168,6 +168,7 @@ class Supervisor(RunBook):
         self.shm_witness: ShmWitness | None = None
         self._last_shm_observe = -SHM_WITNESS_INTERVAL_S
         self._bg: asyncio.Task[Any] | None = None
+        self._failed_stop_pending: tuple[str | None, str] | None = None  # (container id, reason): ``_step``
         self.stops_total = 0
         self.kills_total = 0
         # what sparkd saw of Docker last (core.lifecycle.Observation's sparkd side)
@@ -881,6 +882,11 @@ class Supervisor(RunBook):
         if self.stopped_without_docker is not None and not self.lock.locked():
             # at any step the engine answers, not only at docker_up: it may come back while that stop still runs
             await self.finish_stop_with_docker()
+        if self._failed_stop_pending is not None and not self.lock.locked():
+            cid, reason = self._failed_stop_pending
+            self._failed_stop_pending = None
+            if cid is not None and cid == self.container_id and self.state is S.FAILED:
+                self._bg = asyncio.create_task(self._stop_quietly(reason))
         if self.mode == "managed":
             # the name may be someone else's now: sparkd's container removed, or renamed (stopped or running).
             # Every step while none of sparkd's runs; while one runs, every UNGUARDED_CHECK_S (a Docker call)
@@ -1328,5 +1334,11 @@ class Supervisor(RunBook):
         elif eff.kind is EffectKind.FORGET:
             self._forget()
             await self._finish_launch("removed")
-        elif eff.kind is EffectKind.STOP and not self.lock.locked():  # a resize waits for this and rolls back
+        elif eff.kind is EffectKind.STOP and not self.lock.locked():
             self._bg = asyncio.create_task(self._stop_quietly(eff.message))
+        elif eff.kind is EffectKind.STOP:
+            # an action holds the lock (a maintenance relaunch, a resize or its rollback waiting for ready): it may
+            # stop this run itself (a resize rolls back), or return with it running (a relaunch, a rollback that
+            # failed too). The stop is kept and done once the lock is free if the run is still up and failed: it
+            # was skipped, and the model ran on, shown "failed", never stopped (helper-51)
+            self._failed_stop_pending = (self.container_id, eff.message)

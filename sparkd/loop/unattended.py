@@ -388,6 +388,13 @@ class Unattended:
         ):
             self.min_avail_bytes = mem_available_bytes
 
+    def new_run(self) -> None:
+        """Another run of the container is watched (launched, relaunched, adopted, started outside sparkd): its
+        completion probes count from 0. The count went on across runs, so four failures of a run that died and one
+        of its successor (a slow first request after its load) made "5 completion probes failed", an emergency
+        stop counted toward the breaker (helper-51)."""
+        self.probe_failures = 0
+
     async def probe(self, *, ready: bool, requests_waiting: float | None, startup_phase: str | None) -> None:
         """One completion probe when due; after ``probe_failures`` in a row: congestion or emergency."""
         if not self.cfg.probe:
