@@ -285,6 +285,7 @@ class NotifySettings(BaseModel):
             "rule_never_fires",
             "docker_down",
             "docker_up",
+            "watch_recovered",  # after watch_failing (critical: sent by its severity)
         ]
     )
     #: sent whatever their kind: a critical event says the host may be unguarded (unguarded_container, guard_gap,

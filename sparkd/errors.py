@@ -78,6 +78,12 @@ class DockerUnavailable(SparkdError):
     code = "docker_unavailable"
 
 
+class EngineRefused(SparkdError):
+    """The Docker engine answered and refused the call with an error of its own (HTTP 500 and the like, not 409
+    Conflict nor 404): it may be unable to say anything of the container (containerd stuck). An emergency stop
+    goes on by the container's processes, as when the engine does not answer."""
+
+
 class StoreError(SparkdError):
     """The database cannot be opened or written."""
 

@@ -43,7 +43,7 @@ from sparkd.act.containerspec import (
     StopResult,
     epoch_from_docker,
 )
-from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
+from sparkd.errors import Conflict, DockerUnavailable, EngineRefused, NotFound, Refused, SparkdError
 from sparkd.sense.vllm_http import HealthResult, health_check, progress_stalled, read_vllm_metrics
 
 __all__ = [
@@ -127,7 +127,7 @@ class ContainerManager:
         except docker.errors.APIError as e:  # before RequestException: it subclasses it
             if e.status_code == 409:
                 raise Conflict(f"{what}: {e.explanation or e}") from e
-            raise SparkdError(f"{what}: Docker engine refused: {e.explanation or e}") from e
+            raise EngineRefused(f"{what}: Docker engine refused: {e.explanation or e}") from e
         except (
             requests.exceptions.RequestException,
             urllib3.exceptions.HTTPError,

@@ -346,7 +346,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     level = "ok"
     if monitor_only:
         level = "critical" if c.ignored else "warn"
-    elif c.state in CRITICAL_STATES or missing:
+    elif c.state in CRITICAL_STATES or missing or c.watch_error:  # watch_error: its state may be stale
         level = "critical"
     elif c.start_error or c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
@@ -388,6 +388,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
         # the Docker engine does not answer: a trip stops the model by its processes; start, stop and resize wait
         "engine_down": not monitor_only and c.engine == "down",
         "engine_error": c.engine_error,
+        "watch_error": None if monitor_only else c.watch_error,
         "raw": c.model_dump(mode="json"),
     }
 
@@ -396,6 +397,8 @@ RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
 #: The headline while the Docker engine does not answer: a stop (a trip's or an operator's) acts on the model's
 #: processes (its archive without the container's log), and start, restart and resize wait.
 ENGINE_DOWN_LABEL = "Docker engine unreachable: stops act on the model's processes"
+#: ``ContainerStatus.watch_error``: the supervisor's looks at Docker fail; the container's state may be stale.
+WATCH_ERROR_LABEL = "container not watched: Docker refuses to say how it is"
 _LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
 
 
@@ -457,6 +460,8 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", monitor_only_ignored_text(c["ignored"])  # as its event and card (helper-46)
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
+    elif c.get("watch_error") and c.get("mode") != "monitor-only":  # its state may be stale (helper-51)
+        level, label = _at_least_warn(level), WATCH_ERROR_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
         # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard), then
         # amber under a calm headroom while its event was critical, as managed mode's "not guarded" is (helper-44)

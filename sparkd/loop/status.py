@@ -218,6 +218,9 @@ class ContainerStatus(_Model):
     # the supervisor's first steps (the budget revision, how the last launch ended) failed, and are tried again: why.
     # Managed mode launches nothing at start meanwhile
     start_error: str | None = None
+    # the supervisor's steps fail in a row (an engine that answers its ping and refuses `docker inspect`): why. The
+    # state shown may be stale: exits, OOM kills and /health are not observed meanwhile
+    watch_error: str | None = None
 
     def down_because(self) -> IntentStatus | None:
         """The stop intent that says why this run is down, or None: the model is down (stopped, exited, failed, or

@@ -51,7 +51,7 @@ from sparkd.core.lifecycle import (
 )
 from sparkd.core.rules import Decision
 from sparkd.core.supervision import IntentRecord, StopIntent, guard_candidates, of_this_run, who_and_reason
-from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
+from sparkd.errors import Conflict, DockerUnavailable, EngineRefused, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
 from sparkd.loop.status import (
@@ -72,6 +72,8 @@ if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
 
 log = logging.getLogger("sparkd.loop.supervisor")
+#: Supervisor steps failing in a row before it is said (one a second at most: ``health_interval_s``, RECONCILE_MAX_S).
+WATCH_FAILURES_SAID = 3
 S = ContainerState
 #: the longest pause between two reconciliations with Docker (a start by hand is seen within it)
 RECONCILE_MAX_S = 1.0
@@ -193,6 +195,8 @@ class Supervisor(RunBook):
         self.first_steps_done = False
         self._launch_anchor: tuple[float, float] | None = None  # (launch_started_at, its monotonic time): _launch_age_s
         self.start_error: str | None = None  # why the first steps failed, while they are tried again
+        self.watch_error: str | None = None  # why the supervisor's steps fail, said after WATCH_FAILURES_SAID in a row
+        self._step_failures = 0
         self._guard_target_seen = False  # a container by that name was found since sparkd started
         self._shm_scan: asyncio.Future[Any] | None = None  # the /dev/shm witness scan in its own thread
         # guard mode, no container by that name: running containers that may be the model meant
@@ -316,8 +320,10 @@ class Supervisor(RunBook):
                 if held:
                     await self.unattended.release_hold(before)
                 return
-            except DockerUnavailable as e:
-                # the engine is down or hung: the model is stopped by its processes, as the engine would have
+            except (DockerUnavailable, EngineRefused) as e:
+                # the engine is down or hung, or answers with errors of its own (an inspect refused with HTTP 500
+                # stopped nothing: each trip said stop_not_executed while the model ran on, helper-51): the model is
+                # stopped by its processes, as the engine would have
                 if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
                     self.emergency_inbox = (source, reason)
                 not_done = await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
@@ -590,6 +596,7 @@ class Supervisor(RunBook):
             guard_missing_since=self.guard_missing_since if self.mode == "guard" else None,
             guard_candidates=self.guard_candidates if self.mode == "guard" and self.guard_missing_since else [],
             start_error=self.start_error,
+            watch_error=self.watch_error,
         )
 
     # ------------------------------------------------------------------ control
@@ -818,9 +825,41 @@ class Supervisor(RunBook):
                 raise
             except DockerUnavailable as e:
                 self._engine_down(str(e))
-            except Exception:
+            except Exception as e:
                 log.exception("supervisor step failed")
+                self._step_failed(e)
+            else:
+                self._step_done()
             await asyncio.sleep(pause_s)
+
+    def _step_failed(self, e: Exception) -> None:
+        """A step that raised: after ``WATCH_FAILURES_SAID`` in a row, said once (``watch_failing``, critical;
+        ``status.container.watch_error``). An engine that answers its ping and refuses ``docker inspect`` (HTTP 500)
+        made every step fail, said only in sparkd's log: the container's state stayed "ready" while exits, OOM kills,
+        /health and the completion probe went unobserved (helper-51)."""
+        self._step_failures += 1
+        if self._step_failures < WATCH_FAILURES_SAID or self.watch_error is not None:
+            return
+        self.watch_error = f"{type(e).__name__}: {e}"
+        self._event(
+            "watch_failing",
+            f"sparkd cannot watch {self.name or 'the container'}: its last {self._step_failures} looks at Docker "
+            f"failed ({self.watch_error}); the state shown ({self.state.value}) may be stale: exits, OOM kills, "
+            "/health and the completion probe are not observed; a trip still stops the model (by its processes if "
+            "the engine refuses)",
+            severity="critical",
+            details={"error": self.watch_error},
+        )
+
+    def _step_done(self) -> None:
+        self._step_failures = 0
+        if self.watch_error is not None:
+            self._event(
+                "watch_recovered",
+                f"sparkd watches {self.name or 'the container'} again (its looks at Docker failed: {self.watch_error})",
+                details={"error": self.watch_error},
+            )
+            self.watch_error = None
 
     async def _try_first_steps(self) -> bool:
         """``_first_steps``, its failure said once (``supervisor_start_failed``, critical in managed mode: nothing is

@@ -206,6 +206,12 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             f"START-UP STEPS FAILED: {c.start_error} — the budget revision and how the last launch ended could not "
             f"be read or written; tried again with back-off; Docker is watched and a trip stops the model; {held}"
         )
+    if c.mode != "monitor-only" and c.watch_error:
+        click.echo(
+            f"CONTAINER NOT WATCHED: sparkd's looks at Docker fail ({c.watch_error}) — the state shown may be stale; "
+            "exits, OOM kills and /health are not observed; a trip still stops the model (by its processes if the "
+            "engine refuses)"
+        )
     if c.mode != "monitor-only" and c.engine == "down":
         click.echo(
             f"DOCKER ENGINE UNREACHABLE: {c.engine_error or 'no answer'} — a stop acts on the model's "

@@ -1,0 +1,148 @@
+"""An engine that answers its ping and refuses ``docker inspect`` (HTTP 500: containerd stuck) made every supervisor
+step fail, said only in sparkd's log: the container's state stayed "ready" while exits, OOM kills, /health and the
+completion probe went unobserved; and each trip's stop failed in its first look at the container, said as
+``stop_not_executed`` while the model ran on below its line (helper-51).
+
+Now the failing looks are said (``watch_failing``, critical, once; ``watch_recovered``), the status, headline, card
+and ``sparkd status`` say the container is not watched, and an emergency stop goes on by the container's processes
+(``act.procstop``), as with an engine that does not answer. A real ``Supervisor`` (its real loop and step) with the
+Docker manager stubbed at the edge; the SDK's own 500 is translated by the real ``ContainerManager._call``. The real
+stop by processes runs against real containers in ``test_e2e_supervision.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_guard_target import Events, _base, _calm, _card
+from test_status import status_cli_output
+
+from sparkd.act.containerspec import ContainerState as DockerState
+from sparkd.config import load_settings
+from sparkd.core.lifecycle import ContainerState as S
+from sparkd.errors import EngineRefused
+from sparkd.face import presenters as views
+from sparkd.loop.supervisor import WATCH_FAILURES_SAID, Supervisor
+
+pytestmark = pytest.mark.anyio
+CID = "e" * 64
+REFUSED = "inspect container: Docker engine refused: 500 Server Error (containerd: context deadline exceeded)"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Manager:
+    """Answers its ping; ``docker inspect`` refuses while ``refusing``, else says the container runs."""
+
+    def __init__(self) -> None:
+        self.refusing = True
+        self.inspects = 0
+        self.started_at = time.time() - 3600
+
+    def ping(self) -> bool:
+        return True
+
+    def state(self, cid: str) -> DockerState:
+        self.inspects += 1
+        if self.refusing:
+            raise EngineRefused(REFUSED)
+        return DockerState("running", True, None, False, self.started_at, None, 4242, None)
+
+
+def _sup(tmp_path: Path) -> tuple[Supervisor, Manager, Events]:
+    m = Manager()
+    s = load_settings(overrides={"state_dir": str(tmp_path), "container": {"guard": "vllm", "health_interval_s": 0.2}})
+    sup = Supervisor(s, manager=m)  # type: ignore[arg-type]
+    events = Events()
+    sup.daemon = events  # type: ignore[assignment]
+    sup.container_id, sup.state, sup.engine_up, sup.first_steps_done = CID, S.READY, True, True
+    sup.name = "vllm"
+    sup.seen_started_at = sup.container_started_at = m.started_at
+    sup._unguarded_checked = time.monotonic() + 3600  # no guarded-name lookups: the look at the container only
+    sup.unattended.periodic = lambda: asyncio.sleep(0)  # type: ignore[method-assign]
+    return sup, m, events
+
+
+async def _until(pred: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_the_sdks_http_500_is_an_engine_refusal() -> None:
+    """The real translation of docker-py's APIError (500) by ``ContainerManager._call``; a 409 stays a Conflict."""
+    import docker.errors
+    import requests
+
+    from sparkd.act.docker import ContainerManager
+    from sparkd.errors import Conflict
+
+    def api_error(code: int) -> docker.errors.APIError:
+        r = requests.Response()
+        r.status_code = code
+        return docker.errors.APIError("boom", response=r, explanation="containerd: context deadline exceeded")
+
+    cm = ContainerManager()
+    with pytest.raises(EngineRefused, match="inspect: Docker engine refused: containerd"), cm._call("inspect"):
+        raise api_error(500)
+    with pytest.raises(Conflict), cm._call("stop container"):
+        raise api_error(409)
+
+
+async def test_failing_looks_at_the_container_are_said_once_and_everywhere_and_their_end_too(tmp_path: Path) -> None:
+    sup, m, events = _sup(tmp_path / "sup")
+    task = asyncio.create_task(sup._loop())
+    try:
+        await _until(lambda: any(e["kind"] == "watch_failing" for e in events))
+        n = m.inspects
+        assert n >= WATCH_FAILURES_SAID
+        await _until(lambda: m.inspects >= n + 5)  # more failing looks: said once, not at every step
+        [failing] = [e for e in events if e["kind"] == "watch_failing"]
+        assert failing["severity"] == "critical"
+        assert failing["message"].startswith(f"sparkd cannot watch vllm: its last {WATCH_FAILURES_SAID} looks")
+        assert REFUSED in failing["message"] and "the state shown (ready) may be stale" in failing["message"]
+        cs = sup.status_json()
+        assert cs.watch_error is not None and REFUSED in cs.watch_error
+
+        base = _calm(await _base(tmp_path))
+        st = base.model_copy(update={"container": cs, "ts": time.time()})
+        h = views.headline(st.model_dump(mode="json"), None)
+        assert (h["level"], h["label"]) == ("warn", views.WATCH_ERROR_LABEL), h  # it read "ok"
+        assert views.container_from_status(st)["level"] == "critical"
+        assert "<strong>Container not watched.</strong>" in _card(st) and REFUSED in _card(st)
+        out = status_cli_output(tmp_path, st)
+        assert f"CONTAINER NOT WATCHED: sparkd's looks at Docker fail (EngineRefused: {REFUSED})" in out, out
+
+        m.refusing = False  # the engine answers again
+        await _until(lambda: any(e["kind"] == "watch_recovered" for e in events))
+        assert sup.status_json().watch_error is None
+        assert [e["kind"] for e in events].count("watch_failing") == 1
+        st = base.model_copy(update={"container": sup.status_json(), "ts": time.time()})
+        assert "Container not watched" not in _card(st)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_emergency_stop_the_engine_refuses_goes_on_by_the_containers_processes(tmp_path: Path) -> None:
+    sup, _m, _events = _sup(tmp_path)
+    sup.daemon = None
+    said: list[tuple[str, str]] = []
+    sup._event = lambda kind, message, **kw: said.append((kind, message))  # type: ignore[method-assign]
+    by_processes: list[str] = []
+
+    async def stop_without_docker(source: str, reason: str, why: str, **kw: Any) -> str:
+        by_processes.append(why)  # the real one signals real pids: test_e2e_supervision.py runs it
+        return "no process of vllm runs"
+
+    sup._stop_without_docker = stop_without_docker  # type: ignore[method-assign]
+    await sup.emergency_stop("rule low_available", "usable 2.00 GiB < 6.00 GiB")
+    assert by_processes == [REFUSED], (by_processes, said)
+    assert said[-1][0] == "stop_not_executed" and "no process of vllm runs" in said[-1][1], said
