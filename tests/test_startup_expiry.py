@@ -176,3 +176,34 @@ async def test_a_launch_that_fails_while_an_action_holds_the_lock_is_stopped_onc
             assert len(stops) == 1 and "not ready within 600 s" in stops[0], stops
         await sup._step()  # once only
         assert len(stops) == (0 if replaced else 1), stops
+
+
+async def test_a_failed_launchs_stop_refused_as_busy_waits_for_the_lock_instead_of_being_dropped(
+    tmp_path: Path,
+) -> None:
+    """The failed launch's stop was asked while an action (an operator's resize, a maintenance run) took the lock:
+    Conflict, said as stop_not_executed, never tried again; the model ran on, shown "failed" (helper-51). It is kept
+    for the first step with the lock free."""
+    from sparkd.errors import NotFound
+
+    def not_found(name: str) -> Any:
+        raise NotFound(name)
+
+    sup, stops = _sup(tmp_path, "managed", ran_for_s=2 * HOUR, ready_before=False)
+    sup.manager.ping = lambda: True  # type: ignore[attr-defined]
+    sup.manager.get = not_found  # type: ignore[attr-defined]
+    sup.manager.adopt = lambda: None  # type: ignore[attr-defined]
+    sup.engine_up, sup.first_steps_done = True, True
+    said: list[str] = []
+    sup._event = lambda kind, message, **kw: said.append(kind)  # type: ignore[method-assign]
+    await _probe(sup)
+    assert sup.state is S.FAILED and len(stops) == 1  # the stub took the step's stop: now the real one, busy
+    async with sup.lock:
+        sup.action = "resizing"
+        await Supervisor._stop_quietly(sup, "not ready within 600 s")  # the real one: request("stop") → Conflict
+        sup.action = None
+    assert "stop_not_executed" not in said, said
+    await sup._step()
+    if sup._bg is not None:
+        await sup._bg
+    assert stops[1:] == ["not ready within 600 s"], stops

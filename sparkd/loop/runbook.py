@@ -18,7 +18,7 @@ from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_b
 from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
 from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
-from sparkd.errors import DockerUnavailable, NotFound, Refused, SparkdError
+from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
@@ -35,6 +35,7 @@ class RunBook(LaunchBook):
     seen_restart_count: int | None
     _last_nvml_check: float
     _bg: asyncio.Task[Any] | None
+    _failed_stop_pending: tuple[str | None, str] | None  # a failed launch's stop left for a free lock (``_step``)
     shm_witness: shm.ShmWitness | None
 
     stops_total: int
@@ -264,8 +265,15 @@ class RunBook(LaunchBook):
 
     async def _stop_quietly(self, reason: str) -> None:
         """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``)."""
+        cid = self.container_id
         try:
             await self.request("stop", source="sparkd (failed launch)", reason=reason)
+        except Conflict:
+            # an action took the lock first (an operator's resize, a maintenance run): the stop waits for it, at the
+            # supervisor's first step with the lock free, if this run is still up and failed; said as
+            # stop_not_executed, it was never tried again and the model ran on, shown "failed" (helper-51)
+            self._failed_stop_pending = (cid, reason)
+            return
         except SparkdError as e:
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
             return
