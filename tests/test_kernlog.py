@@ -431,3 +431,29 @@ def test_it_rejects_an_unknown_preference() -> None:
     with pytest.raises(ConfigError, match="allowed: auto, kmsg, journal, dmesg"):
         open_source("syslog")
     assert open_source("dmesg", dmesg_cmd=["false"]).name == "none"
+
+
+def test_a_passing_kmsg_read_error_is_cleared_when_records_are_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read error of /dev/kmsg stayed in ``error`` after reads succeeded again: the kernel log read "blind" (no
+    NVRM line would count) for as long as sparkd ran (helper-51). The real device; the one failing read injected."""
+    import errno
+
+    from sparkd.sense import kernlog_readers
+
+    need_kmsg_write()
+    marker = f"sparkd-test-{uuid.uuid4()}"
+    real_read = os.read
+    fail = [True]
+
+    def read(fd: int, n: int) -> bytes:
+        if fail[0]:
+            fail[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(fd, n)
+
+    with KmsgSource() as src:
+        monkeypatch.setattr(kernlog_readers.os, "read", read)
+        assert src.poll() == [] and src.error is not None and "Input/output error" in src.error
+        kmsg_write(NVRM_MSG.format(line=1353) + f" {marker}")
+        got = poll_until(src, marker, 1)
+        assert len(got) == 1 and src.error is None

@@ -173,6 +173,9 @@ class KmsgSource(_Closing):
                 break
             if not data:
                 break
+            if self.error is not None:  # it reads again: a passing error left the kernel log "blind" for good
+                log.warning("kernel log: %s reads again (it failed: %s)", self.path, self.error)
+                self.error = None
             seq, text = decode_kmsg_record(data)
             self._note_seq(seq)
             out.append(text)
