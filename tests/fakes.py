@@ -31,6 +31,7 @@ class FakeActions:
         self.last_changes: dict[str, Any] = {}
         self.engine: Literal["unknown", "up", "down"] = "up"  # the Docker engine as the supervisor last saw it
         self.engine_error: str | None = None
+        self.watch_error: str | None = None  # the supervisor's looks at the container fail (``watch_failing``)
         self.state = ContainerState.READY  # what status_json says
         self.inputs = BudgetInputs(
             mem_total_bytes=int(121.69 * GiB),
@@ -72,6 +73,7 @@ class FakeActions:
             mode="managed",
             engine=self.engine,
             engine_error=self.engine_error,
+            watch_error=self.watch_error,
             state=self.state,
             health="ok",
             name="sparkd-vllm",

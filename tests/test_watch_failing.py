@@ -146,3 +146,24 @@ async def test_an_emergency_stop_the_engine_refuses_goes_on_by_the_containers_pr
     await sup.emergency_stop("rule low_available", "usable 2.00 GiB < 6.00 GiB")
     assert by_processes == [REFUSED], (by_processes, said)
     assert said[-1][0] == "stop_not_executed" and "no process of vllm runs" in said[-1][1], said
+
+
+async def test_the_metrics_say_the_container_is_not_watched(tmp_path: Path) -> None:
+    """``sparkd_docker_engine_up`` stays 1 while the engine answers its ping and refuses docker inspect: an alert on
+    it never fires. ``sparkd_container_watched`` is 0 then."""
+    from fakes import FakeActions
+    from test_api import _client, _daemon
+
+    actions = FakeActions()
+    d = await _daemon(tmp_path, actions=actions)
+    try:
+        async with _client(d) as c:
+            before = (await c.get("/metrics")).text
+            actions.watch_error = f"EngineRefused: {REFUSED}"
+            after = (await c.get("/metrics")).text
+            live = (await c.get("/ui/live.json", params={"ev": 0})).json()
+    finally:
+        await d.shutdown("test")
+    assert "sparkd_container_watched 1.0" in before and "sparkd_container_watched 0.0" in after
+    assert "sparkd_docker_engine_up 1.0" in after
+    assert live["label"] == views.WATCH_ERROR_LABEL, live

@@ -208,6 +208,14 @@ class SparkdCollector(Collector):
             )
             up.add_metric([], 1.0 if c.engine == "up" else 0.0)
             yield up
+        if c.mode != "monitor-only":
+            watched = GaugeMetricFamily(
+                "sparkd_container_watched",
+                "1 while sparkd's looks at the container succeed; 0: they fail in a row (watch_failing: the engine "
+                "refuses docker inspect), its state may be stale",
+            )
+            watched.add_metric([], 0.0 if c.watch_error else 1.0)
+            yield watched
         stops = CounterMetricFamily("sparkd_container_stops", "Container stops sparkd executed", labels=["how"])
         stops.add_metric(["stop"], float(c.stops_total))
         stops.add_metric(["kill"], float(c.kills_total))
