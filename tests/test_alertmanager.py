@@ -102,3 +102,34 @@ def test_the_webhook_stops_a_real_container(sparkd_factory: Any, docker_client: 
     assert docker_client.containers.get(c["container_id"]).status == "exited"
     stopped = s.wait_event("stopping")
     assert "alertmanager: SparkdClusterNodeLow: a node of cluster pair" in stopped["message"]
+
+
+@pytest.mark.anyio
+async def test_a_stop_alertmanager_asked_for_that_is_refused_is_said(tmp_path: Any, anyio_backend: str) -> None:
+    """The critical "Alertmanager asks to stop" event went out, the request got a 409 that Alertmanager does not
+    retry, and nothing said the stop was not carried out (helper-53)."""
+    from fakes import FakeActions
+    from test_api import _bearer, _client, _daemon
+
+    assert anyio_backend == "asyncio"
+
+    actions = FakeActions()
+    actions.busy = "stopping"  # an operator's stop under way, say: the request is refused as busy
+    d = await _daemon(tmp_path, actions=actions)
+    try:
+        async with _client(d) as c:
+            r = await c.post("/api/alertmanager", json=PAYLOAD, headers=_bearer(d))
+        assert r.status_code == 409, r.text
+        kinds = [(e["kind"], e["severity"]) for e in d.recent_events]
+        assert ("alertmanager_stop_not_executed", "critical") in kinds, kinds
+        [ev] = [e for e in d.recent_events if e["kind"] == "alertmanager_stop_not_executed"]
+        assert ev["message"] == ("Alertmanager's stop (SparkdClusterNodeLow) was not carried out: already stopping"), (
+            ev["message"]
+        )
+    finally:
+        await d.shutdown("test")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

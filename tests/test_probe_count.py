@@ -53,15 +53,21 @@ def test_a_new_run_counts_its_failed_completion_probes_from_zero(
 
     async def go() -> None:
         sup.container_id = "a" * 64
-        await probes(4)  # the run that dies: four failures, under the limit
-        assert stops == [] and sup.unattended.probe_failures == 4
-        sup.container_id = "b" * 64  # its successor, taken as the supervisor takes a new run
-        await sup._take_run(Observation(running=True, started_at=1.0e9, name="vllm"), first_sight=False)
-        await probes(1)
-        assert stops == [], stops  # one failure of its own
-        failed = [m for k, m in events if k == "probe_failed"]
-        assert failed[-1].startswith("completion probe failed (1): "), failed
-        await probes(4)  # five of its own: the emergency stop, as ever
-        assert len(stops) == 1 and stops[0].startswith("5 completion probes failed"), stops
+        # its successor: launched by sparkd itself (``_launched``, a relaunch), or a run sparkd takes as it finds it
+        # (``_take_run``: adopted, started outside sparkd). The first was missed (helper-52)
+        for n, take in enumerate(("launched", "taken"), start=1):
+            await probes(4)  # the run before: four failures, under the limit
+            sup.container_id = f"{n}" * 64
+            if take == "launched":
+                await sup._launched("sparkd (relaunch)", 1.0e9)
+            else:
+                await sup._take_run(Observation(running=True, started_at=1.0e9, name="vllm"), first_sight=False)
+            await probes(1)
+            assert stops == [], (take, stops)  # one failure of its own
+            failed = [m for k, m in events if k == "probe_failed"]
+            assert failed[-1].startswith("completion probe failed (1): "), (take, failed)
+            await probes(4)  # five of its own: the emergency stop, as ever
+            assert len(stops) == 1 and stops[0].startswith("5 completion probes failed"), (take, stops)
+            stops.clear()
 
     asyncio.run(go())

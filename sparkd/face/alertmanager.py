@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 
 from sparkd.core.alertmanager import PayloadError, parse_stops
-from sparkd.errors import InvalidInput, Refused
+from sparkd.errors import InvalidInput, Refused, SparkdError
 from sparkd.face.api import Who
 
 if TYPE_CHECKING:
@@ -53,5 +53,15 @@ def install_alertmanager(app: FastAPI, daemon: DaemonView) -> None:
             severity="critical",
             details={"alerts": [s.alertname for s in stops], "fingerprints": [s.fingerprint for s in stops]},
         )
-        result: dict[str, Any] = await fn("stop", source="alertmanager", reason=reason)
+        try:
+            result: dict[str, Any] = await fn("stop", source="alertmanager", reason=reason)
+        except SparkdError as exc:
+            # the critical event above said a stop was asked; Alertmanager does not retry a 4xx (helper-53)
+            daemon.event(
+                "alertmanager_stop_not_executed",
+                f"Alertmanager's stop ({first.alertname}) was not carried out: {exc}",
+                severity="critical",
+                details={"alerts": [s.alertname for s in stops]},
+            )
+            raise
         return {"stopped": True, "alerts": len(stops), "reason": reason, "result": result}

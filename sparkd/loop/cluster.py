@@ -278,7 +278,8 @@ class Cluster:
             try:
                 await fn("stop", source=f"peer:{peer}", reason=why)
             except Exception as exc:  # recorded, never raised into the event loop
-                self._emit("peer_stop_not_executed", f"{why}: {exc}", "warning", {"peer": peer})
+                # critical: the peer was answered "accepted" and stopped its own model, this one runs on (helper-53)
+                self._emit("peer_stop_not_executed", f"{why}: {exc}", "critical", {"peer": peer})
 
         task = asyncio.get_running_loop().create_task(stop(), name="sparkd-peer-stop-local")
         self.tasks.add(task)

@@ -50,7 +50,14 @@ from sparkd.core.lifecycle import (
     transition,
 )
 from sparkd.core.rules import Decision
-from sparkd.core.supervision import IntentRecord, StopIntent, guard_candidates, of_this_run, who_and_reason
+from sparkd.core.supervision import (
+    IntentRecord,
+    StopIntent,
+    guard_candidates,
+    intent_for,
+    of_this_run,
+    who_and_reason,
+)
 from sparkd.errors import Conflict, DockerUnavailable, EngineRefused, NotFound, Refused, SparkdError
 from sparkd.loop.launch import apply_resize, budget_inputs, setting_sources, with_stop_line_warnings
 from sparkd.loop.runbook import RunBook
@@ -626,6 +633,8 @@ class Supervisor(RunBook):
                 f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "
                 f"sparkd can stop it{mind}"
             )
+        if action == "stop" and self.lock.locked() and self.action in HANDING_OVER:
+            return self._hand_over_stop(source, reason or f"stop requested by {source}")
         self._refuse_if_busy()
         began = time.monotonic()
         if action == "stop" and not await self._engine_answers():
@@ -801,6 +810,7 @@ class Supervisor(RunBook):
         self.seen_started_at, self.seen_restart_count, self.restart_warned = started_at, 0, False
         self.restart_count, self.restart_policy = 0, "no"
         self.first_sight = False  # sparkd saw this run start: its `ready` is a healthy reading
+        self.unattended.new_run()  # its completion probes count from 0 (``_take_run`` is for runs not launched here)
         obs = Observation(launched=True, started_at=started_at, detail=f"launched by {source}", name=self.name)
         await self.apply(transition(self.state, obs), obs)
 
@@ -991,13 +1001,46 @@ class Supervisor(RunBook):
                 self.action = None
                 self._inbox_left()
 
+    def _hand_over_stop(self, source: str, reason: str) -> dict[str, Any]:
+        """A stop asked of sparkd (an operator, a peer Spark's trip, Alertmanager) while a relaunch or resize holds
+        the lock until its new run is ready, minutes of start-up: handed over as the guard's own trips are
+        (``_take_emergency``: the run stopped at once, nothing more launched). It was refused with "already
+        relaunching", the peer told "accepted", the model came up while the other Spark stopped (helper-53). A
+        rule's stop already handed over is kept (its intent, emergency, and its breaker count)."""
+        kept = self.emergency_inbox
+        if kept is None or intent_for(kept[0]) is not StopIntent.EMERGENCY:
+            self.emergency_inbox = (source, reason)
+        self._event(
+            "stop_handed_over",
+            f"{source}: {reason}; the {self.action} under way stops the model now and launches nothing more",
+            severity="warning",
+            details={"action": self.action, "source": source},
+        )
+        return {
+            "action": "stop",
+            "accepted": True,
+            "handed_over": True,
+            "message": f"handed over to the {self.action} under way: it stops the model now and launches nothing more",
+        }
+
     def _inbox_left(self) -> None:
         """A stop handed over after the action's last look at the inbox (its new run ready, the lock about to
         go): stopped as any emergency, in the background, once the lock is released (it waited a cooldown)."""
         if self.emergency_inbox is not None:
             source, reason = self.emergency_inbox
             self.emergency_inbox = None
-            self._bg = asyncio.create_task(self.emergency_stop(source, reason))
+            if intent_for(source) is StopIntent.EMERGENCY:
+                self._bg = asyncio.create_task(self.emergency_stop(source, reason))
+            else:  # an operator's, a peer's or Alertmanager's: stopped as asked, not counted toward the breaker
+                self._bg = asyncio.create_task(self._stop_as_asked(source, reason))
+
+    async def _stop_as_asked(self, source: str, reason: str) -> None:
+        """A stop handed over (``_hand_over_stop``) that the action left for after its lock: ``request("stop")``
+        now; its failure said (``stop_not_executed``, critical: who asked was told it was taken)."""
+        try:
+            await self.request("stop", source=source, reason=reason)
+        except SparkdError as e:
+            self._event("stop_not_executed", f"{source}: {reason}: {e.message}", severity="critical")
 
     async def _take_emergency(self) -> tuple[bool, str | None]:
         """The stop ``emergency_stop`` handed over while this relaunch or resize held the lock: the run is
@@ -1008,7 +1051,10 @@ class Supervisor(RunBook):
         self.emergency_inbox = None
         intent = self.unattended.intent_for(source)
         if self.running():
-            await self._hold_and_count(self.breaker_key(), source, reason)
+            if intent is StopIntent.EMERGENCY:
+                await self._hold_and_count(self.breaker_key(), source, reason)
+            else:  # an operator's, a peer's or Alertmanager's stop handed over: its intent, no breaker count
+                await self.unattended.hold(intent, source, reason)
             began = time.monotonic()
             try:
                 await self._stop(reason, source)
