@@ -207,3 +207,42 @@ async def test_a_failed_launchs_stop_refused_as_busy_waits_for_the_lock_instead_
     if sup._bg is not None:
         await sup._bg
     assert stops[1:] == ["not ready within 600 s"], stops
+
+
+async def test_a_failed_maintenance_relaunch_is_stopped_keeping_its_intent_and_a_docker_409_is_said(
+    tmp_path: Path,
+) -> None:
+    """The kept stop of a maintenance run's failed relaunch replaced the maintenance intent (smoke_failed said it is
+    held) with failed_launch and decided a relaunch; and a Docker 409 on the stop (not the action lock) was kept
+    and retried silently at every step (helper-52)."""
+    from sparkd.core.supervision import IntentRecord, StopIntent
+    from sparkd.errors import Conflict
+
+    sup, _ = _sup(tmp_path, "managed", ran_for_s=2 * HOUR, ready_before=False)
+    asked: list[str] = []
+    decided: list[Any] = []
+    said: list[str] = []
+
+    async def request(action: str, *, source: str, reason: str | None = None, **kw: Any) -> dict[str, Any]:
+        asked.append(source)  # the real one stops a real container
+        return {"action": action}
+
+    async def after_down(intent: Any, **kw: Any) -> None:
+        decided.append(intent)
+
+    sup.request = request  # type: ignore[method-assign]
+    sup.unattended.after_down = after_down  # type: ignore[method-assign]
+    sup._event = lambda kind, message, **kw: said.append(kind)  # type: ignore[method-assign]
+    sup.unattended.state.intent = IntentRecord(StopIntent.MAINTENANCE, time.time(), "maintenance", "a run")
+    await Supervisor._stop_quietly(sup, "not ready within 600 s")
+    assert asked == ["maintenance (failed launch)"] and decided == [], (asked, decided)
+    sup.unattended.state.intent = None  # no maintenance: a failed launch, and the relaunch decision, as ever
+    await Supervisor._stop_quietly(sup, "not ready within 600 s")
+    assert asked[-1] == "sparkd (failed launch)" and decided == [StopIntent.FAILED_LAUNCH]
+
+    async def docker_409(action: str, **kw: Any) -> dict[str, Any]:
+        raise Conflict("stop container: Docker engine: container is paused, unpause it first")
+
+    sup.request = docker_409  # type: ignore[method-assign]
+    await Supervisor._stop_quietly(sup, "not ready within 600 s")
+    assert said == ["stop_not_executed"] and sup._failed_stop_pending is None

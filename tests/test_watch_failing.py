@@ -106,7 +106,9 @@ async def test_failing_looks_at_the_container_are_said_once_and_everywhere_and_t
         await _until(lambda: m.inspects >= n + 5)  # more failing looks: said once, not at every step
         [failing] = [e for e in events if e["kind"] == "watch_failing"]
         assert failing["severity"] == "critical"
-        assert failing["message"].startswith(f"sparkd cannot watch vllm: its last {WATCH_FAILURES_SAID} looks")
+        assert failing["message"].startswith(
+            f"sparkd cannot watch vllm: its last {WATCH_FAILURES_SAID} looks at the container failed"
+        )
         assert REFUSED in failing["message"] and "the state shown (ready) may be stale" in failing["message"]
         cs = sup.status_json()
         assert cs.watch_error is not None and REFUSED in cs.watch_error
@@ -114,11 +116,11 @@ async def test_failing_looks_at_the_container_are_said_once_and_everywhere_and_t
         base = _calm(await _base(tmp_path))
         st = base.model_copy(update={"container": cs, "ts": time.time()})
         h = views.headline(st.model_dump(mode="json"), None)
-        assert (h["level"], h["label"]) == ("warn", views.WATCH_ERROR_LABEL), h  # it read "ok"
+        assert (h["level"], h["label"]) == ("critical", views.WATCH_ERROR_LABEL), h  # it read "ok"
         assert views.container_from_status(st)["level"] == "critical"
         assert "<strong>Container not watched.</strong>" in _card(st) and REFUSED in _card(st)
         out = status_cli_output(tmp_path, st)
-        assert f"CONTAINER NOT WATCHED: sparkd's looks at Docker fail (EngineRefused: {REFUSED})" in out, out
+        assert f"CONTAINER NOT WATCHED: sparkd's looks at the container fail (EngineRefused: {REFUSED})" in out, out
 
         m.refusing = False  # the engine answers again
         await _until(lambda: any(e["kind"] == "watch_recovered" for e in events))
@@ -167,3 +169,69 @@ async def test_the_metrics_say_the_container_is_not_watched(tmp_path: Path) -> N
     assert "sparkd_container_watched 1.0" in before and "sparkd_container_watched 0.0" in after
     assert "sparkd_docker_engine_up 1.0" in after
     assert live["label"] == views.WATCH_ERROR_LABEL, live
+
+
+async def test_a_stop_asked_of_sparkd_that_the_engine_refuses_goes_on_by_the_processes_too(tmp_path: Path) -> None:
+    """Only the guard's own trips fell back to the container's processes: a peer's stop, an operator's or
+    Alertmanager's ended "not executed" with the engine refusing docker inspect (helper-52). The engine is not said
+    down (it answers): the words are "refuses"."""
+    sup, _m, events = _sup(tmp_path)
+    by_processes: list[tuple[str, bool]] = []
+
+    async def stop_without_docker(source: str, reason: str, why: str, **kw: Any) -> str:
+        by_processes.append((source, kw.get("refused", False)))
+        return "no process of vllm runs"
+
+    sup._stop_without_docker = stop_without_docker  # type: ignore[method-assign]
+    with pytest.raises(Exception) as e:
+        await sup.request("stop", source="peer:b", reason="peer_emergency from b")
+    assert by_processes == [("peer:b", True)], by_processes
+    assert str(e.value) == f"no process of vllm runs (the Docker engine refuses ({REFUSED}))", e.value
+    assert sup.engine_up is True and not any(ev["kind"] == "docker_down" for ev in events)
+
+
+async def test_only_a_look_that_succeeds_ends_the_failing_watch_and_only_failed_looks_count(tmp_path: Path) -> None:
+    """``watch_recovered`` came after ``docker_down`` (a step that returned at its failed ping counted as a good
+    one), and a database error of the supervision's periodic work was said as "looks at Docker failed", the headline
+    "not watched" while inspect answered (helper-52). A guard mode headline with no container by its name stays
+    critical, "nothing guarded" (the not-watched label hid it under amber)."""
+    from sparkd.errors import StoreError
+
+    sup, m, events = _sup(tmp_path / "sup")
+    pings = [True]
+    sup.manager.ping = lambda: pings[0]  # type: ignore[method-assign]
+    task = asyncio.create_task(sup._loop())
+    try:
+        await _until(lambda: any(e["kind"] == "watch_failing" for e in events))
+        pings[0] = False  # the engine stops answering altogether: no look at the container succeeds
+        await _until(lambda: any(e["kind"] == "docker_down" for e in events))
+        await asyncio.sleep(0.6)  # steps that return at their ping
+        assert not any(e["kind"] == "watch_recovered" for e in events), [e["kind"] for e in events]
+        pings[0], m.refusing = True, False  # it answers, and inspect does
+        await _until(lambda: any(e["kind"] == "watch_recovered" for e in events))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    sup2, m2, events2 = _sup(tmp_path / "sup2")
+    m2.refusing = False
+
+    async def periodic() -> None:
+        raise StoreError("database is locked")
+
+    sup2.unattended.periodic = periodic  # type: ignore[method-assign]
+    task = asyncio.create_task(sup2._loop())
+    try:
+        await _until(lambda: m2.inspects >= 2 * WATCH_FAILURES_SAID)
+        assert not any(e["kind"] == "watch_failing" for e in events2), events2
+        assert sup2.status_json().watch_error is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    base = _calm(await _base(tmp_path))
+    missing = sup2.status_json().model_copy(
+        update={"watch_error": "EngineRefused: x", "guard_missing_since": time.time(), "container_id": None}
+    )
+    h = views.headline(base.model_copy(update={"container": missing}).model_dump(mode="json"), None)
+    assert h["level"] == "critical" and "nothing guarded" in h["label"], h

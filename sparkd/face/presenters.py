@@ -398,7 +398,7 @@ RUNNING_STATES = ("starting", "ready", "unhealthy", "restarting", "stopping")
 #: processes (its archive without the container's log), and start, restart and resize wait.
 ENGINE_DOWN_LABEL = "Docker engine unreachable: stops act on the model's processes"
 #: ``ContainerStatus.watch_error``: the supervisor's looks at Docker fail; the container's state may be stale.
-WATCH_ERROR_LABEL = "container not watched: Docker refuses to say how it is"
+WATCH_ERROR_LABEL = "container not watched: sparkd's looks at it fail, its state may be stale"
 _LEVEL_RANK = {"ok": 0, "warn": 1, "critical": 2}
 
 
@@ -460,12 +460,13 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         level, label = "critical", monitor_only_ignored_text(c["ignored"])  # as its event and card (helper-46)
     elif c.get("engine") == "down" and c.get("mode") != "monitor-only":  # stops by the processes
         level, label = _at_least_warn(level), ENGINE_DOWN_LABEL
-    elif c.get("watch_error") and c.get("mode") != "monitor-only":  # its state may be stale (helper-51)
-        level, label = _at_least_warn(level), WATCH_ERROR_LABEL
     elif c.get("guard_missing_since") is not None and c.get("mode") == "guard":
         # no container by the guarded name: a trip has nothing to stop; it read "ok" (a typo in container.guard), then
         # amber under a calm headroom while its event was critical, as managed mode's "not guarded" is (helper-44)
         level, label = "critical", guard_missing_text(c.get("name"), c.get("guard_candidates"))
+    elif c.get("watch_error") and c.get("mode") != "monitor-only":
+        # its state may be stale: exits and OOM kills go unseen (helper-51); critical, as its event and card
+        level, label = "critical", WATCH_ERROR_LABEL
     elif c.get("start_error") and c.get("mode") != "monitor-only":
         # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
         level, label = _at_least_warn(level), start_error_text(c.get("mode"))

@@ -266,9 +266,17 @@ class RunBook(LaunchBook):
     async def _stop_quietly(self, reason: str) -> None:
         """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``)."""
         cid = self.container_id
+        rec = self.unattended.state.intent
+        # a maintenance run's relaunch that failed: its intent holds the model stopped (smoke_failed says so) until
+        # the window expires; the stop keeps it, and decides no relaunch (helper-52)
+        maintenance = rec is not None and rec.intent is StopIntent.MAINTENANCE
+        source = "maintenance (failed launch)" if maintenance else "sparkd (failed launch)"
         try:
-            await self.request("stop", source="sparkd (failed launch)", reason=reason)
-        except Conflict:
+            await self.request("stop", source=source, reason=reason)
+        except Conflict as e:
+            if not (isinstance(e.detail, dict) and "action" in e.detail):  # Docker's own 409: said, as ever
+                self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
+                return
             # an action took the lock first (an operator's resize, a maintenance run): the stop waits for it, at the
             # supervisor's first step with the lock free, if this run is still up and failed; said as
             # stop_not_executed, it was never tried again and the model ran on, shown "failed" (helper-51)
@@ -277,7 +285,7 @@ class RunBook(LaunchBook):
         except SparkdError as e:
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
             return
-        if self.mode == "managed":
+        if self.mode == "managed" and not maintenance:
             self.stay_stopped = False
             await self.unattended.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
 

@@ -81,6 +81,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("sparkd.loop.supervisor")
 #: Supervisor steps failing in a row before it is said (one a second at most: ``health_interval_s``, RECONCILE_MAX_S).
 WATCH_FAILURES_SAID = 3
+
+
+def _engine_says(why: str, refused: bool) -> str:
+    """How a stop by processes names the engine's trouble: it refused (``EngineRefused``: it answers), or it does not
+    answer."""
+    return f"the Docker engine refuses ({why})" if refused else f"the Docker engine does not answer ({why})"
+
+
 S = ContainerState
 #: the longest pause between two reconciliations with Docker (a start by hand is seen within it)
 RECONCILE_MAX_S = 1.0
@@ -101,6 +109,9 @@ DB_DECIDE_WAIT_S = 30.0
 FIRST_STEPS_RETRY_MAX_S = 60.0
 # Actions that hold the lock until their new run is ready: an emergency stop is handed over to them.
 HANDING_OVER = ("relaunching", "resizing")
+#: Stops handed over to such an action (``_hand_over_stop``): the guard's, a peer's, an operator's (Alertmanager's is
+#: an operator's). Not sparkd's own stop of a failed launch: that is of one run, not of the one the action launches.
+HANDED = (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY, StopIntent.OPERATOR)
 # An emergency stop pings the Docker engine first and waits this long at most (s). A hung engine (dockerd
 # stopped or starved) made each attempt wait out the API timeout, 30-56 s, and fail, with the model still
 # running; a dead one (dockerd killed, containerd-shim keeping the container) failed at once, 80 times a
@@ -333,7 +344,9 @@ class Supervisor(RunBook):
                 # stopped by its processes, as the engine would have
                 if self.action in HANDING_OVER:  # the relaunch or resize must launch nothing more when it resumes
                     self.emergency_inbox = (source, reason)
-                not_done = await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
+                not_done = await self._stop_without_docker(
+                    source, reason, e.message, emergency=True, began_at=began, refused=isinstance(e, EngineRefused)
+                )
                 if isinstance(not_done, str):
                     self._event(
                         "stop_not_executed",
@@ -382,7 +395,14 @@ class Supervisor(RunBook):
             return False
 
     async def _stop_without_docker(
-        self, source: str, reason: str, why: str, *, emergency: bool, began_at: float | None = None
+        self,
+        source: str,
+        reason: str,
+        why: str,
+        *,
+        emergency: bool,
+        began_at: float | None = None,
+        refused: bool = False,
     ) -> tuple[StopReport, list[int]] | str:
         """The stop when the Docker engine does not answer: the container stopped by its processes
         (``act.procstop``: SIGTERM to its init, SIGKILL after ``container.stop_timeout_s``, the hard floor
@@ -400,7 +420,10 @@ class Supervisor(RunBook):
 
         ``emergency``: a rule, the hard floor or the probe. An action hung on the engine may hold the lock; an
         emergency does not wait for it. Anyone else (an operator's stop) is refused with Conflict then, as
-        ``request`` refuses while an action runs: two stops never run at once."""
+        ``request`` refuses while an action runs: two stops never run at once.
+
+        ``refused``: the engine answered, and refused (``EngineRefused``): it is not marked down, and the events say
+        "refuses", not "does not answer" (a docker_down/docker_up pair at each such stop, helper-52)."""
         try:  # the real /proc: the signals go to real pids (settings.proc_root may be a test's)
             stopper = ProcessStopper(self.container_id or "")
         except ValueError:
@@ -410,14 +433,16 @@ class Supervisor(RunBook):
             return f"no process of {self.name or 'the container'} runs"
         if not emergency:
             self._refuse_if_busy()
-        self._engine_down(why)
+        if not refused:
+            self._engine_down(why)
+        engine = _engine_says(why, refused)
         full = self.settings.container.stop_timeout_s
         spent = 0.0 if began_at is None else max(0.0, time.monotonic() - began_at)
         grace = fallback_grace_s(full, spent)
         left_of = f" (what is left of the {full:g} s grace: the stop began {spent:.0f} s ago)" if grace < full else ""
         self._event(
             "stop_without_docker",
-            f"{source}: the Docker engine does not answer ({why}): stopping {self.name} by its {len(pids)} "
+            f"{source}: {engine}: stopping {self.name} by its {len(pids)} "
             f"processes: SIGTERM to its init, SIGKILL after {grace:g} s{left_of}",
             severity="critical",
             details={
@@ -432,7 +457,7 @@ class Supervisor(RunBook):
             action, self.action = self.action, "stopping"
             try:
                 rep = await self._stop(
-                    f"{reason} (the Docker engine does not answer: stopped by its processes)",
+                    f"{reason} ({engine}: stopped by its processes)",
                     source,
                     stopper=stopper,
                     grace_s=grace,
@@ -633,7 +658,7 @@ class Supervisor(RunBook):
                 f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "
                 f"sparkd can stop it{mind}"
             )
-        if action == "stop" and self.lock.locked() and self.action in HANDING_OVER:
+        if action == "stop" and self.lock.locked() and self.action in HANDING_OVER and intent_for(source) in HANDED:
             return self._hand_over_stop(source, reason or f"stop requested by {source}")
         self._refuse_if_busy()
         began = time.monotonic()
@@ -641,25 +666,35 @@ class Supervisor(RunBook):
             return await self._requested_stop_without_docker(source, reason, began_at=began)
         try:
             return await self._request(action, source=source, reason=reason, force=force)
-        except DockerUnavailable as e:
+        except (DockerUnavailable, EngineRefused) as e:
             if action != "stop" or self.container_id is None:
                 raise
-            # the engine answered its ping, then hung in the stop or refused it (RunBook._stop): the processes
-            return await self._requested_stop_without_docker(source, reason, e.message, began_at=began)
+            # the engine answered its ping, then hung in the stop or refused it (RunBook._stop), or refused to say how
+            # the container is (an inspect answered HTTP 500: a peer's stop ended "not executed", helper-52): the
+            # processes
+            refused = isinstance(e, EngineRefused)
+            return await self._requested_stop_without_docker(source, reason, e.message, began_at=began, refused=refused)
 
     async def _requested_stop_without_docker(
-        self, source: str, reason: str | None, why: str | None = None, *, began_at: float | None = None
+        self,
+        source: str,
+        reason: str | None,
+        why: str | None = None,
+        *,
+        began_at: float | None = None,
+        refused: bool = False,
     ) -> dict[str, Any]:
         """``request("stop")`` with the engine silent (``why``: what it did instead of answering): stopped by its
         processes; the operator's intent is set (it stays stopped, and a relaunch scheduled before is cancelled)."""
         error = why or self.engine_error
         why = why or _no_answer()
         reason = reason or f"stop requested by {source}"
-        done = await self._stop_without_docker(source, reason, why, emergency=False, began_at=began_at)
+        done = await self._stop_without_docker(source, reason, why, emergency=False, began_at=began_at, refused=refused)
+        engine = _engine_says(why, refused)
         if isinstance(done, str):
             if self.container_id is None:
-                raise DockerUnavailable(f"the Docker engine does not answer ({why}) and {done}")
-            raise Refused(f"{done} (the Docker engine does not answer: {why})")
+                raise DockerUnavailable(f"{engine} and {done}")
+            raise Refused(f"{done} ({engine})")
         rep, left = done
         self.stay_stopped = True
         self.unattended.cancel_relaunch(f"stopped by {source}")
@@ -676,7 +711,7 @@ class Supervisor(RunBook):
             "engine_error": error,
             "stop": rep.to_json(),
             "left_pids": left[:100],
-            "message": f"{what}: the Docker engine does not answer ({error}); archive {rep.archive or 'none'}",
+            "message": f"{what}: {_engine_says(error, refused)}; archive {rep.archive or 'none'}",
         }
 
     async def _request(
@@ -829,8 +864,6 @@ class Supervisor(RunBook):
                 if due and not await self._try_first_steps():
                     retry_at, retry_s = time.monotonic() + retry_s, min(retry_s * 2, FIRST_STEPS_RETRY_MAX_S)
                 await self._step()
-                if self.first_steps_done:  # a scheduled relaunch decides on the revision and the last launch
-                    await self.unattended.periodic()
             except asyncio.CancelledError:
                 raise
             except DockerUnavailable as e:
@@ -838,8 +871,13 @@ class Supervisor(RunBook):
             except Exception as e:
                 log.exception("supervisor step failed")
                 self._step_failed(e)
-            else:
-                self._step_done()
+            try:
+                if self.first_steps_done:  # a scheduled relaunch decides on the revision and the last launch
+                    await self.unattended.periodic()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # its own: a database error here is no failed look at the container (helper-52)
+                log.exception("supervision's periodic work failed")
             await asyncio.sleep(pause_s)
 
     def _step_failed(self, e: Exception) -> None:
@@ -853,20 +891,25 @@ class Supervisor(RunBook):
         self.watch_error = f"{type(e).__name__}: {e}"
         self._event(
             "watch_failing",
-            f"sparkd cannot watch {self.name or 'the container'}: its last {self._step_failures} looks at Docker "
-            f"failed ({self.watch_error}); the state shown ({self.state.value}) may be stale: exits, OOM kills, "
-            "/health and the completion probe are not observed; a trip still stops the model (by its processes if "
-            "the engine refuses)",
+            f"sparkd cannot watch {self.name or 'the container'}: its last {self._step_failures} looks at the "
+            f"container failed ({self.watch_error}); the state shown ({self.state.value}) may be stale: exits, OOM "
+            "kills, /health and the completion probe are not observed; a trip still stops the model (by its "
+            "processes if the engine refuses)",
             severity="critical",
             details={"error": self.watch_error},
         )
 
-    def _step_done(self) -> None:
+    def _watched(self) -> None:
+        """A look at the container (``reconcile``, or the lookup of the container to watch) succeeded: the count of
+        failed steps starts again, and a ``watch_failing`` said is over (``watch_recovered``). Only then: a step that
+        returned early (the engine's ping failed, an action's stop under way) looked at nothing, and
+        ``watch_recovered`` beside ``docker_down`` was false (helper-52)."""
         self._step_failures = 0
         if self.watch_error is not None:
             self._event(
                 "watch_recovered",
-                f"sparkd watches {self.name or 'the container'} again (its looks at Docker failed: {self.watch_error})",
+                f"sparkd watches {self.name or 'the container'} again (its looks at the container failed: "
+                f"{self.watch_error})",
                 details={"error": self.watch_error},
             )
             self.watch_error = None
@@ -960,7 +1003,9 @@ class Supervisor(RunBook):
         if self.container_id is None:
             if self.mode == "guard":
                 await self._attach()
+                self._watched()
                 return
+            self._watched()  # managed: the lookups above answered; none of sparkd's runs
             if self.autostart_pending and self.first_steps_done and not self.stay_stopped and not self.lock.locked():
                 self.autostart_pending = False
                 try:
@@ -972,6 +1017,7 @@ class Supervisor(RunBook):
         if self.lock.locked() and self.action in ("stopping", "restarting"):
             return  # the action reconciles itself when it is done
         await self.reconcile(probe=True)
+        self._watched()
         if self.state in (S.READY, S.UNHEALTHY):
             await self._probe()
 
@@ -1058,8 +1104,10 @@ class Supervisor(RunBook):
             began = time.monotonic()
             try:
                 await self._stop(reason, source)
-            except DockerUnavailable as e:  # the engine hung in the stop: its processes, as emergency_stop does
-                await self._stop_without_docker(source, reason, e.message, emergency=True, began_at=began)
+            except (DockerUnavailable, EngineRefused) as e:  # hung or refusing: its processes, as emergency_stop
+                await self._stop_without_docker(
+                    source, reason, e.message, emergency=True, began_at=began, refused=isinstance(e, EngineRefused)
+                )
             await self._finish_launch("stopped")
         self.stay_stopped = True
         await self.unattended.set_intent(intent, source, reason)

@@ -208,7 +208,8 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
         )
     if c.mode != "monitor-only" and c.watch_error:
         click.echo(
-            f"CONTAINER NOT WATCHED: sparkd's looks at Docker fail ({c.watch_error}) — the state shown may be stale; "
+            f"CONTAINER NOT WATCHED: sparkd's looks at the container fail ({c.watch_error}) — the state shown may be "
+            "stale; "
             "exits, OOM kills and /health are not observed; a trip still stops the model (by its processes if the "
             "engine refuses)"
         )
