@@ -419,6 +419,15 @@ def test_a_warn_rule_already_below_its_line_is_a_note_in_doctor_and_status_alike
     # the status keeps warnings for what is one; the note goes to its own list (0.1's snapshots have none)
     from sparkd.loop.status import WatermarkStatus
 
+    # a note of a floor at the kernel's watermark is no line that holds now: the rules stay "clear" (helper-52), and
+    # an OK line carries no action
+    low_pages = 7 * GiB // os.sysconf("SC_PAGE_SIZE")
+    (proc / "zoneinfo").write_text(f"Node 0, zone   Normal\n  pages free 1\n        min 1\n        low {low_pages}\n")
+    fine = [r for r in rules if r.name == "fine"]
+    checks = check_rule_reach(DoctorContext(proc_root=proc, rules=fine))
+    assert [c.status for c in checks] == ["OK", "OK"], checks
+    assert checks[0].detail == "1 rule, every threshold reachable on this host and clear of its MemAvailable now"
+    assert "kernel" in checks[1].detail and checks[1].action == "", checks[1]
     base = {"vm": {}, "low_watermark_bytes": None, "healthy_mem_available_bytes": None, "healthy_t": None}
     old = WatermarkStatus.model_validate({**base, "launch_t": None, "launches": 0, "rules": {}, "warnings": []})
     assert old.notes == []

@@ -509,3 +509,30 @@ async def test_a_stopped_container_is_scanned_again_at_once_not_shown_as_before_
             await _until(lambda n=n: d.consumers is not None and d.consumers.scans == n, 5.0)  # type: ignore[misc]
     finally:
         await d.shutdown("test")
+
+
+async def test_a_rescan_asked_while_a_scan_runs_is_made_right_after_it() -> None:
+    """A stop's ``wake(rescan=True)`` while a scan ran found no sleeper: the flag waited a whole quiet interval
+    (helper-52). The scan that was under way may have counted the processes still exiting; one more follows."""
+    scanner = ScriptedScanner([_scan(i, GiB, GiB) for i in range(10)])
+    w = ConsumerWatch(
+        ConsumersSettings(interval_s=1.0, quiet_interval_s=3600.0, quiet_change_gib=100.0, store_every_s=3600.0),
+        host_reserve_bytes=28 * GiB,
+        container_ids=lambda: [],
+        mem_available=lambda: 100 * GiB,
+        plan_left_bytes=lambda: None,
+        emit=lambda *a: None,
+        scanner=scanner,
+        fast=lambda: False,
+    )
+    scanner.block.clear()  # the first scan is under way, held
+    task = asyncio.create_task(w.run())
+    try:
+        await asyncio.sleep(0.2)
+        w.wake(rescan=True)  # the container stopped meanwhile
+        scanner.block.set()
+        await _until(lambda: w.scans == 2, 5.0)
+        await asyncio.sleep(0.5)
+        assert w.scans == 2  # once, not in a loop
+    finally:
+        task.cancel()

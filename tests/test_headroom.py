@@ -138,3 +138,16 @@ def test_a_window_that_still_holds_a_fall_while_memory_rises_again_is_no_fall() 
         w2.add(float(i), round((30 - i) * GiB))
     ns2 = nearest_stop(S(11.0, 19), rules(), {}, w2, 11.0)
     assert ns2 is not None and ns2.fall_rate_bytes_per_s is not None and abs(ns2.fall_rate_bytes_per_s - GiB) < MiB
+
+
+def test_the_newest_half_of_the_window_is_judged_at_slow_sampling_too() -> None:
+    """At 2 s samples the 5 s half window holds 3 points, under the fit's 4: the check was skipped and the
+    window that still held a fall was projected (helper-52). Two points give the direction."""
+    w = SlopeWindow(max_window_s=30.0)
+    values = [14.0, 12.0, 10.0, 8.0, 9.0, 10.0]  # 2 s apart: falling 1 GiB/s, then rising 0.5 GiB/s
+    for i, v in enumerate(values):
+        w.add(2.0 * i, round(v * GiB))
+    now = 2.0 * (len(values) - 1)
+    assert (w.slope(now, 10.0) or 0) < -32 * MiB
+    ns = nearest_stop(S(now, values[-1]), rules(), {}, w, now)
+    assert ns is not None and ns.fall_rate_bytes_per_s is None, ns

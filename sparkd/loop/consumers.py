@@ -261,6 +261,8 @@ class ConsumerWatch:
                     await self.scan()
                 except Exception as e:  # psutil or /proc trouble must never end the daemon
                     log.warning("process scan failed (ignoring until the next one): %s", e)
+            if self._rescan:  # asked during the scan just made (its wake found no sleeper): look again at once
+                continue
             await self.alarm.sleep(self.settings.interval_s if fast else self.settings.quiet_interval_s)
 
     def wake(self, *, rescan: bool = False) -> None:

@@ -640,25 +640,26 @@ def check_rule_reach(ctx: DoctorContext) -> list[Check]:
     for r in ctx.rules:
         for why in never_fires(r.when, r.evidence, total, getattr(r, "floor", None), unread):
             out.append(Check("WARN", f"Rule {r.name}", why, "fix the threshold: this rule guards nothing"))
-    floors = _floor_checks(ctx, total)
+    floors, holding = _floor_checks(ctx, total)
     out += [c for c in floors if c.status != "OK"]
     notes = [c for c in floors if c.status == "OK"]
     if out:
         return out + notes
     # "clear of its MemAvailable now" only when no line already holds now: a warn rule below its line read "clear"
-    # here while `sparkd status` said it already holds (helper-50)
-    clear = " and clear of its MemAvailable now" if not notes else ""
+    # here while `sparkd status` said it already holds (helper-50); a note of a floor at the kernel's watermark is
+    # no line that holds
+    clear = " and clear of its MemAvailable now" if not holding else ""
     n = len(ctx.rules)
     summary = f"{n} rule{'' if n == 1 else 's'}, every threshold reachable on this host{clear}"
     return [Check("OK", "Rules", summary), *notes]
 
 
-def _floor_checks(ctx: DoctorContext, total: int) -> list[Check]:
+def _floor_checks(ctx: DoctorContext, total: int) -> tuple[list[Check], bool]:
     """The daemon's own floor check (``core.floors.check_floors``, its ``watermark`` warnings at start) with this
     host's MemAvailable now taken as the healthy one, as the daemon takes it at start: a rule that may loop or cannot
     protect this host is a WARN here too (doctor said "every threshold reachable" where the daemon warned, note 10);
     a finding the daemon notes without warning (``Status.watermark.notes``: a warn rule's line already below) is an
-    OK line with its text.
+    OK line with its text. Also returns whether a rule's line already holds now (``always_holds``).
     A rule list that does not compile is left to the daemon's own refusal."""
     from sparkd.core.floors import check_floors, read_vm_tunables
     from sparkd.core.rules import compile_rules
@@ -666,7 +667,7 @@ def _floor_checks(ctx: DoctorContext, total: int) -> list[Check]:
     try:
         rules = compile_rules(ctx.rules, total)
     except Exception:
-        return []
+        return [], False
     fields = read_meminfo(ctx.proc_root).fields
     tunables = read_vm_tunables(ctx.proc_root)
     found = check_floors(
@@ -677,15 +678,16 @@ def _floor_checks(ctx: DoctorContext, total: int) -> list[Check]:
         watermark_scale_factor=tunables.get("watermark_scale_factor"),
         healthy_cma_free_bytes=fields.get("CmaFree"),
     )
-    return [
+    checks = [
         Check(
             "WARN" if w.severity == "warning" else "OK",
             f"Rule {w.rule}",
             f"{w.message} (MemAvailable now taken as healthy)",
-            "see the rule's floor",
+            "see the rule's floor" if w.severity == "warning" else "",
         )
         for w in found
     ]
+    return checks, any(w.problem == "always_holds" for w in found)
 
 
 def format_report(checks: Sequence[Check]) -> str:

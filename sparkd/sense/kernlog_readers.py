@@ -160,7 +160,8 @@ class KmsgSource(_Closing):
         while self._fd is not None and len(out) < self.max_records:
             try:
                 data = os.read(self._fd, 8192)
-            except BlockingIOError:
+            except BlockingIOError:  # read fine, nothing new: a passing error is over on a quiet host too
+                self._read_again()
                 break
             except BrokenPipeError:
                 overruns += 1  # the next read returns the oldest record still there
@@ -173,13 +174,17 @@ class KmsgSource(_Closing):
                 break
             if not data:
                 break
-            if self.error is not None:  # it reads again: a passing error left the kernel log "blind" for good
-                log.warning("kernel log: %s reads again (it failed: %s)", self.path, self.error)
-                self.error = None
+            self._read_again()
             seq, text = decode_kmsg_record(data)
             self._note_seq(seq)
             out.append(text)
         return out
+
+    def _read_again(self) -> None:
+        """A read succeeded: a passing read error, which left the kernel log "blind" for good (helper-51), is over."""
+        if self.error is not None:
+            log.warning("kernel log: %s reads again (it failed: %s)", self.path, self.error)
+            self.error = None
 
     def fileno(self) -> int | None:
         """/dev/kmsg's descriptor: readable when a record arrives (``devkmsg_poll``); None once closed."""
