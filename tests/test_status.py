@@ -758,3 +758,26 @@ async def test_the_container_card_shows_the_intent_of_the_run_last_seen_only(tmp
     assert card()["intent"] is None and card()["intent_who"] is None
     sup.state = ContainerState.EXITED  # then `docker stop`: that stop is not the old intent's either
     assert card()["intent"] is None and sup.status_json().down_because() is None
+
+
+async def test_sparkd_status_says_a_daemon_that_runs_and_records_nothing_is_running_not_gone(tmp_path: Path) -> None:
+    """A daemon whose database records nothing (a full disk, a lock, a hung write) guards from memory: `sparkd
+    status` read "sparkd NOT running (last snapshot 10 min ago)", and an operator restarted a working guard
+    (helper-53). The state directory's lock names the live daemon."""
+    import os
+
+    from sparkd.loop.statelock import StateLock
+
+    snap = await _status_with_fake_actions(tmp_path / "base")
+    snap = snap.model_copy(update={"ts": time.time() - 600})  # the last snapshot the database took
+    (tmp_path / "state").mkdir()
+    lock = StateLock.acquire(tmp_path / "state")  # this process plays the live sparkd
+    try:
+        out = status_cli_output(tmp_path, snap)
+    finally:
+        lock.release()
+    first = out.splitlines()[0]
+    assert first.startswith(f"sparkd running (pid {os.getpid()}) but NOT RECORDING: its database shows nothing"), out
+    assert "NOT running" not in first
+    gone = status_cli_output(tmp_path, snap)  # no daemon holds it now
+    assert gone.splitlines()[0].startswith("sparkd NOT running (last snapshot "), gone

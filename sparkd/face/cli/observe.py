@@ -288,10 +288,23 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     # ... nor a snapshot dated in the future (a dead daemon's, written before the step) a sign of life
     stamps = [t for t in (st.ts if st else None, float(latest["ts"]) if latest else None) if t is not None]
     newest = max((t for t in stamps if t <= now + CLOCK_SLACK_S), default=0.0)
-    running = st is not None and st.running and now - newest < STALE_S + 2 * settings.interval_s
+    recording = st is not None and st.running and now - newest < STALE_S + 2 * settings.interval_s
+    # nothing recent in the database is not a daemon that is gone: one that cannot write (a full disk, a lock, a
+    # hung write) guards from memory. It read "sparkd NOT running", and an operator restarted a working guard
+    # (helper-53); the state dir's socket says whether one holds it
+    holder = None
+    if not recording:
+        from pathlib import Path
+
+        from sparkd.loop.statelock import daemon_pid
+
+        holder = daemon_pid(Path(settings.state_dir))
+    running = recording or holder is not None
     snap = st.model_dump(mode="json") if st else {}
     data = {
         "daemon_running": running,
+        "recording": recording,  # False with daemon_running: it runs and its database shows nothing recent
+        "daemon_pid": holder,
         "snapshot_age_s": (time.time() - st.ts) if st else None,
         "sample": latest,
         "rules": snap.get("rules", []),
@@ -315,10 +328,17 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         click.echo(json.dumps(data, indent=2, default=str))
         return
     age = _age(data["snapshot_age_s"])
-    click.echo(
-        f"sparkd {'running (status of ' + age + ')' if running else 'NOT running (last snapshot ' + age + ')'}"
-        f" — db {settings.db_file}"
-    )
+    if recording:
+        said = f"running (status of {age})"
+    elif holder is not None:
+        said = (
+            f"running (pid {holder}) but NOT RECORDING: its database shows nothing recent (last snapshot {age}); it "
+            "guards from memory: see /api/status and `sparkd doctor` (disk full, a lock, a hung write?); what "
+            "follows is old"
+        )
+    else:
+        said = f"NOT running (last snapshot {age})"
+    click.echo(f"sparkd {said} — db {settings.db_file}")
     if latest:
         click.echo(f"sample at {_ts(latest['ts'])} UTC:")
         for key, label in (
