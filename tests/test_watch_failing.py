@@ -235,3 +235,43 @@ async def test_only_a_look_that_succeeds_ends_the_failing_watch_and_only_failed_
     )
     h = views.headline(base.model_copy(update={"container": missing}).model_dump(mode="json"), None)
     assert h["level"] == "critical" and "nothing guarded" in h["label"], h
+
+
+def test_the_metrics_leave_out_a_memory_reading_sparkd_can_no_longer_take(tmp_path: Path) -> None:
+    """/proc/meminfo unreadable, every rule blind: /metrics served the last MemAvailable as current, and a
+    Prometheus alert on it could never fire (helper-53). The memory gauges are left out; the sample's age is given."""
+    from prometheus_client import generate_latest
+
+    from sparkd.face.exporter import build_registry
+    from sparkd.loop.daemon import Daemon
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemFree: 8388608 kB\nMemAvailable: 12582912 kB\n")
+
+    async def go() -> tuple[str, str]:
+        s = load_settings(
+            overrides={"state_dir": str(tmp_path / "st"), "kernlog_source": "off", "proc_root": str(proc)}
+        )
+        d = Daemon(s, serve_api=False)
+        await d.startup()
+        try:
+            r = d._tick_once()
+            assert r is not None
+            await d._handle(r)
+            good = generate_latest(build_registry(d)).decode()
+            assert d.guard is not None
+
+            def eio() -> Any:  # the kernel's read error (the reader holds its file open: unlinking it changes nothing)
+                raise OSError(5, "Input/output error")
+
+            d.guard.read_sample = eio  # type: ignore[method-assign]
+            assert d._tick_once() is None and d.guard is not None and d.guard.read_error is not None
+            return good, generate_latest(build_registry(d)).decode()
+        finally:
+            await d.shutdown("test")
+
+    good, blind = asyncio.run(go())
+    assert "sparkd_memory_MemAvailable_bytes 1.2884901888e+10" in good and "sparkd_sample_age_seconds " in good
+    assert "sparkd_memory_MemAvailable_bytes" not in blind and "sparkd_memory_usable_bytes" not in blind, blind
+    assert "sparkd_sample_age_seconds " in blind

@@ -59,6 +59,9 @@ class Snapshot:
     status: Status
     ticks: list[float] = field(default_factory=list)
     archives: tuple[int, int] = (0, 0)  # count, total bytes
+    sample_age_s: float | None = None  # since the guard's last sample (monotonic); None before the first
+    sample_max_age_s: float = 3.0  # older: the memory gauges are left out (``/healthz``'s limit)
+    read_error: bool = False  # the guard's last read of /proc/meminfo failed: left out too
 
 
 _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("sparkd_metrics_snapshot", default=None)
@@ -67,7 +70,15 @@ _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("spa
 def take_snapshot(daemon: DaemonView) -> Snapshot:
     """In-memory state only; call on the event loop."""
     # not views.status_view: a scrape shows the last GPU reading and does not ask for another (gpu_quiet_interval_s)
-    return Snapshot(status=daemon.status_json(), ticks=sorted(daemon.tick_durations))
+    from sparkd.face.presenters import guard_age_s
+
+    return Snapshot(
+        status=daemon.status_json(),
+        ticks=sorted(daemon.tick_durations),
+        sample_age_s=guard_age_s(daemon),
+        sample_max_age_s=max(3.0, 3 * daemon.settings.interval_s),
+        read_error=daemon.guard is not None and daemon.guard.read_error is not None,
+    )
 
 
 class SparkdCollector(Collector):
@@ -78,7 +89,17 @@ class SparkdCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = _SNAPSHOT.get() or take_snapshot(self.daemon)
-        yield from self._memory(snap.status)
+        if snap.sample_age_s is not None:
+            age = GaugeMetricFamily(
+                "sparkd_sample_age_seconds",
+                "Seconds since the guard's last memory sample; past 3 intervals the memory gauges are left out",
+            )
+            age.add_metric([], snap.sample_age_s)
+            yield age
+        # a reading sparkd can no longer take is no reading: the last good MemAvailable was served as current while
+        # every rule was blind, and a Prometheus alert on it could never fire (helper-53)
+        if snap.sample_age_s is not None and snap.sample_age_s <= snap.sample_max_age_s and not snap.read_error:
+            yield from self._memory(snap.status)
         yield from self._rules(snap.status)
         yield from self._daemon(snap)
 
