@@ -109,3 +109,35 @@ def test_the_retention_pass_prunes_routine_archives_before_a_trips_postmortem(tm
     assert [a.name for a in list_archives(settings.archives_path)] == [names[3], names[0]]
     (ev,) = [e for e in daemon.recent_events if e["kind"] == "archives_pruned"]  # no writer here: in memory
     assert ev["details"]["removed"] == [names[1], names[2]] and "routine stops first" in ev["message"]
+
+
+def test_the_archive_caps_hold_while_the_database_is_down_and_stale_temp_files_go(tmp_path: Path) -> None:
+    """The pass returned before the archives with no database: a full disk, the common reason it is down, left the
+    cap unenforced while every stop added a bundle; and a temp file a kill left mid-write stayed for good, outside
+    the caps (helper-53). Only sparkd's own temp files, and only old ones, are removed."""
+    from sparkd.act.archive import STALE_TEMP_S, list_archives, write_archive
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path),
+            "kernlog_source": "off",
+            "api": {"enabled": False},
+            "retention": {"archives_max_count": 2},
+        }
+    )
+    now = time.time()
+    for i in range(5):
+        summary = "sparkd postmortem\n=================\nreason:       x\nrequested by: api:token\n"
+        write_archive(settings.archives_path, f"vllm-{i}", {"container.log": b"x"}, summary, now=now + i)
+    arch = settings.archives_path
+    old_tmp, young_tmp, other = arch / ".sparkd-tmp-abc.tmp", arch / ".sparkd-tmp-def.tmp", arch / "notes.tmp"
+    for p in (old_tmp, young_tmp, other):
+        p.write_bytes(b"partial")
+    for p in (old_tmp, other):
+        os.utime(p, (now - STALE_TEMP_S - 60, now - STALE_TEMP_S - 60))
+    daemon = Daemon(settings, serve_api=False)
+    assert daemon.store is None  # never opened: the database is down
+    out = asyncio.run(daemon.retention_once(now=now))
+    assert out == {"archives": 3, "archive_temps": 1}, out
+    assert len(list_archives(arch)) == 2
+    assert not old_tmp.exists() and young_tmp.exists() and other.exists()

@@ -288,20 +288,12 @@ async def db_step(daemon: Daemon) -> None:
 
 
 async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, Any]:
-    """Prune and aggregate the store, cap the archives (oldest first, never the newest)."""
-    from sparkd.act.archive import prune_archives
+    """Cap the archives (oldest first, never the newest) and remove temp files an unfinished write left, then
+    prune and aggregate the store. The archives first, whatever the store's state: a full disk, the common reason
+    the database is down, left the cap unenforced while every stop added a bundle (helper-53)."""
+    from sparkd.act.archive import prune_archives, remove_stale_temps
 
-    if daemon.store is None:
-        return {}
     r = daemon.settings.retention
-    removed = await asyncio.to_thread(
-        daemon.store.prune,
-        now=now or time.time(),
-        raw_keep_s=r.raw_samples_s,
-        minutes_keep_s=r.minute_aggregates_s,
-        events_keep_s=r.events_s,
-    )
-    await asyncio.to_thread(daemon.store.vacuum)
     gone = await asyncio.to_thread(
         prune_archives,
         daemon.settings.archives_path,
@@ -314,7 +306,20 @@ async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, 
             f"removed {len(gone)} old archives (routine stops first, then incidents): {', '.join(gone[:5])}",
             details={"removed": gone},
         )
-    return {**removed, "archives": len(gone)}
+    temps = await asyncio.to_thread(remove_stale_temps, daemon.settings.archives_path)
+    if temps:
+        log.warning("removed %d temp file(s) an unfinished archive write left: %s", len(temps), ", ".join(temps[:5]))
+    if daemon.store is None:
+        return {"archives": len(gone), "archive_temps": len(temps)}
+    removed = await asyncio.to_thread(
+        daemon.store.prune,
+        now=now or time.time(),
+        raw_keep_s=r.raw_samples_s,
+        minutes_keep_s=r.minute_aggregates_s,
+        events_keep_s=r.events_s,
+    )
+    await asyncio.to_thread(daemon.store.vacuum)
+    return {**removed, "archives": len(gone), "archive_temps": len(temps)}
 
 
 #: How often the running daemon looks at its configuration file (a ``stat``; the file is read only when it changed).
