@@ -275,3 +275,55 @@ def test_the_metrics_leave_out_a_memory_reading_sparkd_can_no_longer_take(tmp_pa
     assert "sparkd_memory_MemAvailable_bytes 1.2884901888e+10" in good and "sparkd_sample_age_seconds " in good
     assert "sparkd_memory_MemAvailable_bytes" not in blind and "sparkd_memory_usable_bytes" not in blind, blind
     assert "sparkd_sample_age_seconds " in blind
+
+
+async def test_a_database_write_that_hangs_is_said_not_shown_as_ok(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that blocks without failing (a hung disk or mount, an fsync stuck under memory pressure) read
+    "database ok" and sparkd_db_up 1 while nothing was recorded, until the queue filled 40 min to hours later
+    (helper-53). A real daemon and writer; the store's write blocks on cue (the hung disk)."""
+    import threading
+
+    from prometheus_client import generate_latest
+
+    import sparkd.loop.daemon_db as daemon_db
+    import sparkd.store.store as store_module
+    from sparkd.face.exporter import build_registry
+    from sparkd.loop.daemon import Daemon
+
+    monkeypatch.setattr(store_module, "FAILING_REPORT_S", 0.3)
+    monkeypatch.setattr(daemon_db, "FAILING_REPORT_S", 0.3)
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "st"), "kernlog_source": "off"})
+    d = Daemon(settings, serve_api=False)
+    await d.startup()
+    release = threading.Event()
+
+    class HungStore:
+        def write_batch(self, items: Any, *, durable: bool = False) -> None:
+            release.wait(30)
+
+    try:
+        await asyncio.wait_for(d._db_opened.wait(), 60)
+        assert d.writer is not None
+        real = d.writer.store
+        d.writer.attach(HungStore())  # type: ignore[arg-type]
+        d.writer.submit("event", {"ts": time.time(), "kind": "x", "message": "m", "severity": "info"}, urgent=True)
+        await _until(lambda: d.writer is not None and d.writer.hung_for() > 0.4)
+        await daemon_db.db_step(d)
+        [ev] = [e for e in d.recent_events if e["kind"] == "database_write_hung"]
+        assert ev["severity"] == "critical" and "nothing is recorded meanwhile" in ev["message"], ev
+        st = d.status_json()
+        assert st.database.state == "ok" and (st.database.write_hung_s or 0) > 0.3
+        assert "sparkd_db_up 0.0" in generate_latest(build_registry(d)).decode()
+        await daemon_db.db_step(d)  # said once
+        assert [e["kind"] for e in d.recent_events].count("database_write_hung") == 1
+        d.writer.attach(real)
+        release.set()
+        await _until(lambda: d.writer is not None and d.writer.hung_for() == 0.0)
+        await daemon_db.db_step(d)
+        assert any(e["kind"] == "database_write_returned" for e in d.recent_events)
+        assert d.status_json().database.write_hung_s is None
+    finally:
+        release.set()
+        await d.shutdown("test")

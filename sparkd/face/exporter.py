@@ -268,7 +268,8 @@ class SparkdCollector(Collector):
         refused.add_metric([], float(st.writer.refused))
         yield refused
         db = GaugeMetricFamily("sparkd_db_up", "1 while the database records, 0 while sparkd guards from memory")
-        db.add_metric([], 1.0 if st.database is not None and st.database.state == "ok" else 0.0)
+        recording = st.database is not None and st.database.state == "ok" and not st.database.write_hung_s
+        db.add_metric([], 1.0 if recording else 0.0)  # a hung write records nothing either
         yield db
         hr = CounterMetricFamily(
             "sparkd_http_connections_refused", "API connections closed at once: over the connection cap"

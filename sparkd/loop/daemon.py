@@ -230,6 +230,7 @@ class Daemon:
         self._db_opened = asyncio.Event()
         self._db_alarm = Alarm()  # the database keeper's sleep; the writer's on_trouble ends it
         self._drops_said = 0  # Writer.dropped already reported in a records_dropped event
+        self._write_hung_said = False  # database_write_hung said, its return not yet
         self._unclean_checked = False  # the run before this process's first run row was checked (unclean_exit)
         self.notifier = notifier or sdnotify.SystemdNotifier()
         # the HTTP side is composed by the caller (``sparkd.face.app``); loop never imports face

@@ -240,6 +240,7 @@ async def db_step(daemon: Daemon) -> None:
         )
         daemon._drops_said = w.dropped
     if daemon.db.state == "ok":
+        say_hung_write(daemon, w.hung_for())
         failing_s = w.failing_for()
         why: str | None = w.fatal or w.lost  # the writer checks the file's inode after each write
         if why is None and failing_s >= FAILING_REPORT_S:  # locked elsewhere: errors that pass
@@ -285,6 +286,25 @@ async def db_step(daemon: Daemon) -> None:
         severity="warning",
         details=daemon.db.status(),
     )
+
+
+def say_hung_write(daemon: Daemon, hung_s: float) -> None:
+    """A write in the writer's thread that has not returned for ``FAILING_REPORT_S``: said once, critical
+    (``database_write_hung``: nothing is recorded meanwhile; the guard goes on from memory), and its return
+    (``database_write_returned``). ``Status.database.write_hung_s`` and ``sparkd_db_up`` say it meanwhile."""
+    if hung_s >= FAILING_REPORT_S and not daemon._write_hung_said:
+        daemon._write_hung_said = True
+        daemon.event(
+            "database_write_hung",
+            f"a write to the database {daemon.db.path} has not returned for {hung_s:.0f} s (a hung disk or mount, an "
+            "fsync stuck under memory pressure?): nothing is recorded meanwhile, records wait in the queue "
+            f"({daemon.writer.queue.maxsize if daemon.writer else '?'} max); the guard goes on from memory",
+            severity="critical",
+            details={"hung_s": round(hung_s, 1), "path": str(daemon.db.path)},
+        )
+    elif hung_s == 0.0 and daemon._write_hung_said:
+        daemon._write_hung_said = False
+        daemon.event("database_write_returned", "the database write that hung returned; recording goes on")
 
 
 async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, Any]:

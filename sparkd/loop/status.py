@@ -363,6 +363,8 @@ class DatabaseStatus(_Model):
     since: float  # epoch s: when this state began
     attempts: int
     moved_aside: list[str]  # corrupt files kept as <name>.corrupt-<UTC time>
+    # a write that has not returned for 15 s or more (a hung disk or mount): seconds; "ok" records nothing meanwhile
+    write_hung_s: float | None = None
 
 
 class HttpStatus(_Model):

@@ -817,6 +817,7 @@ class Writer:
         self.refusals: list[tuple[str, str]] = []
         self.last_error: str | None = None
         self.failing_since: float | None = None  # monotonic time of the first failed write of this episode
+        self._write_started: float | None = None  # monotonic time the write in the thread began, while it runs
         self.fatal: str | None = None
         self._retry = threading.Event()  # set by ``attach``: the thread retries a refused batch at once
         self._gather_fut: asyncio.Future[None] | None = None
@@ -931,6 +932,7 @@ class Writer:
         store = self.store
         if store is None:
             return False
+        self._write_started = time.monotonic()
         try:
             store.write_batch(batch, durable=self.pressure)
         except Exception as e:
@@ -951,6 +953,8 @@ class Writer:
                 )
                 self._fail_logged = True
             return False
+        finally:
+            self._write_started = None
         self._ok(len(batch))
         return True
 
@@ -972,6 +976,13 @@ class Writer:
             self.written += 1
         self._ok(0)
         return True
+
+    def hung_for(self) -> float:
+        """Seconds the write under way in the writer's thread has not returned (0.0 when none runs). A write that
+        blocks without failing (a hung disk or mount, an fsync stuck behind writeback under memory pressure) showed
+        "database ok" while nothing was recorded, until the queue filled 40 min to hours later (helper-53)."""
+        started = self._write_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def failing_for(self) -> float:
         """Seconds the writes have been failing (0.0 when the last one succeeded)."""
