@@ -713,3 +713,26 @@ def test_closing_the_store_does_not_wait_for_a_batch_held_by_a_write_lock(tmp_pa
     with pytest.raises(sqlite3.ProgrammingError, match="closed"):
         dbapi.execute("SELECT 1")
     assert len(errors) <= 1 and all("locked" in str(e) for e in errors), errors
+
+
+def test_a_queue_full_of_samples_still_takes_the_stops_events(tmp_path: Path) -> None:
+    """A long outage filled the queue with samples, and the trip's and the stop's events were the records dropped:
+    missing from /events and the incidents for good once the database came back (helper-53). Events have
+    ``EVENT_RESERVE`` places more; samples are dropped."""
+    from sparkd.store.store import EVENT_RESERVE
+
+    async def go() -> Writer:
+        w = Writer(None, maxsize=10)  # no database: records wait in the queue
+        for i in range(12):
+            w.submit("sample", _row(float(i), i))
+        assert w.dropped == 2
+        for kind in ("trip", "stopped"):
+            assert w.submit("event", {"ts": 20.0, "kind": kind, "message": kind, "severity": "critical"}) is True
+        return w
+
+    w = asyncio.run(go())
+    assert w.dropped == 2 and w.queue.qsize() == 12
+    w.attach(Store.open(tmp_path / "w.db"))
+    assert w.flush() == 12
+    assert w.store is not None and [e["kind"] for e in w.store.events(since=0)] == ["stopped", "trip"]
+    assert EVENT_RESERVE >= 100

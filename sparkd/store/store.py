@@ -740,6 +740,9 @@ DUE_SLACK_S = 0.1  # a submit this close before the due time ends the gathering 
 FALLBACK_S = 1.5  # with no submit, the gathering ends this long after it was due
 
 GATHERED = frozenset({"sample", "gpu", "status", "kcount", "nvrm_window", "consumers"})
+#: Places beyond the queue's ``maxsize`` for records of the other kinds (events): a queue full of samples still
+#: takes them (``Writer.submit``).
+EVENT_RESERVE = 1000
 
 
 def _ts_of(p: Any) -> float | None:
@@ -870,7 +873,11 @@ class Writer:
         """Queue one record (never blocks, never raises; False when the queue is full and it was dropped).
         ``urgent``: write it (and what was gathered) at once, though its kind is one ``GATHERED``."""
         q = self.queue
-        if not q.full():
+        n = len(q.items)
+        # a full queue drops samples, not what a sample cannot give back: events (a trip, a stop) and others beyond
+        # GATHERED have EVENT_RESERVE places more. A long outage filled it with samples and the stop's own events
+        # were the records dropped, missing from /events and the incidents for good (helper-53)
+        if q.maxsize <= 0 or n < q.maxsize or (kind not in GATHERED and n < q.maxsize + EVENT_RESERVE):
             q.items.append((kind, payload))
             if urgent or kind not in GATHERED:
                 self._urgent_queued = True
