@@ -289,16 +289,22 @@ def _age(path: str, seconds: float) -> None:
     os.utime(path, (t, t))
 
 
-def test_it_removes_only_known_names_when_age_is_unknown(made: Made) -> None:
-    known = f"psm_{secrets.token_hex(8)}"
+def test_it_removes_only_the_engines_own_names_when_age_is_unknown(made: Made) -> None:
+    """The preflight (no container start, no witness) removed unheld psm_/nccl-/loky entries by name alone: a
+    co-tenant's segment, closed and not unlinked while it waits for a consumer, went at every launch (helper-53).
+    Only names vLLM alone creates go."""
+    known = f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(8)}"
+    library = f"psm_{secrets.token_hex(8)}"
     other = f"sparkd-test-{uuid.uuid4()}-leftover"
     _age(made(known), 60)
+    _age(made(library), 60)
     _age(made(other), 60)
     plan = _plan(made, started_at=None)
     assert not plan.remove
     assert _kept(plan)[known].startswith("age unknown")
     plan = _plan(made, started_at=None, allow_unknown_age=True)
     assert [e.name for e in plan.remove] == [known]
+    assert _kept(plan)[library].startswith("not provably the engine's: psm_* (Python multiprocessing) names")
     assert _kept(plan)[other].startswith("not sparkd's to judge: name matches no known")
     assert shm.execute(plan, dry_run=True).removed == [(known, 4096)]
     assert os.path.exists(os.path.join(SHM, known))
@@ -308,7 +314,7 @@ def test_an_unheld_known_entry_changed_a_moment_ago_is_not_yet_a_leftover(made: 
     """The preflight removed any unheld vLLM/NCCL/loky-named entry, whoever made it: another job's runtime that
     had just made a segment and was about to map it lost it (notes 12, 13). One younger than LEFTOVER_MIN_AGE_S
     is kept, and named for the preflight to look at again."""
-    young = made(f"nccl-{secrets.token_hex(3)}")
+    young = made(f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(3)}")
     plan = _plan(made, started_at=None, allow_unknown_age=True)
     assert not plan.remove
     reason = _kept(plan)[os.path.basename(young)]
@@ -333,13 +339,15 @@ def test_only_entries_kept_as_too_new_are_looked_at_again() -> None:
 def test_the_preflight_looks_again_at_new_entries_and_spares_one_mapped_meanwhile(
     made_tmp: Made, tmp_path: Path
 ) -> None:
-    """Two new unheld NCCL segments at a launch: one is a crash's leftover (nobody comes back for it), the other
-    another job maps a second later. The preflight waits LEFTOVER_MIN_AGE_S and looks again: the first goes,
-    the second stays (in use)."""
+    """Two new unheld segments of vLLM's at a launch: one is a crash's leftover (nobody comes back for it), the
+    other another engine maps a second later. The preflight waits LEFTOVER_MIN_AGE_S and looks again: the first
+    goes, the second stays (in use). An NCCL segment is kept whatever its age: any program makes those (helper-53)."""
     from sparkd.ops.preflight import run_preflight
 
-    leftover = made_tmp(f"nccl-{secrets.token_hex(3)}")
-    wanted = made_tmp(f"nccl-{secrets.token_hex(3)}")
+    leftover = made_tmp(f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(3)}")
+    wanted = made_tmp(f"VLLM_OBJECT_STORAGE_SHM_BUFFER_{secrets.token_hex(3)}")
+    library = made_tmp(f"nccl-{secrets.token_hex(3)}")
+    _age(library, 3600)
     code = "import os,sys,time; time.sleep(1); os.open(sys.argv[1], 0); print('ready', flush=True); time.sleep(99)"
     job = subprocess.Popen([sys.executable, "-c", code, wanted], stdout=subprocess.PIPE, text=True)
     try:
@@ -357,6 +365,8 @@ def test_the_preflight_looks_again_at_new_entries_and_spares_one_mapped_meanwhil
         assert any("looked at again after 10 s" in n for n in pf.notes), pf.notes
         assert any("removed 1 dead /dev/shm leftovers" in n for n in pf.notes), pf.notes
         assert any(os.path.basename(wanted) in n and "in use by" in n for n in pf.notes), pf.notes
+        assert os.path.exists(library)
+        assert any(f"{os.path.basename(library)}: not provably the engine's" in n for n in pf.notes), pf.notes
         assert took_s >= shm.LEFTOVER_MIN_AGE_S, took_s
     finally:
         job.kill()

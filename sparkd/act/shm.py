@@ -152,9 +152,10 @@ def plan_cleanup(
       only the engine creates (:data:`ENGINE_OWN_KINDS`);
     * with ``container_started_at=None`` (preflight leftovers report) its age
       is unknown and it is kept, unless ``allow_unknown_age=True``, which
-      allows unused entries whose name matches a known vLLM/NCCL/loky pattern
-      (:data:`KNOWN_RUNTIME_KINDS`) and that did not change within the last
-      :data:`LEFTOVER_MIN_AGE_S` (another job may be about to map a new one).
+      allows unused entries under a name only vLLM creates
+      (:data:`ENGINE_OWN_KINDS`) that did not change within the last
+      :data:`LEFTOVER_MIN_AGE_S` (another job may be about to map a new one);
+      NCCL, multiprocessing and loky names are kept then (any program makes them).
 
     ``ignore_unreadable_pids``: processes known to be irrelevant although
     /proc hides them from sparkd (e.g. a sandbox supervisor); any *other*
@@ -200,6 +201,15 @@ def _keep_reason(
             return Kept(e.name, f"age unknown (no container start given); last changed {_utc(e.changed_at)}")
         if e.kind not in KNOWN_RUNTIME_KINDS:
             return Kept(e.name, "not sparkd's to judge: name matches no known vLLM/NCCL/loky pattern")
+        if e.kind not in ENGINE_OWN_KINDS:
+            # no container's lifetime and no witness to tie it to: removed by name alone, a co-tenant's segment
+            # (closed, not unlinked, waiting for a consumer) went at every launch (helper-53; DESIGN.md: never an
+            # entry sparkd cannot prove was the container's)
+            return Kept(
+                e.name,
+                f"not provably the engine's: {_PATTERN_TEXT[e.kind]} names are made by any program using that "
+                "library, and nothing ties this one to a run of the model; remove it yourself if it is a leftover",
+            )
         if now - e.changed_at < LEFTOVER_MIN_AGE_S:
             return Kept(e.name, TOO_NEW.format(age=max(0.0, now - e.changed_at)), too_new=True)
         return None
