@@ -353,3 +353,54 @@ def test_a_peer_that_trickles_its_answer_is_said_unreachable_within_the_timeout(
     assert took < 3.0 and said == [
         ("peer_unreachable", "critical", "peer b could not be asked to stop: no whole answer within 1 s")
     ], (took, said)
+
+
+def test_a_peer_whose_name_did_not_resolve_at_start_is_looked_up_again_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's host name was resolved once, at start: at boot before the link network or DNS was up, the peer was
+    refused (403) until sparkd restarted, its stop requests too (helper-53). It is looked up again, off the event
+    loop, and a name that resolves to nothing is said once, and its return. The resolver is the edge stubbed."""
+    import asyncio
+    import socket
+
+    from sparkd.loop import cluster as cluster_module
+
+    up = [False]
+
+    def getaddrinfo(host: str, port: Any, *a: Any, **k: Any) -> list[Any]:
+        assert host == "spark-b.lan"
+        if not up[0]:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.168.100.2", 0))]
+
+    monkeypatch.setattr(cluster_module.socket, "getaddrinfo", getaddrinfo)
+    tok = tmp_path / "t"
+    tok.write_text("s3cret\n")
+    peer = PeerSettings(name="b", url="http://spark-b.lan:8741", token_file=str(tok))
+    said: list[tuple[str, str]] = []
+    c = Cluster(ClusterSettings(node="a", peers=[peer]))
+    c.emit = lambda kind, msg, *, severity, details: said.append((kind, severity))  # type: ignore[assignment]
+    assert c.peer_from("192.168.100.2") is None  # not resolved at start
+
+    async def go() -> None:
+        task = asyncio.create_task(c.keep_resolved(every_s=0.05))
+        try:
+            for _ in range(100):
+                if said:
+                    break
+                await asyncio.sleep(0.02)
+            assert said == [("peer_unresolved", "warning")], said
+            await asyncio.sleep(0.2)
+            assert said == [("peer_unresolved", "warning")], said  # once
+            up[0] = True  # the link network is up
+            for _ in range(100):
+                if c.peer_from("192.168.100.2") is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert c.peer_from("192.168.100.2") is peer
+            assert said[-1] == ("peer_resolved", "info")
+        finally:
+            task.cancel()
+
+    asyncio.run(go())

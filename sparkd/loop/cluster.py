@@ -39,6 +39,18 @@ log = logging.getLogger("sparkd.cluster")
 Emit = Callable[..., Any]
 
 
+#: How often ``Cluster.keep_resolved`` looks up the peers named by host name (s).
+RESOLVE_EVERY_S = 60.0
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _addresses(host: str) -> set[str]:
     """IP addresses of a peer's URL host (a literal, or what the resolver says now)."""
     try:
@@ -140,6 +152,7 @@ class Cluster:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.last_status: dict[str, tuple[float, dict[str, Any]]] = {}
         self.actions: Any = None
+        self.unresolved: set[str] = set()  # peers whose host name resolved to no address at the last look
 
     def attach_actions(self, actions: Any) -> None:
         """The local container's control interface (``request(action, source=, reason=)``)."""
@@ -163,6 +176,33 @@ class Cluster:
         if tf is None:
             tf = self.tokens[peer.name] = TokenFile(peer.token_file)
         return tf.get()
+
+    async def keep_resolved(self, every_s: float = RESOLVE_EVERY_S) -> None:
+        """Resolve the peers named by host name again every ``every_s``, off the event loop; until cancelled. A name
+        resolved once at start: one that did not resolve at boot (the link network or DNS not up yet) left the peer
+        refused (403) until sparkd restarted, its stop requests too, said only as ``peer_refused`` (helper-53). A name
+        that resolves to nothing is said once (``peer_unresolved``, warning), and its return (``peer_resolved``)."""
+        named = [(p.name, urlsplit(p.url).hostname or "") for p in self.settings.peers]
+        named = [(n, h) for n, h in named if not _is_ip(h)]
+        while named:
+            for name, host in named:
+                found = await asyncio.to_thread(_addresses, host)
+                if found:
+                    self.peer_addresses[name] = found
+                    if name in self.unresolved:
+                        self.unresolved.discard(name)
+                        self._emit("peer_resolved", f"peer {name}'s host {host} resolves again", "info", {"peer": name})
+                elif name not in self.unresolved:
+                    self.unresolved.add(name)
+                    self._emit(
+                        "peer_unresolved",
+                        f"peer {name}'s host {host} resolves to no address: its calls (a stop its trip asks for) are "
+                        f"refused until it does; looked up again every {every_s:g} s (an IP address in the peer's url "
+                        "needs no lookup)",
+                        "warning",
+                        {"peer": name, "host": host, "addresses_kept": sorted(self.peer_addresses.get(name, set()))},
+                    )
+            await asyncio.sleep(every_s)
 
     def peer_from(self, client_host: str | None) -> PeerSettings | None:
         """The configured peer whose address ``client_host`` is (None for anyone else)."""

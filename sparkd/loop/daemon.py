@@ -556,6 +556,8 @@ class Daemon:
         await self.actions.start(self)
         if self.consumers is not None:  # after the supervisor has attached: the first scan knows the container
             self._tasks.append(asyncio.create_task(self.consumers.run(), name="sparkd-consumers"))
+        if self.cluster is not None:  # peers named by host name: resolved again, and said when they resolve to nothing
+            self._tasks.append(asyncio.create_task(self.cluster.keep_resolved(), name="sparkd-cluster-resolve"))
         self.event(
             "daemon_started",
             f"sparkd {__version__} started (pid {os.getpid()}, kernel log: {self.kern_source_name}, db: {s.db_file})"
