@@ -781,3 +781,18 @@ async def test_sparkd_status_says_a_daemon_that_runs_and_records_nothing_is_runn
     assert "NOT running" not in first
     gone = status_cli_output(tmp_path, snap)  # no daemon holds it now
     assert gone.splitlines()[0].startswith("sparkd NOT running (last snapshot "), gone
+
+
+def test_the_cli_reaches_the_daemon_on_the_address_it_listens_on() -> None:
+    """`sparkd status --cluster` asked 127.0.0.1 whatever api.host said (helper-53); the control commands took an
+    IPv6 address without brackets. One base for both."""
+    from sparkd.config import load_settings
+    from sparkd.face.cli.base import api_base
+
+    def base(host: str) -> str:
+        return api_base(load_settings(overrides={"api": {"host": host, "port": 8741, "allow_remote": True}}))
+
+    assert base("127.0.0.1") == "http://127.0.0.1:8741"
+    assert base("0.0.0.0") == "http://127.0.0.1:8741" and base("::") == "http://127.0.0.1:8741"
+    assert base("192.168.100.2") == "http://192.168.100.2:8741"
+    assert base("::1") == "http://[::1]:8741"

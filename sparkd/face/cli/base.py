@@ -131,6 +131,18 @@ def _snapshot(store: Store) -> Status | None:
         return None
 
 
+def api_base(settings: Settings) -> str:
+    """The running daemon's API as this host reaches it: ``http://HOST:PORT`` with ``api.host`` (a wildcard is
+    reached on 127.0.0.1; an IPv6 address in brackets). ``status --cluster`` asked 127.0.0.1 whatever ``api.host``
+    said, and read "is `sparkd run` running?" of a daemon on another address (helper-53)."""
+    host = settings.api.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.api.port}"
+
+
 def _ts(t: float | None) -> str:
     if t is None:
         return "-"

@@ -14,6 +14,7 @@ from sparkd.core.choices import KV_CACHE_DTYPES
 from sparkd.face.auth import CLIENT_HEADER
 from sparkd.face.cli.base import (
     _settings,
+    api_base,
     main,
 )
 from sparkd.face.presenters import rearm_text
@@ -35,8 +36,7 @@ def _api(
     except OSError as e:
         click.echo(f"sparkd: cannot read the API token {settings.token_file}: {e} (is sparkd running here?)", err=True)
         sys.exit(3)
-    host = "127.0.0.1" if settings.api.host in ("0.0.0.0", "::") else settings.api.host
-    url = f"http://{host}:{settings.api.port}{path}"
+    url = f"{api_base(settings)}{path}"
     _check_listener(settings, url)
     try:
         r = httpx.request(

@@ -28,6 +28,7 @@ from sparkd.face.cli.base import (
     _span,
     _store,
     _ts,
+    api_base,
     main,
 )
 from sparkd.face.presenters import (
@@ -426,7 +427,7 @@ def _cluster_status(settings: Any, as_json: bool) -> None:
     """``sparkd status --cluster``: this node and its peers, through the running daemon's ``/api/cluster``."""
     import httpx
 
-    base = f"http://127.0.0.1:{settings.api.port}"
+    base = api_base(settings)
     try:
         local = httpx.get(base + "/api/status", timeout=5).json()
         view = httpx.get(base + "/api/cluster", timeout=15)
