@@ -1521,25 +1521,22 @@ async def test_in_guard_mode_the_page_shows_no_resize_form_with_the_configs_defa
         await d.shutdown("test")
     assert 'id="resize-guard"' in page and "Guard mode: sparkd did not launch this container" in page
     assert 'id="resize-form"' not in page and "262144" not in page
-    m = await _daemon(tmp_path / "m", actions=FakeActions())
-    try:
-        async with _client(m) as c:
-            await _login(c, m)
-            page = (await c.get("/")).text
-    finally:
-        await m.shutdown("test")
+    page = await _logged_in_page(await _daemon(tmp_path / "m", actions=FakeActions()))
     assert 'id="resize-form"' in page and 'id="resize-guard"' not in page
     # monitor-only: no container and no plan, and the form with the config's defaults and a dead button was shown
-    mo = await _daemon(tmp_path / "mo", monitor_only=True)
-    try:
-        assert mo.status_json().container.mode == "monitor-only"
-        async with _client(mo) as c:
-            await _login(c, mo)
-            page = (await c.get("/")).text
-    finally:
-        await mo.shutdown("test")
+    page = await _logged_in_page(await _daemon(tmp_path / "mo", monitor_only=True))
     assert 'id="resize-monitor-only"' in page and "Monitor-only: sparkd runs no container here" in page
     assert 'id="resize-form"' not in page and "262144" not in page
+
+
+async def _logged_in_page(d: Daemon) -> str:
+    """The dashboard page a logged-in operator gets from ``d``; the daemon is shut down after."""
+    try:
+        async with _client(d) as c:
+            await _login(c, d)
+            return (await c.get("/")).text
+    finally:
+        await d.shutdown("test")
 
 
 def test_a_hard_floor_kill_reads_once_in_the_stopped_card() -> None:

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from sparkd.config import load_settings
+from sparkd.config import Settings, load_settings
 from sparkd.loop.daemon import Daemon
 from sparkd.store.store import Store
 from sparkd.units import GiB
@@ -83,19 +83,18 @@ def test_three_days_at_1_hz_are_aggregated_pruned_and_bounded(tmp_path: Path) ->
     store.close()
 
 
+def _capped_at_two(tmp_path: Path) -> Settings:
+    """Settings of a daemon that keeps two archives at most."""
+    overrides = {"state_dir": str(tmp_path), "kernlog_source": "off", "api": {"enabled": False}}
+    return load_settings(overrides={**overrides, "retention": {"archives_max_count": 2}})
+
+
 def test_the_retention_pass_prunes_routine_archives_before_a_trips_postmortem(tmp_path: Path) -> None:
     """The daemon's pass (``retention_once``) with the default classifier: a resize's and a restart's bundles
     newer than the trip's go first; the event names them."""
     from sparkd.act.archive import list_archives, write_archive
 
-    settings = load_settings(
-        overrides={
-            "state_dir": str(tmp_path),
-            "kernlog_source": "off",
-            "api": {"enabled": False},
-            "retention": {"archives_max_count": 2},
-        }
-    )
+    settings = _capped_at_two(tmp_path)
     now = time.time()
     names = []
     for i, source in enumerate(["rule low_available", "api:token", "web:session", "cli"]):
@@ -117,14 +116,7 @@ def test_the_archive_caps_hold_while_the_database_is_down_and_stale_temp_files_g
     the caps (helper-53). Only sparkd's own temp files, and only old ones, are removed."""
     from sparkd.act.archive import STALE_TEMP_S, list_archives, write_archive
 
-    settings = load_settings(
-        overrides={
-            "state_dir": str(tmp_path),
-            "kernlog_source": "off",
-            "api": {"enabled": False},
-            "retention": {"archives_max_count": 2},
-        }
-    )
+    settings = _capped_at_two(tmp_path)
     now = time.time()
     for i in range(5):
         summary = "sparkd postmortem\n=================\nreason:       x\nrequested by: api:token\n"
