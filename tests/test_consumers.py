@@ -145,3 +145,16 @@ def test_a_trip_with_memory_as_low_as_at_the_scan_before_names_no_fall() -> None
         "no fall since 00:00:00 UTC (MemAvailable 2.00 GiB → 1.90 GiB): it was this low already; "
     ), text
     assert text.endswith(f"now: {after.text()}") and "+0.00" not in text, text
+
+
+def test_sparkd_itself_is_a_system_service_not_a_host_co_tenant() -> None:
+    """Run from a shell (the README's command), sparkd was listed among the "host co-tenants" of a trip's "who grew"
+    (helper-48). The scanning process is the guard: "system", wherever it was started from. A real scan."""
+    import os
+
+    held = bytearray(384 * MiB)  # resident: among the top processes of this machine
+    held[::4096] = b"x" * len(held[::4096])
+    s = ConsumerScanner(top_n=20, uss_top=0).scan([])
+    [me] = [p for p in s.top if p.pid == os.getpid()]
+    assert me.group == "system" and me.rss_bytes >= 384 * MiB
+    assert len(held) == 384 * MiB

@@ -39,6 +39,7 @@ class ConsumerScanner:
         self._known: dict[tuple[int, float], tuple[str, str]] = {}
         self._groups: dict[tuple[int, float], Group] = {}
         self._ids: list[str] = []
+        self._own_pid = os.getpid()
 
     def _identity(self, p: psutil.Process) -> tuple[str, str]:
         """(cgroup text, command name) of a process, read once per process lifetime."""
@@ -77,7 +78,9 @@ class ConsumerScanner:
                 group = self._groups.get(key)
                 if group is None:
                     cg, _ = self._identity(p)
-                    group = self._groups[key] = group_of(cg, ids)
+                    # sparkd itself is the guard, a system service wherever it was started from: run from a shell it
+                    # was listed among the "host co-tenants" of a trip's "who grew" (helper-48)
+                    group = self._groups[key] = "system" if p.pid == self._own_pid else group_of(cg, ids)
                 name = self._known[key][1]
             except psutil.AccessDenied:
                 denied += 1
