@@ -161,7 +161,8 @@ class KmsgSource(_Closing):
             try:
                 data = os.read(self._fd, 8192)
             except BlockingIOError:  # read fine, nothing new: a passing error is over on a quiet host too
-                self._read_again()
+                if self.error is not None:  # (no call at each tick: issue 18)
+                    self._read_again()
                 break
             except BrokenPipeError:
                 overruns += 1  # the next read returns the oldest record still there
@@ -174,7 +175,8 @@ class KmsgSource(_Closing):
                 break
             if not data:
                 break
-            self._read_again()
+            if self.error is not None:
+                self._read_again()
             seq, text = decode_kmsg_record(data)
             self._note_seq(seq)
             out.append(text)
