@@ -86,3 +86,50 @@ async def test_a_handed_over_operators_stop_holds_its_own_intent_and_is_not_coun
         assert (ok, stopped) == (False, [source]) and why == f"stopped by {source}: asked"
         assert sup.unattended.state.intent is not None and sup.unattended.state.intent.intent is intent
         assert len(sup.unattended.state.breaker.emergencies) == counted, (source, sup.unattended.state.breaker)
+
+
+@pytest.mark.parametrize("source", ["alertmanager", "api (admin)", "peer:b", "rule low_available"])
+async def test_a_stop_handed_over_to_a_resize_is_not_undone_by_its_rollback(tmp_path: Path, source: str) -> None:
+    """An operator's (Alertmanager's) stop handed over during a resize: the resize took the stop for a failed
+    revision and its rollback launched the old one at once, the model running while the status said "stopped by the
+    operator" (helper-54). A stop asked meanwhile ends the resize: no rollback, nothing launched. The real
+    ``request`` and ``_apply_resize``; Docker's stop and launch are the stubbed edge."""
+    from types import SimpleNamespace
+
+    from sparkd.core.lifecycle import ContainerState as S
+
+    sup, m, events = _sup(tmp_path)
+    m.refusing = False
+    launched: list[str] = []
+
+    async def save_revision(budget: Any, *, who: str, reason: str) -> int:
+        return 7
+
+    async def drain() -> None:  # the stop arrives while the resize drains the model
+        out = await sup.request("stop", source=source, reason="asked")
+        assert out.get("handed_over") is True
+
+    async def stop(reason: str, src: str, **kw: Any) -> None:
+        sup.state = S.STOPPED
+
+    async def finish(how: str) -> None:
+        return None
+
+    async def launch(src: str, *, force: bool = False) -> str:
+        launched.append(src)
+        sup.state = S.READY
+        return "L2"
+
+    sup._save_revision = save_revision  # type: ignore[method-assign]
+    sup._drain = drain  # type: ignore[method-assign]
+    sup._stop = stop  # type: ignore[method-assign]
+    sup._finish_launch = finish  # type: ignore[method-assign]
+    sup._launch = launch  # type: ignore[method-assign]
+    out = SimpleNamespace(diff={}, model_dump=lambda **kw: {}, model_copy=lambda update: update)
+    async with sup.lock:
+        sup.action = "resizing"
+        res = await sup._apply_resize(sup.budget, {"x": 1}, "api (admin)", out)  # type: ignore[arg-type]
+    assert launched == [], (source, res)
+    assert res["applied"] is False and "stopped by" in (res["error"] or ""), res
+    assert not any(e["kind"] == "rollback" for e in events), [e["kind"] for e in events]
+    assert sup.unattended.state.intent is not None and sup.stay_stopped

@@ -35,6 +35,10 @@ from sparkd.units import GiB, fmt_gib
 
 #: intents that mean the guard (or a peer's) stopped the model: a relaunch under way launches nothing more
 EMERGENCY_INTENTS = (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY)
+#: A stop with one of these intents asked after an action began (a resize, a maintenance run's relaunch) means the
+#: action launches nothing more, its rollback included: an operator's (Alertmanager's) too. An operator's stop during
+#: a resize was handed over, and the rollback launched the old revision at once (helper-54)
+STOPPED_MEANWHILE_INTENTS = (*EMERGENCY_INTENTS, StopIntent.OPERATOR)
 
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
@@ -403,14 +407,22 @@ class LaunchBook:
     async def _take_emergency(self) -> tuple[bool, str | None]:
         raise NotImplementedError
 
+    def stopped_meanwhile(self, since: float | None) -> IntentRecord | None:
+        """The stop intent recorded at ``since`` (epoch s) or later that means an action launches nothing more
+        (``STOPPED_MEANWHILE_INTENTS``), or None."""
+        rec = self.unattended.state.intent
+        if since is None or rec is None or rec.since < since or rec.intent not in STOPPED_MEANWHILE_INTENTS:
+            return None
+        return rec
+
     async def _launch_and_wait(self, source: str, *, since: float | None = None) -> tuple[bool, str | None]:
         """Launch and wait for ready (a relaunch, a resize). An emergency stop handed over meanwhile
         (``emergency_inbox``) stops the new run at once; one that stopped the model after ``since`` (the drain
         of a maintenance run) means no launch."""
         if self.emergency_inbox is not None:
             return await self._take_emergency()
-        rec = self.unattended.state.intent
-        if since is not None and rec is not None and rec.since >= since and rec.intent in EMERGENCY_INTENTS:
+        rec = self.stopped_meanwhile(since)
+        if rec is not None:
             return False, f"not launched: stopped meanwhile ({who_and_reason(rec.who, rec.reason)})"
         try:
             await self._launch(source)

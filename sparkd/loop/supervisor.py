@@ -806,6 +806,10 @@ class Supervisor(RunBook):
             await self._finish_launch("stopped")
         self.budget = new_budget
         ok, why = await self._launch_and_wait(source, since=began)
+        if not ok and self.stopped_meanwhile(began) is not None:
+            # a stop was asked meanwhile (a rule's, a peer's, an operator's, handed over): the model stays stopped,
+            # with this revision; no rollback launches the old one behind the stop (helper-54)
+            return out.model_copy(update={"applied": False, "revision": rev, "error": why})
         if not ok:
             self._event(
                 "rollback",
