@@ -796,3 +796,21 @@ def test_the_cli_reaches_the_daemon_on_the_address_it_listens_on() -> None:
     assert base("0.0.0.0") == "http://127.0.0.1:8741" and base("::") == "http://127.0.0.1:8741"
     assert base("192.168.100.2") == "http://192.168.100.2:8741"
     assert base("::1") == "http://[::1]:8741"
+
+
+async def test_the_daemon_answers_every_look_at_its_state_directory_not_only_the_first_64(tmp_path: Path) -> None:
+    """The state directory's socket was listened on and never accepted: from the 65th look of a daemon's lifetime
+    its queue was full, and `sparkd stop` said "no sparkd runs", `sparkd status` "NOT running" (helper-54). A real
+    daemon; the looks are the CLI's own (``daemon_pid``)."""
+    import os
+
+    from sparkd.loop.statelock import daemon_pid
+
+    d = await _daemon(tmp_path, actions=FakeActions())
+    try:
+        state = Path(d.settings.state_dir)
+        seen = await asyncio.to_thread(lambda: [daemon_pid(state) for _ in range(200)])
+        assert seen == [os.getpid()] * 200, [i for i, p in enumerate(seen) if p is None][:3]
+    finally:
+        await d.shutdown("test")
+    assert daemon_pid(state) is None  # released at the exit

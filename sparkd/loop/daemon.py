@@ -486,6 +486,8 @@ class Daemon:
             StoreError: another sparkd holds it (the message names its pid and the directory).
         """
         self._lock = StateLock.acquire(Path(self.settings.state_dir))
+        with contextlib.suppress(RuntimeError):  # no running loop (a test's bare lock): nothing to answer on
+            self._lock.answer_on(asyncio.get_running_loop())
 
     async def startup(self) -> None:
         s = self.settings

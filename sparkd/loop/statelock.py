@@ -17,6 +17,7 @@ Raises (``acquire``):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -51,6 +52,7 @@ class StateLock:
     def __init__(self, fd: int, sock: socket.socket | None) -> None:
         self._fd: int | None = fd
         self._sock = sock
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def acquire(cls, state_dir: Path) -> StateLock:
@@ -80,8 +82,37 @@ class StateLock:
             log.warning("cannot write the pid into %s: %s (ignoring)", path, e.strerror)
         return cls(fd, sock)
 
+    def answer_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Accept and close each connection to the socket name on ``loop`` (a callback only when one comes): a
+        connection only reads the holder's credentials, and one never accepted stays queued. From the 65th
+        ``daemon_pid`` of a daemon's lifetime the queue was full, every look failed, and `sparkd stop` said "no sparkd
+        runs", `sparkd status` "NOT running" (helper-54)."""
+        sock = self._sock
+        if sock is None:
+            return
+        sock.setblocking(False)
+
+        def drain() -> None:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as e:  # never ends the daemon: the lock file still guards the directory
+                    log.warning("the state directory's socket: %s", e)
+                    return
+                conn.close()
+
+        loop.add_reader(sock.fileno(), drain)
+        self._loop = loop
+        drain()  # looks made before the loop answered
+
     def release(self) -> None:
         if self._sock is not None:
+            if self._loop is not None:
+                with contextlib.suppress(Exception):  # a closed loop: nothing to remove
+                    self._loop.remove_reader(self._sock.fileno())
+                self._loop = None
             self._sock.close()
             self._sock = None
         if self._fd is not None:
@@ -95,7 +126,7 @@ def _claim_name(state_dir: Path) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind(name)
-        sock.listen(64)  # never accepted: a connection only reads the holder's credentials (64 tries)
+        sock.listen(64)  # accepted and closed at once by the daemon's loop (``answer_on``)
         return sock
     except OSError as e:
         sock.close()
