@@ -327,3 +327,22 @@ async def test_a_database_write_that_hangs_is_said_not_shown_as_ok(
     finally:
         release.set()
         await d.shutdown("test")
+
+
+async def test_the_finish_of_a_stop_made_by_the_processes_survives_a_refused_look(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a stop by the processes (the engine refusing), finishing it through Docker at the next step met the
+    same refusal and was dropped for good: a restart policy bringing the run back later read as a start by hand
+    (helper-54). It waits for the next step, and is finished once the engine answers."""
+    from sparkd.loop import supervisor as supmod
+
+    sup, m, _events = _sup(tmp_path)
+    monkeypatch.setattr(supmod, "_processes_of", lambda cid: [])  # the SIGKILL took them (the edge: /proc)
+    sup.stopped_without_docker = ("peer:b", "peer_emergency from b")
+    with pytest.raises(EngineRefused):
+        await sup._step()
+    assert sup.stopped_without_docker == ("peer:b", "peer_emergency from b")
+    m.refusing = False  # it answers: the run is still up as Docker says (its processes gone, Docker not caught up)
+    await sup._step()
+    assert sup.stopped_without_docker == ("peer:b", "peer_emergency from b")  # read again at the next step

@@ -491,7 +491,13 @@ class Supervisor(RunBook):
         if not await asyncio.to_thread(_processes_of, self.container_id):
             # its processes are gone: Docker's word is only read (an engine still hung in containerd would take each
             # stop through it for the grace + ENGINE_MARGIN_S, with an archive and a critical event every time)
-            obs = await self.reconcile(probe=False)
+            try:
+                obs = await self.reconcile(probe=False)
+            except Exception:
+                # the engine refuses to say (EngineRefused) or went again: the finish waits for the next step. It was
+                # dropped, and a restart policy bringing the run back later read as a start by hand (helper-54)
+                self.stopped_without_docker = pending
+                raise
             if obs.exists and (obs.running or obs.restarting):
                 self.stopped_without_docker = pending  # Docker has not caught up yet: read again at the next step
             elif not obs.exists:
