@@ -133,3 +133,43 @@ async def test_a_stop_handed_over_to_a_resize_is_not_undone_by_its_rollback(tmp_
     assert res["applied"] is False and "stopped by" in (res["error"] or ""), res
     assert not any(e["kind"] == "rollback" for e in events), [e["kind"] for e in events]
     assert sup.unattended.state.intent is not None and sup.stay_stopped
+
+
+def test_sparkd_stop_says_its_stop_was_handed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sparkd stop` printed nothing and exited 0 when its stop was handed over to a relaunch (helper-54). The
+    daemon's answer is the edge stubbed here; its shape is ``Supervisor._hand_over_stop``'s (tested above)."""
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import control, main
+
+    answer = {
+        "action": "stop",
+        "accepted": True,
+        "handed_over": True,
+        "message": "handed over to the relaunching under way: it stops the model now and launches nothing more",
+    }
+    monkeypatch.setattr(control, "_api", lambda *a, **k: answer)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\n[container]\nimage = "vllm/vllm-openai:v1"\n')
+    r = CliRunner().invoke(main, ["--config", str(cfg), "stop"])
+    assert r.exit_code == 0 and r.output.strip() == answer["message"], r.output
+
+
+async def test_a_handed_over_stop_left_for_after_the_lock_finds_the_model_down_and_records_its_intent(
+    tmp_path: Path,
+) -> None:
+    """A stop handed over after the action's last look (its launch failed, or its run exited) is asked once the lock
+    is free: "not running" was a critical stop_not_executed for a model that is down, and the asker's intent was
+    never recorded (helper-54). The stop is done: the intent is recorded and the model stays stopped."""
+    from sparkd.act.containerspec import ContainerState as DockerState
+
+    sup, m, events = _sup(tmp_path)
+    m.refusing = False
+    m.state = lambda cid: DockerState("exited", False, 0, False, m.started_at, None, None, None)  # type: ignore[method-assign]
+    from sparkd.core.lifecycle import ContainerState as S
+
+    sup.state = S.STOPPED  # the action's run is down, as sparkd saw it
+    await sup._stop_as_asked("api (admin)", "operator stop")
+    assert not any(e["kind"] == "stop_not_executed" for e in events), events
+    assert sup.unattended.state.intent is not None and sup.unattended.state.intent.intent is StopIntent.OPERATOR
+    assert sup.stay_stopped is True

@@ -224,7 +224,8 @@ async def test_a_failed_maintenance_relaunch_is_stopped_keeping_its_intent_and_a
     said: list[str] = []
 
     async def request(action: str, *, source: str, reason: str | None = None, **kw: Any) -> dict[str, Any]:
-        asked.append(source)  # the real one stops a real container
+        asked.append(source)  # the real one stops a real container, then records the stop's intent as here
+        await sup.unattended.set_intent(sup.unattended.intent_for(source), source, reason or "")
         return {"action": action}
 
     async def after_down(intent: Any, **kw: Any) -> None:
@@ -233,9 +234,14 @@ async def test_a_failed_maintenance_relaunch_is_stopped_keeping_its_intent_and_a
     sup.request = request  # type: ignore[method-assign]
     sup.unattended.after_down = after_down  # type: ignore[method-assign]
     sup._event = lambda kind, message, **kw: said.append(kind)  # type: ignore[method-assign]
-    sup.unattended.state.intent = IntentRecord(StopIntent.MAINTENANCE, time.time(), "maintenance", "a run")
+    began = IntentRecord(StopIntent.MAINTENANCE, time.time() - 900, "maintenance (schedule)", "drain and relaunch")
+    sup.unattended.state.intent = began
     await Supervisor._stop_quietly(sup, "not ready within 600 s")
     assert asked == ["maintenance (failed launch)"] and decided == [], (asked, decided)
+    assert sup.unattended.state.intent == began  # its start, who began it and its expiry clock (helper-54)
+    from sparkd.core.supervision import is_incident
+
+    assert is_incident("maintenance (failed launch)")  # its postmortem is an incident's, as a failed launch's
     sup.unattended.state.intent = None  # no maintenance: a failed launch, and the relaunch decision, as ever
     await Supervisor._stop_quietly(sup, "not ready within 600 s")
     assert asked[-1] == "sparkd (failed launch)" and decided == [StopIntent.FAILED_LAUNCH]
@@ -245,4 +251,5 @@ async def test_a_failed_maintenance_relaunch_is_stopped_keeping_its_intent_and_a
 
     sup.request = docker_409  # type: ignore[method-assign]
     await Supervisor._stop_quietly(sup, "not ready within 600 s")
-    assert said == ["stop_not_executed"] and sup._failed_stop_pending is None
+    assert said[-1] == "stop_not_executed" and said.count("stop_not_executed") == 1
+    assert sup._failed_stop_pending is None

@@ -235,7 +235,8 @@ async def write_postmortem(
     summary lists what is missing and ``rep.errors`` says so. Only a failure to
     write the archive file itself leaves no archive.
 
-    ``engine_error``: the Docker engine does not answer (the stop is made by the container's processes).
+    ``engine_error``: what the Docker engine did instead of serving the stop ("the Docker engine does not answer
+    (...)", "the Docker engine refuses (...)"): the stop is made by the container's processes.
     ``container.log`` and ``inspect.json`` are not asked of it (each call would wait out the API timeout,
     30 s, before the stop): they are missing with that reason, and the rest is written as usual.
     """
@@ -271,7 +272,7 @@ async def write_postmortem(
     else:
         inspect = logs = None
         for name in ("inspect.json", "container.log"):
-            missing[name] = f"the Docker engine does not answer ({engine_error}): stopped by its processes"
+            missing[name] = f"{engine_error}: stopped by its processes"
     store = d.store
     rows = kern = events = None
     if store is None:

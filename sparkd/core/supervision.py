@@ -73,7 +73,12 @@ def is_incident(source: str) -> bool:
     (``daemon``). Archive pruning removes the routine ones first (``act.archive.prune_archives``)."""
     if intent_for(source) in (StopIntent.EMERGENCY, StopIntent.PEER_EMERGENCY, StopIntent.FAILED_LAUNCH):
         return True
-    return source in ("sparkd", "alertmanager", EXITED_SOURCE) or source.startswith("sparkd (")
+    # "(failed launch)": a maintenance run's relaunch that never became ready is one too (helper-54)
+    return (
+        source in ("sparkd", "alertmanager", EXITED_SOURCE)
+        or source.startswith("sparkd (")
+        or ("(failed launch)" in source)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- back-off

@@ -285,7 +285,13 @@ class RunBook(LaunchBook):
         except SparkdError as e:
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
             return
-        if self.mode == "managed" and not maintenance:
+        if maintenance and rec is not None:
+            # the maintenance's own record: its start, who began it and its expiry clock (the stop's request replaced
+            # it with one of its own, resetting the window and its alert, helper-54)
+            self.unattended.state.intent = rec
+            await self.unattended.save()
+            return
+        if self.mode == "managed":
             self.stay_stopped = False
             await self.unattended.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
 
@@ -389,6 +395,7 @@ class RunBook(LaunchBook):
         *,
         stopper: ProcessStopper | None = None,
         grace_s: float | None = None,
+        engine_said: str | None = None,
     ) -> StopReport:
         """STOP_REQUESTED (state ``stopping``), the stop procedure (``act.stop.run_stop``) with its
         dependencies handed in, then Docker's state read again (``stopped``).
@@ -431,7 +438,9 @@ class RunBook(LaunchBook):
                 container_stopped_at=stopped_at,
             )
 
-        engine_error = None if stopper is None else (self.engine_error or "no answer")
+        # what the engine did instead of serving the stop, for the archive's missing parts: it refused (the engine up,
+        # ``engine_error`` unset: it read "does not answer (no answer)", helper-54), or it does not answer
+        engine_error = None if stopper is None else (engine_said or self.engine_error or "the Docker engine: no answer")
 
         async def postmortem(rep: StopReport) -> str | None:
             return await write_postmortem(self, rep, cid, engine_error=engine_error)

@@ -461,6 +461,7 @@ class Supervisor(RunBook):
                     source,
                     stopper=stopper,
                     grace_s=grace,
+                    engine_said=engine,
                 )
             finally:
                 if self.action == "stopping":  # a hung action that held the lock may have ended meanwhile
@@ -1095,6 +1096,11 @@ class Supervisor(RunBook):
         now; its failure said (``stop_not_executed``, critical: who asked was told it was taken)."""
         try:
             await self.request("stop", source=source, reason=reason)
+        except Refused:
+            # nothing runs (the action's launch failed, or its run exited): the stop is done; its asker's intent is
+            # recorded, the model stays stopped (a critical "not executed" for a model that is down, helper-54)
+            self.stay_stopped = True
+            await self.unattended.set_intent(self.unattended.intent_for(source), source, reason)
         except SparkdError as e:
             self._event("stop_not_executed", f"{source}: {reason}: {e.message}", severity="critical")
 

@@ -111,7 +111,9 @@ def _control(ctx: click.Context, action: str, as_json: bool, force: bool = False
         click.echo(json.dumps(out, indent=2, default=str))
         return
     stop = out.get("stop")
-    if out.get("stopped_by"):  # the Docker engine did not answer: stopped by its processes
+    if out.get("handed_over"):  # a relaunch or resize under way stops the model (it printed nothing: helper-54)
+        click.echo(out.get("message") or "handed over to the action under way")
+    elif out.get("stopped_by"):  # the Docker engine did not answer: stopped by its processes
         click.echo(out.get("message") or f"stopped by its {out['stopped_by']}")
     elif stop:
         click.echo(
