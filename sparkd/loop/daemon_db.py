@@ -304,7 +304,14 @@ def say_hung_write(daemon: Daemon, hung_s: float) -> None:
         )
     elif hung_s == 0.0 and daemon._write_hung_said:
         daemon._write_hung_said = False
-        daemon.event("database_write_returned", "the database write that hung returned; recording goes on")
+        w = daemon.writer
+        failed = w.last_error if w is not None and w.failing_for() > 0 else None
+        daemon.event(
+            "database_write_returned",
+            "the database write that hung returned"
+            + (f", failing ({failed}): records wait in the queue" if failed else "; recording goes on"),
+            severity="warning" if failed else "info",
+        )
 
 
 async def retention_once(daemon: Daemon, now: float | None = None) -> dict[str, Any]:

@@ -600,9 +600,17 @@ class Unattended:
             sup._event("maintenance_done", "maintenance relaunch passed its smoke test; intent released", details=out)
         else:
             failed = sorted(k for k, v in smoke["checks"].items() if not v.get("ok"))
+            rec = self.state.intent
+            # a stop asked meanwhile (a rule's, a peer's, an operator's) holds the model now, not the maintenance
+            # ("holding the maintenance intent" beside an operator's stop, helper-54)
+            held = (
+                "holding the maintenance intent"
+                if rec is None or rec.intent is StopIntent.MAINTENANCE
+                else f"the model stays stopped: {intent_text(rec.intent, rec.who, rec.reason)}"
+            )
             sup._event(
                 "smoke_failed",
-                f"maintenance relaunch failed its smoke test ({', '.join(failed)}); holding the maintenance intent",
+                f"maintenance relaunch failed its smoke test ({', '.join(failed)}); {held}",
                 severity="critical",
                 details=out,
             )
