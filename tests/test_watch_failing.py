@@ -346,3 +346,24 @@ async def test_the_finish_of_a_stop_made_by_the_processes_survives_a_refused_loo
     m.refusing = False  # it answers: the run is still up as Docker says (its processes gone, Docker not caught up)
     await sup._step()
     assert sup.stopped_without_docker == ("peer:b", "peer_emergency from b")  # read again at the next step
+
+
+async def test_the_supervisions_periodic_work_waits_while_the_looks_at_the_container_fail(tmp_path: Path) -> None:
+    """A scheduled maintenance could begin while the engine refused docker inspect, on the stale state "ready"
+    (helper-54): the periodic work runs only after a step whose look succeeded."""
+    sup, m, _events = _sup(tmp_path)
+    ran: list[float] = []
+
+    async def periodic() -> None:
+        ran.append(time.monotonic())
+
+    sup.unattended.periodic = periodic  # type: ignore[method-assign]
+    task = asyncio.create_task(sup._loop())
+    try:
+        await _until(lambda: m.inspects >= 3)
+        assert ran == [], ran
+        m.refusing = False
+        await _until(lambda: len(ran) >= 2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -163,7 +163,7 @@ def nearest_stop(
     ttf: float | None = None
     if attr in SLOPE_ATTRS and slope is not None:
         s = slope.slope(now, window_s)
-        recent = slope.slope(now, window_s / 2, min_points=2)  # 2 s samples: 3 points in 5 s, still a direction
+        recent = slope.slope(now, window_s / 2, min_points=3)  # 2 s samples: 3 points in 5 s (not one pair)
         # the newest half of the window must fall too: just after a stop the window still held the fall while
         # memory was rising ("falling 0.13 GiB/s, reaches the line in 3 s", helper-48), and noise rarely
         # falls faster than min_fall_bytes_per_s over both

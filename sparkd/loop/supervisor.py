@@ -883,7 +883,9 @@ class Supervisor(RunBook):
                 log.exception("supervisor step failed")
                 self._step_failed(e)
             try:
-                if self.first_steps_done:  # a scheduled relaunch decides on the revision and the last launch
+                # a scheduled relaunch decides on the revision and the last launch; not on a state a failed look left
+                # stale (a scheduled maintenance began while the engine refused inspect, helper-54)
+                if self.first_steps_done and self._step_failures == 0:
                     await self.unattended.periodic()
             except asyncio.CancelledError:
                 raise
