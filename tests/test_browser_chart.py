@@ -228,8 +228,8 @@ def test_a_warn_rules_line_is_labelled_warn_and_drawn_amber_not_as_a_stop_line(
             return [px(9), px(6)]; })()"""
         )
         amber, red = colors
-        assert amber is not None and amber[1] > 140, colors  # rgb(224,179,65): a strong green part
-        assert red is not None and red[1] < 120, colors  # rgb(240,97,109)
+        assert amber is not None and amber[2] < 90 and amber[1] > amber[2] + 60, colors  # rgb(184,128,16): no blue
+        assert red is not None and red[2] > 100, colors  # rgb(240,97,109), blended with the background
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "chart-warn-rule-line.png"))
         ctx.close()

@@ -37,7 +37,7 @@
   };
   const MARK_ORDER = ["nvrm_no_memory", "nvrm_other", "launched", "ready", "resize", "stopping", "stopped", "killed", "hard_floor_kill", "oom_kill", "trip"];
   const GAP_MIN_S = 10;
-  const WARN_LINE = "rgba(224,179,65,0.9)"; // a line only warn rules hold: amber, not the stop lines' red
+  const WARN_LINE = "rgba(184,128,16,0.95)"; // a line only warn rules hold: amber (dark enough on the light theme)
   const thresholds = cfg.thresholds || [];
   const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
 
