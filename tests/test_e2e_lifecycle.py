@@ -523,4 +523,9 @@ def test_a_crash_of_a_docker_run_rm_container_stays_a_crash(
     s.wait_state("ready", 30)
     exited = s.wait_event("exited", 30)
     assert exited["severity"] == "critical" and exited["details"]["removed"] is False, exited
-    assert "exited unexpectedly (exit code 1" in exited["message"], exited["message"]
+    # read before Docker removed it: its exit code; removed first (a look a second apart races the removal; it read
+    # "removed outside sparkd", a warning, one run in two): an unexpected exit all the same, its code lost
+    assert "exited unexpectedly (exit code 1" in exited["message"] or (
+        "exited unexpectedly and Docker removed it at once (docker run --rm)" in exited["message"]
+    ), exited["message"]
+    assert not s.events("container_gone"), s.events("container_gone")

@@ -367,3 +367,30 @@ async def test_the_supervisions_periodic_work_waits_while_the_looks_at_the_conta
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.parametrize("was", ["ready", "stopped"])
+async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exit(tmp_path: Path, was: str) -> None:
+    """`docker run --rm`: Docker removes the container right after its exit, and a look a second apart read it as
+    "removed outside sparkd" (a warning) about one time in two, a crash unpaged (test_e2e_lifecycle's --rm test,
+    flaky since helper-49). A running --rm container that is gone ended on its own: a critical "exited", its code
+    lost. One sparkd stopped is only gone."""
+    from sparkd.errors import NotFound
+
+    sup, m, events = _sup(tmp_path)
+    sup.auto_remove = True
+    sup.state = S.READY if was == "ready" else S.STOPPED
+
+    def gone(cid: str) -> Any:
+        raise NotFound(f"no such container: {cid}")
+
+    m.state = gone  # type: ignore[method-assign]
+    await sup.reconcile(probe=False)
+    kinds = [(e["kind"], e["severity"]) for e in events]
+    if was == "ready":
+        assert ("exited", "critical") in kinds and not any(k == "container_gone" for k, _ in kinds), kinds
+        [ev] = [e for e in events if e["kind"] == "exited"]
+        assert "exited unexpectedly and Docker removed it at once (docker run --rm)" in ev["message"]
+    else:
+        assert ("container_gone", "warning") in kinds and not any(k == "exited" for k, _ in kinds), kinds
+    assert sup.container_id is None

@@ -15,7 +15,7 @@ from sparkd.act import shm
 from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
-from sparkd.core.lifecycle import ContainerState, Observation, Probe, transition
+from sparkd.core.lifecycle import ACTIVE_STATES, ContainerState, Observation, Probe, transition
 from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
@@ -43,6 +43,7 @@ class RunBook(LaunchBook):
     engine_error: str | None  # why the Docker engine did not answer, while it does not
     _policy_said: set[str | None]  # containers whose restart policy was said (``_say_restart_policy``)
     auto_remove: bool = False  # the run's ``HostConfig.AutoRemove`` (`docker run --rm`), read at adoption
+    _state_before: ContainerState = ContainerState.NONE  # the state before the transition being applied (``apply``)
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         raise NotImplementedError
@@ -192,6 +193,21 @@ class RunBook(LaunchBook):
 
     def _forget(self) -> None:
         assert self.container_id is not None
+        if self.auto_remove and self._state_before in ACTIVE_STATES:
+            # `docker run --rm` (vLLM's usual way): it ended on its own and Docker removed it before a look read its
+            # exit (a poll a second apart races Docker's removal: a crash read "removed outside sparkd", a warning,
+            # about one time in two, helper-49's test). Its exit code is lost with it: said as the exit it was
+            self._event(
+                "exited",
+                f"{self.name} ({self.container_id[:12]}) exited unexpectedly and Docker removed it at once (docker "
+                "run --rm) before sparkd read its exit code: a crash cannot be told from a clean exit here; its log "
+                "went with it (the kernel log and sparkd's samples hold what is left)",
+                severity="critical",
+                details={"exit_code": None, "removed": False, "auto_remove": True, "archive": None},
+            )
+            self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
+            self.stay_stopped = True
+            return
         self._event(
             "container_gone",
             f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; "

@@ -1447,6 +1447,7 @@ class Supervisor(RunBook):
 
     async def apply(self, step: Step, obs: Observation) -> None:
         """Execute one transition: adopt first (a new run), then the state change, then the rest."""
+        self._state_before = self.state  # what a removal ended (``_forget``)
         for eff in step.effects:
             if eff.kind is EffectKind.ADOPT:
                 await self._take_run(obs, first_sight=eff.event == "adopted")
