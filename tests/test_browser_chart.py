@@ -233,3 +233,29 @@ def test_a_warn_rules_line_is_labelled_warn_and_drawn_amber_not_as_a_stop_line(
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "chart-warn-rule-line.png"))
         ctx.close()
+
+
+def test_labels_of_lines_close_together_are_drawn_side_by_side_not_on_top_of_each_other(
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Lines 1 GiB apart on a 128 GiB axis printed their labels on top of each other, unreadable (helper-56): a
+    label within a text line's height of another starts after it."""
+    config = "".join(
+        f'[[rules]]\nname = "r{i}"\nwhen = ["MemAvailable < {g}GiB"]\n' for i, g in enumerate(("4", "4.5", "5"))
+    )
+    with _sparkd(tmp_path, config) as (base, _):
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        page.goto(f"{base}/")
+        until(
+            page, "window.sparkdChart && window.sparkdChart.points() > 2 && window.sparkdChart.labels().length == 3", 15
+        )
+        labels = page.evaluate("window.sparkdChart.labels()")
+        close = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1 :] if abs(a["y"] - b["y"]) < 13]
+        assert close, labels  # the lines are close enough that their labels would collide
+        for a, b in close:
+            assert a["x1"] <= b["x"] or b["x1"] <= a["x"], (a, b)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "chart-close-labels.png"))
+        ctx.close()

@@ -50,6 +50,7 @@
   let generation = 0;
   let zoom = null; // [min, max] epoch s while zoomed in; null: the live range
   let drawnLines = []; // the stop lines' labels drawn last time (within the plot)
+  let lastPlaced = []; // where they were drawn (``sparkdChart.labels``)
   const tip = document.getElementById("chart-tip");
   const zoomReset = document.getElementById("zoom-reset");
   const INCIDENT_KINDS = ["stopped", "killed"];
@@ -81,6 +82,8 @@
     ctx.rect(left, top, width, h);
     ctx.clip();
     const labelled = new Set();
+    const placed = []; // labels drawn: {y, x1}; one within a line's height of another starts after it
+    const dpr = window.devicePixelRatio || 1;
     drawnLines = [];
     for (const t of thresholds) {
       const y = u.valToPos(t.value / GiB, "y", true);
@@ -98,8 +101,15 @@
         drawnLines.push(text);
       }
       const warnOnly = thresholds.every((x) => x.label !== t.label || x.value !== t.value || x.action === "warn");
-      window.sparkdStopLine(ctx, u.bbox, y, text, warnOnly ? WARN_LINE : null);
+      // lines 1 GiB apart on a 128 GiB axis printed their labels on top of each other, unreadable (helper-56)
+      let labelX = left + 6 * dpr;
+      if (text != null) {
+        for (const p of placed) if (Math.abs(p.y - y) < 13 * dpr) labelX = Math.max(labelX, p.x1 + 14 * dpr);
+      }
+      const x1 = window.sparkdStopLine(ctx, u.bbox, y, text, warnOnly ? WARN_LINE : null, labelX);
+      if (text != null) placed.push({ y, x1, x: labelX, text });
     }
+    lastPlaced = placed;
     const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));
     for (const m of sorted) {
       const x = u.valToPos(m.ts, "x", true);
@@ -338,6 +348,7 @@
     plot: () => plot,
     markers: () => markers,
     lines: () => drawnLines,
+    labels: () => lastPlaced, // [{y, x, x1, text}] in canvas px: where each label was drawn
     append,
     cursor: cursorPos,
     zoom: () => zoom,

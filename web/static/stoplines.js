@@ -23,8 +23,9 @@
     ctx.stroke();
     ctx.setLineDash([]);
   };
-  window.sparkdStopLine = function (ctx, bbox, y, text, color) {
-    // color: a warn rule's line (amber); default the stop lines' red
+  window.sparkdStopLine = function (ctx, bbox, y, text, color, labelX) {
+    // color: a warn rule's line (amber); default the stop lines' red. labelX: where its label starts (canvas px;
+    // default the plot's left edge + 6 px). Returns where the label ends (labelX when there is none)
     const dpr = window.devicePixelRatio || 1;
     ctx.strokeStyle = color || "rgba(240,97,109,0.85)";
     ctx.lineWidth = dpr;
@@ -34,11 +35,13 @@
     ctx.lineTo(bbox.left + bbox.width, y);
     ctx.stroke();
     ctx.setLineDash([]);
-    if (text == null) return;
+    const x = labelX == null ? bbox.left + 6 * dpr : labelX;
+    if (text == null) return x;
     ctx.font = `${11 * dpr}px system-ui, sans-serif`;
     ctx.textAlign = "left";
     ctx.textBaseline = "bottom";
     ctx.fillStyle = color || "rgba(240,97,109,0.95)";
-    ctx.fillText(text, bbox.left + 6 * dpr, y - 4 * dpr);
+    ctx.fillText(text, x, y - 4 * dpr);
+    return x + ctx.measureText(text).width;
   };
 })();
