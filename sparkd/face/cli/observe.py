@@ -293,13 +293,11 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
     # nothing recent in the database is not a daemon that is gone: one that cannot write (a full disk, a lock, a
     # hung write) guards from memory. It read "sparkd NOT running", and an operator restarted a working guard
     # (helper-53); the state dir's socket says whether one holds it
-    holder = None
-    if not recording:
-        from pathlib import Path
+    from pathlib import Path
 
-        from sparkd.loop.statelock import daemon_pid
+    from sparkd.loop.statelock import daemon_pid
 
-        holder = daemon_pid(Path(settings.state_dir))
+    holder = daemon_pid(Path(settings.state_dir))  # the live daemon's pid, or None ("daemon_pid" in --json)
     running = recording or holder is not None
     snap = st.model_dump(mode="json") if st else {}
     data = {
