@@ -391,6 +391,10 @@ async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exi
         assert ("exited", "critical") in kinds and not any(k == "container_gone" for k, _ in kinds), kinds
         [ev] = [e for e in events if e["kind"] == "exited"]
         assert "exited unexpectedly and Docker removed it at once (docker run --rm)" in ev["message"]
-    else:
-        assert ("container_gone", "warning") in kinds and not any(k == "exited" for k, _ in kinds), kinds
+        assert sup.state_reason == "exited and removed by Docker (docker run --rm)"
+    else:  # its exit said before (or sparkd's stop): Docker's own removal, not "removed outside sparkd" (helper-55)
+        assert ("container_gone", "info") in kinds and not any(k == "exited" for k, _ in kinds), kinds
+        [ev] = [e for e in events if e["kind"] == "container_gone"]
+        assert "was removed by Docker after its exit (docker run --rm)" in ev["message"], ev
+        assert sup.state_reason == "removed by Docker after its exit (docker run --rm)"
     assert sup.container_id is None

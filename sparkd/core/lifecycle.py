@@ -81,6 +81,7 @@ class Observation:
     ``seen_restart_count`` (the start time and restart count sparkd recorded last; None: never
     seen), ``restart_warned`` (the restart-policy warning was given for this container),
     ``guarded`` (guard mode: sparkd never starts it, so a start outside sparkd is how it runs, not a warning),
+    ``auto_remove`` (``docker run --rm``: its removal after an exit is Docker's own),
     ``was_ready`` (this run was /health-ready before: its launch record says so, when sparkd comes back beside it; a
     failing /health is then ``unhealthy``, not a start-up that has not finished),
     ``name``, ``detail`` (the probe's error or stall description, for messages).
@@ -105,6 +106,7 @@ class Observation:
     restart_warned: bool = False
     guarded: bool = False
     was_ready: bool = False
+    auto_remove: bool = False  # ``HostConfig.AutoRemove`` (`docker run --rm`): Docker removes it after any exit
     name: str = "container"
     detail: str | None = None
 
@@ -281,11 +283,14 @@ def transition(state: ContainerState, obs: Observation) -> Step:
     if k is K.GONE:
         if state in (S.NONE, S.STOPPING):
             return Step(state)
-        return Step(
-            S.NONE,
-            "container removed outside sparkd",
-            (Effect(EffectKind.FORGET),),
-        )
+        why = "container removed outside sparkd"
+        if obs.auto_remove:  # `docker run --rm`: Docker's own removal after an exit, nobody's by hand (helper-55)
+            why = (
+                "exited and removed by Docker (docker run --rm)"
+                if state in ACTIVE_STATES
+                else "removed by Docker after its exit (docker run --rm)"
+            )
+        return Step(S.NONE, why, (Effect(EffectKind.FORGET),))
     if k is K.STOP_REQUESTED:
         return Step(state) if state is S.NONE else Step(S.STOPPING, obs.detail or "stop requested")
     if k is K.LAUNCHED:

@@ -208,11 +208,13 @@ class RunBook(LaunchBook):
             self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
             self.stay_stopped = True
             return
+        by_docker = self.auto_remove  # its exit was said (``exited``); Docker removed it after, as --rm asks
+        how = "was removed by Docker after its exit (docker run --rm)" if by_docker else "was removed outside sparkd"
+        then = "staying stopped until `sparkd start`" if self.mode == "managed" else "guarding it again once it runs"
         self._event(
             "container_gone",
-            f"{self.name} ({self.container_id[:12]}) was removed outside sparkd; "
-            + ("staying stopped until `sparkd start`" if self.mode == "managed" else "guarding it again once it runs"),
-            severity="warning",
+            f"{self.name} ({self.container_id[:12]}) {how}; {then}",
+            severity="info" if by_docker else "warning",
         )
         self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
         self.stay_stopped = True

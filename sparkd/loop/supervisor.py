@@ -1370,6 +1370,7 @@ class Supervisor(RunBook):
             restart_warned=self.restart_warned,
             guarded=self.mode != "managed",
             was_ready=self.ready_at is not None,
+            auto_remove=self.auto_remove,
             detail=detail,
         )
         try:
