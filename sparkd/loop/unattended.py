@@ -601,19 +601,25 @@ class Unattended:
         else:
             failed = sorted(k for k, v in smoke["checks"].items() if not v.get("ok"))
             rec = self.state.intent
-            # a stop asked meanwhile (a rule's, a peer's, an operator's) holds the model now, not the maintenance
-            # ("holding the maintenance intent" beside an operator's stop, helper-54)
-            held = (
-                "holding the maintenance intent"
-                if rec is None or rec.intent is StopIntent.MAINTENANCE
-                else f"the model stays stopped: {intent_text(rec.intent, rec.who, rec.reason)}"
-            )
-            sup._event(
-                "smoke_failed",
-                f"maintenance relaunch failed its smoke test ({', '.join(failed)}); {held}",
-                severity="critical",
-                details=out,
-            )
+            if rec is None or rec.intent is StopIntent.MAINTENANCE:
+                out["held_by"] = "the maintenance intent"
+                sup._event(
+                    "smoke_failed",
+                    f"maintenance relaunch failed its smoke test ({', '.join(failed)}); holding the maintenance intent",
+                    severity="critical",
+                    details=out,
+                )
+            else:
+                # a stop asked meanwhile (a rule's, a peer's, an operator's) holds the model now: no smoke test ran,
+                # and an operator was paged for their own stop as a critical smoke_failed (helper-54, helper-55)
+                out["held_by"] = intent_text(rec.intent, rec.who, rec.reason)
+                sup._event(
+                    "maintenance_interrupted",
+                    f"maintenance interrupted: a stop was asked during its relaunch; the model stays stopped: "
+                    f"{out['held_by']}",
+                    severity="warning",
+                    details=out,
+                )
         out["released"] = bool(smoke["ok"])
         return out
 

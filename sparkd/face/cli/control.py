@@ -190,7 +190,8 @@ def maintenance_run(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"relaunched: {out['relaunched']} (launch {out.get('launch_id')})")
         for name, check in out["smoke"]["checks"].items():
             click.echo(smoke_line(name, check))
-        click.echo("released: maintenance intent cleared" if out["released"] else "HOLD: maintenance intent kept")
+        held = out.get("held_by") or "the maintenance intent"
+        click.echo("released: maintenance intent cleared" if out["released"] else f"HOLD: {held}")
     sys.exit(0 if out["released"] else 1)
 
 
