@@ -1568,3 +1568,34 @@ async def test_the_monitor_only_card_keeps_a_settings_name_as_written(tmp_path: 
     finally:
         await d.shutdown("test")
     assert "Monitor_only" not in card and "monitor_only = true" in card, card
+
+
+async def test_a_blind_guard_and_a_database_that_records_nothing_are_never_ok_on_the_page(tmp_path: Path) -> None:
+    """/proc/meminfo read empty: the headline read grey "unknown", "No memory stop line — no stop rule has a memory
+    size line", while no rule could stop anything; and a full disk left it green "ok", the only word two events
+    deep (helper-55). A real daemon over a /proc the test owns; the keeper told the store failed, as on a full disk."""
+    from sparkd.face import presenters as views
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    meminfo = proc / "meminfo"
+    meminfo.write_text("MemTotal: 134217728 kB\nMemFree: 100663296 kB\nMemAvailable: 117440512 kB\n")
+    d = await _daemon(tmp_path, proc_root=str(proc))
+    try:
+        async with _client(d) as c:
+            ok = (await c.get("/ui/live.json", params={"ev": 0})).json()
+            assert ok["level"] == "ok", ok["label"]
+            d.db.lost("database or disk is full", d.mono(), at_once=False)  # the store failed in use
+            full = (await c.get("/ui/live.json", params={"ev": 0})).json()
+            assert (full["level"], full["label"]) == ("warn", views.NOT_RECORDING_LABEL), full
+            with open(meminfo, "r+") as f:  # emptied in place: the reader's open file reads nothing
+                f.truncate(0)
+            result = d._tick_once()
+            if result is not None:
+                await d._handle(result)
+            blind = (await c.get("/ui/live.json", params={"ev": 0})).json()
+            page = (await c.get("/")).text
+        assert blind["level"] == "critical" and blind["label"].startswith("BLIND: no stop rule can evaluate ("), blind
+        assert "Blind: no stop rule can read what it judges" in page and "No memory stop line" not in page
+    finally:
+        await d.shutdown("test")

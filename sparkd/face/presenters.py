@@ -446,8 +446,14 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     demoted = [str(r.get("name")) for r in status.get("rules") or [] if r.get("demoted")]
     level = _page_level(ns["level"] if ns else None, bool(s), why)
     label = level
+    blind = blind_text(status)
+    db = status.get("database") or {}
     if stopped is not None:
         level, label = "critical", "stopped by the guard"
+    elif blind is not None and blind[0]:
+        # every stop rule blind (/proc/meminfo unreadable or empty): it read grey "unknown", "No memory stop line —
+        # no stop rule has a memory size line", while no rule could stop anything (helper-55)
+        level, label = "critical", blind[1]
     elif ns is None and s and why is not None:
         label = "not guarded"
         if demoted and c.get("mode") != "monitor-only" and c.get("state") in RUNNING_STATES:
@@ -470,6 +476,12 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
     elif c.get("start_error") and c.get("mode") != "monitor-only":
         # the supervisor's first steps failed (a locked database): it read "ok" with the container never asked for
         level, label = _at_least_warn(level), start_error_text(c.get("mode"))
+    elif blind is not None:  # some stop rules blind: the others guard
+        level, label = _at_least_warn(level), blind[1]
+    elif db.get("state") == "unavailable" or db.get("write_hung_s"):
+        # nothing is recorded (a full disk, a hung write): the guard goes on from memory; it read green "ok" with the
+        # only word two events deep in the list (helper-55)
+        level, label = _at_least_warn(level), NOT_RECORDING_LABEL
     elif demoted and _LEVEL_RANK.get(level, 0) < 2:  # a stop rule switched off by the loop guard: never "ok",
         # and named over a plain "warn" (near another line): the generic label hid it while memory sat below the
         # demoted rule's line (helper-31)
@@ -496,9 +508,29 @@ def headline(status: dict[str, Any], stopped: dict[str, Any] | None) -> dict[str
         "monitor_only": c.get("mode") == "monitor-only",
         "has_sample": bool(s),
         "unarmed": why,
+        "blind": blind[1] if blind is not None else None,
         "config_note": config_file_text(status.get("config_file")),
         "config_invalid": (status.get("config_file") or {}).get("state") in ("invalid", "missing"),
     }
+
+
+#: The headline while the database records nothing (``database.state`` unavailable, or a write hung).
+NOT_RECORDING_LABEL = "NOT RECORDING: the database takes nothing; the guard goes on from memory"
+
+
+def blind_text(status: dict[str, Any]) -> tuple[bool, str] | None:
+    """Stop rules that cannot evaluate (``status.blind.rules``): ``(every stop rule is blind, the headline's
+    words)``, or None when none is. Monitor-only judges its rules too (they say what it would stop)."""
+    blind = (status.get("blind") or {}).get("rules") or {}
+    stops = [str(r.get("name")) for r in status.get("rules") or [] if r.get("action") == "stop"]
+    out = [n for n in stops if n in blind]
+    if not out:
+        return None
+    sensors = (status.get("blind") or {}).get("sensors") or {}
+    why = next(iter(sensors.values()), None) or blind[out[0]]
+    if len(out) == len(stops):
+        return True, f"BLIND: no stop rule can evaluate ({why})"
+    return False, f"{', '.join(out)} blind ({why}); the other stop rules guard"
 
 
 def _ready_s(c: dict[str, Any]) -> float | None:
