@@ -817,3 +817,32 @@ async def test_the_daemon_answers_every_look_at_its_state_directory_not_only_the
     finally:
         await d.shutdown("test")
     assert daemon_pid(state) is None  # released at the exit
+
+
+def test_sparkd_status_and_events_say_whether_a_daemon_runs_when_the_database_cannot_be_read(tmp_path: Path) -> None:
+    """A database that cannot be read (a full disk, a corrupt file): `sparkd status` said only "cannot read the
+    database" while the daemon guarded from memory, and `sparkd events` printed a traceback (helper-55)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+    from sparkd.loop.statelock import StateLock
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "sparkd.db").write_bytes(b"this is not a database" * 100)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{state}"\n')
+    lock = StateLock.acquire(state)  # this process plays the live sparkd
+    try:
+        for cmd in ("status", "events"):
+            r = CliRunner().invoke(main, ["--config", str(cfg), cmd])
+            assert r.exit_code != 0 and r.exception is None or isinstance(r.exception, SystemExit), r.exception
+            assert "Traceback" not in r.output, r.output
+            assert f"cannot read the database {state / 'sparkd.db'}: " in r.output, r.output
+            assert f"sparkd runs (pid {os.getpid()}) and guards from memory" in r.output, r.output
+    finally:
+        lock.release()
+    r = CliRunner().invoke(main, ["--config", str(cfg), "status"])
+    assert "No sparkd runs with this state directory" in r.output, r.output

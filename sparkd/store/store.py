@@ -52,6 +52,9 @@ from sparkd.store.schema import (
 #: what a read of the database can raise when it is corrupt, locked, full or gone (callers outside
 #: ``store`` catch this, never SQLAlchemy's classes: SQLAlchemy appears only in this package)
 READ_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, sqlite3.Error, OSError)
+#: ``READ_ERRORS`` and sparkd's own ``StoreError`` (a database that cannot be opened): what a reading command says in
+#: one line (``face.cli.base.unreadable``).
+READ_OR_OPEN_ERRORS: tuple[type[BaseException], ...] = (*READ_ERRORS, StoreError)
 
 log = logging.getLogger("sparkd.store.store")
 

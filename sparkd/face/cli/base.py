@@ -89,6 +89,26 @@ def _store(settings: Settings, *, migrate: bool = False) -> Store:
     return Store.open(settings.db_file, migrate=migrate)
 
 
+def unreadable(settings: Settings, err: BaseException) -> StoreError:
+    """The error of a reading command whose database cannot be read (disk full, corrupt, locked, a read-only
+    directory), saying whether a sparkd runs with this state directory: `sparkd status` said only "cannot read the
+    database" while the daemon guarded from memory, and `sparkd events` printed a traceback (helper-55)."""
+    from sparkd.loop.statelock import daemon_pid
+
+    why = (str(getattr(err, "orig", None) or getattr(err, "message", None) or err).splitlines() or ["?"])[0][:200]
+    pid = daemon_pid(Path(settings.state_dir))
+    if pid is not None:
+        return StoreError(
+            f"cannot read the database {settings.db_file}: {why}. sparkd runs (pid {pid}) and guards from memory, "
+            f"recording nothing meanwhile: its live status is {api_base(settings)}/api/status (and the dashboard); "
+            "see `sparkd doctor`"
+        )
+    return StoreError(
+        f"cannot read the database {settings.db_file}: {why}. No sparkd runs with this state directory "
+        f"({settings.state_dir}): see `sparkd doctor`"
+    )
+
+
 def _budget_in_effect(settings: Settings) -> tuple[BudgetSettings, dict[str, Any] | None]:
     """The budget settings the daemon launches with: the configuration's, or a resize's revision made on top of
     them (``Store.revision_in_effect``), with that revision (None: the configuration's; also when there is no

@@ -16,7 +16,7 @@ import click
 
 from sparkd.config import Settings
 from sparkd.core.supervision import of_this_run
-from sparkd.errors import SparkdError, StoreError
+from sparkd.errors import SparkdError
 from sparkd.face.cli.base import (
     CLOCK_SLACK_S,
     STALE_S,
@@ -30,6 +30,7 @@ from sparkd.face.cli.base import (
     _ts,
     api_base,
     main,
+    unreadable,
 )
 from sparkd.face.presenters import (
     HOLDS_AGAIN_TEXT,
@@ -42,7 +43,7 @@ from sparkd.face.presenters import (
     unarmed,
 )
 from sparkd.loop.status import Status
-from sparkd.store.store import READ_ERRORS
+from sparkd.store.store import READ_OR_OPEN_ERRORS
 from sparkd.units import fmt_gib
 
 
@@ -278,12 +279,8 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         latest = store.latest_sample(until=now + CLOCK_SLACK_S)
         events = store.events(limit=10)
         last_stop = store.events(kinds=("stopped", "killed", "stop_unconfirmed"), limit=1)
-    except READ_ERRORS as err:  # disk full, corrupt, locked: one line, no traceback
-        why = (str(getattr(err, "orig", None) or err).splitlines() or ["?"])[0][:200]
-        raise StoreError(
-            f"cannot read the database {settings.db_file}: {why}. A running sparkd keeps guarding from "
-            "memory: see `sparkd doctor` and /api/status"
-        ) from None
+    except READ_OR_OPEN_ERRORS as err:  # disk full, corrupt, locked, read-only: one line, no traceback
+        raise unreadable(settings, err) from None
     # alive: the newest record it wrote (the snapshot when something changes or every STATUS_QUIET_S,
     # samples every store.WRITE_EVERY_S) is recent
     # ... nor a snapshot dated in the future (a dead daemon's, written before the step) a sign of life
@@ -410,7 +407,10 @@ def samples(ctx: click.Context, since: str, as_json: bool, as_csv: bool) -> None
 def events(ctx: click.Context, since: str, kinds: tuple[str, ...], as_json: bool) -> None:
     """Recorded events (trips, stops, driver errors, OOM kills, ...)."""
     settings = _settings(ctx, reading=True)
-    rows = _store(settings).events(since=time.time() - _since(since), kinds=kinds or None, limit=10000)
+    try:
+        rows = _store(settings).events(since=time.time() - _since(since), kinds=kinds or None, limit=10000)
+    except READ_OR_OPEN_ERRORS as err:  # a traceback before (helper-55)
+        raise unreadable(settings, err) from None
     if as_json:
         click.echo(json.dumps(rows, default=str))
         return
