@@ -412,6 +412,8 @@ def test_a_warn_rule_already_below_its_line_is_a_note_in_doctor_and_status_alike
     )
     [note] = [w for w in found if w.rule == "early"]
     assert note.severity == "info" and "already holds" in note.message
+    # it has no other signal: "only its other signals decide" was said of it, and it warned every minute (helper-55)
+    assert "nothing else is needed: it trips at every cooldown for as long as this host stays so" in note.message
     checks = check_rule_reach(DoctorContext(proc_root=proc, rules=rules))
     assert [c.status for c in checks] == ["OK", "OK"], checks
     assert checks[0].detail == "2 rules, every threshold reachable on this host"  # no "clear of its MemAvailable"

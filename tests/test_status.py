@@ -838,7 +838,7 @@ def test_sparkd_status_and_events_say_whether_a_daemon_runs_when_the_database_ca
     try:
         for cmd in ("status", "events"):
             r = CliRunner().invoke(main, ["--config", str(cfg), cmd])
-            assert r.exit_code != 0 and r.exception is None or isinstance(r.exception, SystemExit), r.exception
+            assert r.exit_code != 0 and (r.exception is None or isinstance(r.exception, SystemExit)), r.exception
             assert "Traceback" not in r.output, r.output
             assert f"cannot read the database {state / 'sparkd.db'}: " in r.output, r.output
             assert f"sparkd runs (pid {os.getpid()}) and guards from memory" in r.output, r.output

@@ -252,6 +252,13 @@ def check_floors(
                     others += [c.text or c.name for c in rule.evidence]
                 gate = "; its evidence clause is always satisfied" if held_ev else ""
                 verb = "decides" if len(others) == 1 else "decide"
+                # nothing else to decide: it trips at every cooldown (doctor said "only its other signals decide" of
+                # a rule that has none, and it warned every minute, helper-55)
+                decides = (
+                    f"only {' and '.join(others)} {verb}"
+                    if others
+                    else "nothing else is needed: it trips at every cooldown for as long as this host stays so"
+                )
                 out.append(
                     FloorWarning(
                         rule.name,
@@ -261,8 +268,7 @@ def check_floors(
                         "info",
                         f"rule {rule.name}: {', '.join(c.text or c.name for c in held)} already "
                         f"{'hold' if len(held) > 1 else 'holds'} on this healthy host "
-                        f"(MemAvailable {fmt_gib(healthy)}){gate}; only "
-                        f"{' and '.join(others) or 'its other signals'} {verb}{ctx}",
+                        f"(MemAvailable {fmt_gib(healthy)}){gate}; {decides}{ctx}",
                         healthy,
                         low_watermark_bytes,
                     )
