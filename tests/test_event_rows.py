@@ -129,8 +129,8 @@ def test_a_near_miss_event_says_which_near_miss_it_is_and_that_1_in_10_is_logged
         assert decide_quietly(daemon, d) is True  # type: ignore[arg-type]
     assert [det["near_misses"] for _, _, det in said] == [1, NEAR_MISS_EVERY + 1, 2 * NEAR_MISS_EVERY + 1]
     assert said[1][1] == (
-        f"gated: near miss (suppressed, not counted): MemFree 1.30 GiB (near miss {NEAR_MISS_EVERY + 1} of this "
-        f"rule since sparkd started; 1 in {NEAR_MISS_EVERY} is logged)"
+        "gated: near miss (suppressed, not counted): MemFree 1.30 GiB (this rule's near misses since sparkd "
+        f"started: {NEAR_MISS_EVERY + 1}; 1 in {NEAR_MISS_EVERY} is logged)"
     )
 
 

@@ -197,7 +197,7 @@ def decide_quietly(daemon: Daemon, d: Decision) -> bool:
         if n % NEAR_MISS_EVERY == 1:
             daemon.event(
                 "near_miss",
-                f"{d.reason} (near miss {n} of this rule since sparkd started; 1 in {NEAR_MISS_EVERY} is logged)",
+                f"{d.reason} (this rule's near misses since sparkd started: {n}; 1 in {NEAR_MISS_EVERY} is logged)",
                 severity="info",
                 details={"rule": d.rule, "near_misses": n, **_jsonable(d.values)},
             )
