@@ -144,3 +144,36 @@ def test_a_long_event_kind_may_break_after_its_underscores_and_is_escaped() -> N
     html = templates().env.get_template("partials/_event_rows.html").render(events=[row])
     assert f'<span class="kind" title="{kind}">config_<wbr>changed_<wbr>not_<wbr>applied</span>' in html
     assert str(templates().env.filters["breakable"]("a<b>_c")) == "a&lt;b&gt;_<wbr>c"
+
+
+def test_a_warn_rules_card_counting_is_amber_never_the_red_of_a_stop() -> None:
+    """A warn rule counting turned its card red like a stop rule's, beside its amber chart line (helper-55)."""
+    from sparkd.face.presenters import rules_from_status
+    from sparkd.loop.status import RuleStatus, Status
+
+    def card(action: str, counter: int) -> str:
+        rule = RuleStatus.model_construct(
+            name="r",
+            kind="threshold",
+            action=action,
+            counter=counter,
+            samples=2,
+            for_s=None,
+            held_s=None,
+            in_last_s=None,
+            near_misses=0,
+            trips=0,
+            idle_trips=0,
+            holds=True,
+            when=["MemAvailable < 80GiB"],
+            evidence=[],
+            last_reason=None,
+            blind=None,
+            thresholds=[],
+            floor_bytes=None,
+            demoted=None,
+        )
+        st = Status.model_construct(rules=[rule])
+        return str(rules_from_status(st)[0]["level"])
+
+    assert card("stop", 1) == "critical" and card("warn", 1) == "warn" and card("warn", 2) == "warn"

@@ -213,7 +213,8 @@ def rules_from_status(status: Status) -> list[dict[str, Any]]:
         frac = counter / need
         if r.for_s:  # a duration rule trips on both: held for_s and at least `samples` samples; the one behind binds
             frac = min(frac, (r.held_s or 0.0) / r.for_s)
-        level = "ok" if counter == 0 else ("critical" if frac * 2 >= 1 else "warn")
+        level = "ok" if counter == 0 else ("critical" if frac * 2 >= 1 and r.action == "stop" else "warn")
+        # a warn rule's count leads to a warning, never a stop: amber, as its chart line (red read as a stop, helper-55)
         again = r.holds and counter == 0  # a trip started its count again: never a green 0/N (helper-39)
         if again:
             level = "critical" if r.action == "stop" else "warn"
