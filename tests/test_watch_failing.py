@@ -350,20 +350,22 @@ async def test_the_finish_of_a_stop_made_by_the_processes_survives_a_refused_loo
 
 async def test_the_supervisions_periodic_work_waits_while_the_looks_at_the_container_fail(tmp_path: Path) -> None:
     """A scheduled maintenance could begin while the engine refused docker inspect, on the stale state "ready"
-    (helper-54): the periodic work runs only after a step whose look succeeded."""
+    (helper-54): it waits for a step whose look succeeded; the rest of the periodic work goes on."""
     sup, m, _events = _sup(tmp_path)
-    ran: list[float] = []
+    ran: list[bool] = []
 
-    async def periodic() -> None:
-        ran.append(time.monotonic())
+    async def periodic(*, watched: bool = True) -> None:
+        ran.append(watched)
 
     sup.unattended.periodic = periodic  # type: ignore[method-assign]
     task = asyncio.create_task(sup._loop())
     try:
         await _until(lambda: m.inspects >= 3)
-        assert ran == [], ran
+        # the heartbeat, the breaker's re-alerts and the maintenance window's expiry go on (helper-57); only a
+        # scheduled maintenance waits for a look that succeeded
+        assert ran and set(ran) == {False}, ran
         m.refusing = False
-        await _until(lambda: len(ran) >= 2)
+        await _until(lambda: ran[-2:] == [True, True])
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -385,12 +387,18 @@ async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exi
         raise NotFound(f"no such container: {cid}")
 
     m.state = gone  # type: ignore[method-assign]
+    from types import SimpleNamespace
+
+    sup._oom_record = SimpleNamespace(pid=4242, comm="python3")  # type: ignore[assignment]  # the kernel's OOM line
     await sup.reconcile(probe=False)
+    assert sup.auto_remove is False  # the next run's own flag is read when it is taken (helper-57)
     kinds = [(e["kind"], e["severity"]) for e in events]
     if was == "ready":
         assert ("exited", "critical") in kinds and not any(k == "container_gone" for k, _ in kinds), kinds
         [ev] = [e for e in events if e["kind"] == "exited"]
         assert "exited unexpectedly and Docker removed it at once (docker run --rm)" in ev["message"]
+        # the kernel's OOM attribution is said, not "a crash cannot be told from a clean exit" (helper-57)
+        assert "the kernel log shows an OOM kill of pid 4242 (python3)" in ev["message"], ev["message"]
         assert sup.state_reason == "exited and removed by Docker (docker run --rm)"
     else:  # its exit said before (or sparkd's stop): Docker's own removal, not "removed outside sparkd" (helper-55)
         assert ("container_gone", "info") in kinds and not any(k == "exited" for k, _ in kinds), kinds
@@ -398,3 +406,41 @@ async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exi
         assert "was removed by Docker after its exit (docker run --rm)" in ev["message"], ev
         assert sup.state_reason == "removed by Docker after its exit (docker run --rm)"
     assert sup.container_id is None
+
+
+def test_an_accept_that_fails_on_the_state_socket_waits_a_second_instead_of_spinning(tmp_path: Path) -> None:
+    """Out of descriptors, accept() failed, the connection stayed queued and the socket readable: the reader ran on
+    every pass of the loop, a warning each, 40,000 a second from one `sparkd status` (helper-57). It waits 1 s."""
+    from sparkd.loop.statelock import StateLock, daemon_pid
+
+    async def go() -> tuple[int, int | None]:
+        lock = StateLock.acquire(tmp_path)
+        real = lock._sock
+        assert real is not None
+        calls = [0]
+
+        class Once:  # the real socket; its first accept() fails as the kernel's EMFILE does
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def accept(self) -> Any:
+                calls[0] += 1
+                if calls[0] <= 1:
+                    raise OSError(24, "Too many open files")
+                return real.accept()
+
+        lock._sock = Once()  # type: ignore[assignment]
+        try:
+            lock.answer_on(asyncio.get_running_loop())
+            pid = await asyncio.to_thread(daemon_pid, tmp_path)  # queued; answered once accept works again
+            await asyncio.sleep(0.5)
+            spun = calls[0]
+            await asyncio.sleep(1.0)
+            return spun, pid
+        finally:
+            lock._sock = real
+            lock.release()
+
+    spun, pid = asyncio.run(go())
+    assert spun <= 2, spun
+    assert pid is not None

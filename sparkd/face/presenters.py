@@ -527,8 +527,7 @@ def blind_text(status: dict[str, Any]) -> tuple[bool, str] | None:
     out = [n for n in stops if n in blind]
     if not out:
         return None
-    sensors = (status.get("blind") or {}).get("sensors") or {}
-    why = next(iter(sensors.values()), None) or blind[out[0]]
+    why = blind[out[0]]  # the rule's own reason (the first blind sensor may be one only a warn rule reads)
     if len(out) == len(stops):
         return True, f"BLIND: no stop rule can evaluate ({why})"
     return False, f"{', '.join(out)} blind ({why}); the other stop rules guard"

@@ -197,16 +197,28 @@ class RunBook(LaunchBook):
             # `docker run --rm` (vLLM's usual way): it ended on its own and Docker removed it before a look read its
             # exit (a poll a second apart races Docker's removal: a crash read "removed outside sparkd", a warning,
             # about one time in two, helper-49's test). Its exit code is lost with it: said as the exit it was
+            oom = self._oom_record
+            how = (
+                f"the kernel log shows an OOM kill of pid {oom.pid} ({oom.comm}) in this container"
+                if oom is not None
+                else "a crash cannot be told from a clean exit here"
+            )
             self._event(
                 "exited",
                 f"{self.name} ({self.container_id[:12]}) exited unexpectedly and Docker removed it at once (docker "
-                "run --rm) before sparkd read its exit code: a crash cannot be told from a clean exit here; its log "
-                "went with it (the kernel log and sparkd's samples hold what is left)",
+                f"run --rm) before sparkd read its exit code: {how}; its log went with it (the kernel log and "
+                "sparkd's samples hold what is left)",
                 severity="critical",
-                details={"exit_code": None, "removed": False, "auto_remove": True, "archive": None},
+                details={
+                    "exit_code": None,
+                    "removed": False,
+                    "auto_remove": True,
+                    "archive": None,
+                    "kernel_oom_kill": oom is not None,
+                },
             )
             self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
-            self.stay_stopped = True
+            self.stay_stopped, self.auto_remove = True, False
             return
         by_docker = self.auto_remove  # its exit was said (``exited``); Docker removed it after, as --rm asks
         how = "was removed by Docker after its exit (docker run --rm)" if by_docker else "was removed outside sparkd"
@@ -216,6 +228,7 @@ class RunBook(LaunchBook):
             f"{self.name} ({self.container_id[:12]}) {how}; {then}",
             severity="info" if by_docker else "warning",
         )
+        self.auto_remove = False  # the next run's own flag is read when it is taken
         self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
         self.stay_stopped = True
 

@@ -98,10 +98,19 @@ class StateLock:
                     conn, _ = sock.accept()
                 except (BlockingIOError, InterruptedError):
                     return
-                except OSError as e:  # never ends the daemon: the lock file still guards the directory
-                    log.warning("the state directory's socket: %s", e)
+                except OSError as e:
+                    # out of descriptors, say: the connection stays queued and the socket readable, and the reader
+                    # ran on every pass of the loop, a warning each (40,000 a second, helper-57). It waits 1 s
+                    log.warning("the state directory's socket: %s; looked at again in 1 s", e)
+                    loop.remove_reader(sock.fileno())
+                    loop.call_later(1.0, watch)
                     return
                 conn.close()
+
+        def watch() -> None:
+            if self._sock is sock:  # not released meanwhile
+                loop.add_reader(sock.fileno(), drain)
+                drain()
 
         loop.add_reader(sock.fileno(), drain)
         self._loop = loop

@@ -856,6 +856,7 @@ class Supervisor(RunBook):
         self.seen_started_at, self.seen_restart_count, self.restart_warned = started_at, 0, False
         self.restart_count, self.restart_policy = 0, "no"
         self.first_sight = False  # sparkd saw this run start: its `ready` is a healthy reading
+        self.auto_remove = False  # sparkd's own launch (no --rm): an adopted run's flag is not this one's (helper-57)
         self.unattended.new_run()  # its completion probes count from 0 (``_take_run`` is for runs not launched here)
         obs = Observation(launched=True, started_at=started_at, detail=f"launched by {source}", name=self.name)
         await self.apply(transition(self.state, obs), obs)
@@ -885,8 +886,8 @@ class Supervisor(RunBook):
             try:
                 # a scheduled relaunch decides on the revision and the last launch; not on a state a failed look left
                 # stale (a scheduled maintenance began while the engine refused inspect, helper-54)
-                if self.first_steps_done and self._step_failures == 0:
-                    await self.unattended.periodic()
+                if self.first_steps_done:
+                    await self.unattended.periodic(watched=self._step_failures == 0)
             except asyncio.CancelledError:
                 raise
             except Exception:  # its own: a database error here is no failed look at the container (helper-52)
@@ -1098,10 +1099,15 @@ class Supervisor(RunBook):
         now; its failure said (``stop_not_executed``, critical: who asked was told it was taken)."""
         try:
             await self.request("stop", source=source, reason=reason)
-        except Refused:
+        except Refused as e:
+            down = " is not running " in e.message or e.message.startswith("no process of")
+            if not down:  # refused otherwise (a container without sparkd's label): said
+                self._event("stop_not_executed", f"{source}: {reason}: {e.message}", severity="critical")
+                return
             # nothing runs (the action's launch failed, or its run exited): the stop is done; its asker's intent is
             # recorded, the model stays stopped (a critical "not executed" for a model that is down, helper-54)
             self.stay_stopped = True
+            self.unattended.cancel_relaunch(f"stopped by {source}")
             await self.unattended.set_intent(self.unattended.intent_for(source), source, reason)
         except SparkdError as e:
             self._event("stop_not_executed", f"{source}: {reason}: {e.message}", severity="critical")

@@ -453,7 +453,10 @@ class Unattended:
             self.sup._bg = asyncio.create_task(self.sup.emergency_stop("probe", reason))
 
     # ------------------------------------------------------------------ periodic
-    async def periodic(self) -> None:
+    async def periodic(self, *, watched: bool = True) -> None:
+        """The breaker's re-alerts, the maintenance window's expiry, the heartbeat, a scheduled maintenance.
+        ``watched``: the supervisor's last look at the container succeeded; a scheduled maintenance waits for one (it
+        began on a stale "ready" while the engine refused inspect, helper-54), the alerts never (helper-57)."""
         now = time.time()
         if (
             breaker_alert_due(self.breaker_policy, self.state.breaker, now)
@@ -481,7 +484,7 @@ class Unattended:
             else:
                 await self._heartbeat(now)
             await self.save()
-        if self.schedule and (self._maint is None or self._maint.done()):
+        if watched and self.schedule and (self._maint is None or self._maint.done()):
             local = datetime.now()
             if schedule_due(self.schedule, last_run=self._last_scheduled, now=local) and self.sup.running():
                 self._last_scheduled = local
@@ -601,15 +604,21 @@ class Unattended:
         else:
             failed = sorted(k for k, v in smoke["checks"].items() if not v.get("ok"))
             rec = self.state.intent
-            if rec is None or rec.intent is StopIntent.MAINTENANCE:
-                out["held_by"] = "the maintenance intent"
+            if sup.stopped_meanwhile(began) is None:  # its own failure (a crash, a timeout, a failed smoke test)
+                held = (
+                    "the maintenance intent"
+                    if rec is None or rec.intent is StopIntent.MAINTENANCE
+                    else intent_text(rec.intent, rec.who, rec.reason)  # a crash's relaunch decision replaced it
+                )
+                out["held_by"] = held
                 sup._event(
                     "smoke_failed",
-                    f"maintenance relaunch failed its smoke test ({', '.join(failed)}); holding the maintenance intent",
+                    f"maintenance relaunch failed its smoke test ({', '.join(failed)}); holding {held}",
                     severity="critical",
                     details=out,
                 )
             else:
+                assert rec is not None
                 # a stop asked meanwhile (a rule's, a peer's, an operator's) holds the model now: no smoke test ran,
                 # and an operator was paged for their own stop as a critical smoke_failed (helper-54, helper-55)
                 out["held_by"] = intent_text(rec.intent, rec.who, rec.reason)
