@@ -132,6 +132,8 @@ async def test_a_stop_handed_over_to_a_resize_is_not_undone_by_its_rollback(tmp_
     assert launched == [], (source, res)
     assert res["applied"] is False and "stopped by" in (res["error"] or ""), res
     assert not any(e["kind"] == "rollback" for e in events), [e["kind"] for e in events]
+    [cut] = [e for e in events if e["kind"] == "resize_interrupted"]  # said, not only in the API's answer
+    assert "revision 7 (not tried yet) is what the next start launches" in cut["message"], cut
     assert sup.unattended.state.intent is not None and sup.stay_stopped
 
 

@@ -813,9 +813,18 @@ class Supervisor(RunBook):
             await self._finish_launch("stopped")
         self.budget = new_budget
         ok, why = await self._launch_and_wait(source, since=began)
-        if not ok and self.stopped_meanwhile(began) is not None:
+        stop = self.stopped_meanwhile(began) if not ok else None
+        if stop is not None:
             # a stop was asked meanwhile (a rule's, a peer's, an operator's, handed over): the model stays stopped,
-            # with this revision; no rollback launches the old one behind the stop (helper-54)
+            # with this revision; no rollback launches the old one behind the stop (helper-54). Said: only the API's
+            # answer did, and the next start launches this untried revision (helper-57)
+            self._event(
+                "resize_interrupted",
+                f"resize to revision {rev} interrupted: {who_and_reason(stop.who, stop.reason)} stopped the model "
+                f"meanwhile; it stays stopped, and revision {rev} (not tried yet) is what the next start launches",
+                severity="warning",
+                details={"revision": rev, "previous_revision": old_rev, "stopped_by": stop.who},
+            )
             return out.model_copy(update={"applied": False, "revision": rev, "error": why})
         if not ok:
             self._event(
