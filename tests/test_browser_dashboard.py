@@ -129,8 +129,8 @@ def test_a_dead_daemon_raises_the_banner_within_5_s_and_a_restarted_one_clears_i
     assert time.monotonic() - t0 < 5.0
     assert "not responding since" in banner.inner_text()
     # the controls say why they are off
-    preview = page.locator("#resize-form button[type=submit]")
-    assert preview.is_disabled() and preview.get_attribute("title") == "sparkd is not responding"
+    stop = page.locator("form[action='/ui/container/stop'] button")  # monitor-only has no resize form
+    assert stop.is_disabled() and stop.get_attribute("title") == "sparkd is not responding"
     # while it is away the page backs off instead of hammering (2 → 4 → 8 s)
     failed: list[str] = []
     page.on("requestfailed", lambda r: failed.append(r.url))
