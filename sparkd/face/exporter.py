@@ -70,13 +70,13 @@ _SNAPSHOT: contextvars.ContextVar[Snapshot | None] = contextvars.ContextVar("spa
 def take_snapshot(daemon: DaemonView) -> Snapshot:
     """In-memory state only; call on the event loop."""
     # not views.status_view: a scrape shows the last GPU reading and does not ask for another (gpu_quiet_interval_s)
-    from sparkd.face.presenters import guard_age_s
+    from sparkd.face.presenters import guard_age_s, sample_max_age_s
 
     return Snapshot(
         status=daemon.status_json(),
         ticks=sorted(daemon.tick_durations),
         sample_age_s=guard_age_s(daemon),
-        sample_max_age_s=max(3.0, 3 * daemon.settings.interval_s),
+        sample_max_age_s=sample_max_age_s(daemon),
         read_error=daemon.guard is not None and daemon.guard.read_error is not None,
     )
 

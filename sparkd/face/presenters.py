@@ -84,10 +84,16 @@ def guard_age_s(daemon: DaemonView) -> float | None:
     return max(0.0, g.mono() - g.last.mono)
 
 
+def sample_max_age_s(daemon: DaemonView) -> float:
+    """How old the guard's last sample may be and still count as a reading now: 3 intervals, at least 3 s
+    (``/healthz``; ``/metrics`` leaves the memory gauges out past it)."""
+    return max(3.0, 3 * daemon.settings.interval_s)
+
+
 def health(daemon: DaemonView) -> dict[str, Any]:
-    """``/healthz``: ok when the daemon runs and the guard sampled within 3 intervals (≥ 3 s)."""
+    """``/healthz``: ok when the daemon runs and the guard sampled within ``sample_max_age_s``."""
     age = guard_age_s(daemon)
-    limit = max(3.0, 3 * daemon.settings.interval_s)
+    limit = sample_max_age_s(daemon)
     ok = bool(daemon.ready) and not daemon.should_exit.is_set() and age is not None and age <= limit
     return {
         "ok": ok,

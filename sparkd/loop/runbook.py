@@ -217,17 +217,19 @@ class RunBook(LaunchBook):
                     "kernel_oom_kill": oom is not None,
                 },
             )
-            self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
-            self.stay_stopped, self.auto_remove = True, False
-            return
-        by_docker = self.auto_remove  # its exit was said (``exited``); Docker removed it after, as --rm asks
-        how = "was removed by Docker after its exit (docker run --rm)" if by_docker else "was removed outside sparkd"
-        then = "staying stopped until `sparkd start`" if self.mode == "managed" else "guarding it again once it runs"
-        self._event(
-            "container_gone",
-            f"{self.name} ({self.container_id[:12]}) {how}; {then}",
-            severity="info" if by_docker else "warning",
-        )
+        else:
+            by_docker = self.auto_remove  # its exit was said (``exited``); Docker removed it after, as --rm asks
+            how = (
+                "was removed by Docker after its exit (docker run --rm)" if by_docker else "was removed outside sparkd"
+            )
+            then = (
+                "staying stopped until `sparkd start`" if self.mode == "managed" else "guarding it again once it runs"
+            )
+            self._event(
+                "container_gone",
+                f"{self.name} ({self.container_id[:12]}) {how}; {then}",
+                severity="info" if by_docker else "warning",
+            )
         self.auto_remove = False  # the next run's own flag is read when it is taken
         self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
         self.stay_stopped = True
@@ -304,16 +306,14 @@ class RunBook(LaunchBook):
         source = "maintenance (failed launch)" if maintenance else "sparkd (failed launch)"
         try:
             await self.request("stop", source=source, reason=reason)
-        except Conflict as e:
-            if not (isinstance(e.detail, dict) and "action" in e.detail):  # Docker's own 409: said, as ever
-                self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
-                return
-            # an action took the lock first (an operator's resize, a maintenance run): the stop waits for it, at the
-            # supervisor's first step with the lock free, if this run is still up and failed; said as
-            # stop_not_executed, it was never tried again and the model ran on, shown "failed" (helper-51)
-            self._failed_stop_pending = (cid, reason)
-            return
         except SparkdError as e:
+            if isinstance(e, Conflict) and isinstance(e.detail, dict) and "action" in e.detail:
+                # an action took the lock first (an operator's resize, a maintenance run): the stop waits for it, at
+                # the supervisor's first step with the lock free, if this run is still up and failed; said as
+                # stop_not_executed, it was never tried again and the model ran on, shown "failed" (helper-51).
+                # Docker's own 409 has no such detail: said, as any refusal
+                self._failed_stop_pending = (cid, reason)
+                return
             self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
             return
         if maintenance and rec is not None:

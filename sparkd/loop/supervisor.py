@@ -312,14 +312,7 @@ class Supervisor(RunBook):
                     # a relaunch or resize holds the lock until its new run is ready, minutes of start-up (when memory
                     # peaks): the stop cannot wait for it. It is handed over; that action stops the run at once and
                     # launches nothing more (``_take_emergency``)
-                    self.emergency_inbox = (source, reason)
-                    self._event(
-                        "stop_handed_over",
-                        f"{source}: {reason}; the {self.action} under way stops the model now and launches "
-                        "nothing more",
-                        severity="warning",
-                        details={"action": self.action},
-                    )
+                    self._hand_over_stop(source, reason)
                     return
                 if self.action == "stopping":
                     # a stop of the model is under way (a peer's, an operator's, another rule's): it covers this one.
@@ -1075,9 +1068,14 @@ class Supervisor(RunBook):
         the lock until its new run is ready, minutes of start-up: handed over as the guard's own trips are
         (``_take_emergency``: the run stopped at once, nothing more launched). It was refused with "already
         relaunching", the peer told "accepted", the model came up while the other Spark stopped (helper-53). A
-        rule's stop already handed over is kept (its intent, emergency, and its breaker count)."""
+        rule's stop already handed over is kept over anyone else's (its intent, emergency, and its breaker count); a
+        later rule's stop replaces it, as an emergency stop's handover always did."""
         kept = self.emergency_inbox
-        if kept is None or intent_for(kept[0]) is not StopIntent.EMERGENCY:
+        if (
+            kept is None
+            or intent_for(source) is StopIntent.EMERGENCY
+            or intent_for(kept[0]) is not StopIntent.EMERGENCY
+        ):
             self.emergency_inbox = (source, reason)
         self._event(
             "stop_handed_over",
