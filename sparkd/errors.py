@@ -5,7 +5,11 @@ Each class carries an HTTP status for the API and a short machine name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+#: why a ``Refused`` was refused, for code that acts on it (never read from the message's words).
+#: ``not_running``: nothing of the model runs (its container is not running, no process of it is found).
+RefusedReason = Literal["not_running"]
 
 
 class SparkdError(Exception):
@@ -63,10 +67,17 @@ class NotFound(SparkdError):
 
 
 class Refused(SparkdError):
-    """A plan, preflight or resize was refused; nothing was changed."""
+    """A plan, preflight, resize or action was refused; nothing was changed.
+
+    ``reason``: why, for code that acts on it (``RefusedReason``); None when no caller tells the cases apart. It is
+    not in the API's body (``to_json``): the message says it to a person."""
 
     status_code = 422
     code = "refused"
+
+    def __init__(self, message: str, *, detail: Any = None, reason: RefusedReason | None = None) -> None:
+        super().__init__(message, detail=detail)
+        self.reason = reason
 
 
 class DockerUnavailable(SparkdError):

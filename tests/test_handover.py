@@ -175,3 +175,28 @@ async def test_a_handed_over_stop_left_for_after_the_lock_finds_the_model_down_a
     assert not any(e["kind"] == "stop_not_executed" for e in events), events
     assert sup.unattended.state.intent is not None and sup.unattended.state.intent.intent is StopIntent.OPERATOR
     assert sup.stay_stopped is True
+
+
+async def test_a_stop_not_running_is_told_by_its_reason_not_by_its_words(tmp_path: Path) -> None:
+    """``_stop_as_asked`` reads ``Refused.reason``: a refusal that only reads "is not running" (no reason) is said as
+    not executed; one with ``reason="not_running"`` is the stop done. The supervisor's own not-running refusals, a
+    stop's and a maintenance run's, carry the code."""
+    from sparkd.core.lifecycle import ContainerState as S
+    from sparkd.errors import Refused
+
+    for reason, said in ((None, True), ("not_running", False)):
+        sup, _m, events = _sup(tmp_path / str(reason))
+
+        async def request(action: str, *, source: str, reason: str | None = None, why: Any = reason) -> None:
+            raise Refused("vllm is not running (state stopped)", reason=why)
+
+        sup.request = request  # type: ignore[method-assign]
+        await sup._stop_as_asked("api (admin)", "operator stop")
+        assert any(e["kind"] == "stop_not_executed" for e in events) is said, events
+        assert sup.stay_stopped is not said and (sup.unattended.state.intent is None) is said
+    sup, m, _ = _sup(tmp_path / "own")
+    m.refusing = False
+    sup.mode, sup.state = "managed", S.STOPPED
+    with pytest.raises(Refused) as e:
+        await sup.unattended.maintenance_run("api (admin)")
+    assert e.value.reason == "not_running", e.value

@@ -267,4 +267,6 @@ def test_an_operators_stop_with_the_engine_silent_and_nothing_running_says_why(
         with pytest.raises(want) as info:
             asyncio.run(sup.request("stop", source="api:ops"))
         assert text in info.value.message, info.value.message
+        # the code, not the words, tells a handed-over stop that nothing runs (``_stop_as_asked``)
+        assert getattr(info.value, "reason", None) == ("not_running" if want is Refused else None), info.value
         assert sup.stay_stopped is False and sup.stopped_without_docker is None and sup.action is None

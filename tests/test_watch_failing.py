@@ -23,7 +23,7 @@ from test_status import status_cli_output
 from sparkd.act.containerspec import ContainerState as DockerState
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState as S
-from sparkd.errors import EngineRefused
+from sparkd.errors import EngineRefused, Refused
 from sparkd.face import presenters as views
 from sparkd.loop.supervisor import WATCH_FAILURES_SAID, Supervisor
 
@@ -187,6 +187,7 @@ async def test_a_stop_asked_of_sparkd_that_the_engine_refuses_goes_on_by_the_pro
         await sup.request("stop", source="peer:b", reason="peer_emergency from b")
     assert by_processes == [("peer:b", True)], by_processes
     assert str(e.value) == f"no process of vllm runs (the Docker engine refuses ({REFUSED}))", e.value
+    assert isinstance(e.value, Refused) and e.value.reason == "not_running", e.value
     assert sup.engine_up is True and not any(ev["kind"] == "docker_down" for ev in events)
 
 

@@ -644,9 +644,9 @@ class Supervisor(RunBook):
         and the model stays stopped; the answer says ``"stopped_by": "processes"``. Before, it waited out
         the engine's API timeout (30 s) and was refused.
 
-        Raises Conflict (an action is running), Refused (not running / already running / guarded),
-        DockerUnavailable (start or restart with the engine down; a stop when the container's id is not
-        known yet)."""
+        Raises Conflict (an action is running), Refused (not running, or no process of it runs with the engine
+        silent: ``reason="not_running"``; already running; guarded), DockerUnavailable (start or restart with the
+        engine down; a stop when the container's id is not known yet)."""
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
         if action != "stop" and self.mode != "managed":
@@ -694,7 +694,7 @@ class Supervisor(RunBook):
         if isinstance(done, str):
             if self.container_id is None:
                 raise DockerUnavailable(f"{engine} and {done}")
-            raise Refused(f"{done} ({engine})")
+            raise Refused(f"{done} ({engine})", reason="not_running")  # its id known: no process of it runs
         rep, left = done
         self.stay_stopped = True
         self.unattended.cancel_relaunch(f"stopped by {source}")
@@ -730,7 +730,9 @@ class Supervisor(RunBook):
                 if action in ("stop", "restart"):
                     if not up:
                         if action == "stop":
-                            raise Refused(f"{self.name or 'container'} is not running (state {self.state})")
+                            raise Refused(
+                                f"{self.name or 'container'} is not running (state {self.state})", reason="not_running"
+                            )
                     else:
                         rep = await self._stop(reason or f"{action} requested by {source}", source)
                         out["stop"] = rep.to_json()
@@ -1107,8 +1109,7 @@ class Supervisor(RunBook):
         try:
             await self.request("stop", source=source, reason=reason)
         except Refused as e:
-            down = " is not running " in e.message or e.message.startswith("no process of")
-            if not down:  # refused otherwise (a container without sparkd's label): said
+            if e.reason != "not_running":  # refused otherwise (a container without sparkd's label): said
                 self._event("stop_not_executed", f"{source}: {reason}: {e.message}", severity="critical")
                 return
             # nothing runs (the action's launch failed, or its run exited): the stop is done; its asker's intent is

@@ -575,14 +575,16 @@ class Unattended:
         """Drain, stop, start the same plan, smoke test; release the maintenance intent only on pass.
 
         Raises:
-            Refused: not a managed container, or it is not running.
+            Refused: not a managed container, or it is not running (``reason="not_running"``).
             Conflict: another action is running.
         """
         sup = self.sup
         if sup.mode != "managed":
             raise Refused("maintenance run needs a container sparkd launches (container.image)")
         if not sup.running():
-            raise Refused(f"{sup.name} is not running (state {sup.state}): nothing to drain and relaunch")
+            raise Refused(
+                f"{sup.name} is not running (state {sup.state}): nothing to drain and relaunch", reason="not_running"
+            )
         began = time.time()
         await self.set_intent(StopIntent.MAINTENANCE, who, "drain and relaunch")
         drain = await self._drain_running()
