@@ -736,3 +736,15 @@ def test_a_queue_full_of_samples_still_takes_the_stops_events(tmp_path: Path) ->
     assert w.flush() == 12
     assert w.store is not None and [e["kind"] for e in w.store.events(since=0)] == ["stopped", "trip"]
     assert EVENT_RESERVE >= 100
+
+
+def test_a_write_is_hung_once_it_has_not_returned_for_the_failing_report_time() -> None:
+    """``Writer.write_hung_s``: the one threshold of ``database_write_hung`` and ``Status.database.write_hung_s``."""
+    from sparkd.store.store import FAILING_REPORT_S
+
+    w = Writer(None)
+    assert w.write_hung_s() is None  # no write runs
+    w._write_started = time.monotonic() - (FAILING_REPORT_S - 1)
+    assert w.hung_for() > 0 and w.write_hung_s() is None
+    w._write_started = time.monotonic() - (FAILING_REPORT_S + 1)
+    assert (w.write_hung_s() or 0) >= FAILING_REPORT_S + 1

@@ -32,6 +32,7 @@ log = logging.getLogger("sparkd.loop.daemon")
 if TYPE_CHECKING:
     from sparkd.loop.daemon import Daemon
     from sparkd.sense.gpu import GpuSampler
+    from sparkd.store.store import Writer
 
 #: ``<state_dir>/run_end.json``: a clean exit's end when the database could not take it at shutdown
 RUN_END_FILE = "run_end.json"
@@ -240,7 +241,7 @@ async def db_step(daemon: Daemon) -> None:
         )
         daemon._drops_said = w.dropped
     if daemon.db.state == "ok":
-        say_hung_write(daemon, w.hung_for())
+        say_hung_write(daemon, w)
         failing_s = w.failing_for()
         why: str | None = w.fatal or w.lost  # the writer checks the file's inode after each write
         if why is None and failing_s >= FAILING_REPORT_S:  # locked elsewhere: errors that pass
@@ -288,24 +289,25 @@ async def db_step(daemon: Daemon) -> None:
     )
 
 
-def say_hung_write(daemon: Daemon, hung_s: float) -> None:
-    """A write in the writer's thread that has not returned for ``FAILING_REPORT_S``: said once, critical
-    (``database_write_hung``: nothing is recorded meanwhile; the guard goes on from memory), and its return
-    (``database_write_returned``). ``Status.database.write_hung_s`` and ``sparkd_db_up`` say it meanwhile."""
-    if hung_s >= FAILING_REPORT_S and not daemon._write_hung_said:
+def say_hung_write(daemon: Daemon, w: Writer) -> None:
+    """A write in the writer ``w``'s thread that has not returned for ``FAILING_REPORT_S`` (``Writer.write_hung_s``):
+    said once, critical (``database_write_hung``: nothing is recorded meanwhile; the guard goes on from memory), and
+    its return once no write runs (``database_write_returned``). ``Status.database.write_hung_s`` and
+    ``sparkd_db_up`` say it meanwhile."""
+    hung_s = w.write_hung_s()
+    if hung_s is not None and not daemon._write_hung_said:
         daemon._write_hung_said = True
         daemon.event(
             "database_write_hung",
             f"a write to the database {daemon.db.path} has not returned for {hung_s:.0f} s (a hung disk or mount, an "
             "fsync stuck under memory pressure?): nothing is recorded meanwhile, records wait in the queue "
-            f"({daemon.writer.queue.maxsize if daemon.writer else '?'} max); the guard goes on from memory",
+            f"({w.queue.maxsize} max); the guard goes on from memory",
             severity="critical",
             details={"hung_s": round(hung_s, 1), "path": str(daemon.db.path)},
         )
-    elif hung_s == 0.0 and daemon._write_hung_said:
+    elif daemon._write_hung_said and w.hung_for() == 0.0:
         daemon._write_hung_said = False
-        w = daemon.writer
-        failed = w.last_error if w is not None and w.failing_for() > 0 else None
+        failed = w.last_error if w.failing_for() > 0 else None
         daemon.event(
             "database_write_returned",
             "the database write that hung returned"

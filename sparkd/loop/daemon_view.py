@@ -94,7 +94,10 @@ def status_json(daemon: Daemon) -> Status:
             last_error=w.last_error if w else None,
         ),
         database=DatabaseStatus.model_validate(
-            {**daemon.db.status(), "write_hung_s": round(h, 1) if (h := _write_hung_s(daemon)) else None}
+            {
+                **daemon.db.status(),
+                "write_hung_s": round(h, 1) if w is not None and (h := w.write_hung_s()) is not None else None,
+            }
         ),
         http=HttpStatus(
             connection_cap=daemon.http_stats.cap,
@@ -228,14 +231,6 @@ def report_rules_that_never_fire(daemon: Daemon) -> None:
                 severity="warning",
                 details={"rule": r.name, "why": why},
             )
-
-
-def _write_hung_s(daemon: Daemon) -> float:
-    """How long the database write under way has not returned, once that is ``FAILING_REPORT_S`` or more (else 0)."""
-    from sparkd.store.store import FAILING_REPORT_S
-
-    hung = daemon.writer.hung_for() if daemon.writer is not None else 0.0
-    return hung if hung >= FAILING_REPORT_S else 0.0
 
 
 def consumers_status(daemon: Daemon) -> dict[str, Any] | None:

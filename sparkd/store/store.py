@@ -994,6 +994,12 @@ class Writer:
         started = self._write_started
         return 0.0 if started is None else time.monotonic() - started
 
+    def write_hung_s(self) -> float | None:
+        """Seconds the write under way has not returned, once that is ``FAILING_REPORT_S`` or more: a hung write
+        (``database_write_hung``, ``Status.database.write_hung_s``). None before, and when no write runs."""
+        hung = self.hung_for()
+        return hung if hung >= FAILING_REPORT_S else None
+
     def failing_for(self) -> float:
         """Seconds the writes have been failing (0.0 when the last one succeeded)."""
         since = self.failing_since
