@@ -92,6 +92,23 @@ class StopReport:
         return dict(self.__dict__)
 
 
+@dataclass(eq=False)
+class ArchiveFate:
+    """What became of one stop's postmortem archive, kept up to date after the stop: ``name`` once written (late
+    too: ``archive_written_late``), else ``error``, why not (one line: a write that failed and is tried again, or
+    was given up on). Both None while it is being written. The supervisor keeps the last stop's
+    (``ContainerStatus.last_stop``): the stop event and ``archive_failed`` alone were soon pushed down the events."""
+
+    name: str | None = None
+    error: str | None = None
+
+    def written(self, name: str) -> None:
+        self.name, self.error = name, None
+
+    def failed(self, why: str) -> None:
+        self.name, self.error = None, why
+
+
 def _launch_text(sup: Supervisor) -> str:
     """The run's launch id, or why there is none ("None" in guard mode read as a value lost; helper-39)."""
     if sup.launch_id:
@@ -225,7 +242,7 @@ async def _gather(
 
 
 async def write_postmortem(
-    sup: Supervisor, rep: StopReport, cid: str, *, engine_error: str | None = None
+    sup: Supervisor, rep: StopReport, cid: str, *, engine_error: str | None = None, fate: ArchiveFate | None = None
 ) -> str | None:
     """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on).
 
@@ -239,6 +256,8 @@ async def write_postmortem(
     (...)", "the Docker engine refuses (...)"): the stop is made by the container's processes.
     ``container.log`` and ``inspect.json`` are not asked of it (each call would wait out the API timeout,
     30 s, before the stop): they are missing with that reason, and the rest is written as usual.
+
+    ``fate``: told what became of the archive (written, or why not), now and after its later tries.
     """
     d = sup.daemon
     assert d is not None
@@ -334,7 +353,6 @@ async def write_postmortem(
     hint = f"{name_hint}-{rep.source}"
     try:
         info = await asyncio.to_thread(archive.write_archive, s.archives_path, hint, parts, summary)
-        return info.name
     except Exception as e:
         rep.errors.append(f"archive failed: {e}")
         log.error("postmortem archive failed: %s", e)
@@ -348,11 +366,18 @@ async def write_postmortem(
             severity="critical",
             details={"error": one_line(e), "archives_dir": str(s.archives_path)},
         )
-        job = _LateArchive(d, s.archives_path, hint, parts, summary, sup.name, now)
+        job = _LateArchive(d, s.archives_path, hint, parts, summary, sup.name, now, fate=fate or ArchiveFate())
+        job.fate.failed(
+            f"{one_line(e)} (in {s.archives_path}; held in memory, tried again every {ARCHIVE_RETRY_S:g} s for "
+            f"{ARCHIVE_RETRY_FOR_S / 60:g} min)"
+        )
         job.task = asyncio.ensure_future(_archive_later(job))
         _ARCHIVES_LATER.add(job)
         job.task.add_done_callback(lambda _t: _ARCHIVES_LATER.discard(job))
         return None
+    if fate is not None:
+        fate.written(info.name)
+    return info.name
 
 
 #: A postmortem archive that could not be written (a full disk): tried again every ``ARCHIVE_RETRY_S`` for
@@ -376,6 +401,7 @@ class _LateArchive:
     stopped_at: float
     last: str = ""
     task: asyncio.Future[None] | None = None
+    fate: ArchiveFate = field(default_factory=ArchiveFate)  # the stop's word on its archive, kept up to date
 
     async def attempt(self, within_s: float | None = None) -> bool:
         """One write (``within_s`` at most: the thread goes on, unheard); True once written (``archive_written_late``
@@ -391,12 +417,14 @@ class _LateArchive:
         except Exception as e:
             self.last = one_line(e)
             return False
+        self.fate.written(info.name)
         self.d.event(
             "archive_written_late", f"the postmortem archive of the stop of {self.name}: {info.name} (written late)"
         )
         return True
 
     def lost(self, why: str) -> None:
+        self.fate.failed(f"lost: not written in {self.directory} {why} ({self.last})")
         self.d.event(
             "archive_failed",
             f"the postmortem archive of the stop of {self.name} is lost: not written in {self.directory} {why} "
@@ -698,6 +726,8 @@ async def _cleanup_shm(target: StopTarget, rep: StopReport, cleanup_shm: Cleanup
 #: finished in the background. An archive directory on storage that hung (``fsfreeze``) held the stop until the thaw
 #: (note 11). Below the hard floor the stop does not wait for it at all.
 ARCHIVE_WAIT_S = 10.0
+#: how ``StopReport.errors`` says the stop went on without its archive (``archive_delayed``), the reason after it
+ARCHIVE_NOT_WAITED = "archive not waited for: "
 
 
 def _archive_said(rep: StopReport) -> str:
@@ -707,7 +737,7 @@ def _archive_said(rep: StopReport) -> str:
         return rep.archive
     if any(e.startswith("archive failed") for e in rep.errors):
         return "NOT written (archive_failed: tried again)"
-    if any(e.startswith("archive not waited for") for e in rep.errors):
+    if any(e.startswith(ARCHIVE_NOT_WAITED) for e in rep.errors):
         return "not written yet (archive_delayed)"
     return "none"
 
@@ -745,7 +775,7 @@ async def _archive_first(
         f"{target.name}: {why}: stopping now; the postmortem archive is finished in the background",
         severity="critical",
     )
-    rep.errors.append(f"archive not waited for: {why}")
+    rep.errors.append(ARCHIVE_NOT_WAITED + why)
 
     def _late(t: asyncio.Future[str | None]) -> None:
         if t.cancelled() or t.exception() is not None:

@@ -101,6 +101,8 @@ def live_parts(
     raw = status.model_dump(mode="json")  # the headline, stopped card and buttons read its JSON form
     stopped = views.stopped_card(raw, last_stop)
     c = views.container_from_status(status)
+    if stopped is not None:  # the stopped card says what its stop did not leave behind
+        c["stop_not_kept"] = []
     return {
         "headline": views.headline(raw, stopped),
         "stopped": stopped,

@@ -340,6 +340,28 @@ def mode_text(mode: str, dry_run: bool) -> str | None:
     return (DRY_RUN_MODE_TEXT if dry_run else MODE_TEXT).get(mode)
 
 
+def stop_not_kept(stop: dict[str, Any] | None, mode: str | None) -> list[dict[str, str]]:
+    """What a stop (``ContainerStatus.last_stop``, its JSON form) did not leave behind, each ``{"level", "head",
+    "text"}``: its postmortem archive (warn: the evidence of what happened), its stop intent on disk (critical:
+    sparkd's next start does not know of the stop). The stopped card, the container card and `sparkd status` say
+    them; the events alone (``archive_failed``, ``supervision_state_not_saved``) were soon pushed down the list.
+    [] once both are written."""
+    if not stop:
+        return []
+    out = []
+    if stop.get("archive_error"):
+        out.append({"level": "warn", "head": "Postmortem archive NOT written", "text": stop["archive_error"]})
+    if stop.get("intent_saved") is False:
+        why = stop.get("intent_error") or "not known why"
+        after = (
+            "after a restart of sparkd the model may be started again"
+            if mode == "managed"
+            else "after a restart of sparkd it no longer knows that it stopped the model, nor why"
+        )
+        out.append({"level": "critical", "head": "This stop is NOT saved", "text": f"{after} ({why})"})
+    return out
+
+
 #: Container states that are trouble (critical) rather than merely not ready (warn).
 CRITICAL_STATES = frozenset({ContainerState.EXITED, ContainerState.FAILED, ContainerState.UNKNOWN})
 
@@ -358,6 +380,7 @@ def container_from_status(status: Status) -> dict[str, Any]:
     elif c.start_error or c.state != ContainerState.READY or c.health not in (None, "healthy", "ok"):
         level = "warn"
     down = c.down_because()  # why this run is down; not an earlier incident's intent on a model started again by hand
+    stop = c.stop_of_this_run()
     return {
         "monitor_only": monitor_only,
         "ignored": c.ignored,  # monitor-only with a container configured: it runs unguarded (helper-45)
@@ -376,6 +399,9 @@ def container_from_status(status: Status) -> dict[str, Any]:
         "busy": c.action or ("busy" if c.busy else None),
         "intent": down.intent if down else None,  # (helper-37)
         "intent_who": down.who if down else None,
+        # the stop that ended this run: its archive not written, its intent not saved (``live_parts`` leaves them to
+        # the stopped card when that shows)
+        "stop_not_kept": stop_not_kept(stop.model_dump() if stop else None, c.mode),
         # the breaker holds automatic relaunches, which guard mode never makes: "closed (1/3 emergencies)" beside
         # three stops read as a count that was wrong (helper-39)
         "breaker_applies": c.mode == "managed",
@@ -422,7 +448,11 @@ def stopped_card(status: dict[str, Any], last_stop: dict[str, Any] | None) -> di
     run_at, ts = c.get("started_at"), last_stop.get("ts")
     if isinstance(run_at, int | float) and isinstance(ts, int | float) and not of_this_run(ts, run_at):
         return None
-    return {**last_stop, "state": c.get("state"), "logged_in": None}
+    # what sparkd holds of its own last stop, when that is this card's (it began before the event; after a restart of
+    # sparkd it holds none, and a newer stop is not this one)
+    mine = c.get("last_stop")
+    mine = mine if mine and isinstance(ts, int | float) and mine["at"] <= ts else None
+    return {**last_stop, "state": c.get("state"), "logged_in": None, "not_kept": stop_not_kept(mine, c.get("mode"))}
 
 
 def _at_least_warn(level: str) -> str:

@@ -14,12 +14,22 @@ from typing import Any
 from sparkd.act import shm
 from sparkd.act.containerspec import swap_allowance_bytes
 from sparkd.act.procstop import ProcessStopper
-from sparkd.act.stop import Stopper, StopReport, StopTarget, run_stop, witness_before_stop, write_postmortem
+from sparkd.act.stop import (
+    ARCHIVE_NOT_WAITED,
+    ArchiveFate,
+    Stopper,
+    StopReport,
+    StopTarget,
+    run_stop,
+    witness_before_stop,
+    write_postmortem,
+)
 from sparkd.core.lifecycle import ACTIVE_STATES, ContainerState, Observation, Probe, transition
 from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
 from sparkd.loop.launchbook import LaunchBook, stored_plan
+from sparkd.loop.status import LastStopStatus
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
 from sparkd.units import fmt_gib, parse_size
@@ -44,6 +54,8 @@ class RunBook(LaunchBook):
     _policy_said: set[str | None]  # containers whose restart policy was said (``_say_restart_policy``)
     auto_remove: bool = False  # the run's ``HostConfig.AutoRemove`` (`docker run --rm`), read at adoption
     _state_before: ContainerState = ContainerState.NONE  # the state before the transition being applied (``apply``)
+    # the last stop ``_stop`` made: (when it began, epoch s; who asked; what became of its archive)
+    last_stop: tuple[float, str, ArchiveFate] | None = None
 
     def _record_state(self, state: ContainerState, reason: str | None) -> None:
         raise NotImplementedError
@@ -473,8 +485,11 @@ class RunBook(LaunchBook):
         # ``engine_error`` unset: it read "does not answer (no answer)", helper-54), or it does not answer
         engine_error = None if stopper is None else (engine_said or self.engine_error or "the Docker engine: no answer")
 
+        fate = ArchiveFate()
+        self.last_stop = (time.time(), source, fate)
+
         async def postmortem(rep: StopReport) -> str | None:
-            return await write_postmortem(self, rep, cid, engine_error=engine_error)
+            return await write_postmortem(self, rep, cid, engine_error=engine_error, fate=fate)
 
         try:
             rep = await run_stop(
@@ -494,6 +509,11 @@ class RunBook(LaunchBook):
             )
         finally:
             reader.close()
+        delayed = next((e for e in rep.errors if e.startswith(ARCHIVE_NOT_WAITED)), None)
+        if delayed is not None and fate.name is None and fate.error is None:  # still being written in the background
+            fate.error = (
+                f"the stop did not wait for it ({delayed.removeprefix(ARCHIVE_NOT_WAITED)}); still being written"
+            )
         self.stops_total += 1
         self.kills_total += rep.killed
         if stopper is None and not rep.confirmed:
@@ -504,6 +524,23 @@ class RunBook(LaunchBook):
         if stopper is None:
             await self.reconcile(probe=False, detail=reason)
         return rep
+
+    def last_stop_status(self) -> LastStopStatus | None:
+        """``ContainerStatus.last_stop``: the last stop ``_stop`` made, its archive as it stands now (written late,
+        or given up on), and whether the stop intent that holds now is on disk (``Unattended.unsaved``)."""
+        if self.last_stop is None:
+            return None
+        at, source, fate = self.last_stop
+        held = self.unattended.state.intent is not None
+        unsaved = self.unattended.unsaved() if held else None
+        return LastStopStatus(
+            at=at,
+            source=source,
+            archive=fate.name,
+            archive_error=fate.error,
+            intent_saved=(unsaved is None) if held else None,
+            intent_error=unsaved,
+        )
 
 
 def _usable(fields: dict[str, int]) -> int | None:

@@ -165,6 +165,26 @@ class UnguardedContainer(_Model):
     labelled: bool = False
 
 
+class LastStopStatus(_Model):
+    """The last stop this sparkd made (``RunBook._stop``: a rule's, an operator's, a restart's…) and what it left for
+    a postmortem and for sparkd's next start; each failure was said only as a critical event (``archive_failed``,
+    ``supervision_state_not_saved``), soon pushed down the events by others.
+
+    ``archive``: its postmortem archive's file name once written (late too: ``archive_written_late``); until then
+    ``archive_error`` says why not, one line: the write failed and is tried again, was given up on (lost), or the
+    stop did not wait for it (``archive_delayed``); both null while the stop writes it. ``intent_saved``: the stop
+    intent (and breaker) sparkd holds is on disk (``supervision.json``), so the model stays stopped across a restart
+    of sparkd; false while it is not (``intent_error``: why; true again once a later save succeeds); null when no
+    stop intent holds (a restart's or a resize's stop)."""
+
+    at: float  # epoch s: when the stop began
+    source: str  # who asked: "rule NAME", "api (…)", "peer:NAME", "daemon"…
+    archive: str | None = None
+    archive_error: str | None = None
+    intent_saved: bool | None = None
+    intent_error: str | None = None
+
+
 class ContainerStatus(_Model):
     """The container side (``Actions.status_json()``): the supervisor's view, or monitor-only.
 
@@ -207,6 +227,7 @@ class ContainerStatus(_Model):
     busy: bool = False
     stops_total: int = 0
     kills_total: int = 0
+    last_stop: LastStopStatus | None = None  # the last stop sparkd made since it started: its archive, its intent saved
     supervision: SupervisionStatus | None = None  # managed or guard mode; None in monitor-only
     unguarded: UnguardedContainer | None = None  # managed mode: a same-name container sparkd will not stop
     # guard mode: since when no container by ``name`` exists (``docker ps -a`` lists none) and none is watched:
@@ -228,9 +249,22 @@ class ContainerStatus(_Model):
         intent, so a guarded model started by hand after its emergency stop showed that stop's intent while it ran,
         and again once it was stopped by hand (helper-36, helper-37). `sparkd status` and the dashboard read this."""
         intent = self.supervision.intent if self.supervision is not None else None
-        if intent is None or (self.state not in DOWN_STATES and self.state is not ContainerState.NONE):
+        if intent is None or not self._down():
             return None
         return intent if of_this_run(intent.since, self.started_at) else None
+
+    def stop_of_this_run(self) -> LastStopStatus | None:
+        """``last_stop`` when it says what ended this run: the model is down (stopped, exited, failed, or none) and
+        the stop began after the run last seen started (not an earlier run's, the model started again since). The
+        container card and `sparkd status` read it."""
+        stop = self.last_stop
+        if stop is None or not self._down():
+            return None
+        return stop if of_this_run(stop.at, self.started_at) else None
+
+    def _down(self) -> bool:
+        """The model is stopped, exited, failed, or there is none (not running, restarting or not known)."""
+        return self.state in DOWN_STATES or self.state is ContainerState.NONE
 
 
 # --------------------------------------------------------------------------- the guard

@@ -623,6 +623,7 @@ class Supervisor(RunBook):
             busy=self.lock.locked(),
             stops_total=self.stops_total,
             kills_total=self.kills_total,
+            last_stop=self.last_stop_status(),
             supervision=SupervisionStatus.model_validate(self.unattended.status_json()),
             unguarded=self.unguarded,
             guard_missing_since=self.guard_missing_since if self.mode == "guard" else None,

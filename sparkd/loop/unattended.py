@@ -175,6 +175,16 @@ class Unattended:
                     severity="critical",
                 )
 
+    def unsaved(self) -> str | None:
+        """Why the state sparkd holds (the stop intent, breaker and back-off) is not on disk, one line; None when it
+        is. A save that failed (``supervision_state_not_saved``) until a later one succeeds, or one that has taken
+        longer than ``SAVE_WAIT_S`` and is still under way (``supervision_state_slow``)."""
+        if self._save_error_said is not None:
+            return self._save_error_said
+        if self._slow_said and (self._dirty or self._save_lock.locked()):
+            return f"{self.path}: still being written after more than {SAVE_WAIT_S:g} s (its storage slow or hung?)"
+        return None
+
     async def save_pending(self) -> None:
         """At sparkd's exit: a state not on disk yet (a save that failed, or one still under way) gets one more
         try, ``SAVE_WAIT_S`` at most, so that the next start reads the stop intent and breaker sparkd held."""

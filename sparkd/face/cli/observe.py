@@ -40,6 +40,7 @@ from sparkd.face.presenters import (
     mode_text,
     nothing_guarded,
     rule_cond,
+    stop_not_kept,
     unarmed,
 )
 from sparkd.loop.status import Status
@@ -243,6 +244,9 @@ def _echo_snapshot(st: Status, last_stop: dict[str, Any] | None = None) -> None:
             how = f", {d['outcome']}" + (f" (exit code {code})" if code is not None else "")
             how += " (not confirmed by Docker)" if stop.get("kind") == "stop_unconfirmed" else ""
         click.echo(f"stopped by: {i.intent} ({i.who}) at {_ts(i.since)} UTC{how} — {after}")
+    ended = c.stop_of_this_run()  # its archive not written, its intent not saved: the dashboard's cards say it too
+    for lost in stop_not_kept(ended.model_dump() if ended else None, c.mode):
+        click.echo(f"{lost['head'].upper()}: {lost['text']}")
     if sv is not None and sv.breaker.open:
         b = sv.breaker
         click.echo(
