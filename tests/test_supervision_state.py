@@ -119,3 +119,48 @@ async def test_a_first_save_still_under_way_is_not_a_deleted_file(
     gate.set()
     await saving
     assert load(u.path).heartbeat_sent_at == 1000.0
+
+
+@pytest.mark.anyio
+async def test_a_save_that_keeps_failing_is_said_once_naming_the_state_file_and_again_when_its_error_changes(
+    tmp_path: Path,
+) -> None:
+    """The error said named the atomic write's temporary file, new at each try: the "said once per distinct error"
+    check never matched, and each retry (the next save, the keeper's wake, about one a minute) raised another
+    critical ``supervision_state_not_saved``, each message different, so notifications did not collapse them."""
+    from sparkd.config import load_settings
+    from sparkd.loop.supervisor import Supervisor
+
+    state_dir = tmp_path / "state"
+    settings = load_settings(overrides={"state_dir": str(state_dir), "container": {"guard": "sparkd-flood-test"}})
+    sup = Supervisor(settings, manager=object())  # type: ignore[arg-type]
+    said: list[tuple[str, str, str]] = []
+
+    def event(kind: str, message: str, *, severity: str = "info", details: object = None) -> None:
+        said.append((kind, message, severity))
+
+    sup._event = event  # type: ignore[method-assign]
+    u = sup.unattended
+    u.path.mkdir(parents=True)  # supervision.json a directory: its rename fails at every try (runs as root too)
+    await u.set_intent(StopIntent.EMERGENCY, "rule low_available", "usable 1 GiB < 6 GiB")
+    for _ in range(3):
+        await u.save()
+        assert await u.restore_file() is None  # the keeper's wake tries again, and fails again
+    not_saved = [(m, sev) for k, m, sev in said if k == "supervision_state_not_saved"]
+    assert not_saved == [(f"{u.path}: cannot write the supervision state: [Errno 21] Is a directory", "critical")]
+    assert ".supervision.json." not in not_saved[0][0] and u.unsaved() == not_saved[0][0]
+    assert [x.name for x in state_dir.iterdir()] == ["supervision.json"]  # no temporary left behind
+
+    u.path.rmdir()
+    state_dir.rmdir()
+    state_dir.write_text("a regular file where the state dir should be")  # another error: said again, once
+    for _ in range(2):
+        await u.save()
+    messages = [m for k, m, _ in said if k == "supervision_state_not_saved"]
+    assert len(messages) == 2 and messages[1].startswith(f"{u.path}: cannot write the supervision state: ")
+    assert "File exists" in messages[1] and u.unsaved() == messages[1]
+
+    state_dir.unlink()
+    await u.save()
+    assert u.unsaved() is None and load(u.path).intent is not None
+    assert len([k for k, _, _ in said if k == "supervision_state_not_saved"]) == 2

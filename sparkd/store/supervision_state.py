@@ -104,16 +104,25 @@ def save(path: Path, state: SupervisionState) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary file in its directory (mode 0600), fsync, rename over
-    ``path``, fsync of the directory. Raises ``OSError``; the old file, if any, is then left as it was."""
+    ``path``, fsync of the directory. Raises ``OSError``; the old file, if any, is then left as it was.
+
+    An error of the temporary file's steps names no file (``[Errno 21] Is a directory``; the caller names ``path``),
+    never the temporary: its name is new at each try, so a failure that repeats read differently each time and was
+    said again at each retry (``supervision_state_not_saved``, about one a minute)."""
     tmp: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            if e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror) from e  # its subclass kept (IsADirectoryError, PermissionError…)
         tmp = None
         dfd = os.open(path.parent, os.O_RDONLY)
         try:
