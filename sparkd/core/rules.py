@@ -74,13 +74,18 @@ class Condition:
     threshold: float
     is_size: bool
     text: str = ""  # the condition as configured ("MemAvailable < 6GiB")
+    #: ``_OPS[op]``, looked up once: ``evaluate`` compares inline every tick (issue 18)
+    compare: Callable[[Any, Any], bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compare", _OPS[self.op])
 
     def holds(self, sample: Sample) -> bool | None:
         """True/False, or ``None`` when the sample lacks the field."""
         v = getattr(sample, self.attr)
         if v is None:
             return None
-        return _OPS[self.op](v, self.threshold)
+        return self.compare(v, self.threshold)
 
     def describe(self, sample: Sample) -> str:
         v = getattr(sample, self.attr)
@@ -489,11 +494,22 @@ def evaluate(
         st = states.get(rule.name)
         if st is None:  # (not setdefault: that builds a RuleState every tick, issue 18)
             st = states[rule.name] = RuleState()
-        st.blind = blind_reason(rule, sample)
+        # an idle tick runs this loop for every rule: the common cases are inline, without a frame per rule and
+        # condition (a cold tick pays for each one, issue 18); ``blind_reason``, ``Condition.holds`` and ``_missed``
+        # say the same in full
+        for attr in rule.input_attrs:
+            if getattr(sample, attr) is None:
+                st.blind = blind_reason(rule, sample)
+                break
+        else:  # every input read: not blind
+            st.blind = None
         st.holds = False  # until _held finds every condition and the evidence hold
         for c in rule.when:  # the first condition that does not hold (False, or None: not read) ends it
-            if c.holds(sample) is not True:
-                if (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
+            v = getattr(sample, c.attr)
+            if v is None or not c.compare(v, c.threshold):
+                if rule.in_last_s is None:  # a consecutive rule starts again (``_missed``)
+                    st.counter, st.started_mono = 0, None
+                elif (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
                     out.append(d)
                 break
         else:

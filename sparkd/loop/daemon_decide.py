@@ -77,8 +77,8 @@ def handle_sync(daemon: Daemon, result: TickResult) -> list[tuple[Decision, Samp
         if not decide_quietly(daemon, d):
             acting.append((d, sample))
     _daemon_view.check_blind(daemon)
-    if daemon.guard is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
-        daemon.relief.consider(daemon.guard.rules, daemon.guard.states)
+    if (g := daemon.guard) is not None:  # a MemFree rule counting: maybe drop clean page cache first (relief.enabled)
+        daemon.relief.consider(g.engine.rules, g.engine.states)  # (not the properties: a frame each, issue 18)
     for start, count in daemon.guard.nvrm.closed_windows(daemon.guard.mono()) if daemon.guard else []:
         daemon.writer.submit("nvrm_window", (start, daemon.settings.nvrm_window_s, count))
     refresh_status(daemon)
@@ -102,7 +102,7 @@ def refresh_status(daemon: Daemon) -> None:
     if since >= STATUS_EVERY_S:
         g = daemon.guard
         key = (
-            tuple(map(_COUNTER, g.states.values())) if g else (),  # in C: no frame per rule (issue 18)
+            tuple(map(_COUNTER, g.engine.states.values())) if g else (),  # in C: no frame per rule (issue 18)
             daemon.mode,
             daemon.actions.lifecycle_state(),
             id(daemon.recent_events[0]) if daemon.recent_events else None,

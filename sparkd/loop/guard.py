@@ -8,6 +8,7 @@ non-blocking read of new records (``kernlog`` sources).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from sparkd.sense.kernlog import KernRecord, NvrmWindows, classify
 from sparkd.units import fmt_gib, parse_size
 
 log = logging.getLogger("sparkd.loop.guard")
+_BLIND = operator.attrgetter("blind")
 
 HELD_KERNEL_MAX = 1000  # kernel records kept across ticks whose /proc/meminfo read failed
 
@@ -281,7 +283,7 @@ class Guard:
             getattr(src, "error", None),
             id(self.engine.rules),
             len(self.engine.rules),
-            tuple(st.blind for st in self.engine.states.values()),
+            tuple(map(_BLIND, self.engine.states.values())),  # in C: no generator frame per rule (issue 18)
         )
 
     def sensor_users(self) -> dict[str, list[str]]:
