@@ -25,11 +25,13 @@ from sparkd.core.sample import Sample, derive
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.guard import Guard
 from sparkd.sense import procfs
-from sparkd.store.store import Writer
+from sparkd.store.store import WRITE_EVERY_S, Writer
 from sparkd.units import GiB
 
 NORMAL = 1.0
 FAST = 0.25
+# 5 samples at NORMAL after the switch back, in the database: the quiet writer gathers WRITE_EVERY_S first
+AFTER_S = WRITE_EVERY_S + 5 * NORMAL + 3.0
 HOLD = 10.0  # the default fast_hold_s
 
 
@@ -238,9 +240,11 @@ class _NullNotifier:
 
 def _stamps(db: Path, t0: float, t1: float = float("inf")) -> list[float]:
     """Sample times in [t0, t1]; with a finite ``t1``, once the samples up to it are written (the writer
-    gathers them for store.WRITE_EVERY_S, 5 s)."""
+    gathers them for store.WRITE_EVERY_S, 10 s)."""
     if t1 != float("inf"):
-        wait_for(lambda: (db_query(db, "SELECT max(ts) FROM samples")[0][0] or 0.0) >= t1, 15.0, step_s=0.1)
+        wait_for(
+            lambda: (db_query(db, "SELECT max(ts) FROM samples")[0][0] or 0.0) >= t1, WRITE_EVERY_S + 5.0, step_s=0.1
+        )
     return [r[0] for r in db_query(db, "SELECT ts FROM samples WHERE ts >= ? AND ts <= ? ORDER BY ts", (t0, t1))]
 
 
@@ -311,8 +315,8 @@ def _assert_cadence(
     assert normal_at >= freed + hold_s - FAST - 0.2, (normal_at - freed, hold_s)
     held = _gaps(_stamps(db, freed, normal_at))
     assert statistics.median(held) == pytest.approx(FAST, abs=0.05), held
-    after = wait_for(lambda: _stamps(db, normal_at)[:5] if len(_stamps(db, normal_at)) >= 5 else None, 10.0, 0.2)
-    assert after, "fewer than 5 samples within 10 s after sampling_normal"
+    after = wait_for(lambda: _stamps(db, normal_at)[:5] if len(_stamps(db, normal_at)) >= 5 else None, AFTER_S, 0.2)
+    assert after, f"fewer than 5 samples within {AFTER_S} s after sampling_normal"
     assert statistics.median(_gaps(after)) == pytest.approx(NORMAL, abs=0.1), _gaps(after)
 
 
@@ -336,8 +340,8 @@ def test_near_a_floor_the_daemon_samples_fast_and_returns_to_normal_after_the_ho
             assert wait_for(lambda: _status(db)["mode"] == "fast", 6.0)  # a changed snapshot is written at once
             st = _status(db)
             assert st["interval_s"] == FAST and "within 1792MiB of test_floor's floor" in str(st["mode_reason"])
-            # under pressure the writer gathers 1 s (store.PRESSURE_WRITE_EVERY_S), not 5: the newest
-            # sample in the database stays young (quiet, it reaches ~6 s)
+            # under pressure the writer gathers 1 s (store.PRESSURE_WRITE_EVERY_S), not 10: the newest
+            # sample in the database stays young (quiet, it reaches ~11 s)
             lags = []
             for _ in range(20):
                 time.sleep(0.2)
@@ -387,7 +391,7 @@ def test_a_fast_fall_far_from_every_floor_switches_to_fast_sampling(tmp_path: Pa
         assert statistics.median(during) == pytest.approx(FAST, abs=0.05), during
         before = _gaps(_stamps(db, before_end - 4.5, before_end))
         assert statistics.median(before) == pytest.approx(NORMAL, abs=0.1), before
-        after = wait_for(lambda: _stamps(db, normal_at)[:5] if len(_stamps(db, normal_at)) >= 5 else None, 10.0, 0.2)
+        after = wait_for(lambda: _stamps(db, normal_at)[:5] if len(_stamps(db, normal_at)) >= 5 else None, AFTER_S, 0.2)
         assert after and statistics.median(_gaps(after)) == pytest.approx(NORMAL, abs=0.1)
 
 

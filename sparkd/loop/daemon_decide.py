@@ -33,7 +33,7 @@ STATUS_BLIND_S = 5.0  # while no sample can be read (``Guard.read_error``): `spa
 # after an event between ticks further apart than twice this (``Daemon._status_soon``): the snapshot and STATUS=
 STATUS_SOON_S = STATUS_EVERY_S
 NEAR_MISS_EVERY = 10  # a near miss is logged as an event once in this many (each is counted in the rule's state)
-STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 5 s)
+STATUS_QUIET_S = 30.0  # otherwise (samples, which `sparkd status` reads beside it, go every store.WRITE_EVERY_S, 10 s)
 
 _COUNTER = operator.attrgetter("counter")
 

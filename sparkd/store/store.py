@@ -720,7 +720,7 @@ def _launch_dict(r: Row[Any]) -> dict[str, Any]:
     }
 
 
-WRITE_EVERY_S = 5.0
+WRITE_EVERY_S = 10.0
 """The writer gathers samples (and the other frequent kinds, ``GATHERED``) for this long
 before it writes them in one transaction: a sample reaches the database at most this long
 (plus the write itself) after the guard took it, and a ``kill -9`` loses at most this much

@@ -15,11 +15,14 @@ from sparkd import __version__
 from sparkd.config import DEFAULT_CONFIG_PATH, BudgetSettings, Settings, load_settings
 from sparkd.errors import SparkdError, StoreError
 from sparkd.loop.status import Status
-from sparkd.store.store import READ_ERRORS, Store
+from sparkd.store.store import FALLBACK_S, READ_ERRORS, WRITE_EVERY_S, Store
 from sparkd.units import parse_duration_s
 
 CLOCK_SLACK_S = 2.0  # `sparkd status`: a record dated further ahead than this is from before a clock step back
-STALE_S = 10.0  # `sparkd status`: the daemon runs when its newest record (a sample, the snapshot) is younger
+# `sparkd status`: the daemon runs when its newest record (a sample, the snapshot) is younger than this (plus two
+# sampling intervals): one quiet write's gathering (``store.WRITE_EVERY_S``; ``FALLBACK_S`` more when no sample comes)
+# and a margin for the write itself
+STALE_S = WRITE_EVERY_S + FALLBACK_S + 3.5
 
 
 def _config_path(ctx: click.Context) -> Path | None:
