@@ -453,7 +453,8 @@ class RunBook(LaunchBook):
         engine hung in it or failed; a ``stop_unconfirmed`` event says so): an emergency (``emergency_stop``, a
         stop handed over to a relaunch or resize), an operator's stop (``Supervisor.request``) and sparkd's own
         stop at exit then stop the container by its processes; a restart, a resize or a relaunch ends with the
-        error, launching nothing. Raises Refused when the engine refused the stop (not sparkd's to stop)."""
+        error, launching nothing. Raises Refused when the engine refused the stop (not sparkd's to stop; no ``reason``:
+        the model may run on, never read as ``not_running``)."""
         assert self.container_id is not None
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)

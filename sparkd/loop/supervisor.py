@@ -352,11 +352,18 @@ class Supervisor(RunBook):
                         await self.unattended.release_hold(before)
                     return
             except SparkdError as e:
-                # Refused: nothing runs to be stopped (the guard stopped it already, or it exited). No retry is due:
-                # the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as memory stays
-                # low would flood the events and the chart, and feed nothing). Docker down or busy: retried.
-                nothing = {"nothing_running": True} if isinstance(e, Refused) else None
-                self._event("stop_not_executed", f"{source}: {e.message}", severity="warning", details=nothing)
+                # Refused "not_running": nothing runs to be stopped (the guard stopped it already, or it exited). No
+                # retry is due: the daemon keeps the rule's cooldown (a trip every `samples` ticks for as long as
+                # memory stays low would flood the events and the chart, and feed nothing). Refused otherwise: the
+                # engine refused the stop (a container without sparkd's label), the model runs on: critical, and the
+                # next trip acts again (it was read as nothing running). Docker down or busy: retried.
+                nothing = isinstance(e, Refused) and e.reason == "not_running"
+                self._event(
+                    "stop_not_executed",
+                    f"{source}: {e.message}",
+                    severity="critical" if isinstance(e, Refused) and not nothing else "warning",
+                    details={"nothing_running": True} if nothing else None,
+                )
                 if held:
                     await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
                 return
@@ -500,7 +507,15 @@ class Supervisor(RunBook):
             return
         try:
             await self._request("stop", source=source, reason=f"{reason} (finishing the stop made without the engine)")
-        except Refused:  # not running: Docker's state read in request() moved it to stopped (or it is gone)
+        except Refused as e:
+            if e.reason != "not_running":  # the engine refused the stop (a container without sparkd's label): said
+                self._event(
+                    "stop_not_executed",
+                    f"{source}: {reason}: finishing the stop made without the engine: {e.message}",
+                    severity="critical",
+                )
+                return
+            # not running: Docker's state read in request() moved it to stopped (or it is gone)
             if self.container_id is not None and self.state is S.STOPPING:
                 obs = await self.observe_docker(probe=False)
                 if not obs.exists:

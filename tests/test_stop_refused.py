@@ -1,0 +1,141 @@
+"""A stop the Docker engine refuses (``docker stop`` of a container without sparkd's label, not guarded: "not sparkd's
+to stop") raises ``Refused`` from ``RunBook._stop``, as a stop of a model that is not running does. The guard's
+emergency stop read every ``Refused`` as "nothing runs": a stop that stopped nothing was a warning
+``stop_not_executed`` marked ``nothing_running``, so the rule's cooldown held and the next trip did not act while the
+model ran on; and the stop finished through Docker after one made by the container's processes took such a refusal
+for "not running" too, with no ``stop_not_executed`` (only the procedure's ``stop_unconfirmed``). Only
+``Refused.reason == "not_running"`` means nothing runs now; any other refusal is said as the stop not executed
+(critical), as ``_stop_as_asked`` says it.
+
+A real ``Supervisor`` running the real stop procedure (``act.stop.run_stop``); the Docker engine is stubbed at the
+edge, refusing the stop and the kill as ``ContainerManager._owned`` does."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_api import _daemon
+from test_stop_not_kept import Manager
+
+from sparkd.act.containerspec import StopResult
+from sparkd.config import load_settings
+from sparkd.core.lifecycle import ContainerState as S
+from sparkd.errors import Refused
+from sparkd.loop import supervisor as supervisor_module
+from sparkd.loop.daemon import Daemon
+from sparkd.loop.supervisor import Supervisor
+
+pytestmark = pytest.mark.anyio
+CID = "f" * 64
+RULE = "rule low_available"
+NOT_OURS = f"will not stop container 'vllm' ({CID[:12]}): it lacks the label sparkd.managed=true and is not guarded"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class RefusingManager(Manager):
+    """The container runs; the engine refuses to stop or kill it (not sparkd's, as ``ContainerManager._owned``)."""
+
+    def stop(self, cid: str, timeout_s: float = 30.0) -> StopResult:
+        raise Refused(NOT_OURS, detail={"container": "vllm", "action": "stop"})
+
+    def kill(self, cid: str) -> bool:
+        raise Refused(NOT_OURS.replace("will not stop", "will not kill"), detail={"container": "vllm"})
+
+
+async def _sup(tmp_path: Path, manager: Manager) -> tuple[Supervisor, Daemon, list[str | None]]:
+    """The supervisor of a running guarded container, with a real daemon (its events, the rules' cooldowns); the
+    third item lists each reset of the rules' cooldowns (``Daemon.event``: a trip that stopped nothing)."""
+    (tmp_path / "shm").mkdir(parents=True)
+    overrides: dict[str, Any] = {"shm_dir": str(tmp_path / "shm"), "container": {"guard": "vllm"}}
+    settings = load_settings(overrides={"state_dir": str(tmp_path / "state"), **overrides})
+    sup = Supervisor(settings, manager=manager)  # type: ignore[arg-type]
+    sup._loop = lambda: asyncio.sleep(0)  # type: ignore[method-assign]  # no steps of its own: the stop only
+    d = await _daemon(tmp_path, actions=sup, **overrides)
+    sup.container_id, sup.state, sup.engine_up, sup.name = CID, S.READY, True, "vllm"
+    sup.seen_started_at = sup.container_started_at = manager.started_at
+    resets: list[str | None] = []
+
+    def reset_cooldowns(rule_name: str | None = None) -> None:
+        resets.append(rule_name)
+
+    assert d.guard is not None
+    d.guard.engine.reset_cooldowns = reset_cooldowns  # type: ignore[method-assign]
+    return sup, d, resets
+
+
+def _not_executed(d: Daemon) -> list[dict[str, Any]]:
+    return [e for e in d.recent_events if e["kind"] == "stop_not_executed"]
+
+
+async def test_an_emergency_stop_the_engine_refuses_is_said_as_not_executed_not_as_nothing_running(
+    tmp_path: Path,
+) -> None:
+    sup, d, resets = await _sup(tmp_path, RefusingManager())
+    try:
+        await sup.emergency_stop(RULE, "usable 1.2 GiB < 3 GiB")
+        [ev] = _not_executed(d)
+        assert ev["severity"] == "critical" and ev["message"].startswith(f"{RULE}: ") and NOT_OURS in ev["message"], ev
+        # not "nothing running": the rules' cooldowns are reset, so the next trip acts again while the model runs on
+        assert not (ev["details"] or {}).get("nothing_running") and resets == [None], (ev, resets)
+        assert sup.unattended.state.intent is None  # nothing was stopped: the intent held for the stop is released
+    finally:
+        await d.shutdown("test")
+
+
+async def test_an_emergency_stop_of_a_model_that_is_not_running_stays_a_warning_marked_nothing_running(
+    tmp_path: Path,
+) -> None:
+    m = Manager()
+    m.running = False  # Docker says it has exited: Refused(reason="not_running")
+    sup, d, resets = await _sup(tmp_path, m)
+    try:
+        await sup.emergency_stop(RULE, "usable 1.2 GiB < 3 GiB")
+        [ev] = _not_executed(d)
+        assert ev["severity"] == "warning" and ev["details"] == {"nothing_running": True}, ev
+        assert "vllm is not running" in ev["message"] and resets == [], (ev, resets)  # the cooldown holds
+    finally:
+        await d.shutdown("test")
+
+
+async def test_a_stop_finished_through_docker_that_the_engine_refuses_is_said_not_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine answers again after a stop made by the container's processes, and the run is up (its restart policy
+    brought it back): the stop through Docker that finishes it is refused. It was taken for "not running": no
+    ``stop_not_executed``. Docker saying the run has exited is still nothing running, and nothing is said."""
+    monkeypatch.setattr(supervisor_module, "_processes_of", lambda cid: [4242])  # the run's processes are up
+    for manager, said in ((RefusingManager(), True), (Manager(), False)):
+        manager.running = said  # not said: Docker says it has exited (its processes not gone from /proc yet)
+        sup, d, _resets = await _sup(tmp_path / str(said), manager)
+        try:
+            sup.state = S.STOPPING  # as the stop by processes left it
+            sup.stopped_without_docker = (RULE, "usable 1.2 GiB < 3 GiB")
+            await sup.finish_stop_with_docker()
+            assert sup.stopped_without_docker is None  # not tried again at each step (each a critical event)
+            if not said:
+                assert _not_executed(d) == [], d.recent_events
+                continue
+            [ev] = _not_executed(d)
+            assert ev["severity"] == "critical" and ev["message"].startswith(f"{RULE}: ") and NOT_OURS in ev["message"]
+            assert "finishing the stop made without the engine" in ev["message"], ev
+        finally:
+            await d.shutdown("test")
+
+
+async def test_the_stop_procedures_refusal_carries_no_not_running_reason(tmp_path: Path) -> None:
+    """``RunBook._stop`` raises ``Refused`` without ``reason="not_running"`` when the engine refuses the stop: the
+    handlers above tell it from "nothing runs" by that code alone."""
+    sup, d, _resets = await _sup(tmp_path, RefusingManager())
+    try:
+        with pytest.raises(Refused) as e:
+            await sup._stop("usable 1.2 GiB < 3 GiB", RULE)
+        assert e.value.reason is None and NOT_OURS in e.value.message, e.value
+    finally:
+        await d.shutdown("test")
