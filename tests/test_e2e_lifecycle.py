@@ -495,15 +495,11 @@ def test_a_paused_guarded_container_is_said_paused_and_still_stopped_by_a_trip(
             box.unpause()
 
 
-def test_a_crash_of_a_docker_run_rm_container_stays_a_crash(
+def _crash_of_a_docker_run_rm_container(
     make: Any, docker_client: Any, image: str, case_labels: dict[str, str], tmp_path: Path
-) -> None:
-    """`docker run --rm` (vLLM's usual way) has Docker remove the container after any exit: a crash (exit 1) read as
-    "removed outside sparkd … not a crash", a warning (helper-49). Only the SIGKILL of a removal by hand is one."""
-    import uuid
-
-    from sparkdproc import free_port
-
+) -> tuple[SparkdUnderTest, dict[str, Any]]:
+    """A guarded fake vLLM started with `docker run --rm` that crashes (exit 1) 4 s after it is ready; returns sparkd
+    and its ``exited`` event."""
     name = f"sparkd-test-rm-{uuid.uuid4().hex[:8]}"
     port = free_port()
     s = make(
@@ -521,7 +517,15 @@ def test_a_crash_of_a_docker_run_rm_container_stays_a_crash(
         detach=True,
     )
     s.wait_state("ready", 30)
-    exited = s.wait_event("exited", 30)
+    return s, s.wait_event("exited", 30)
+
+
+def test_a_crash_of_a_docker_run_rm_container_stays_a_crash(
+    make: Any, docker_client: Any, image: str, case_labels: dict[str, str], tmp_path: Path
+) -> None:
+    """`docker run --rm` (vLLM's usual way) has Docker remove the container after any exit: a crash (exit 1) read as
+    "removed outside sparkd … not a crash", a warning (helper-49). Only the SIGKILL of a removal by hand is one."""
+    s, exited = _crash_of_a_docker_run_rm_container(make, docker_client, image, case_labels, tmp_path)
     assert exited["severity"] == "critical" and exited["details"]["removed"] is False, exited
     # read before Docker removed it: its exit code; removed first (a look a second apart races the removal; it read
     # "removed outside sparkd", a warning, one run in two): an unexpected exit all the same, its code lost
@@ -529,3 +533,33 @@ def test_a_crash_of_a_docker_run_rm_container_stays_a_crash(
         "exited unexpectedly and Docker removed it at once (docker run --rm)" in exited["message"]
     ), exited["message"]
     assert not s.events("container_gone"), s.events("container_gone")
+
+
+def test_a_crash_of_a_docker_run_rm_container_leaves_a_postmortem_without_its_log(
+    make: Any, docker_client: Any, image: str, case_labels: dict[str, str], tmp_path: Path
+) -> None:
+    """A `docker run --rm` container that crashed left no postmortem when Docker removed it before sparkd read its
+    exit: its log was gone with it, and nothing else was archived. Either way it has one now: read before the removal,
+    with its exit code (``exit code:    1``) and its log; removed first, with the samples, events and kernel lines
+    and a summary that says the container's own log went with it (the stubbed engine: test_exit_postmortem.py)."""
+    import tarfile
+
+    from sparkd.act.archive import is_incident_archive, list_archives
+
+    s, exited = _crash_of_a_docker_run_rm_container(make, docker_client, image, case_labels, tmp_path)
+    name = exited["details"]["archive"]
+    assert name and f"archive {name}" in exited["message"], exited
+    with tarfile.open(s.tmp / "archives" / name) as tf:
+        assert tf.getmembers()[0].name == "summary.txt"
+        members = set(tf.getnames())
+        summary = tf.extractfile("summary.txt").read().decode()  # type: ignore[union-attr]
+    assert "requested by: nobody: the container exited on its own, or was stopped outside sparkd" in summary, summary
+    assert {"samples.csv", "events.json", "kernel.log"} <= members, members
+    if exited["details"]["exit_code"] is None:  # Docker removed it first
+        assert "container log: MISSING: Docker removed the container at its exit (docker run --rm)" in summary
+        assert "exit code:    not known (Docker removed the container" in summary, summary
+        assert "container.log.missing" in members and "container.log" not in members, members
+    else:
+        assert "exit code:    1\n" in summary and "OOMKilled:    false\n" in summary, summary
+    bundle = next(a for a in list_archives(s.tmp / "archives") if a.name == name)
+    assert is_incident_archive(bundle)

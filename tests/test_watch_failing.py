@@ -373,13 +373,24 @@ async def test_the_supervisions_periodic_work_waits_while_the_looks_at_the_conta
 
 
 @pytest.mark.parametrize("was", ["ready", "stopped"])
-async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exit(tmp_path: Path, was: str) -> None:
+async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exit(
+    tmp_path: Path, was: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`docker run --rm`: Docker removes the container right after its exit, and a look a second apart read it as
     "removed outside sparkd" (a warning) about one time in two, a crash unpaged (test_e2e_lifecycle's --rm test,
     flaky since helper-49). A running --rm container that is gone ended on its own: a critical "exited", its code
-    lost. One sparkd stopped is only gone."""
+    lost, its postmortem written with what is left (its contents: ``test_exit_postmortem.py``). One sparkd stopped
+    is only gone."""
     from sparkd.errors import NotFound
+    from sparkd.loop import runbook
 
+    archived: list[Any] = []
+
+    async def postmortem(sup: Any, rep: Any, cid: str, **kw: Any) -> str:
+        archived.append(kw.get("exited"))
+        return "sparkd-20261204T000000Z-vllm.tar.gz"
+
+    monkeypatch.setattr(runbook, "write_postmortem", postmortem)
     sup, m, events = _sup(tmp_path)
     sup.auto_remove = True
     sup.state = S.READY if was == "ready" else S.STOPPED
@@ -401,11 +412,17 @@ async def test_a_docker_run_rm_container_gone_before_its_exit_was_read_is_an_exi
         # the kernel's OOM attribution is said, not "a crash cannot be told from a clean exit" (helper-57)
         assert "the kernel log shows an OOM kill of pid 4242 (python3)" in ev["message"], ev["message"]
         assert sup.state_reason == "exited and removed by Docker (docker run --rm)"
+        # its postmortem, without the log Docker removed with it (it had none at all)
+        [seen] = archived
+        assert seen.auto_removed and seen.exit_code is None and seen.kernel_oom == "pid 4242 (python3)", seen
+        assert ev["details"]["archive"] == "sparkd-20261204T000000Z-vllm.tar.gz", ev
+        assert "its log went with it: archive sparkd-20261204T000000Z-vllm.tar.gz" in ev["message"], ev["message"]
     else:  # its exit said before (or sparkd's stop): Docker's own removal, not "removed outside sparkd" (helper-55)
         assert ("container_gone", "info") in kinds and not any(k == "exited" for k, _ in kinds), kinds
         [ev] = [e for e in events if e["kind"] == "container_gone"]
         assert "was removed by Docker after its exit (docker run --rm)" in ev["message"], ev
         assert sup.state_reason == "removed by Docker after its exit (docker run --rm)"
+        assert archived == []  # its exit had its archive (or sparkd's stop did)
     assert sup.container_id is None
 
 

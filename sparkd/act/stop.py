@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -109,6 +110,53 @@ class ArchiveFate:
         self.name, self.error = None, why
 
 
+@dataclass(frozen=True)
+class ExitSeen:
+    """An exit nobody of sparkd's asked for, as its postmortem tells it (``write_postmortem``'s ``exited``): Docker's
+    ``exit_code`` and ``oom_killed`` (None: Docker gave none), the kernel log's OOM kill in this container
+    (``kernel_oom``, "pid 4242 (python3)"; None: none seen), and ``auto_removed``: Docker removed the container at
+    its exit (``docker run --rm``) before sparkd read it, and its log and ``docker inspect`` with it."""
+
+    exit_code: int | None = None
+    oom_killed: bool | None = None
+    kernel_oom: str | None = None
+    auto_removed: bool = False
+
+
+#: why an archive of a container ``docker run --rm`` removed at its exit has no container.log and no inspect.json
+REMOVED_WITH_IT = "Docker removed the container at its exit (docker run --rm), and this with it"
+
+
+def exit_code_text(code: int | None) -> str:
+    """``137`` → ``"137 (SIGKILL)"``: an exit code above 128 is 128 + the signal that ended the process (Docker's
+    and the shell's rule); others as they are; None → ``"not known"``."""
+    if code is None:
+        return "not known"
+    try:
+        return f"{code} ({signal.Signals(code - 128).name})" if code > 128 else str(code)
+    except ValueError:  # no such signal: a plain exit status
+        return str(code)
+
+
+def _exit_lines(exited: ExitSeen) -> list[str]:
+    """The summary's lines on an exit: its code and Docker's OOMKilled, the kernel's OOM kill, a log gone with it."""
+    gone = " (Docker removed the container before sparkd read it: docker run --rm)" if exited.auto_removed else ""
+    unknown = f"not known{gone or ' (Docker gave none)'}"
+    oom = unknown if exited.oom_killed is None else str(exited.oom_killed).lower()
+    lines = [
+        f"exit code:    {unknown if exited.exit_code is None else exit_code_text(exited.exit_code)}",
+        f"OOMKilled:    {oom}",
+    ]
+    if exited.kernel_oom:
+        lines.append(f"kernel OOM:   the kernel log shows an OOM kill of {exited.kernel_oom} in this container")
+    if exited.auto_removed:
+        lines.append(
+            "container log: MISSING: Docker removed the container at its exit (docker run --rm), and its log with "
+            "it; the samples, events and kernel lines here are what is left"
+        )
+    return lines
+
+
 def _launch_text(sup: Supervisor) -> str:
     """The run's launch id, or why there is none ("None" in guard mode read as a value lost; helper-39)."""
     if sup.launch_id:
@@ -118,7 +166,9 @@ def _launch_text(sup: Supervisor) -> str:
     return "none (not launched by sparkd, or its launch record was lost)"
 
 
-def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]) -> str:
+def _summary(
+    sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any], exited: ExitSeen | None = None
+) -> str:
     d = sup.daemon
     last = d.guard.last if d and d.guard else None
     lines = [
@@ -143,6 +193,8 @@ def _summary(sup: Supervisor, rep: StopReport, cid: str, inspect: dict[str, Any]
             f"launch id:    {_launch_text(sup)}",
             "started at:   " + (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)) if started else "not known"),
         ]
+    if exited is not None:
+        lines += _exit_lines(exited)
     if last is not None:
         # the default rules judge usable = MemAvailable − CmaFree (CONTEXT.md "CMA"): on a CMA host
         # MemAvailable alone would argue against the stop
@@ -242,7 +294,13 @@ async def _gather(
 
 
 async def write_postmortem(
-    sup: Supervisor, rep: StopReport, cid: str, *, engine_error: str | None = None, fate: ArchiveFate | None = None
+    sup: Supervisor,
+    rep: StopReport,
+    cid: str,
+    *,
+    engine_error: str | None = None,
+    fate: ArchiveFate | None = None,
+    exited: ExitSeen | None = None,
 ) -> str | None:
     """Step 2. Returns the archive name, or None (the failure is recorded; the stop goes on).
 
@@ -258,6 +316,10 @@ async def write_postmortem(
     30 s, before the stop): they are missing with that reason, and the rest is written as usual.
 
     ``fate``: told what became of the archive (written, or why not), now and after its later tries.
+
+    ``exited``: the archive tells an exit nobody asked for: the summary says its exit code and OOMKilled. A
+    container Docker removed at its exit (``auto_removed``, ``docker run --rm``) has no log nor inspect to ask
+    for: both are missing, said so (``REMOVED_WITH_IT``), and the rest is written as usual.
     """
     d = sup.daemon
     assert d is not None
@@ -273,7 +335,11 @@ async def write_postmortem(
     newest = max((t for t in (newest_event, newest_sample) if t is not None), default=None)
     written = d.writer is None or newest is None or await d.writer.written_until(newest, DB_WAIT_S)
     since = sup.launch_started_at or (now - s.container.archive_window_s)
-    if engine_error is None:
+    # why the container's log and inspect are not asked of the engine: it did not answer, or has no such container
+    unasked = f"{engine_error}: stopped by its processes" if engine_error else None
+    if exited is not None and exited.auto_removed:
+        unasked = REMOVED_WITH_IT
+    if unasked is None:
         inspect = await _gather(
             missing, "inspect.json", "docker inspect", sup.manager.inspect, cid, wait_s=ENGINE_MARGIN_S
         )
@@ -291,7 +357,7 @@ async def write_postmortem(
     else:
         inspect = logs = None
         for name in ("inspect.json", "container.log"):
-            missing[name] = f"{engine_error}: stopped by its processes"
+            missing[name] = unasked
     store = d.store
     rows = kern = events = None
     if store is None:
@@ -342,7 +408,7 @@ async def write_postmortem(
         else:
             parts["consumers.json"] = archive.Missing(why)
             missing["consumers.json"] = why
-    summary = _summary(sup, rep, cid, inspect or {})
+    summary = _summary(sup, rep, cid, inspect or {}, exited)
     summary += "".join(f"\nNOTE: {n}\n" for n in notes)
     if missing:
         summary += "\nMISSING (a partial postmortem beats none):\n" + "".join(

@@ -17,6 +17,7 @@ from sparkd.act.procstop import ProcessStopper
 from sparkd.act.stop import (
     ARCHIVE_NOT_WAITED,
     ArchiveFate,
+    ExitSeen,
     Stopper,
     StopReport,
     StopTarget,
@@ -203,32 +204,10 @@ class RunBook(LaunchBook):
             },
         )
 
-    def _forget(self) -> None:
+    async def _forget(self) -> None:
         assert self.container_id is not None
         if self.auto_remove and self._state_before in ACTIVE_STATES:
-            # `docker run --rm` (vLLM's usual way): it ended on its own and Docker removed it before a look read its
-            # exit (a poll a second apart races Docker's removal: a crash read "removed outside sparkd", a warning,
-            # about one time in two, helper-49's test). Its exit code is lost with it: said as the exit it was
-            oom = self._oom_record
-            how = (
-                f"the kernel log shows an OOM kill of pid {oom.pid} ({oom.comm}) in this container"
-                if oom is not None
-                else "a crash cannot be told from a clean exit here"
-            )
-            self._event(
-                "exited",
-                f"{self.name} ({self.container_id[:12]}) exited unexpectedly and Docker removed it at once (docker "
-                f"run --rm) before sparkd read its exit code: {how}; its log went with it (the kernel log and "
-                "sparkd's samples hold what is left)",
-                severity="critical",
-                details={
-                    "exit_code": None,
-                    "removed": False,
-                    "auto_remove": True,
-                    "archive": None,
-                    "kernel_oom_kill": oom is not None,
-                },
-            )
+            await self._exited_and_removed(self.container_id)
         else:
             by_docker = self.auto_remove  # its exit was said (``exited``); Docker removed it after, as --rm asks
             how = (
@@ -245,6 +224,34 @@ class RunBook(LaunchBook):
         self.auto_remove = False  # the next run's own flag is read when it is taken
         self.container_id, self.seen_started_at, self.seen_restart_count = None, None, None
         self.stay_stopped = True
+
+    async def _exited_and_removed(self, cid: str) -> None:
+        """`docker run --rm` (vLLM's usual way): the run ended on its own and Docker removed it before a look read its
+        exit (a poll a second apart races Docker's removal: a crash read "removed outside sparkd", a warning, about
+        one time in two, helper-49's test). Its exit code and its log are lost with it: said as the exit it was, with
+        the postmortem of what is left (samples, events, kernel lines; it had none, its log being gone)."""
+        kernel_oom = _oom_process(self._oom_record)
+        how = (
+            f"the kernel log shows an OOM kill of {kernel_oom} in this container"
+            if kernel_oom
+            else "a crash cannot be told from a clean exit here"
+        )
+        said = "exited unexpectedly and Docker removed it at once (docker run --rm)"
+        rep = StopReport(f"container {said}: {how}", EXITED_SOURCE)
+        name = await write_postmortem(self, rep, cid, exited=ExitSeen(kernel_oom=kernel_oom, auto_removed=True))
+        self._event(
+            "exited",
+            f"{self.name} ({cid[:12]}) {said} before sparkd read its exit code: {how}; its log went with it: archive "
+            f"{name or 'none'} (what is left: samples, events, kernel lines)",
+            severity="critical",
+            details={
+                "exit_code": None,
+                "removed": False,
+                "auto_remove": True,
+                "archive": name,
+                "kernel_oom_kill": kernel_oom is not None,
+            },
+        )
 
     def _mark_ready(self) -> None:
         if self.ready_at is not None:
@@ -340,11 +347,11 @@ class RunBook(LaunchBook):
 
     async def handle_exit(self, obs: Observation) -> None:
         """An exit nobody asked for: the kernel's OOM attribution, the launch record, a postmortem."""
-        oom = self._oom_record
+        oom, kernel_oom = self._oom_record, _oom_process(self._oom_record)
         how = f"exit code {obs.exit_code}, OOMKilled={obs.oom_killed}"
         if oom is not None:
             how += (
-                f"; the kernel log shows an OOM kill of pid {oom.pid} ({oom.comm}) in this container "
+                f"; the kernel log shows an OOM kill of {kernel_oom} in this container "
                 f"(Docker reports OOMKilled={obs.oom_killed})"
             )
             self.state_reason = how
@@ -369,7 +376,8 @@ class RunBook(LaunchBook):
                 and await self._being_removed(self.container_id)
             )
             rep = StopReport(f"container exited unexpectedly: {how}", EXITED_SOURCE)
-            name = await write_postmortem(self, rep, self.container_id)
+            seen = ExitSeen(obs.exit_code, obs.oom_killed, kernel_oom)
+            name = await write_postmortem(self, rep, self.container_id, exited=seen)
             also = " (a clean exit: the server ended, or it was stopped outside sparkd)" if clean else ""
             said = f"{self.name} exited unexpectedly ({how}){also}"
             if removed:
@@ -548,3 +556,9 @@ def _usable(fields: dict[str, int]) -> int | None:
     """Usable memory of a /proc/meminfo reading (``core.sample.usable_bytes``): the hard floor judged raw
     MemAvailable, and a host with 8.81 GiB of free CMA in its 10.45 GiB sat at 1.64 GiB usable for the whole grace."""
     return usable_bytes(fields.get("MemAvailable"), fields.get("CmaFree"))
+
+
+def _oom_process(oom: Any) -> str | None:
+    """The process the kernel's OOM kill line names (``sense.kernlog.KernRecord``): "pid 4242 (python3)"; None
+    without one."""
+    return None if oom is None else f"pid {oom.pid} ({oom.comm})"

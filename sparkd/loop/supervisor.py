@@ -502,7 +502,7 @@ class Supervisor(RunBook):
             if obs.exists and (obs.running or obs.restarting):
                 self.stopped_without_docker = pending  # Docker has not caught up yet: read again at the next step
             elif not obs.exists:
-                self._forget()
+                await self._forget()
                 await self._finish_launch("removed")
             return
         try:
@@ -519,7 +519,7 @@ class Supervisor(RunBook):
             if self.container_id is not None and self.state is S.STOPPING:
                 obs = await self.observe_docker(probe=False)
                 if not obs.exists:
-                    self._forget()
+                    await self._forget()
                     await self._finish_launch("removed")
         except SparkdError as e:  # the engine went again, or an action holds the lock: the next step retries
             self.stopped_without_docker = pending
@@ -1515,7 +1515,7 @@ class Supervisor(RunBook):
             await self.handle_exit(obs)
             self._bg = asyncio.create_task(self.maybe_restart())
         elif eff.kind is EffectKind.FORGET:
-            self._forget()
+            await self._forget()
             await self._finish_launch("removed")
         elif eff.kind is EffectKind.STOP and not self.lock.locked():
             self._bg = asyncio.create_task(self._stop_quietly(eff.message))
