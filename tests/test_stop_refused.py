@@ -23,7 +23,7 @@ from test_stop_not_kept import Manager
 from sparkd.act.containerspec import StopResult
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState as S
-from sparkd.errors import Refused
+from sparkd.errors import NotFound, Refused
 from sparkd.loop import supervisor as supervisor_module
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.supervisor import Supervisor
@@ -137,5 +137,32 @@ async def test_the_stop_procedures_refusal_carries_no_not_running_reason(tmp_pat
         with pytest.raises(Refused) as e:
             await sup._stop("usable 1.2 GiB < 3 GiB", RULE)
         assert e.value.reason is None and NOT_OURS in e.value.message, e.value
+    finally:
+        await d.shutdown("test")
+
+
+class RemovedManager(Manager):
+    """The container is gone: removed (``docker rm``, ``--rm``) after the stop made by its processes."""
+
+    def state(self, cid: str) -> Any:
+        raise NotFound(f"no such container: {cid}")
+
+
+@pytest.mark.parametrize("state", [S.STOPPING, S.STOPPED])
+async def test_a_stop_finished_through_docker_finds_the_container_removed_and_forgets_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: S
+) -> None:
+    """The engine answers again after a stop made by the container's processes; the processes are gone and so is the
+    container. The look at Docker (``reconcile``) forgets it itself when its state says so (stopped): the finish then
+    forgot it a second time and failed on the missing id (an AssertionError out of the supervisor's step, helper-61).
+    Either way the container is forgotten once and the finish ends quietly."""
+    monkeypatch.setattr(supervisor_module, "_processes_of", lambda cid: [])  # its processes are gone
+    sup, d, _resets = await _sup(tmp_path, RemovedManager())
+    try:
+        sup.state = state
+        sup.stopped_without_docker = (RULE, "usable 1.2 GiB < 3 GiB")
+        await sup.finish_stop_with_docker()
+        assert sup.container_id is None and sup.stopped_without_docker is None
+        assert len([e for e in d.recent_events if e["kind"] == "container_gone"]) == 1, d.recent_events
     finally:
         await d.shutdown("test")

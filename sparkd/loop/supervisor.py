@@ -501,7 +501,7 @@ class Supervisor(RunBook):
                 raise
             if obs.exists and (obs.running or obs.restarting):
                 self.stopped_without_docker = pending  # Docker has not caught up yet: read again at the next step
-            elif not obs.exists:
+            elif not obs.exists and self.container_id is not None:  # (the look forgets it itself when stopped)
                 await self._forget()
                 await self._finish_launch("removed")
             return
