@@ -13,6 +13,7 @@ edge, refusing the stop and the kill as ``ContainerManager._owned`` does."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from test_stop_not_kept import Manager
 from sparkd.act.containerspec import StopResult
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState as S
-from sparkd.errors import NotFound, Refused
+from sparkd.errors import DockerUnavailable, NotFound, Refused
 from sparkd.loop import supervisor as supervisor_module
 from sparkd.loop.daemon import Daemon
 from sparkd.loop.supervisor import Supervisor
@@ -125,6 +126,8 @@ async def test_a_stop_finished_through_docker_that_the_engine_refuses_is_said_no
             [ev] = _not_executed(d)
             assert ev["severity"] == "critical" and ev["message"].startswith(f"{RULE}: ") and NOT_OURS in ev["message"]
             assert "finishing the stop made without the engine" in ev["message"], ev
+            # the run Docker brought back is read as running again (started anew), not "stopping" while it runs
+            assert sup.state is S.STARTING, sup.state
         finally:
             await d.shutdown("test")
 
@@ -164,5 +167,77 @@ async def test_a_stop_finished_through_docker_finds_the_container_removed_and_fo
         await sup.finish_stop_with_docker()
         assert sup.container_id is None and sup.stopped_without_docker is None
         assert len([e for e in d.recent_events if e["kind"] == "container_gone"]) == 1, d.recent_events
+    finally:
+        await d.shutdown("test")
+
+
+class FailingManager(Manager):
+    """The container runs; the engine answers, and its stop and kill fail with an error of their own."""
+
+    def stop(self, cid: str, timeout_s: float = 30.0) -> StopResult:
+        raise RuntimeError("docker stop: cannot stop container: permission denied")
+
+    def kill(self, cid: str) -> bool:
+        raise RuntimeError("docker kill: cannot kill container: permission denied")
+
+
+def _states(d: Daemon) -> list[tuple[str, str | None]]:
+    """The ``container_<state>`` events with their reasons, oldest first."""
+    said = [e for e in d.recent_events if e["kind"].startswith("container_")]
+    return [(e["kind"], (e["details"] or {}).get("reason")) for e in reversed(said)]
+
+
+async def test_a_refused_emergency_stop_leaves_the_model_read_as_running_not_stopping(tmp_path: Path) -> None:
+    """The engine refuses the stop: the model runs on. Its state stayed ``stopping`` (``core.lifecycle`` keeps it for
+    as long as the run is up), so the dashboard and `sparkd status` said "stopping" for a running model. Docker's
+    state is read at once: ready again, said why; the critical ``stop_not_executed`` stays."""
+    sup, d, _resets = await _sup(tmp_path, RefusingManager())
+    try:
+        await sup.emergency_stop(RULE, "usable 1.2 GiB < 3 GiB")
+        assert sup.state is S.READY and sup.lifecycle_state() == "ready", (sup.state, _states(d))
+        kinds = _states(d)
+        assert [k for k, _ in kinds] == ["container_stopping", "container_ready"], kinds
+        assert "the stop was not executed" in (kinds[-1][1] or ""), kinds  # the state's reason says why
+        [ev] = _not_executed(d)
+        assert ev["severity"] == "critical", ev
+    finally:
+        await d.shutdown("test")
+
+
+async def test_a_failed_stop_through_docker_leaves_the_model_read_as_docker_has_it(tmp_path: Path) -> None:
+    """The engine answers but its stop and kill fail (no refusal, no hang): ``_stop`` raises DockerUnavailable (an
+    emergency goes on by the processes). Before that, the state is read from Docker: the run is up, so ready."""
+    sup, d, _resets = await _sup(tmp_path, FailingManager())
+    try:
+        with pytest.raises(DockerUnavailable, match="not confirmed"):
+            await sup._stop("usable 1.2 GiB < 3 GiB", RULE)
+        assert sup.state is S.READY, _states(d)
+    finally:
+        await d.shutdown("test")
+
+
+async def test_a_refused_stop_of_a_run_that_exited_meanwhile_reads_stopped(tmp_path: Path) -> None:
+    """The engine refuses the stop, and by the look after it Docker says the run has exited: the state follows Docker
+    (``stopped``: the transition from ``stopping``), not the state before the stop."""
+
+    class ExitsAfterRefusal(RefusingManager):
+        reads_left: int | None = None  # Docker's reads until the run has exited (None: it runs)
+
+        def kill(self, cid: str) -> bool:
+            if self.reads_left is None:  # the stop's own read-back still finds it running, the look after it exited
+                self.reads_left = 1
+            return super().kill(cid)
+
+        def state(self, cid: str) -> Any:
+            if self.reads_left is not None:
+                self.running, self.finished_at = self.reads_left > 0, time.time()
+                self.reads_left -= 1
+            return super().state(cid)
+
+    sup, d, _resets = await _sup(tmp_path, ExitsAfterRefusal())
+    try:
+        with pytest.raises(Refused):
+            await sup._stop("usable 1.2 GiB < 3 GiB", RULE)
+        assert sup.state is S.STOPPED, _states(d)
     finally:
         await d.shutdown("test")

@@ -25,7 +25,7 @@ from sparkd.act.stop import (
     witness_before_stop,
     write_postmortem,
 )
-from sparkd.core.lifecycle import ACTIVE_STATES, ContainerState, Observation, Probe, transition
+from sparkd.core.lifecycle import ACTIVE_STATES, ContainerState, Observation, Probe, Step, transition
 from sparkd.core.sample import usable_bytes
 from sparkd.core.supervision import EXITED_SOURCE, StopIntent, restart_policy_risk
 from sparkd.errors import Conflict, DockerUnavailable, NotFound, Refused, SparkdError
@@ -62,6 +62,12 @@ class RunBook(LaunchBook):
         raise NotImplementedError
 
     async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
+        raise NotImplementedError
+
+    async def observe_docker(self, *, probe: bool, detail: str | None = None) -> Observation:
+        raise NotImplementedError
+
+    async def apply(self, step: Step, obs: Observation) -> None:
         raise NotImplementedError
 
     async def request(
@@ -464,6 +470,7 @@ class RunBook(LaunchBook):
         error, launching nothing. Raises Refused when the engine refused the stop (not sparkd's to stop; no ``reason``:
         the model may run on, never read as ``not_running``)."""
         assert self.container_id is not None
+        prior = self.state
         step = transition(self.state, Observation(stopping=True, detail=reason, name=self.name))
         self._record_state(step.state, step.reason)
         s, cid = self.settings, self.container_id
@@ -529,10 +536,36 @@ class RunBook(LaunchBook):
             # never read as stopped. The engine hung in the stop (or failed): an emergency stops the processes.
             # The engine refused it (not sparkd's to stop): said, never escalated to the processes
             why = f"the stop of {self.name} is not confirmed: {rep.engine_hung or '; '.join(rep.errors)[:400]}"
+            if rep.engine_hung is None:  # the engine answered (refused, or failed): its state read now
+                await self._state_after_stop_not_done(prior, why)
             raise Refused(why) if rep.refused and rep.engine_hung is None else DockerUnavailable(why)
         if stopper is None:
             await self.reconcile(probe=False, detail=reason)
         return rep
+
+    async def _state_after_stop_not_done(self, prior: ContainerState, why: str) -> None:
+        """A stop through Docker that the engine refused or failed while answering (``StopReport.engine_hung`` unset):
+        the state as Docker has it now, not ``stopping`` for a model that runs on (``core.lifecycle`` keeps
+        ``stopping`` for as long as the run is up: the dashboard and `sparkd status` said "stopping" until it exited).
+
+        Docker says the run is up (or restarting): back to ``prior``, the state before the stop (``stopped`` when that
+        was ``stopping``: a stop made by the processes, whose run Docker's restart policy brought back), the
+        observation read from it. It has exited: the transition from ``stopping`` (``stopped``; gone: ``stopping``
+        stays, as after a stop that was made). The look fails: ``prior``. A state another stop moved meanwhile (by the
+        processes) is left as it is. An engine hung in the stop is not looked at (its stop may still land; the caller
+        stops the processes): ``stopping`` stays."""
+        if self.state is not ContainerState.STOPPING:
+            return
+        said = f"the stop was not executed: {why}"
+        try:
+            async with self._obs_lock:
+                obs = await self.observe_docker(probe=False, detail=said)
+                if obs.exists and obs.engine_up and (obs.running or obs.restarting):
+                    back = ContainerState.STOPPED if prior is ContainerState.STOPPING else prior
+                    self._record_state(back, said)
+                await self.apply(transition(self.state, obs), obs)
+        except Exception as e:  # the engine went, or refused to say: the state before the stop, said so
+            self._record_state(prior, f"{said}; Docker's state not read ({e})")
 
     def last_stop_status(self) -> LastStopStatus | None:
         """``ContainerStatus.last_stop``: the last stop ``_stop`` made, its archive as it stands now (written late,
