@@ -191,3 +191,22 @@ def test_a_duration_rules_held_time_is_reported_from_its_first_counted_sample() 
     assert r["counter"] == 5 and r["held_s"] == 10.0 and r["for_s"] == 15.0  # 1.0 .. 11.0
     e.step(S(12.0, 20.0))
     assert e.rules_json()[0]["held_s"] is None  # reset with the counter
+
+
+def test_a_step_recompiles_percent_thresholds_when_memtotal_changes() -> None:
+    """``step`` compiles the rules on the first sample and again when a sample's MemTotal differs (a replay of a
+    database from a host with another MemTotal; a kernel that changed its figure): a ``%`` threshold follows."""
+    e = RuleEngine(
+        [RuleConfig(name="low", when=["MemAvailable < 10%"], samples=2, action="stop")], cooldown_s=60.0, horizon_s=30.0
+    )
+    e.step(S(0.0, 50.0))
+    assert e.rule("low") is not None and e.rule("low").when[0].threshold == 0.10 * MEM_TOTAL  # type: ignore[union-attr]
+    bigger = S(1.0, 50.0)
+    bigger.mem_total = 2 * MEM_TOTAL
+    e.step(bigger)
+    assert e.mem_total == 2 * MEM_TOTAL
+    assert e.rule("low").when[0].threshold == 0.20 * MEM_TOTAL  # type: ignore[union-attr]
+    no_total = S(2.0, 50.0)
+    no_total.mem_total = None  # a sample without MemTotal keeps what was compiled
+    e.step(no_total)
+    assert e.mem_total == 2 * MEM_TOTAL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -245,6 +246,44 @@ def test_it_puts_every_line_in_exactly_one_window(events: list[tuple[float, int,
     starts = [s for s, _ in drained]
     assert len(starts) == len(set(starts)) and starts == sorted(starts)
     assert {s: c for s, c in drained} == {s: c for s, c in expected.items() if c}
+
+
+def test_recent_keeps_the_previous_windows_lines_across_idle_reads() -> None:
+    w = NvrmWindows(10.0)
+    w.add(2, 10.0)
+    assert w.recent(21.0) == 2  # [10,20) is the previous window of [20,30): the open one has none
+    assert w.recent(22.0) == 2  # read again with no line since: still the evidence
+    assert w.closed_windows(23.0) == [(10.0, 2)]
+    assert w.recent(24.0) == 2  # a drain does not take the previous window's lines away
+    assert w.recent(30.0) == 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 200, allow_nan=False), st.integers(0, 3), st.sampled_from(["add", "recent", "drain"])),
+        max_size=80,
+    ),
+    st.sampled_from([1.0, 10.0, 7.3]),
+)
+def test_recent_is_the_lines_of_the_open_and_previous_window(
+    events: list[tuple[float, int, str]], window_s: float
+) -> None:
+    """Any order of lines, reads and drains (time going forward): ``recent`` counts the lines of the window ``now``
+    falls in and of the one before it, and a drain at ``now`` has handed out every line of the windows before
+    ``now``'s, as a plain count over every line would."""
+    w = NvrmWindows(window_s)
+    lines: list[tuple[float, int]] = []
+    drained = 0
+    for now, n, op in sorted(events):
+        k = math.floor(now / window_s)
+        if op == "add":
+            w.add(n, now)
+            lines.append((now, n))
+        elif op == "drain":
+            drained += sum(c for _, c in w.closed_windows(now))
+            assert drained == sum(c for t, c in lines if math.floor(t / window_s) < k)
+        else:
+            assert w.recent(now) == sum(c for t, c in lines if math.floor(t / window_s) in (k - 1, k))
 
 
 # --- readers -----------------------------------------------------------------

@@ -205,9 +205,10 @@ class RuleEngine:
     # ------------------------------------------------------------------ decisions
     def step(self, sample: Sample) -> list[Decision]:
         """Advance every rule on ``sample`` (its ``mono`` is "now"); trips, near misses, cooldowns."""
-        self.ensure(sample)
+        if not self._compiled or sample.mem_total != self.mem_total:  # (``ensure`` only then: a frame less per tick)
+            self.ensure(sample)
         self.last_mono = sample.mono
-        self.slope.add(sample.mono, usable_bytes(sample))
+        self.slope.add(sample.mono, sample.mem_available_minus_cma)  # ``rules.usable_bytes`` (set by ``sample.derive``)
         return evaluate(
             sample,
             self.rules,

@@ -509,6 +509,9 @@ def evaluate(
             if v is None or not c.compare(v, c.threshold):
                 if rule.in_last_s is None:  # a consecutive rule starts again (``_missed``)
                     st.counter, st.started_mono = 0, None
+                elif not st.prev_held and not st.recent:  # a windowed rule with nothing held in its window
+                    st.prev_mono = now  # (``_window`` with held=False: the window stays empty, nothing can trip)
+                    st.held_total_s, st.counter, st.started_mono = 0.0, 0, None
                 elif (d := _missed(rule, st, sample, now, cooldown_s)) is not None:
                     out.append(d)
                 break

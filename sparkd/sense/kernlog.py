@@ -310,6 +310,8 @@ class NvrmWindows:
 
     def recent(self, now: float) -> int:
         """Lines in the current window plus the immediately previous window."""
+        if not self._count and (self._prev is None or not self._prev[1]):
+            return 0  # no line in either: advancing changes nothing this answers (a frame less per idle tick, issue 18)
         k = self._advance(now)
         prev = self._prev[1] if self._prev is not None and self._prev[0] == k - 1 else 0
         return self._count + prev
@@ -325,6 +327,8 @@ class NvrmWindows:
         With ``now``, windows that ended before ``now`` are closed first.
         Windows with no lines are not listed.
         """
+        if not self._count and not self._closed:
+            return []  # no line since the last drain: advancing would close nothing (issue 18)
         if now is not None:
             self._advance(now)
         out, self._closed = self._closed, []
