@@ -24,6 +24,7 @@ from test_stop_not_kept import Manager
 from sparkd.act.containerspec import StopResult
 from sparkd.config import load_settings
 from sparkd.core.lifecycle import ContainerState as S
+from sparkd.core.supervision import IntentRecord, StopIntent
 from sparkd.errors import DockerUnavailable, NotFound, Refused
 from sparkd.loop import supervisor as supervisor_module
 from sparkd.loop.daemon import Daemon
@@ -239,5 +240,50 @@ async def test_a_refused_stop_of_a_run_that_exited_meanwhile_reads_stopped(tmp_p
         with pytest.raises(Refused):
             await sup._stop("usable 1.2 GiB < 3 GiB", RULE)
         assert sup.state is S.STOPPED, _states(d)
+    finally:
+        await d.shutdown("test")
+
+
+@pytest.mark.parametrize("refusing", [True, False], ids=["engine-refuses", "not-running"])
+async def test_a_failed_launchs_stop_the_engine_refuses_is_critical(tmp_path: Path, refusing: bool) -> None:
+    """``_stop_quietly`` (a launch never ready, stopped by sparkd) said every refusal as a warning
+    ``stop_not_executed``: a stop the engine refused (the failed launch runs on, holding its memory) read as a model
+    already down. Only
+    ``reason="not_running"`` is a warning, marked nothing running; any other refusal is critical."""
+    manager = RefusingManager() if refusing else Manager()
+    manager.running = refusing
+    sup, d, _resets = await _sup(tmp_path, manager)
+    try:
+        sup.state = S.FAILED  # not ready within container.startup_timeout_s
+        await sup._stop_quietly("not ready within 600 s")
+        [ev] = _not_executed(d)
+        assert ev["message"].startswith("sparkd (failed launch): not ready within 600 s: "), ev
+        if refusing:
+            assert ev["severity"] == "critical" and NOT_OURS in ev["message"], ev
+            assert not (ev["details"] or {}).get("nothing_running"), ev  # the next trip acts again
+        else:
+            assert ev["severity"] == "warning" and ev["details"] == {"nothing_running": True}, ev
+    finally:
+        await d.shutdown("test")
+
+
+@pytest.mark.parametrize("refusing", [True, False], ids=["engine-refuses", "not-running"])
+async def test_an_interrupted_stop_the_engine_refuses_when_resumed_is_critical(tmp_path: Path, refusing: bool) -> None:
+    """An emergency stop begun before sparkd's last exit is finished at its start (``_finish_interrupted_stop``). Its
+    refusal by the engine was a warning: the model ran on after an emergency, said as if nothing had failed. It is
+    critical now, as ``emergency_stop`` says it; a model found not running stays a warning, marked nothing running."""
+    manager = RefusingManager() if refusing else Manager()
+    manager.running = refusing
+    sup, d, _resets = await _sup(tmp_path, manager)
+    try:
+        rec = IntentRecord(StopIntent.EMERGENCY, time.time() - 5, RULE, "usable 1.2 GiB < 3 GiB")
+        await sup._finish_interrupted_stop(rec)
+        [ev] = _not_executed(d)
+        assert ev["message"].startswith(f"{RULE} (resumed): "), ev
+        if refusing:
+            assert ev["severity"] == "critical" and NOT_OURS in ev["message"], ev
+            assert not (ev["details"] or {}).get("nothing_running"), ev
+        else:
+            assert ev["severity"] == "warning" and ev["details"] == {"nothing_running": True}, ev
     finally:
         await d.shutdown("test")

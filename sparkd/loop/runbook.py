@@ -322,7 +322,12 @@ class RunBook(LaunchBook):
             )
 
     async def _stop_quietly(self, reason: str) -> None:
-        """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``)."""
+        """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``).
+
+        A stop not made is ``stop_not_executed``: a warning marked ``nothing_running`` when nothing runs
+        (``Refused.reason == "not_running"``), else critical (the engine refused it, a container without sparkd's
+        label; Docker's own 409): the failed launch may run on, holding its memory, as ``_stop_as_asked`` says it.
+        An action holding the lock leaves the stop for a free lock (``_failed_stop_pending``), unsaid."""
         cid = self.container_id
         rec = self.unattended.state.intent
         # a maintenance run's relaunch that failed: its intent holds the model stopped (smoke_failed says so) until
@@ -339,7 +344,13 @@ class RunBook(LaunchBook):
                 # Docker's own 409 has no such detail: said, as any refusal
                 self._failed_stop_pending = (cid, reason)
                 return
-            self._event("stop_not_executed", f"{reason}: {e.message}", severity="warning")
+            nothing = isinstance(e, Refused) and e.reason == "not_running"
+            self._event(
+                "stop_not_executed",
+                f"{source}: {reason}: {e.message}",
+                severity="warning" if nothing else "critical",
+                details={"nothing_running": True} if nothing else None,
+            )
             return
         if maintenance and rec is not None:
             # the maintenance's own record: its start, who began it and its expiry clock (the stop's request replaced

@@ -1373,7 +1373,12 @@ class Supervisor(RunBook):
         """Finish an emergency stop begun before sparkd's last exit (its intent was written before the stop;
         Docker may still be within the grace, or the stop never reached it): counted toward the breaker,
         stopped through the normal procedure, and the model stays stopped until `sparkd start`, as when
-        sparkd finds it already down. A run started after the intent (by hand) is not stopped."""
+        sparkd finds it already down. A run started after the intent (by hand) is not stopped.
+
+        A stop not made is ``stop_not_executed``: a warning marked ``nothing_running`` when nothing runs
+        (``Refused.reason == "not_running"``), else critical (the engine refused it, a container without sparkd's
+        label; an action held the lock; the engine down with the id not known): the model may run on, as
+        ``emergency_stop`` and ``_stop_as_asked`` say it."""
         said = who_and_reason(rec.who, rec.reason)
         reason = f"finishing the {rec.intent.value} stop begun before sparkd's last exit ({said})"
         self._event("stop_resumed", reason, severity="warning", details={"intent": rec.intent.value, "who": rec.who})
@@ -1381,7 +1386,13 @@ class Supervisor(RunBook):
         try:
             await self.request("stop", source=rec.who, reason=rec.reason)
         except SparkdError as e:
-            self._event("stop_not_executed", f"{rec.who} (resumed): {e.message}", severity="warning")
+            nothing = isinstance(e, Refused) and e.reason == "not_running"
+            self._event(
+                "stop_not_executed",
+                f"{rec.who} (resumed): {e.message}",
+                severity="warning" if nothing else "critical",
+                details={"nothing_running": True} if nothing else None,
+            )
 
     async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
         """One observation of Docker's truth, its transition and effects. Returns the observation."""
