@@ -9,7 +9,10 @@ from typing import Any, Literal
 
 #: why a ``Refused`` was refused, for code that acts on it (never read from the message's words).
 #: ``not_running``: nothing of the model runs (its container is not running, no process of it is found).
-RefusedReason = Literal["not_running"]
+#: ``already_running``: a start of a model whose container runs already (nothing to launch).
+#: ``guarded``: a start or restart of a guarded container, which sparkd never launches (the operator does).
+#: A start refused for these is no failed launch (``loop.unattended``'s relaunch tells them apart).
+RefusedReason = Literal["not_running", "already_running", "guarded"]
 
 
 class SparkdError(Exception):

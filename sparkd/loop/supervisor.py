@@ -660,8 +660,9 @@ class Supervisor(RunBook):
         and the model stays stopped; the answer says ``"stopped_by": "processes"``. Before, it waited out
         the engine's API timeout (30 s) and was refused.
 
-        Raises Conflict (an action is running), Refused (not running, or no process of it runs with the engine
-        silent: ``reason="not_running"``; already running; guarded), DockerUnavailable (start or restart with the
+        Raises Conflict (an action is running: ``detail["action"]``), Refused (not running, or no process of it runs
+        with the engine silent: ``reason="not_running"``; already running: ``"already_running"``; guarded:
+        ``"guarded"``; the launch's preflight or plan: no reason), DockerUnavailable (start or restart with the
         engine down; a stop when the container's id is not known yet)."""
         if action not in ("start", "stop", "restart"):
             raise Refused(f"action: {action!r} is not allowed; allowed: start, stop, restart")
@@ -672,7 +673,8 @@ class Supervisor(RunBook):
             mind = f". Mind memory first: {holding[1]}: the guard would stop the model again" if holding else ""
             raise Refused(
                 f"{self.name} is guarded, not launched by sparkd: {action} it yourself (docker {action} {self.name}); "
-                f"sparkd can stop it{mind}"
+                f"sparkd can stop it{mind}",
+                reason="guarded",
             )
         if action == "stop" and self.lock.locked() and self.action in HANDING_OVER and intent_for(source) in HANDED:
             return self._hand_over_stop(source, reason or f"stop requested by {source}")
@@ -758,7 +760,9 @@ class Supervisor(RunBook):
                             intent = self.unattended.intent_for(source)
                             await self.unattended.set_intent(intent, source, reason or f"stop requested by {source}")
                 if action == "start" and up:
-                    raise Refused(f"{self.name} is already running (state {self.state}); use restart")
+                    raise Refused(
+                        f"{self.name} is already running (state {self.state}); use restart", reason="already_running"
+                    )
                 if action in ("start", "restart"):
                     out["launch_id"] = await self._launch(source, force=force)
                     self.stay_stopped = False

@@ -86,6 +86,18 @@ def probe_api_key(settings: Any) -> str | None:
     return None
 
 
+def not_a_launch_failure(e: Conflict | Refused) -> str | None:
+    """A start refused without a launch having failed: the severity its ``relaunch_skipped`` is said with; None for a
+    launch that failed (its preflight, its plan, Docker's own 409 Conflict), which counts toward the back-off.
+
+    ``Refused.reason`` ``already_running`` (info: nothing to launch) or ``guarded`` (a warning: sparkd launches no
+    guarded container), and a Conflict whose detail names the action that holds the supervisor's lock (a stop under
+    way, a resize, a maintenance run; ``Supervisor._refuse_if_busy``; a warning)."""
+    if isinstance(e, Refused):
+        return {"already_running": "info", "guarded": "warning"}.get(e.reason or "")
+    return "warning" if isinstance(e.detail, dict) and "action" in e.detail else None
+
+
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -371,15 +383,31 @@ class Unattended:
         if self.state.breaker.is_open:
             self.sup._event("relaunch_skipped", f"relaunch skipped: circuit breaker opened (intent {intent})")
             return
-        self.relaunches.append(time.time())
         try:
             await self.sup.request("start", source=f"auto-relaunch (intent {intent}, back-off {d.delay_s:g} s)")
         except (Conflict, Refused) as e:
+            skipped = not_a_launch_failure(e)
+            if skipped is not None:
+                # nothing was launched, and nothing failed: the model runs already, or an action holds it (a stop, a
+                # resize, a maintenance run: its own decision follows). Counted as a failed launch, it doubled the
+                # back-off and could hold the model down as "failing to launch"
+                self.sup._event(
+                    "relaunch_skipped",
+                    f"relaunch skipped: {e.message} (intent {intent})",
+                    severity=skipped,
+                    details={"intent": intent, "why": getattr(e, "reason", None) or "busy"},
+                )
+                return
+            self.relaunches.append(time.time())
             self.sup._event("restart_failed", f"auto-relaunch failed: {e.message}", severity="critical")
             if isinstance(e, Refused):
                 await self.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
+            return
         except SparkdError as e:
+            self.relaunches.append(time.time())
             self.sup._event("restart_failed", f"auto-relaunch failed: {e.message}", severity="critical")
+            return
+        self.relaunches.append(time.time())
 
     async def on_up(self, uptime_s: float) -> None:
         """A running container: reset the back-off once it has been up ``stable_uptime_s``."""
