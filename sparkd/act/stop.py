@@ -102,12 +102,20 @@ class ArchiveFate:
 
     name: str | None = None
     error: str | None = None
+    #: called after each change (written, failed): the supervisor saves it (``supervision.json``'s ``last_stop``)
+    on_change: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def written(self, name: str) -> None:
         self.name, self.error = name, None
+        self._changed()
 
     def failed(self, why: str) -> None:
         self.name, self.error = None, why
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
 
 @dataclass(frozen=True)

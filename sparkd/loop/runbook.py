@@ -22,6 +22,7 @@ from sparkd.act.stop import (
     StopReport,
     StopTarget,
     run_stop,
+    unheard,
     witness_before_stop,
     write_postmortem,
 )
@@ -33,6 +34,7 @@ from sparkd.loop.launchbook import LaunchBook, stored_plan
 from sparkd.loop.status import LastStopStatus
 from sparkd.sense import procfs
 from sparkd.sense.vllm_http import MetricsUnavailable, health_check, progress_stalled, read_vllm_metrics
+from sparkd.store.supervision_state import LastStopRecord
 from sparkd.units import fmt_gib, parse_size
 
 NVML_LOST = "Failed to initialize NVML: Unknown Error"
@@ -514,6 +516,10 @@ class RunBook(LaunchBook):
 
         fate = ArchiveFate()
         self.last_stop = (time.time(), source, fate)
+        # kept in supervision.json as it changes (a restart of sparkd read no archive warning for a stop before it);
+        # not saved here, ahead of the stop: with the archive's fate, or with the intent's next save
+        self.unattended.state.last_stop = LastStopRecord(self.last_stop[0], source)
+        fate.on_change = lambda: self._keep_last_stop(fate)
 
         async def postmortem(rep: StopReport) -> str | None:
             return await write_postmortem(self, rep, cid, engine_error=engine_error, fate=fate)
@@ -538,7 +544,7 @@ class RunBook(LaunchBook):
             reader.close()
         delayed = next((e for e in rep.errors if e.startswith(ARCHIVE_NOT_WAITED)), None)
         if delayed is not None and fate.name is None and fate.error is None:  # still being written in the background
-            fate.error = (
+            fate.failed(
                 f"the stop did not wait for it ({delayed.removeprefix(ARCHIVE_NOT_WAITED)}); still being written"
             )
         self.stops_total += 1
@@ -578,19 +584,44 @@ class RunBook(LaunchBook):
         except Exception as e:  # the engine went, or refused to say: the state before the stop, said so
             self._record_state(prior, f"{said}; Docker's state not read ({e})")
 
+    def _keep_last_stop(self, fate: ArchiveFate) -> None:
+        """``ArchiveFate.on_change``: the last stop's archive as it stands, into ``supervision.json`` (a save in the
+        background, on the event loop's thread; a save that fails is said and tried again as any). A fate of a stop
+        no longer the last is left alone."""
+        rec = self.unattended.state.last_stop
+        if self.last_stop is None or self.last_stop[2] is not fate or rec is None or rec.at != self.last_stop[0]:
+            return
+        rec.archive, rec.archive_error = fate.name, fate.error
+        try:
+            task = asyncio.get_running_loop().create_task(self.unattended.save())
+        except RuntimeError:  # no event loop in this thread: saved with the next save
+            return
+        task.add_done_callback(unheard)
+
     def last_stop_status(self) -> LastStopStatus | None:
         """``ContainerStatus.last_stop``: the last stop ``_stop`` made, its archive as it stands now (written late,
-        or given up on), and whether the stop intent that holds now is on disk (``Unattended.unsaved``)."""
-        if self.last_stop is None:
+        or given up on), and whether the stop intent that holds now is on disk (``Unattended.unsaved``).
+
+        After a restart of sparkd: the last stop as ``supervision.json`` kept it (``LastStopRecord``). An archive it
+        did not say written then is not written by this sparkd: held in memory for a retry, it went with the exit
+        (``archive_error`` says so); a stop whose archive was still being written is not known to have one."""
+        if self.last_stop is not None:
+            at, source, fate = self.last_stop
+            archive, error = fate.name, fate.error
+        elif (rec := self.unattended.state.last_stop) is not None:
+            at, source, archive, error = rec.at, rec.source, rec.archive, rec.archive_error
+            if archive is None and not (error or "").startswith("lost:"):  # lost: said so at the exit already
+                then = f" (then: {error})" if error else " (it was being written)"
+                error = f"not known to be written: sparkd restarted before saying it was{then}"
+        else:
             return None
-        at, source, fate = self.last_stop
         held = self.unattended.state.intent is not None
         unsaved = self.unattended.unsaved() if held else None
         return LastStopStatus(
             at=at,
             source=source,
-            archive=fate.name,
-            archive_error=fate.error,
+            archive=archive,
+            archive_error=error,
             intent_saved=(unsaved is None) if held else None,
             intent_error=unsaved,
         )

@@ -11,7 +11,11 @@ Shape (version 1)::
      "intent": {"intent": "operator", "since": epoch_s, "who": str, "reason": str,
                 "expired_alerted": bool} | null,
      "backoff": {"failures": int, "failed_launches": int},
-     "heartbeat_sent_at": epoch_s | null}
+     "heartbeat_sent_at": epoch_s | null,
+     "last_stop": {"at": epoch_s, "source": str, "archive": str|null, "archive_error": str|null} | null}
+
+``last_stop`` (``LastStopRecord``) came later: a file without it loads with none (the version is unchanged; an older
+sparkd ignores the key).
 """
 
 from __future__ import annotations
@@ -32,6 +36,33 @@ VERSION = 1
 
 
 @dataclass
+class LastStopRecord:
+    """The last stop sparkd made (``RunBook._stop``) as it stood when last saved: when it began (``at``, epoch s),
+    who asked (``source``), its postmortem archive's file name once written (``archive``), else why not
+    (``archive_error``; both None while the stop was writing it). What ``ContainerStatus.last_stop`` says after a
+    restart of sparkd, which holds no stop of its own then."""
+
+    at: float
+    source: str
+    archive: str | None = None
+    archive_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "source": self.source, "archive": self.archive, "archive_error": self.archive_error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LastStopRecord:
+        """Raises KeyError (``at`` or ``source`` missing), TypeError or ValueError (``at`` not a number)."""
+        archive, error = d.get("archive"), d.get("archive_error")
+        return cls(
+            at=float(d["at"]),
+            source=str(d["source"]),
+            archive=str(archive) if archive is not None else None,
+            archive_error=str(error) if error is not None else None,
+        )
+
+
+@dataclass
 class SupervisionState:
     """What ``load`` returns and ``save`` writes (see the module docstring for the JSON)."""
 
@@ -39,6 +70,7 @@ class SupervisionState:
     intent: IntentRecord | None = None
     backoff: BackoffState = field(default_factory=BackoffState)
     heartbeat_sent_at: float | None = None
+    last_stop: LastStopRecord | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -47,6 +79,7 @@ class SupervisionState:
             "intent": self.intent.to_json() if self.intent else None,
             "backoff": {"failures": self.backoff.failures, "failed_launches": self.backoff.failed_launches},
             "heartbeat_sent_at": self.heartbeat_sent_at,
+            "last_stop": self.last_stop.to_json() if self.last_stop else None,
         }
 
     @classmethod
@@ -57,6 +90,7 @@ class SupervisionState:
             intent=IntentRecord.from_json(d["intent"]) if d.get("intent") else None,
             backoff=BackoffState(int(b.get("failures", 0)), int(b.get("failed_launches", 0))),
             heartbeat_sent_at=d.get("heartbeat_sent_at"),
+            last_stop=LastStopRecord.from_json(d["last_stop"]) if d.get("last_stop") else None,
         )
 
 

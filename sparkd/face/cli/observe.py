@@ -117,8 +117,15 @@ def _run_loop(main_coro: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main_coro)
 
 
-def _archive_of(settings: Settings, stop: dict[str, Any] | None) -> str | None:
-    """The path of the archive a stop event names (``details.archive``), or None."""
+def _archive_of(settings: Settings, stop: dict[str, Any] | None, st: Status | None = None) -> str | None:
+    """The path of the last stop's postmortem archive, or None: what the daemon holds of its last stop
+    (``ContainerStatus.last_stop.archive``, as the dashboard reads it: an archive written after the stop event, late,
+    is named too) when that is the stop of the newest stop event ``stop`` (it began before the event) or there is no
+    event; else the archive the event names (``details.archive``)."""
+    mine = st.container.last_stop if st is not None else None
+    ts = (stop or {}).get("ts")
+    if mine is not None and mine.archive and (not isinstance(ts, int | float) or mine.at <= ts):
+        return str(settings.archives_path / mine.archive)
     name = ((stop or {}).get("details") or {}).get("archive")
     return str(settings.archives_path / name) if name else None
 
@@ -320,7 +327,7 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
         "gpu": snap.get("gpu"),
         "consumers": snap.get("consumers"),
         "nearest_stop": snap.get("nearest_stop"),
-        "last_archive": _archive_of(settings, last_stop[0] if last_stop else None),
+        "last_archive": _archive_of(settings, last_stop[0] if last_stop else None, st),
         "events": events,
         "db_path": str(settings.db_file),
     }
