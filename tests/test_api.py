@@ -1214,6 +1214,15 @@ async def test_the_chart_draws_the_default_rules_stop_lines_and_usable_where_the
         ("repeated_dips", "usable", 3.0),
     }
     assert {t["action"] for t in cfg["thresholds"]} == {"stop"}  # a warn rule's would say "warn": drawn amber
+    # what else a line's rule needs before it stops: low_free_with_evidence's 10 GiB line is no "stops at 10 GiB"
+    needs = {(t["rule"], t["label"]): t["needs"] for t in cfg["thresholds"]}
+    assert needs == {
+        ("low_available", "usable"): None,
+        ("low_free_with_evidence", "MemFree"): "usable < 10 GiB and evidence",
+        ("low_free_with_evidence", "usable"): "MemFree < 2 GiB and evidence",
+        ("collapse_projected", "usable (projected)"): None,
+        ("repeated_dips", "usable"): None,
+    }
     assert cfg["cma"] is cma
     usable = 10 * 2**30 if cma else 12 * 2**30
     assert body["mem_available_avg"][-1] == 12 * 2**30

@@ -105,14 +105,47 @@ def test_the_default_rules_stop_lines_and_the_usable_line_are_drawn(browser: Any
     page.wait_for_timeout(2500)  # live updates carry the usable column too
     assert page.evaluate(f"window.sparkdChart.plot().data[{idx}].slice(-3)") == [10.0, 10.0, 10.0]
     drawn = page.evaluate("window.sparkdChart.lines()")
-    for line in (
-        "low_available: usable < 6.0 GiB",
-        "low_free_with_evidence: usable < 10.0 GiB",
-        "low_free_with_evidence: MemFree < 2.0 GiB",
-        "collapse_projected: usable (projected) < 4.0 GiB",
-        "repeated_dips: usable < 3.0 GiB",
-    ):
-        assert line in drawn, drawn
+    assert sorted(drawn) == sorted(
+        [
+            "low_available: usable < 6.0 GiB",
+            # it stops only with MemFree low and evidence as well: no "stops at 10 GiB"
+            "low_free_with_evidence: usable < 10.0 GiB, stops only with MemFree < 2 GiB and evidence",
+            "low_free_with_evidence: MemFree < 2.0 GiB, stops only with usable < 10 GiB and evidence",
+            "collapse_projected: usable (projected) < 4.0 GiB",
+            "repeated_dips: usable < 3.0 GiB",
+        ]
+    ), drawn
+    styles = {p["text"].split(",")[0]: p["style"] for p in page.evaluate("window.sparkdChart.labels()")}
+    assert styles == {
+        "low_available: usable < 6.0 GiB": "stop",
+        "low_free_with_evidence: usable < 10.0 GiB": "gated",
+        "low_free_with_evidence: MemFree < 2.0 GiB": "gated",
+        "collapse_projected: usable (projected) < 4.0 GiB": "stop",
+        "repeated_dips: usable < 3.0 GiB": "stop",
+    }, styles
+    # the pixels: the gated 10 GiB line is dotted pink, the 6 GiB stop line dashed red (scanned along the line)
+    runs = page.evaluate(
+        """(() => { const u = window.sparkdChart.plot(); const c = u.ctx;
+        const at = (gib) => { const y = Math.round(u.valToPos(gib, "y", true)); let best = null;
+          for (const dy of [0, 1, -1]) {
+            const row = c.getImageData(Math.round(u.bbox.left), y + dy, Math.round(u.bbox.width), 1).data;
+            const on = []; for (let i = 0; i < row.length; i += 4) on.push(row[i] > 150 && row[i + 1] < 150);
+            const lens = []; let n = 0; for (const v of on) { if (v) n++; else if (n) { lens.push(n); n = 0; } }
+            const i = on.indexOf(true) * 4; const colour = i < 0 ? null : [row[i], row[i + 1], row[i + 2]];
+            if (!best || lens.length > best.lens.length) best = { lens, colour }; }
+          return best; };
+        return { gated: at(10), stop: at(6) }; })()"""
+    )
+    gated, stop = runs["gated"], runs["stop"]
+    # a dotted line: many short runs (2 css px on, 4 off); a dashed one: longer runs (6 on, 4 off)
+    median = lambda lens: sorted(lens)[len(lens) // 2]  # noqa: E731
+    assert gated["lens"] and stop["lens"], runs
+    assert median(gated["lens"]) < median(stop["lens"]), runs
+    assert gated["colour"][2] > stop["colour"][2] + 20, runs  # pink (214,120,160) has more blue than red (240,97,109)
+    assert "dotted and pink" in page.inner_text(".legend-note")
+    # the labels end within the plot: none runs past its right edge (the evidence listed in them did)
+    right = page.evaluate("(() => { const b = window.sparkdChart.plot().bbox; return b.left + b.width; })()")
+    assert all(p["x1"] <= right for p in page.evaluate("window.sparkdChart.labels()")), right
     # every time on the page is UTC, the sample's age line too (it said "local time" beside a UTC axis)
     until(page, "/taken \\d\\d:\\d\\d:\\d\\d UTC\\)/.test(document.getElementById('sample-age').textContent)", 5)
     ARTIFACTS.mkdir(exist_ok=True)

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sparkd.core.choices import RuleAction
+from sparkd.core.conditions import parse_condition
 from sparkd.core.lifecycle import ContainerState
 from sparkd.core.rules import stop_lines
 from sparkd.core.supervision import of_this_run
-from sparkd.loop.status import ContainerStatus, GpuStatus, Status
+from sparkd.loop.status import ContainerStatus, GpuStatus, RuleStatus, Status
 from sparkd.units import GiB
 
 if TYPE_CHECKING:
@@ -668,6 +669,30 @@ def budget_from_status(status: Status) -> dict[str, Any] | None:
     }
 
 
+def _condition_words(text: str) -> str:
+    """``"usable < 3GiB"`` → ``"usable < 3 GiB"`` (a size's unit spaced, as the chart's labels write it)."""
+    fld, op, value = parse_condition(text)
+    unit = value.lstrip("0123456789.")
+    return f"{fld} {op} {value[: len(value) - len(unit)]} {unit}" if unit and unit != "%" else f"{fld} {op} {value}"
+
+
+def line_needs(rule: RuleStatus, line: dict[str, Any]) -> str | None:
+    """What else ``rule`` needs before it acts besides being under ``line`` (one of its ``stop_lines``): its other
+    ``when`` conditions and, when it has any, "evidence", e.g. ``"MemFree < 2 GiB and evidence"``; None when the line
+    alone decides (one condition, no evidence; a predictive rule's projected floor, which says "projected" itself)."""
+    if rule.kind == "predictive":
+        return None
+    others = [
+        _condition_words(text)
+        for text, t in zip(rule.when, rule.thresholds, strict=False)
+        if not (t.field == line["field"] and t.value == line["value"])
+    ]
+    if rule.evidence:
+        # the evidence itself is on the rule's card (Stop rules): listed here it ran past the chart's edge
+        others.append("evidence")
+    return " and ".join(others) or None
+
+
 def chart_config(status: Status, interval_s: float | None = None) -> dict[str, Any]:
     """What the chart script needs besides samples: series, rule thresholds (bytes; each with its rule's ``action``:
     a warn rule's line is amber and labelled "warn", a stop rule's red), ``cma`` and ``interval_s``.
@@ -679,9 +704,15 @@ def chart_config(status: Status, interval_s: float | None = None) -> dict[str, A
 
     ``cma``: the host has a CMA region (CmaTotal > 0), so usable memory (MemAvailable − CmaFree,
     CONTEXT.md "CMA") is a line of its own; without one it is MemAvailable, and a stop line on usable
-    is drawn against the MemAvailable line."""
+    is drawn against the MemAvailable line.
+
+    ``needs``: what else the line's rule needs before it acts (its other ``when`` conditions and its evidence), or
+    None for a rule that acts on the line alone. The default ``low_free_with_evidence`` line at usable 10 GiB was
+    drawn red like ``low_available``'s: it read "stops at 10 GiB", but that rule stops only with MemFree < 2 GiB
+    and evidence as well; the chart draws such a line as gated (dotted, pink) and says what it needs."""
     lines = [
-        {"rule": r.name, "action": r.action, **line}  # a warn rule's line is drawn as one, not as a stop line
+        # a warn rule's line is drawn as one, not as a stop line; a gated one as gated
+        {"rule": r.name, "action": r.action, **line, "needs": line_needs(r, line)}
         for r in status.rules
         for line in stop_lines(r.model_dump())
         if line["field"] in CHART_SERIES

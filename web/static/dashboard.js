@@ -38,6 +38,9 @@
   const MARK_ORDER = ["nvrm_no_memory", "nvrm_other", "launched", "ready", "resize", "stopping", "stopped", "killed", "hard_floor_kill", "oom_kill", "trip"];
   const GAP_MIN_S = 10;
   const WARN_LINE = "rgba(184,128,16,0.95)"; // a line only warn rules hold: amber (dark enough on the light theme)
+  // a line whose stop rules all need more than it (other conditions, evidence): a paler red, dotted
+  const GATED_LINE = "rgba(214,120,160,0.95)";
+  const GATED_DASH = [2, 4];
   const thresholds = cfg.thresholds || [];
   const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
 
@@ -94,20 +97,29 @@
         // one label per line: rules sharing a threshold do not pile up
         labelled.add(key);
         // a warn rule's line says so: "Dashed lines: stop thresholds" read every line as a stop (note 21)
-        const same = thresholds
-          .filter((x) => x.label === t.label && x.value === t.value)
-          .map((x) => (x.action === "warn" ? `${x.rule} (warn)` : x.rule));
+        const group = thresholds.filter((x) => x.label === t.label && x.value === t.value);
+        const same = group.map((x) => (x.action === "warn" ? `${x.rule} (warn)` : x.rule));
         text = `${same.join(", ")}: ${t.label} < ${(t.value / GiB).toFixed(1)} GiB`;
+        // a rule that needs more than the line says what: "stops at 10 GiB" was read for a rule that stops only
+        // with MemFree low and evidence as well
+        for (const x of group) {
+          if (!x.needs) continue;
+          const verb = x.action === "warn" ? "warns" : "stops";
+          text += group.length === 1 ? `, ${verb} only with ${x.needs}` : `; ${x.rule} ${verb} only with ${x.needs}`;
+        }
         drawnLines.push(text);
       }
       const warnOnly = thresholds.every((x) => x.label !== t.label || x.value !== t.value || x.action === "warn");
+      // no stop rule acts on this line alone: drawn dotted and paler, not as a stop line
+      const gated = !warnOnly && thresholds.every((x) => x.label !== t.label || x.value !== t.value || x.action === "warn" || x.needs);
       // lines 1 GiB apart on a 128 GiB axis printed their labels on top of each other, unreadable (helper-56)
       let labelX = left + 6 * dpr;
       if (text != null) {
         for (const p of placed) if (Math.abs(p.y - y) < 13 * dpr) labelX = Math.max(labelX, p.x1 + 14 * dpr);
       }
-      const x1 = window.sparkdStopLine(ctx, u.bbox, y, text, warnOnly ? WARN_LINE : null, labelX);
-      if (text != null) placed.push({ y, x1, x: labelX, text });
+      const color = warnOnly ? WARN_LINE : gated ? GATED_LINE : null;
+      const x1 = window.sparkdStopLine(ctx, u.bbox, y, text, color, labelX, gated ? GATED_DASH : null);
+      if (text != null) placed.push({ y, x1, x: labelX, text, style: warnOnly ? "warn" : gated ? "gated" : "stop" });
     }
     lastPlaced = placed;
     const sorted = [...markers].sort((a, b) => MARK_ORDER.indexOf(a.kind) - MARK_ORDER.indexOf(b.kind));

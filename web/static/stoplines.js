@@ -23,13 +23,14 @@
     ctx.stroke();
     ctx.setLineDash([]);
   };
-  window.sparkdStopLine = function (ctx, bbox, y, text, color, labelX) {
-    // color: a warn rule's line (amber); default the stop lines' red. labelX: where its label starts (canvas px;
-    // default the plot's left edge + 6 px). Returns where the label ends (labelX when there is none)
+  window.sparkdStopLine = function (ctx, bbox, y, text, color, labelX, dash) {
+    // color: a warn rule's line (amber), a gated one's; default the stop lines' red. labelX: where its label starts
+    // (canvas px; default the plot's left edge + 6 px). dash: the pattern in css px (default [6, 4]; a gated
+    // line's is dotted). Returns where the label ends (labelX when there is none)
     const dpr = window.devicePixelRatio || 1;
     ctx.strokeStyle = color || "rgba(240,97,109,0.85)";
     ctx.lineWidth = dpr;
-    ctx.setLineDash([6 * dpr, 4 * dpr]);
+    ctx.setLineDash((dash || [6, 4]).map((d) => d * dpr));
     ctx.beginPath();
     ctx.moveTo(bbox.left, y);
     ctx.lineTo(bbox.left + bbox.width, y);
