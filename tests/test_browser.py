@@ -168,6 +168,29 @@ def test_it_logs_in_and_shows_live_data(browser: Any, sparkd: dict[str, Any]) ->
     ctx.close()
 
 
+def test_logged_out_in_monitor_only_the_controls_say_monitor_only_not_log_in(
+    browser: Any, sparkd: dict[str, Any]
+) -> None:
+    """With no container to act on, a login changes nothing: the controls said "Log in with the API token" to a
+    visitor logged out, as if logging in would make them work. They say monitor-only first, whatever the login."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    page.goto(f"{sparkd['base']}/")
+    why = page.inner_text("#controls-why")
+    assert why == "Monitor-only: there is no container to start or stop.", why
+    assert page.locator("#controls-why a[href='/login']").count() == 0  # no "Log in" link in the controls
+    for action in ("start", "restart", "stop"):
+        button = page.locator(f"form[action='/ui/container/{action}'] button")
+        assert button.is_disabled(), action
+        assert button.get_attribute("title") == "monitor-only: there is no container to start or stop", action
+    # no resize form to fill in: the card says why
+    assert page.locator("#resize-form").count() == 0
+    assert "Monitor-only: sparkd runs no container here" in page.inner_text("#resize-monitor-only")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.locator("#controls").screenshot(path=str(ARTIFACTS / "controls-monitor-only-logged-out.png"))
+    ctx.close()
+
+
 def test_a_run_of_near_misses_is_one_row_that_grows(browser: Any, sparkd: dict[str, Any]) -> None:
     """Near misses every 2.5 s fill no rows of the events panel: the top row's count grows in place
     (a storm of them pushed the trip and the stop off the panel: note 19 §7)."""
