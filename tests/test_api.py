@@ -1386,9 +1386,10 @@ def test_gpu_and_leak_lines_say_what_is_measured() -> None:
         last_alert_t=None,
     )
 
-    class S:  # only the leak field is read
+    class S:  # only the leak and gpu fields are read (no GPU reading: not known to lack the driver)
         def __init__(self, **kw: Any) -> None:
             self.leak = LeakStatus(**{**base, **kw})
+            self.gpu: list[GpuStatus] = []
 
     assert leak_line(S()) is None  # type: ignore[arg-type]  # no growth figure yet: nothing to say
     assert leak_line(S(growth_bytes=2**29)) == {  # type: ignore[arg-type]

@@ -147,6 +147,10 @@ def summary_from_status(status: Status) -> dict[str, Any]:
     level = _page_level(status.nearest_stop.level if status.nearest_stop else None, s is not None, why)
     row = s.model_dump() if s else {}
     rows = [{"key": k, "label": label, "bytes": row.get(k), "gib": gib(row.get(k))} for k, label in MEMORY_ROWS.items()]
+    if no_nvidia_driver(status):
+        for r in rows:
+            if r["key"] == "driver_bytes":  # the figure stays in the data (and the database); the card says why not
+                r["text"] = NO_DRIVER_TEXT
     total = s.mem_total if s else None
     used_pct = None if not total or avail is None else 100.0 * (total - avail) / total
     return {
@@ -172,6 +176,18 @@ def summary_from_status(status: Status) -> dict[str, Any]:
         "watermark_warnings": list(status.watermark.warnings),
         "watermark_notes": list(status.watermark.notes),
     }
+
+
+#: The Now card's driver row where the host has no NVIDIA driver: the estimate MemTotal − MemFree − Buffers − Cached −
+#: AnonPages − Slab − PageTables − KernelStack leaves 0.05–0.28 GiB on such a host (the kernel's other allocations),
+#: which read as driver memory.
+NO_DRIVER_TEXT = "no NVIDIA driver"
+
+
+def no_nvidia_driver(status: Status) -> bool:
+    """sparkd knows the host has no NVIDIA driver loaded (the GPU reading says ``no_driver``: /proc/driver/nvidia is
+    absent, ``sense.gpu_helper``). False while it does not know (no GPU reading yet, NVML failing otherwise)."""
+    return any(g.no_driver for g in status.gpu)
 
 
 def gpu_line(g: GpuStatus) -> dict[str, Any]:
@@ -202,6 +218,8 @@ def leak_line(status: Status) -> dict[str, Any] | None:
     lk = status.leak
     if lk.growth_bytes is None:
         return None
+    if no_nvidia_driver(status):  # the estimate's drift is the kernel's, not a driver's: no trend to read
+        return {"level": "ok", "text": f"n/a ({NO_DRIVER_TEXT}: the estimate is no driver memory here)"}
     level = "warn" if lk.alerts else "ok"
     text = (
         f"driver memory {lk.growth_bytes / GiB:+.2f} GiB since warm-up "

@@ -477,6 +477,7 @@ class GpuStatus(_Model):
     available: bool = True
     reason: str | None = None
     notes: list[str] = []
+    no_driver: bool = False  # /proc/driver/nvidia is absent: the driver-memory estimate is no driver memory here
 
 
 class EventRow(_Model):

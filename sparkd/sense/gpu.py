@@ -50,6 +50,9 @@ class GpuReading:
     driver reports memory on GB10 the total equals MemTotal and is kept as is.
     ``available`` is ``False`` only for ``GpuReading.unavailable(reason)``.
     ``notes`` lists fields that failed for another reason (``"power: ..."``).
+    ``no_driver`` (an unavailable reading only) is ``True`` when sparkd knows the host has no NVIDIA driver loaded
+    (``/proc/driver/nvidia`` absent, ``sparkd.sense.gpu_helper``): then the driver-memory estimate
+    (``Sample.driver_bytes``) is a remainder of the meminfo arithmetic, not driver memory.
     ``final`` (an unavailable reading only) is ``False`` when asking again may help (a helper process that
     failed, ``sparkd.sense.gpu_helper``) and ``True`` when it will not (no driver, no package, no device);
     it is not part of ``to_json``.
@@ -67,13 +70,14 @@ class GpuReading:
     available: bool = True
     reason: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    no_driver: bool = False
     final: bool = True
 
     @classmethod
-    def unavailable(cls, reason: str, *, final: bool = True) -> GpuReading:
-        """No readings at all: package missing, driver not loaded, no device (``final``), or a helper that
-        failed (``final=False``)."""
-        return cls(index=None, available=False, reason=reason, final=final)
+    def unavailable(cls, reason: str, *, final: bool = True, no_driver: bool = False) -> GpuReading:
+        """No readings at all: package missing, driver not loaded (``no_driver`` where that is known), no device
+        (``final``), or a helper that failed (``final=False``)."""
+        return cls(index=None, available=False, reason=reason, final=final, no_driver=no_driver)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

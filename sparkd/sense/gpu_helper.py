@@ -107,7 +107,7 @@ class GpuHelper:
             return [GpuReading.unavailable("the NVML helper was closed")]
         driver_proc = NVIDIA_DRIVER_PROC if self._driver_proc == "default" else self._driver_proc
         if driver_proc is not None and not driver_proc.exists():
-            return [GpuReading.unavailable(f"no NVIDIA driver is loaded ({driver_proc} is absent)")]
+            return [GpuReading.unavailable(f"no NVIDIA driver is loaded ({driver_proc} is absent)", no_driver=True)]
         if self._stuck is not None:
             if self._stuck.poll() is None:
                 return [self._failed_again(f"the NVML helper (pid {self._stuck.pid}) is still stuck in the driver")]
