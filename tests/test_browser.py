@@ -191,6 +191,27 @@ def test_logged_out_in_monitor_only_the_controls_say_monitor_only_not_log_in(
     ctx.close()
 
 
+def test_a_session_that_expires_in_monitor_only_leaves_the_controls_saying_monitor_only(
+    browser: Any, sparkd: dict[str, Any]
+) -> None:
+    """A session that ran out said "log in again to use the controls" and titled every button "session expired: log
+    in again", in monitor-only too, where no login gives a control back. The banner says the session expired; the
+    buttons keep saying monitor-only."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    _login(page, sparkd)
+    ctx.clear_cookies()  # the session ends; the page polls on
+    until(page, "!document.getElementById('conn-banner').hidden", 15)
+    assert page.inner_text("#conn-banner") == "Your session expired: log in again."
+    for action in ("start", "restart", "stop"):
+        button = page.locator(f"form[action='/ui/container/{action}'] button")
+        assert button.is_disabled(), action
+        assert button.get_attribute("title") == "monitor-only: there is no container to start or stop", action
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "session-expired-monitor-only.png"))
+    ctx.close()
+
+
 def test_a_run_of_near_misses_is_one_row_that_grows(browser: Any, sparkd: dict[str, Any]) -> None:
     """Near misses every 2.5 s fill no rows of the events panel: the top row's count grows in place
     (a storm of them pushed the trip and the stop off the panel: note 19 §7)."""

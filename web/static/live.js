@@ -134,8 +134,14 @@
       refreshPart("archives");
     }
     if (wasLoggedIn && !r.logged_in) {
-      showBanner("Your session expired: log in again to use the controls.");
-      setControls("session expired: log in again");
+      // monitor-only: no container to act on, so no control a login would give back; the buttons keep saying why
+      const buttons = document.getElementById("part-buttons");
+      if (buttons && buttons.dataset.monitorOnly) {
+        showBanner("Your session expired: log in again.");
+      } else {
+        showBanner("Your session expired: log in again to use the controls.");
+        setControls("session expired: log in again");
+      }
     }
     tickAge();
   }
