@@ -13,7 +13,9 @@ edge, refusing the stop and the kill as ``ContainerManager._owned`` does."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,11 @@ class RefusingManager(Manager):
 
     def kill(self, cid: str) -> bool:
         raise Refused(NOT_OURS.replace("will not stop", "will not kill"), detail={"container": "vllm"})
+
+    def stream_logs(
+        self, cid: str, callback: Callable[[str], None], stop_event: threading.Event, since: float | None = None
+    ) -> None:
+        """Its log, followed once a run is taken (adopted): nothing more to say."""
 
 
 async def _sup(tmp_path: Path, manager: Manager) -> tuple[Supervisor, Daemon, list[str | None]]:
