@@ -29,12 +29,14 @@ MEMINFO = (
 
 
 @contextlib.contextmanager
-def _sparkd(tmp: Path, config: str = "", interval_s: float = 0.25) -> Iterator[tuple[str, Path]]:
+def _sparkd(
+    tmp: Path, config: str = "", interval_s: float = 0.25, meminfo: str = MEMINFO
+) -> Iterator[tuple[str, Path]]:
     """A real ``sparkd run`` (monitor-only, 4 Hz unless ``interval_s``) over a /proc in ``tmp`` that starts as
-    MEMINFO, with ``config`` (TOML; empty: the default rules). Yields (base URL, the /proc directory)."""
+    ``meminfo``, with ``config`` (TOML; empty: the default rules). Yields (base URL, the /proc directory)."""
     proc = tmp / "proc"
     proc.mkdir()
-    (proc / "meminfo").write_text(MEMINFO)
+    (proc / "meminfo").write_text(meminfo)
     port = free_port()
     env = {
         **os.environ,
@@ -291,4 +293,35 @@ def test_labels_of_lines_close_together_are_drawn_side_by_side_not_on_top_of_eac
             assert a["x1"] <= b["x"] or b["x1"] <= a["x"], (a, b)
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "chart-close-labels.png"))
+        ctx.close()
+
+
+def test_on_a_spark_the_stop_lines_labels_are_whole_and_the_gated_ones_come_after_them(
+    browser: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """On a Spark's axis (MemTotal 121.69 GiB, usable 30 GiB) the default rules' lines at 2, 3, 4, 6 GiB are a few px
+    apart, so their labels chain side by side and the last ones run past the plot's edge. The gated lines' labels
+    (low_free_with_evidence: "stops only with ...", the longest) come last: each line a rule stops at alone keeps its
+    whole label inside the plot."""
+    meminfo = (
+        "MemTotal: 127601664 kB\nMemFree: 20971520 kB\nMemAvailable: 31457280 kB\nCached: 10485760 kB\n"
+        "Buffers: 1048576 kB\nAnonPages: 4194304 kB\nSlab: 2097152 kB\nPageTables: 262144 kB\nKernelStack: 65536 kB\n"
+    )
+    with _sparkd(tmp_path, meminfo=meminfo) as (base, _):
+        ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+        page = ctx.new_page()
+        page.goto(f"{base}/")
+        until(page, "window.sparkdChart && window.sparkdChart.labels().length == 5", 15)
+        labels = page.evaluate("window.sparkdChart.labels()")
+        right = page.evaluate("(() => { const b = window.sparkdChart.plot().bbox; return b.left + b.width; })()")
+        stops = [p for p in labels if p["style"] == "stop"]
+        assert [p["text"] for p in stops] == [
+            "low_available: usable < 6.0 GiB",
+            "collapse_projected: usable (projected) < 4.0 GiB",
+            "repeated_dips: usable < 3.0 GiB",
+        ], labels
+        assert all(p["x1"] <= right for p in stops), (right, stops)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "chart-spark-scale-default-rules.png"))
         ctx.close()

@@ -88,7 +88,9 @@
     const placed = []; // labels drawn: {y, x1}; one within a line's height of another starts after it
     const dpr = window.devicePixelRatio || 1;
     drawnLines = [];
-    for (const t of thresholds) {
+    // the lines a rule acts on alone are labelled first: where labels of close lines chain side by side (a 128 GiB
+    // axis), a gated line's longer label goes last, and the one that runs past the plot's edge is not a stop line's
+    for (const t of [...thresholds].sort((a, b) => Boolean(a.needs) - Boolean(b.needs))) {
       const y = u.valToPos(t.value / GiB, "y", true);
       if (y < top || y > top + h) continue;
       const key = `${t.label}${t.value}`;
