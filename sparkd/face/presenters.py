@@ -727,7 +727,7 @@ def chart_config(status: Status, interval_s: float | None = None) -> dict[str, A
     ``needs``: what else the line's rule needs before it acts (its other ``when`` conditions and its evidence), or
     None for a rule that acts on the line alone. The default ``low_free_with_evidence`` line at usable 10 GiB was
     drawn red like ``low_available``'s: it read "stops at 10 GiB", but that rule stops only with MemFree < 2 GiB
-    and evidence as well; the chart draws such a line as gated (dotted, pink) and says what it needs."""
+    and evidence as well; the chart draws such a line as gated (dotted, magenta) and says what it needs."""
     lines = [
         # a warn rule's line is drawn as one, not as a stop line; a gated one as gated
         {"rule": r.name, "action": r.action, **line, "needs": line_needs(r, line)}

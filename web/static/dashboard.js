@@ -38,8 +38,8 @@
   const MARK_ORDER = ["nvrm_no_memory", "nvrm_other", "launched", "ready", "resize", "stopping", "stopped", "killed", "hard_floor_kill", "oom_kill", "trip"];
   const GAP_MIN_S = 10;
   const WARN_LINE = "rgba(184,128,16,0.95)"; // a line only warn rules hold: amber (dark enough on the light theme)
-  // a line whose stop rules all need more than it (other conditions, evidence): a paler red, dotted
-  const GATED_LINE = "rgba(214,120,160,0.95)";
+  // a line whose stop rules all need more than it (other conditions, evidence): magenta (the theme's), dotted
+  const GATED_LINE = css("--gated", "#d873b8");
   const GATED_DASH = [2, 4];
   const thresholds = cfg.thresholds || [];
   const markerKinds = (cfg.markers || ["trip", "nvrm_no_memory"]).join(",");
