@@ -16,6 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """The event loop ``@pytest.mark.anyio`` tests run on: asyncio (sparkd's loop; anyio would also run trio)."""
+    return "asyncio"
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

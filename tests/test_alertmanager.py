@@ -128,8 +128,3 @@ async def test_a_stop_alertmanager_asked_for_that_is_refused_is_said(tmp_path: A
         )
     finally:
         await d.shutdown("test")
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

@@ -33,11 +33,6 @@ from tests.conftest import fixture
 BASE = "http://127.0.0.1:8741"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _daemon(tmp_path: Path, actions: Any = None, **overrides: Any) -> Daemon:
     settings = load_settings(
         overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "interval_s": 0.25, **overrides}

@@ -41,11 +41,6 @@ HOG = (
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _daemon(tmp_path: Path, **overrides: Any) -> Daemon:
     settings = load_settings(
         overrides={

@@ -24,11 +24,6 @@ from sparkd.sense.gpu_helper import GpuHelper
 GiB = 2**30
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 # 16 GiB host; the parts add up to 15.75 GiB: the estimate leaves 0.25 GiB
 MEMINFO = (
     "MemTotal: 16777216 kB\nMemFree: 4194304 kB\nMemAvailable: 10485760 kB\nBuffers: 262144 kB\n"

@@ -21,11 +21,6 @@ from sparkd.loop.supervisor import Supervisor
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class HungEngine:
     """``ping`` blocks until ``answer`` is set, then answers True; counts the calls."""
 

@@ -40,11 +40,6 @@ CID = "c" * 64
 OOM_LINE = "Memory cgroup out of memory: Killed process 4242 (python3) total-vm:123456kB, anon-rss:120000000kB"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Exited(Manager):
     """The guarded container has exited on its own: Docker's ``ExitCode`` and ``OOMKilled`` as given (``code`` None:
     Docker gave none). ``gone``: Docker removed it at its exit (``docker run --rm``): every call says no such

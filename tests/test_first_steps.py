@@ -34,11 +34,6 @@ pytestmark = pytest.mark.anyio
 CID = "f" * 64
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Manager:
     """The engine answers; in guard mode the guarded ``vllm`` runs (started a minute ago)."""
 

@@ -35,11 +35,6 @@ NAME = "h40-vllm-typo"
 CID = "e" * 64
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def _info(status: str) -> ContainerInfo:
     return ContainerInfo(CID, NAME, "vllm/vllm-openai:v1", status, {}, False, None, None, None, time.time(), None)
 

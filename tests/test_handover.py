@@ -24,11 +24,6 @@ from sparkd.loop.cluster import Cluster
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_peers_or_an_operators_stop_during_a_relaunch_is_handed_over_not_refused(tmp_path: Path) -> None:
     sup, m, events = _sup(tmp_path)
     m.refusing = False

@@ -34,11 +34,6 @@ CID = "c" * 64
 RULE = "rule low_available"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _sparkd(tmp_path: Path, manager: Manager, blocker: Path) -> tuple[Supervisor, Daemon]:
     """One run of sparkd over ``tmp_path``'s state directory, guarding a running model; its archives under
     ``blocker`` (a regular file there: nothing can be written)."""

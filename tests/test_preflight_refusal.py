@@ -19,11 +19,6 @@ from sparkd.loop.guard import Guard
 from sparkd.loop.supervisor import Supervisor
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Daemon(list[dict[str, Any]]):
     """The supervisor's daemon as far as the preflight reads it: its ``guard``, and ``event`` kept in order."""
 

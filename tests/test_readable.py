@@ -19,11 +19,6 @@ from sparkd.sense.kernlog_readers import KmsgSource
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class PipeSource:
     """A reader over a pipe that counts its polls."""
 

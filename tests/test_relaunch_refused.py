@@ -31,11 +31,6 @@ CID = "e" * 64
 DUE = Relaunch("relaunch", 0.0, StopIntent.EXITED, "exited: back-off 0 s")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _managed(tmp_path: Path, manager: Manager, state: S) -> tuple[Supervisor, Daemon]:
     """The supervisor of sparkd's own container (managed: container.image), in ``state``, with a real daemon."""
     (tmp_path / "shm").mkdir(parents=True)

@@ -131,11 +131,6 @@ def _events(d: Any, kind: str) -> list[dict[str, Any]]:
     return [e for e in d.recent_events if e["kind"] == kind]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_a_relief_that_raised_memfree_resets_only_the_memfree_rules_counter(tmp_path: Path) -> None:
     calls: list[str] = []

@@ -27,11 +27,6 @@ pytestmark = pytest.mark.anyio
 CID = "d" * 64
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 HOUR = 3600.0
 
 

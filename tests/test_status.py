@@ -47,11 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def _daemon(tmp_path: Path, actions: Any = None) -> Daemon:
     settings = load_settings(
         overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "interval_s": 0.25}

@@ -41,11 +41,6 @@ ARCHIVE_LINE = "Postmortem archive NOT written:"
 INTENT_LINE = "This stop is NOT saved:"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Manager:
     """The Docker engine's side of one guarded container: it runs until ``docker stop``, then it has exited (0)."""
 

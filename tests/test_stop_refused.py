@@ -38,11 +38,6 @@ RULE = "rule low_available"
 NOT_OURS = f"will not stop container 'vllm' ({CID[:12]}): it lacks the label sparkd.managed=true and is not guarded"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class RefusingManager(Manager):
     """The container runs; the engine refuses to stop or kill it (not sparkd's, as ``ContainerManager._owned``)."""
 

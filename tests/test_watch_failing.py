@@ -32,11 +32,6 @@ CID = "e" * 64
 REFUSED = "inspect container: Docker engine refused: 500 Server Error (containerd: context deadline exceeded)"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 class Manager:
     """Answers its ping; ``docker inspect`` refuses while ``refusing``, else says the container runs."""
 
