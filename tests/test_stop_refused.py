@@ -289,3 +289,22 @@ async def test_an_interrupted_stop_the_engine_refuses_when_resumed_is_critical(t
             assert ev["severity"] == "warning" and ev["details"] == {"nothing_running": True}, ev
     finally:
         await d.shutdown("test")
+
+
+@pytest.mark.parametrize("refusing", [True, False])
+async def test_a_stop_at_sparkds_exit_the_engine_refuses_is_critical(tmp_path: Path, refusing: bool) -> None:
+    """``container.stop_on_exit``: sparkd stops the model as it exits (``Supervisor.close``). A refusal by the engine
+    was a warning, though the model then runs on with no guard at all: critical now, as every other stop says it; a
+    model found exited meanwhile is no stop not executed at all."""
+    manager = RefusingManager() if refusing else Manager()
+    manager.running = refusing
+    sup, d, _resets = await _sup(tmp_path, manager)
+    sup.settings.container.stop_on_exit = True
+    await d.shutdown("test")
+    if not refusing:
+        assert _not_executed(d) == []
+        return
+    [ev] = _not_executed(d)
+    assert ev["message"].startswith("daemon (sparkd is stopping (container.stop_on_exit)): "), ev
+    assert ev["severity"] == "critical" and NOT_OURS in ev["message"], ev
+    assert not (ev["details"] or {}).get("nothing_running"), ev

@@ -323,6 +323,21 @@ class RunBook(LaunchBook):
                 self.request("restart", source="sparkd (GPU lost)", reason="GPU access lost")
             )
 
+    def _stop_not_executed(self, said: str, e: SparkdError, *, busy_is_warning: bool = False) -> None:
+        """Say ``stop_not_executed`` for a stop that raised ``e``: a warning marked ``nothing_running`` when nothing
+        runs (``Refused.reason == "not_running"``: the rules keep their cooldown), else critical, the model may run on
+        (the engine refused the stop: a container without sparkd's label, Docker's own 409). ``busy_is_warning``: an
+        error that is not a ``Refused`` (Docker busy, an action holding the lock) is a warning, the caller's next try
+        acts again (``emergency_stop``: the next trip)."""
+        nothing = isinstance(e, Refused) and e.reason == "not_running"
+        critical = not nothing and (isinstance(e, Refused) or not busy_is_warning)
+        self._event(
+            "stop_not_executed",
+            said,
+            severity="critical" if critical else "warning",
+            details={"nothing_running": True} if nothing else None,
+        )
+
     async def _stop_quietly(self, reason: str) -> None:
         """A launch that never became ready: stop it, then the relaunch decision (intent ``failed_launch``).
 
@@ -346,13 +361,7 @@ class RunBook(LaunchBook):
                 # Docker's own 409 has no such detail: said, as any refusal
                 self._failed_stop_pending = (cid, reason)
                 return
-            nothing = isinstance(e, Refused) and e.reason == "not_running"
-            self._event(
-                "stop_not_executed",
-                f"{source}: {reason}: {e.message}",
-                severity="warning" if nothing else "critical",
-                details={"nothing_running": True} if nothing else None,
-            )
+            self._stop_not_executed(f"{source}: {reason}: {e.message}", e)
             return
         if maintenance and rec is not None:
             # the maintenance's own record: its start, who began it and its expiry clock (the stop's request replaced

@@ -252,8 +252,8 @@ class Supervisor(RunBook):
                 await self._stop(why, "daemon")
             except DockerUnavailable as e:  # never out of the daemon's shutdown: its records are still to be written
                 await self._stop_without_docker("daemon", why, e.message, emergency=True, began_at=began)
-            except SparkdError as e:
-                self._event("stop_not_executed", f"daemon: {e.message}", severity="warning")
+            except SparkdError as e:  # the model runs on after sparkd's exit unless nothing ran: critical then
+                self._stop_not_executed(f"daemon ({why}): {e.message}", e)
         await self.unattended.save_pending()
         if self._log_stop:
             self._log_stop.set()
@@ -357,13 +357,7 @@ class Supervisor(RunBook):
                 # memory stays low would flood the events and the chart, and feed nothing). Refused otherwise: the
                 # engine refused the stop (a container without sparkd's label), the model runs on: critical, and the
                 # next trip acts again (it was read as nothing running). Docker down or busy: retried.
-                nothing = isinstance(e, Refused) and e.reason == "not_running"
-                self._event(
-                    "stop_not_executed",
-                    f"{source}: {e.message}",
-                    severity="critical" if isinstance(e, Refused) and not nothing else "warning",
-                    details={"nothing_running": True} if nothing else None,
-                )
+                self._stop_not_executed(f"{source}: {e.message}", e, busy_is_warning=True)
                 if held:
                     await self.unattended.release_hold(before)  # nothing was stopped: the intent as it was
                 return
@@ -1390,13 +1384,7 @@ class Supervisor(RunBook):
         try:
             await self.request("stop", source=rec.who, reason=rec.reason)
         except SparkdError as e:
-            nothing = isinstance(e, Refused) and e.reason == "not_running"
-            self._event(
-                "stop_not_executed",
-                f"{rec.who} (resumed): {e.message}",
-                severity="warning" if nothing else "critical",
-                details={"nothing_running": True} if nothing else None,
-            )
+            self._stop_not_executed(f"{rec.who} (resumed): {e.message}", e)
 
     async def reconcile(self, *, probe: bool, detail: str | None = None) -> Observation:
         """One observation of Docker's truth, its transition and effects. Returns the observation."""
