@@ -414,7 +414,10 @@ def main() -> None:
             mem = sum(rss[k] for k in [f"sparkd {name}", *helpers])
             print(f"sparkd {name} with its NVML helper: {both * 1e6:.0f} µs/s, RSS {mem / 2**20:.1f} MiB")
         else:
-            print(f"sparkd {name}: no NVML helper (no NVIDIA driver here: the GPU loop asked once and ended)")
+            print(
+                f"sparkd {name}: no NVML helper (no NVIDIA driver here: the GPU loop asked once, "
+                "then looks for the driver every gpu_quiet_interval_s)"
+            )
     fl = per_s["python sleep(1)"][1]
     print(
         f"floor: a Python process that only sleeps 1 s at a time costs {fl * 1e6:.0f} µs/s here "

@@ -452,3 +452,54 @@ def test_the_gpu_loop_ends_only_on_a_final_answer_before_any_device_answered(
     else:
         assert done and len(asked) == ends_after, asked
         assert len(closed) == 1 and closed[0] < asked[-1] + 1.0, (asked, closed)
+
+
+def test_a_driver_loaded_after_sparkd_started_is_read_without_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sparkd started before the ``nvidia`` module (a boot where the unit ran first): the helper says no driver, the
+    loop ends its helper, and looks for ``/proc/driver/nvidia`` every ``gpu_quiet_interval_s``; when it appears the
+    GPU is read again. The readings ended for good until a restart of sparkd."""
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+    from sparkd.sense import gpu_helper
+
+    driver = tmp_path / "proc-driver-nvidia"  # absent: no driver yet
+    monkeypatch.setattr(gpu_helper, "NVIDIA_DRIVER_PROC", driver)
+    no_driver = GpuReading.unavailable(f"no NVIDIA driver is loaded ({driver} is absent)", no_driver=True)
+    asked: list[float] = []
+    closed: list[float] = []
+
+    def read(self: GpuHelper) -> list[GpuReading]:
+        asked.append(time.monotonic())
+        return [WHOLE if driver.exists() else no_driver]
+
+    monkeypatch.setattr(GpuHelper, "read", read)
+    monkeypatch.setattr(GpuHelper, "close", lambda self: closed.append(time.monotonic()))
+
+    async def scenario() -> tuple[int, int, list[dict[str, object]], list[dict[str, object]]]:
+        settings = load_settings(
+            overrides={
+                "state_dir": str(tmp_path / "state"),
+                "kernlog_source": "off",
+                "gpu_interval_s": 0.5,
+                "gpu_quiet_interval_s": 0.5,
+            }
+        )
+        d = Daemon(settings, serve_api=False)
+        await d.startup()
+        try:
+            await asyncio.sleep(1.6)  # three looks for the driver: no helper asked meanwhile
+            before, asked_before, gpu_before = len(closed), len(asked), list(d.gpu)
+            driver.mkdir()  # the module loads
+            await asyncio.sleep(1.6)
+            [task] = [t for t in d._tasks if t.get_name() == "sparkd-gpu"]
+            assert not task.done()
+            return before, asked_before, gpu_before, list(d.gpu)
+        finally:
+            await d.shutdown("test")
+
+    closed_before, asked_before, gpu_before, gpu_after = asyncio.run(scenario())
+    assert asked_before == 1 and closed_before == 1, (asked, closed)  # one question, then no helper while waiting
+    assert gpu_before and gpu_before[0]["available"] is False and gpu_before[0]["no_driver"] is True, gpu_before
+    assert len(asked) >= 2 and gpu_after and gpu_after[0]["available"] is True, (asked, gpu_after)

@@ -486,20 +486,31 @@ async def gpu_loop(daemon: Daemon) -> None:
     ``gpu_quiet_interval_s`` otherwise. A ``final`` unavailable answer (no driver, no device) before any device
     has answered ends the loop and the helper with it; a helper that failed (killed for its silence, crashed)
     is asked again, and after a first answer so is a driver that went away (reloaded). The readings are context
-    (the dashboard, the postmortem), never a stop trigger."""
+    (the dashboard, the postmortem), never a stop trigger.
+
+    Ended for want of a driver (``/proc/driver/nvidia`` absent: sparkd started before the ``nvidia`` module at
+    boot, or a driver being reinstalled), the loop looks for that directory every ``gpu_quiet_interval_s`` (one
+    ``stat``, no helper) and starts again when it appears: the readings ended for good until sparkd's restart."""
+    from sparkd.sense import gpu_helper
     from sparkd.sense.gpu import GpuSampler
-    from sparkd.sense.gpu_helper import GpuHelper
 
     s = daemon.settings
-    helper = GpuHelper()
-    sampler = GpuSampler(s.gpu_interval_s, reader=helper.read)
-    try:
-        await _gpu_readings(daemon, sampler)
-    finally:
-        await asyncio.to_thread(helper.close)
+    while True:
+        helper = gpu_helper.GpuHelper()
+        sampler = GpuSampler(s.gpu_interval_s, reader=helper.read)
+        try:
+            no_driver = await _gpu_readings(daemon, sampler)
+        finally:
+            await asyncio.to_thread(helper.close)
+        if not no_driver:
+            return  # a driver without a device, or no NVML library: nothing will change that while sparkd runs
+        while not gpu_helper.NVIDIA_DRIVER_PROC.exists():
+            await asyncio.sleep(s.gpu_quiet_interval_s)
+        log.info("the NVIDIA driver is loaded now (%s): reading the GPU again", gpu_helper.NVIDIA_DRIVER_PROC)
 
 
-async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> None:
+async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> bool:
+    """Read until a ``final`` unavailable answer before any device answered; returns whether it said no driver."""
     ever = False  # a device has answered once: a driver that goes away later is asked again
     while True:
         try:
@@ -527,7 +538,8 @@ async def _gpu_readings(daemon: Daemon, sampler: GpuSampler) -> None:
                 )
         ever = ever or any(r.available for r in readings)
         if readings and not ever and all(r.final for r in readings):
-            return  # no NVML here (no driver, no device): asked until a final answer, which ends the helper too
+            # no NVML here (no driver, no device): asked until a final answer, which ends the helper too
+            return all(r.no_driver for r in readings)
         daemon.gpu_read_at = daemon.mono()
         await _gpu_wait(daemon)
 
