@@ -119,3 +119,37 @@ def test_the_leak_line_reads_no_driver_memory_trend_on_a_host_without_the_driver
         "text": "n/a (no NVIDIA driver: the estimate is no driver memory here)",
     }
     assert leak_line(S([GB10]))["text"] == "driver memory +0.12 GiB since warm-up (alert at +2.0 GiB)"  # type: ignore[arg-type,index]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("gpu", "said"), [(NO_DRIVER, "no NVIDIA driver"), (GB10, "0.25 GiB")])
+async def test_sparkd_status_says_no_nvidia_driver_as_the_now_card_does(
+    tmp_path: Path, gpu: GpuReading, said: str
+) -> None:
+    """``sparkd status`` printed the estimate's remainder as ``driver (est.) 0.25 GiB`` on a host without the driver;
+    it says so now, from the stored snapshot's GPU reading, and keeps the figure where there is a driver."""
+    from click.testing import CliRunner
+
+    from sparkd.face.cli import main
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "meminfo").write_text(MEMINFO)
+    settings = load_settings(
+        overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "proc_root": str(proc)}
+    )
+    d = Daemon(settings, serve_api=False)
+    await d.startup()
+    try:
+        result = d._tick_once()
+        assert result is not None
+        await d._handle(result)
+        await asyncio.sleep(0.2)  # the GPU loop's first reading (this host's own) lands before ours
+        d.gpu = [gpu.to_json()]
+    finally:
+        await d.shutdown("test")  # writes the last status snapshot, with that reading
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\nproc_root = "{proc}"\n')
+    out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
+    [line] = [ln for ln in out.splitlines() if ln.strip().startswith("driver (est.)")]
+    assert line.split("driver (est.)")[1].strip() == said, out

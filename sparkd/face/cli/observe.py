@@ -34,10 +34,12 @@ from sparkd.face.cli.base import (
 )
 from sparkd.face.presenters import (
     HOLDS_AGAIN_TEXT,
+    NO_DRIVER_TEXT,
     config_file_text,
     guard_missing_mode_text,
     idle_trips_text,
     mode_text,
+    no_nvidia_driver,
     nothing_guarded,
     rule_cond,
     stop_not_kept,
@@ -360,7 +362,9 @@ def status(ctx: click.Context, as_json: bool, cluster: bool) -> None:
             ("driver_bytes", "driver (est.)"),
             ("shm_bytes", "/dev/shm"),
         ):
-            click.echo(f"  {label:<14} {fmt_gib(latest.get(key)):>12}")
+            # the estimate's remainder on a host without the driver is no driver memory (the Now card says so too)
+            no_driver = key == "driver_bytes" and st is not None and no_nvidia_driver(st)
+            click.echo(f"  {label:<14} {NO_DRIVER_TEXT if no_driver else fmt_gib(latest.get(key)):>12}")
         if latest.get("psi_some_avg10") is not None:
             click.echo(
                 f"  {'PSI some/full':<14} {latest['psi_some_avg10']:.2f}% / {latest.get('psi_full_avg10') or 0:.2f}%"
