@@ -48,14 +48,9 @@ def test_the_helper_says_no_driver_where_proc_driver_nvidia_is_absent(tmp_path: 
     assert not GpuReading.unavailable("NVML init failed").no_driver
 
 
-def _driver_row(html: str) -> str:
-    m = re.search(r'<tr data-row="driver_bytes"><th>driver \(est\.\)</th><td class="num">(.*?)</td></tr>', html)
-    assert m, html
-    return re.sub(r"<[^>]+>", "", m.group(1)).strip()
-
-
-@pytest.mark.anyio
-async def test_the_now_card_says_no_nvidia_driver_instead_of_the_estimates_remainder(tmp_path: Path) -> None:
+async def _sampled_daemon(tmp_path: Path) -> Daemon:
+    """A real daemon on ``MEMINFO`` (``tmp_path/proc``) that has taken and handled one sample. Its GPU loop reads
+    every 600 s: it does not overwrite within a test the readings a test sets (``Daemon.gpu``)."""
     proc = tmp_path / "proc"
     proc.mkdir()
     (proc / "meminfo").write_text(MEMINFO)
@@ -64,16 +59,28 @@ async def test_the_now_card_says_no_nvidia_driver_instead_of_the_estimates_remai
             "state_dir": str(tmp_path / "state"),
             "kernlog_source": "off",
             "proc_root": str(proc),
-            "gpu_interval_s": 600.0,  # the GPU loop does not overwrite the readings set below within the test
+            "gpu_interval_s": 600.0,
             "gpu_quiet_interval_s": 600.0,
         }
     )
     d = Daemon(settings, serve_api=False)
     await d.startup()
+    result = d._tick_once()
+    assert result is not None
+    await d._handle(result)
+    return d
+
+
+def _driver_row(html: str) -> str:
+    m = re.search(r'<tr data-row="driver_bytes"><th>driver \(est\.\)</th><td class="num">(.*?)</td></tr>', html)
+    assert m, html
+    return re.sub(r"<[^>]+>", "", m.group(1)).strip()
+
+
+@pytest.mark.anyio
+async def test_the_now_card_says_no_nvidia_driver_instead_of_the_estimates_remainder(tmp_path: Path) -> None:
+    d = await _sampled_daemon(tmp_path)
     try:
-        result = d._tick_once()
-        assert result is not None
-        await d._handle(result)
         assert d.status_json().sample.driver_bytes == GiB // 4  # type: ignore[union-attr]  # the data keeps it
         app = create_app(d)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8741") as c:
@@ -132,24 +139,14 @@ async def test_sparkd_status_says_no_nvidia_driver_as_the_now_card_does(
 
     from sparkd.face.cli import main
 
-    proc = tmp_path / "proc"
-    proc.mkdir()
-    (proc / "meminfo").write_text(MEMINFO)
-    settings = load_settings(
-        overrides={"state_dir": str(tmp_path / "state"), "kernlog_source": "off", "proc_root": str(proc)}
-    )
-    d = Daemon(settings, serve_api=False)
-    await d.startup()
+    d = await _sampled_daemon(tmp_path)
     try:
-        result = d._tick_once()
-        assert result is not None
-        await d._handle(result)
         await asyncio.sleep(0.2)  # the GPU loop's first reading (this host's own) lands before ours
         d.gpu = [gpu.to_json()]
     finally:
         await d.shutdown("test")  # writes the last status snapshot, with that reading
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\nproc_root = "{proc}"\n')
+    cfg.write_text(f'state_dir = "{tmp_path / "state"}"\nproc_root = "{tmp_path / "proc"}"\n')
     out = CliRunner().invoke(main, ["--config", str(cfg), "status"]).output
     [line] = [ln for ln in out.splitlines() if ln.strip().startswith("driver (est.)")]
     assert line.split("driver (est.)")[1].strip() == said, out

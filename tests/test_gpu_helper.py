@@ -400,6 +400,24 @@ NO_DRIVER = GpuReading.unavailable("no NVIDIA driver is loaded (/proc/driver/nvi
 HELPER_FAILED = GpuReading.unavailable("NVML did not answer within 30 s (the helper, pid 1, was killed)", final=False)
 
 
+async def _gpu_daemon(tmp_path: Path) -> Any:
+    """A real daemon whose GPU loop asks every 0.5 s, quiet or not (the helper's answers are the test's)."""
+    from sparkd.config import load_settings
+    from sparkd.loop.daemon import Daemon
+
+    settings = load_settings(
+        overrides={
+            "state_dir": str(tmp_path / "state"),
+            "kernlog_source": "off",
+            "gpu_interval_s": 0.5,
+            "gpu_quiet_interval_s": 0.5,
+        }
+    )
+    d = Daemon(settings, serve_api=False)
+    await d.startup()
+    return d
+
+
 @pytest.mark.parametrize(
     ("answers", "ends_after"),
     [
@@ -414,9 +432,6 @@ def test_the_gpu_loop_ends_only_on_a_final_answer_before_any_device_answered(
 ) -> None:
     """A real daemon's GPU loop, its helper's answers given (the helper itself is tested above): a host without
     a driver costs one question and no helper afterwards; a helper that failed is no reason to give up."""
-    from sparkd.config import load_settings
-    from sparkd.loop.daemon import Daemon
-
     asked: list[float] = []
     closed: list[float] = []
 
@@ -428,16 +443,7 @@ def test_the_gpu_loop_ends_only_on_a_final_answer_before_any_device_answered(
     monkeypatch.setattr(GpuHelper, "close", lambda self: closed.append(time.monotonic()))
 
     async def scenario() -> tuple[bool, list[dict[str, object]]]:
-        settings = load_settings(
-            overrides={
-                "state_dir": str(tmp_path / "state"),
-                "kernlog_source": "off",
-                "gpu_interval_s": 0.5,
-                "gpu_quiet_interval_s": 0.5,
-            }
-        )
-        d = Daemon(settings, serve_api=False)
-        await d.startup()
+        d = await _gpu_daemon(tmp_path)
         try:
             await asyncio.sleep(2.8)
             [task] = [t for t in d._tasks if t.get_name() == "sparkd-gpu"]
@@ -460,9 +466,6 @@ def test_a_driver_loaded_after_sparkd_started_is_read_without_a_restart(
     """sparkd started before the ``nvidia`` module (a boot where the unit ran first): the helper says no driver, the
     loop ends its helper, and looks for ``/proc/driver/nvidia`` every ``gpu_quiet_interval_s``; when it appears the
     GPU is read again. The readings ended for good until a restart of sparkd."""
-    from sparkd.config import load_settings
-    from sparkd.loop.daemon import Daemon
-    from sparkd.sense import gpu_helper
 
     driver = tmp_path / "proc-driver-nvidia"  # absent: no driver yet
     monkeypatch.setattr(gpu_helper, "NVIDIA_DRIVER_PROC", driver)
@@ -478,16 +481,7 @@ def test_a_driver_loaded_after_sparkd_started_is_read_without_a_restart(
     monkeypatch.setattr(GpuHelper, "close", lambda self: closed.append(time.monotonic()))
 
     async def scenario() -> tuple[int, int, list[dict[str, object]], list[dict[str, object]]]:
-        settings = load_settings(
-            overrides={
-                "state_dir": str(tmp_path / "state"),
-                "kernlog_source": "off",
-                "gpu_interval_s": 0.5,
-                "gpu_quiet_interval_s": 0.5,
-            }
-        )
-        d = Daemon(settings, serve_api=False)
-        await d.startup()
+        d = await _gpu_daemon(tmp_path)
         try:
             await asyncio.sleep(1.6)  # three looks for the driver: no helper asked meanwhile
             before, asked_before, gpu_before = len(closed), len(asked), list(d.gpu)
