@@ -383,6 +383,7 @@ class Unattended:
         if self.state.breaker.is_open:
             self.sup._event("relaunch_skipped", f"relaunch skipped: circuit breaker opened (intent {intent})")
             return
+        failed: SparkdError | None = None
         try:
             await self.sup.request("start", source=f"auto-relaunch (intent {intent}, back-off {d.delay_s:g} s)")
         except (Conflict, Refused) as e:
@@ -398,16 +399,15 @@ class Unattended:
                     details={"intent": intent, "why": getattr(e, "reason", None) or "busy"},
                 )
                 return
-            self.relaunches.append(time.time())
-            self.sup._event("restart_failed", f"auto-relaunch failed: {e.message}", severity="critical")
-            if isinstance(e, Refused):
-                await self.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
-            return
+            failed = e
         except SparkdError as e:
-            self.relaunches.append(time.time())
-            self.sup._event("restart_failed", f"auto-relaunch failed: {e.message}", severity="critical")
+            failed = e
+        self.relaunches.append(time.time())  # a relaunch tried, launched or failed (``restarts_24h``)
+        if failed is None:
             return
-        self.relaunches.append(time.time())
+        self.sup._event("restart_failed", f"auto-relaunch failed: {failed.message}", severity="critical")
+        if isinstance(failed, Refused):  # the launch's preflight or plan refused it: a failed launch
+            await self.after_down(StopIntent.FAILED_LAUNCH, uptime_s=None, reached_ready=False)
 
     async def on_up(self, uptime_s: float) -> None:
         """A running container: reset the back-off once it has been up ``stable_uptime_s``."""
